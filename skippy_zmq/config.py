@@ -1,0 +1,135 @@
+"""Frozen, hashable configuration dataclasses. Imports nothing of ours.
+
+Frozen so they can be static arguments to jitted functions and keys of
+compile caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder."""
+
+    arch: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    rope_theta: float
+    norm_eps: float
+    tied_embeddings: bool
+    max_seq_len: int
+    attn_bias: bool = False
+    dtype: str = "float32"
+    bos_id: int = -1
+    eos_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for key in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_seq_len"):
+            if getattr(self, key) <= 0:
+                problems.append(f"{key} must be positive, got {getattr(self, key)}")
+        if self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads:
+            problems.append(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            problems.append(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if problems:
+            raise ValueError("invalid ModelConfig: " + "; ".join(problems))
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["eos_ids"] = list(self.eos_ids)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys: {', '.join(unknown)}")
+        data = dict(data)
+        if "eos_ids" in data:
+            data["eos_ids"] = tuple(int(x) for x in data["eos_ids"])
+        return cls(**data)
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "ModelConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """Per-stage KV arena: `lanes` sessions of `capacity` positions each."""
+
+    lanes: int = 8
+    capacity: int = 2048
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Shape buckets so the steady state never recompiles."""
+
+    prefill_chunks: tuple[int, ...] = (16, 64, 256)
+    decode_rows: tuple[int, ...] = (1, 2, 4, 8, 16)
+    attn_lens: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
+
+    def chunk_for(self, n: int) -> int:
+        """Smallest chunk bucket holding n tokens (callers split longer runs)."""
+        for size in self.prefill_chunks:
+            if n <= size:
+                return size
+        return self.prefill_chunks[-1]
+
+    def rows_for(self, n: int) -> int:
+        for size in self.decode_rows:
+            if n <= size:
+                return size
+        raise ValueError(f"{n} decode rows exceed the largest bucket {self.decode_rows[-1]}")
+
+    def attn_for(self, n: int, capacity: int) -> int:
+        for size in self.attn_lens:
+            if n <= size and size <= capacity:
+                return size
+        return capacity
+
+
+@dataclass(frozen=True)
+class LayerRange:
+    """Half-open layer range [start, end) of a stage."""
+
+    start: int
+    end: int
+    n_layers: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise ValueError(f"layer range [{self.start}, {self.end}) is empty or negative")
+        if self.n_layers and self.end > self.n_layers:
+            raise ValueError(f"layer range [{self.start}, {self.end}) exceeds the model's {self.n_layers} layers")
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.n_layers

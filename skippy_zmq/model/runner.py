@@ -1,0 +1,160 @@
+"""Host-side wrapper around the jitted slice step: bucket choice, padding,
+chunking and device placement. The step itself stays pure and small.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from skippy_zmq.config import Buckets, KVConfig, ModelConfig
+from skippy_zmq.model.llama import KVCache, forward_jit
+
+
+def resolve_device(spec: str = "cpu") -> Any:
+    """'cpu' | 'gpu:N' | 'tpu:N' -> a jax.Device (clear error if absent)."""
+    kind, _, index = spec.partition(":")
+    try:
+        devices = jax.devices(kind)
+    except RuntimeError as exc:
+        raise RuntimeError(f"device {spec!r} is not available: {exc}") from exc
+    i = int(index or 0)
+    if i >= len(devices):
+        raise RuntimeError(f"device {spec!r} is not available: only {len(devices)} {kind} device(s)")
+    return devices[i]
+
+
+@dataclass
+class StepStats:
+    calls: int = 0
+    compute_s: float = 0.0
+    shapes: set = field(default_factory=set)
+
+
+class SliceRunner:
+    """Runs layers [start, end) of one model with a lane-indexed KV arena."""
+
+    def __init__(self, cfg: ModelConfig, params: dict[str, Any], start: int, end: int,
+                 kv_cfg: KVConfig = KVConfig(), buckets: Buckets = Buckets(), device: Any = None):
+        self.cfg, self.params, self.start, self.end = cfg, params, start, end
+        self.kv_cfg, self.buckets, self.device = kv_cfg, buckets, device
+        self.kv = KVCache.create(cfg, end - start, kv_cfg.lanes, kv_cfg.capacity,
+                                 jnp.dtype(kv_cfg.dtype), device)
+        self.stats = StepStats()
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.cfg.n_layers
+
+    @property
+    def capacity(self) -> int:
+        return self.kv_cfg.capacity
+
+    def _put(self, a: np.ndarray) -> jax.Array:
+        return jax.device_put(a, self.device) if self.device is not None else jnp.asarray(a)
+
+    def _step(self, inputs: np.ndarray, positions: np.ndarray, lanes: np.ndarray, attn_len: int,
+              output: str) -> jax.Array | None:
+        t0 = time.perf_counter()
+        out, self.kv = forward_jit(self.params, self.kv, self._put(inputs), self._put(positions),
+                                   self._put(lanes), cfg=self.cfg, start=self.start, end=self.end,
+                                   attn_len=attn_len, output=output)
+        if out is not None:
+            out = np.asarray(out)
+        else:
+            jax.block_until_ready(self.kv.k[-1])
+        self.stats.calls += 1
+        self.stats.compute_s += time.perf_counter() - t0
+        self.stats.shapes.add((inputs.shape, attn_len, output))
+        return out
+
+    def _pad_inputs(self, inputs: np.ndarray, rows: int, length: int) -> np.ndarray:
+        """Pad [B, T(, D)] inputs to [rows, length(, D)] with zeros."""
+        pad = [(0, rows - inputs.shape[0]), (0, length - inputs.shape[1])] + [(0, 0)] * (inputs.ndim - 2)
+        return np.pad(inputs, pad)
+
+    def _check_positions(self, last_position: int) -> None:
+        if last_position >= self.capacity:
+            raise ValueError(f"position {last_position} exceeds the KV capacity of {self.capacity} tokens")
+
+    def prefill(self, lane: int, inputs: np.ndarray, start_pos: int, output: str = "hidden") -> np.ndarray | None:
+        """Write KV for `inputs` (ids [n] or activations [n, D]) at [start_pos, start_pos + n).
+
+        Returns activations [n, D] when output == "hidden", else None.
+        """
+        n = inputs.shape[0]
+        self._check_positions(start_pos + n - 1)
+        dtype = np.int32 if self.first else np.float32
+        inputs = np.asarray(inputs, dtype)
+        outs = []
+        done = 0
+        while done < n:
+            take = min(n - done, self.buckets.prefill_chunks[-1])
+            size = self.buckets.chunk_for(take)
+            chunk = self._pad_inputs(inputs[None, done:done + take], 1, size)
+            pos = np.full((1, size), self.capacity, np.int32)
+            pos[0, :take] = np.arange(start_pos + done, start_pos + done + take, dtype=np.int32)
+            attn_len = self.buckets.attn_for(start_pos + done + take, self.capacity)
+            out = self._step(chunk, pos, np.array([lane], np.int32), attn_len, output)
+            if out is not None:
+                outs.append(out[0, :take])
+            done += take
+        return np.concatenate(outs) if outs else None
+
+    def decode(self, lanes: np.ndarray, inputs: np.ndarray, positions: np.ndarray,
+               output: str | None = None) -> np.ndarray:
+        """One token per row. Returns logits [B, V] (final stage) or activations [B, D]."""
+        output = output or ("logits" if self.last else "hidden")
+        b = len(lanes)
+        self._check_positions(int(np.max(positions)))
+        rows = self.buckets.rows_for(b)
+        dtype = np.int32 if self.first else np.float32
+        x = self._pad_inputs(np.asarray(inputs, dtype).reshape((b, 1) + np.shape(inputs)[1:]), rows, 1)
+        pos = np.full((rows, 1), self.capacity, np.int32)
+        pos[:b, 0] = positions
+        lane_arr = np.zeros(rows, np.int32)
+        lane_arr[:b] = lanes
+        attn_len = self.buckets.attn_for(int(np.max(positions)) + 1, self.capacity)
+        out = self._step(x, pos, lane_arr, attn_len, output)
+        return out[:b, 0] if output == "hidden" else out[:b]
+
+    def warmup(self, rows: tuple[int, ...] = (1,), chunks: tuple[int, ...] | None = None,
+               attn_lens: tuple[int, ...] | None = None) -> float:
+        """Compile the common buckets ahead of traffic; writes only dropped padding."""
+        t0 = time.perf_counter()
+        chunks = chunks if chunks is not None else self.buckets.prefill_chunks
+        attn_lens = attn_lens or (self.buckets.attn_for(1, self.capacity),)
+        width = () if self.first else (self.cfg.d_model,)
+        dtype = np.int32 if self.first else np.float32
+        for attn in attn_lens:
+            for r in rows:
+                x = np.zeros((r, 1) + width, dtype)
+                self._step(x, np.full((r, 1), self.capacity, np.int32), np.zeros(r, np.int32), attn,
+                           "logits" if self.last else "hidden")
+            for c in chunks:
+                x = np.zeros((1, c) + width, dtype)
+                self._step(x, np.full((1, c), self.capacity, np.int32), np.zeros(1, np.int32), attn,
+                           "none" if self.last else "hidden")
+        return time.perf_counter() - t0
+
+    def read_kv(self, lane: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of this lane's K and V for positions [0, length): [layers, length, kvh, hd]."""
+        k = np.stack([np.asarray(a[lane, :length]) for a in self.kv.k])
+        v = np.stack([np.asarray(a[lane, :length]) for a in self.kv.v])
+        return k, v
+
+    def write_kv(self, lane: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Restore K and V blocks [layers, length, kvh, hd] into positions [0, length) of a lane."""
+        n = k.shape[1]
+        self._check_positions(n - 1)
+        self.kv = KVCache(k=tuple(a.at[lane, :n].set(self._put(k[i]).astype(a.dtype)) for i, a in enumerate(self.kv.k)),
+                          v=tuple(a.at[lane, :n].set(self._put(v[i]).astype(a.dtype)) for i, a in enumerate(self.kv.v)))

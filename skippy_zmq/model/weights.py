@@ -1,0 +1,100 @@
+"""Weights described once, abstractly; random init, checkpoint layout and the
+orbax partial-restore target are all derived from that one description.
+
+On disk (one orbax PyTree checkpoint under `<model_dir>/params`):
+    {"embed": [V, D], "norm": [D], ["head": [D, V]],
+     "layers": {"0": {...}, "1": {...}, ...}}
+Layers are keyed by their global index so a stage restores [start, end) alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from skippy_zmq.config import ModelConfig
+
+LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")
+BIAS_KEYS = ("bq", "bk", "bv")
+
+
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, q, kv, f = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_width, cfg.ffn_dim
+    shapes = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
+              "ffn_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+    if cfg.attn_bias:
+        shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+    return shapes
+
+
+def param_shapes(cfg: ModelConfig, start: int = 0, end: int | None = None) -> dict[str, Any]:
+    """Shapes of the parameters a stage owning [start, end) needs (checkpoint keys)."""
+    end = cfg.n_layers if end is None else end
+    tree: dict[str, Any] = {"layers": {str(i): layer_shapes(cfg) for i in range(start, end)}}
+    last = end == cfg.n_layers
+    if start == 0 or (last and cfg.tied_embeddings):
+        tree["embed"] = (cfg.vocab_size, cfg.d_model)
+    if last:
+        tree["norm"] = (cfg.d_model,)
+        if not cfg.tied_embeddings:
+            tree["head"] = (cfg.d_model, cfg.vocab_size)
+    return tree
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+
+
+def to_runtime(tree: dict[str, Any], dtype: Any, device: Any = None) -> dict[str, Any]:
+    """Checkpoint-keyed numpy tree -> runtime params (layers as an ordered tuple)."""
+    put = (lambda a: jax.device_put(jnp.asarray(a, dtype), device)) if device else (lambda a: jnp.asarray(a, dtype))
+    out = {k: put(v) for k, v in tree.items() if k != "layers"}
+    out["layers"] = tuple({k: put(v) for k, v in tree["layers"][i].items()}
+                          for i in sorted(tree["layers"], key=int))
+    return out
+
+
+def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.08) -> dict[str, Any]:
+    """Random full-model params in checkpoint layout (numpy float32), for tests."""
+    rng = np.random.default_rng(seed)
+
+    def make(shape: tuple[int, ...], name: str) -> np.ndarray:
+        if name.endswith("norm"):
+            return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+    shapes = param_shapes(cfg)
+    tree: dict[str, Any] = {k: make(v, k) for k, v in shapes.items() if k != "layers"}
+    tree["layers"] = {i: {k: make(s, k) for k, s in layer.items()} for i, layer in shapes["layers"].items()}
+    return tree
+
+
+def slice_tree(tree: dict[str, Any], cfg: ModelConfig, start: int, end: int) -> dict[str, Any]:
+    """The part of a full checkpoint-layout tree that a stage [start, end) owns."""
+    want = param_shapes(cfg, start, end)
+    out = {k: tree[k] for k in want if k != "layers"}
+    out["layers"] = {i: tree["layers"][i] for i in want["layers"]}
+    return out
+
+
+def save_params(path: Path, tree: dict[str, Any]) -> None:
+    path = Path(path).absolute()
+    ckpt = ocp.PyTreeCheckpointer()
+    ckpt.save(path, tree, force=True)
+
+
+def restore_params(path: Path, cfg: ModelConfig, start: int = 0, end: int | None = None) -> dict[str, Any]:
+    """Restore only the arrays a stage [start, end) needs (orbax partial restore)."""
+    path = Path(path).absolute()
+    shapes = param_shapes(cfg, start, end)
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, np.float32), shapes, is_leaf=_is_shape)
+    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(restore_type=np.ndarray, dtype=np.float32),
+                                target)
+    ckpt = ocp.PyTreeCheckpointer()
+    args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
+    return ckpt.restore(path, args=args)
