@@ -173,9 +173,8 @@ def convert_gguf(path: Path, out: Path) -> ModelConfig:
 
     tree = to_checkpoint_tree(cfg, get, unpermute=cfg.arch == "llama")
     progress.close()
-    tok, meta = tokenizer_from_gguf(reader)
+    TextTokenizer(*tokenizer_from_gguf(reader)).save(out)
     _write(out, cfg, tree, {"format": "gguf", "file": path.name, "sha256": sha256_file(path)})
-    TextTokenizer(tok, meta).save(out)
     return cfg
 
 
@@ -232,8 +231,8 @@ def convert_hf(directory: Path, out: Path) -> ModelConfig:
     digest = hashlib.sha256()
     for file in sorted(directory.glob("*.safetensors")):
         digest.update(sha256_file(file).encode())
-    _write(out, cfg, tree, {"format": "hf", "dir": str(directory), "sha256": digest.hexdigest()})
     TextTokenizer.from_hf_dir(directory).save(out)
+    _write(out, cfg, tree, {"format": "hf", "dir": str(directory), "sha256": digest.hexdigest()})
     return cfg
 
 
@@ -242,8 +241,8 @@ def _write(out: Path, cfg: ModelConfig, tree: dict[str, Any], source: dict[str, 
     out.mkdir(parents=True, exist_ok=True)
     logger.info("writing orbax checkpoint to {}", out / "params")
     weights.save_params(out / "params", tree)
-    cfg.save(out / "model.json")
     (out / "source.json").write_text(json.dumps(source, indent=2) + "\n")
+    cfg.save(out / "model.json")   # written last: its presence means the conversion finished
 
 
 def model_digest(model_dir: Path) -> str:

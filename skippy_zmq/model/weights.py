@@ -98,3 +98,16 @@ def restore_params(path: Path, cfg: ModelConfig, start: int = 0, end: int | None
     ckpt = ocp.PyTreeCheckpointer()
     args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
     return ckpt.restore(path, args=args)
+
+
+def load_slice(model_dir: Path, start: int = 0, end: int | None = None, dtype: str = "float32",
+               device: Any = None) -> tuple[ModelConfig, dict[str, Any]]:
+    """Config (with the runtime dtype) and runtime params of layers [start, end) of a converted model."""
+    import dataclasses
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "model.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: no model.json (convert a model first: `make model`)")
+    cfg = dataclasses.replace(ModelConfig.load(model_dir / "model.json"), dtype=dtype)
+    tree = restore_params(model_dir / "params", cfg, start, end)
+    return cfg, to_runtime(tree, jnp.dtype(dtype), device)

