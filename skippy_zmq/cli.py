@@ -72,7 +72,7 @@ def prompt_ids_from_args(tokenizer: Any, args: argparse.Namespace) -> list[int]:
 def cmd_generate(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     if args.topology:
-        from skippy_zmq.driver.client import generate_with_pipeline
+        from skippy_zmq.driver.main import generate_with_pipeline
 
         return generate_with_pipeline(args, sampling)
     from skippy_zmq.generate import LocalEngine
@@ -113,6 +113,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.main(args)
 
 
+def cmd_stage(args: argparse.Namespace) -> int:
+    from skippy_zmq.stage.loop import run_stage
+    from skippy_zmq.topology import load_topology
+
+    return run_stage(load_topology(args.topology), args.stage)
+
+
+def cmd_driver(args: argparse.Namespace) -> int:
+    from skippy_zmq.driver.main import run_driver
+
+    return run_driver(args)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from skippy_zmq.driver.main import run_up
+
+    return run_up(args)
+
+
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -146,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--topology", default=None, help="run through a pipeline topology")
     p.add_argument("--spawn", action="store_true", help="start the topology's stages, then stop them")
+    p.add_argument("--run-dir", default=None, help="logs of spawned stages")
+    p.add_argument("--ready-timeout", type=float, default=180.0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu")
     mode = p.add_mutually_exclusive_group()
@@ -161,6 +182,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default=None, help="relative stage sizes, e.g. 2,1,1")
     p.add_argument("--base-port", type=int, default=5700)
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("stage", help="run one pipeline stage")
+    p.add_argument("--topology", required=True)
+    p.add_argument("--stage", required=True)
+    p.set_defaults(func=cmd_stage)
+
+    p = sub.add_parser("driver", help="run the driver: OpenAI API over the pipeline")
+    p.add_argument("--topology", required=True)
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or SKIPPY_API_KEY)")
+    p.set_defaults(func=cmd_driver)
+
+    p = sub.add_parser("up", help="start every stage and the driver in the foreground")
+    p.add_argument("topology")
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--api-key", default=None)
+    p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("bench", help="benchmarks; prints a table and writes JSON")
     p.add_argument("suite", nargs="?", default="single", choices=["single", "pipeline", "all"])

@@ -15,6 +15,10 @@ import zmq
 from skippy_zmq import wire
 
 
+# A stage heartbeats on a DEALER of its own whose identity is "<stage id>/hb".
+HEARTBEAT_SUFFIX = "/hb"
+
+
 def context() -> zmq.Context:
     """The process-wide context (pyzmq makes a fresh one after fork)."""
     return zmq.Context.instance()

@@ -1,0 +1,137 @@
+"""The driver process: PipelineEngine + OpenAI HTTP server; and `up`, `generate --topology`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from skippy_zmq.driver.engine import EngineError, GenRequest
+from skippy_zmq.driver.pipeline import PipelineEngine
+from skippy_zmq.model.tokenizer import TextTokenizer
+from skippy_zmq.topology import Topology, load_topology
+
+
+def open_engine(topology: Topology) -> tuple[PipelineEngine, TextTokenizer]:
+    tokenizer = TextTokenizer.load(topology.model_path)
+    engine = PipelineEngine(topology, tokenizer.eos_ids, model_name=topology.model_path.name).start()
+    return engine, tokenizer
+
+
+def serve_http(topology: Topology, engine: PipelineEngine, tokenizer: TextTokenizer, api_key: str | None,
+               stop: threading.Event) -> None:
+    """Serve the OpenAI API until `stop` is set (or the process is signalled)."""
+    from skippy_zmq.driver.server import create_app, start_in_thread
+
+    app = create_app(engine, tokenizer, model_name=engine.model_name, api_key=api_key)
+    handle = start_in_thread(app, topology.driver.http_host, topology.driver.http_port)
+    logger.info("OpenAI API at http://{}:{}/v1 (ready when /readyz says so)", handle.host, handle.port)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        handle.stop()
+
+
+def install_stop_signals(stop: threading.Event) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    topology = load_topology(args.topology)
+    engine, tokenizer = open_engine(topology)
+    stop = threading.Event()
+    install_stop_signals(stop)
+    try:
+        serve_http(topology, engine, tokenizer, args.api_key or os.environ.get("SKIPPY_API_KEY"), stop)
+    finally:
+        engine.close()
+    return 0
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Stages (downstream first) as children, the driver in this process; Ctrl-C stops everything."""
+    from skippy_zmq.launch import spawn_stages, stop_processes
+
+    topology = load_topology(args.topology)
+    run_dir = Path(args.run_dir or f"runs/up-{time.strftime('%Y%m%d-%H%M%S')}")
+    procs = spawn_stages(topology, Path(args.topology), run_dir)
+    engine, tokenizer = open_engine(topology)
+    stop = threading.Event()
+    install_stop_signals(stop)
+    watcher = threading.Thread(target=_watch_children, args=(procs, stop), daemon=True)
+    watcher.start()
+    try:
+        serve_http(topology, engine, tokenizer, args.api_key or os.environ.get("SKIPPY_API_KEY"), stop)
+    finally:
+        engine.close()
+        stop_processes(procs)
+        logger.info("stopped; logs in {}", run_dir)
+    return 0
+
+
+def _watch_children(procs: list, stop: threading.Event) -> None:
+    while not stop.wait(1.0):
+        for proc in procs:
+            if proc.poll() is not None:
+                logger.error("stage process {} exited with code {}", proc.pid, proc.returncode)
+                procs.remove(proc)
+
+
+def generate_with_pipeline(args: argparse.Namespace, sampling: Any) -> int:
+    """`generate --topology T [--spawn]`: same flags and JSON as the single-process command."""
+    from skippy_zmq.cli import prompt_ids_from_args
+    from skippy_zmq.generate import GenerationResult
+    from skippy_zmq.launch import check_alive, spawn_stages, stop_processes
+
+    topology = load_topology(args.topology)
+    procs = spawn_stages(topology, Path(args.topology), Path(args.run_dir or "runs/generate")) if args.spawn else []
+    engine, tokenizer = open_engine(topology)
+    try:
+        deadline = time.monotonic() + args.ready_timeout
+        while not engine.wait_ready(0.5):
+            check_alive(procs, Path(args.run_dir or "runs/generate"))
+            if time.monotonic() > deadline:
+                raise SystemExit(f"pipeline not ready after {args.ready_timeout:g} s: {engine.not_ready_reason()}")
+        ids = prompt_ids_from_args(tokenizer, args)
+        result = GenerationResult(prompt_ids=ids)
+        stream = tokenizer.stream_decoder()
+        t0 = time.perf_counter()
+        t_first = t0
+        req = GenRequest("cli", tuple(ids), sampling, args.max_tokens, args.ignore_eos)
+        try:
+            for event in engine.generate_blocking(req):
+                if event.token_id is not None:
+                    if not result.token_ids:
+                        t_first = time.perf_counter()
+                        result.ttft_s = t_first - t0
+                    result.token_ids.append(event.token_id)
+                    if not args.json:
+                        sys.stdout.write(stream.push(event.token_id))
+                        sys.stdout.flush()
+                if event.finish_reason:
+                    result.finish_reason = event.finish_reason
+        except EngineError as exc:
+            logger.error("generation failed: {}", exc.message)
+            return 1
+        result.decode_s = time.perf_counter() - t_first
+        # The pipeline interleaves prefill with the first decode; TTFT covers both.
+        result.prefill_s = result.ttft_s
+        result.text = tokenizer.decode(result.token_ids, skip_special=True)
+        if args.json:
+            print(json.dumps(result.to_json()))
+        else:
+            sys.stdout.write(stream.flush() + "\n")
+        return 0
+    finally:
+        engine.close()
+        stop_processes(procs)

@@ -1,0 +1,254 @@
+"""PipelineEngine: the Engine that drives stage processes over ZeroMQ.
+
+One thread owns the driver's sockets (PUSH to stage 0, ROUTER for replies)
+and the Scheduler. Other threads talk to it through a command queue and a
+wake-up pipe that sits in the same poller as the sockets, so the loop blocks
+only when idle and never sleeps for synchronisation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Iterator
+
+import zmq
+from loguru import logger
+
+from skippy_zmq import transport, wire
+from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
+from skippy_zmq.driver.scheduler import Scheduler, SchedulerConfig
+from skippy_zmq.topology import Topology
+
+
+
+@dataclass
+class StageState:
+    stage_id: str
+    ready: bool = False
+    incarnation: int = 0
+    last_seen: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class PipelineEngine:
+    def __init__(self, topology: Topology, eos_ids: list[int], model_name: str = ""):
+        self.topology = topology
+        self.model_name = model_name or topology.model_path.name
+        d = topology.driver
+        self.max_context = d.max_context
+        self.scheduler = Scheduler(SchedulerConfig(
+            n_stages=len(topology.stages), max_sessions=d.max_sessions, max_queue=d.max_queue,
+            prefill_chunk=d.prefill_chunk, max_context=d.max_context, reply_timeout_s=d.reply_timeout_s,
+            request_timeout_s=d.request_timeout_s), frozenset(eos_ids))
+        self.stages = {s.id: StageState(s.id) for s in topology.stages}
+        self.limits = wire.WireLimits(max_message_bytes=topology.wire.max_message_bytes)
+        self.commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.on_reply_hooks: list[Callable[[str, wire.Message], None]] = []
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> "PipelineEngine":
+        self._thread = threading.Thread(target=self._run, name="pipeline", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float) -> bool:
+        return self._ready.wait(timeout)
+
+    def is_ready(self) -> bool:
+        return self._ready.is_set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake()
+        if self._thread:
+            self._thread.join(timeout=5)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run fn on the pipeline thread."""
+        self.commands.put(fn)
+        self._wake()
+
+    # ------------------------------------------------------------ engine API
+
+    def submit(self, req: GenRequest, sink: Callable[[object], None]) -> Callable[[], None]:
+        """Queue a request; returns a cancel function. Raises EngineError when it cannot be taken."""
+        if not self.is_ready():
+            raise EngineError(self.not_ready_reason(), 503, "not_ready")
+        result: queue.Queue = queue.Queue(maxsize=1)
+
+        def do_submit() -> None:
+            try:
+                result.put(self.scheduler.submit(req, sink))
+            except EngineError as exc:
+                result.put(exc)
+        self.call(do_submit)
+        try:
+            outcome = result.get(timeout=10)
+        except queue.Empty:
+            raise EngineError("the pipeline thread did not answer", 503, "not_ready") from None
+        if isinstance(outcome, EngineError):
+            raise outcome
+        return lambda: self.call(lambda: self.scheduler.cancel(outcome))
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[TokenEvent]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        cancel = await asyncio.to_thread(self.submit, req, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
+        finished = False
+        try:
+            while True:
+                item = await events.get()
+                if isinstance(item, EngineError):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                cancel()
+
+    def generate_blocking(self, req: GenRequest) -> Iterator[TokenEvent]:
+        events: queue.Queue = queue.Queue()
+        cancel = self.submit(req, events.put)
+        finished = False
+        try:
+            while not finished:
+                item = events.get()
+                if isinstance(item, EngineError):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            if not finished:
+                cancel()
+
+    def not_ready_reason(self) -> str:
+        missing = [s.stage_id for s in self.stages.values() if not s.ready]
+        return f"pipeline not ready: waiting for stage(s) {', '.join(missing)}" if missing else "pipeline not ready"
+
+    # ------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        d = self.topology.driver
+        socks = transport.open_driver_sockets(transport.context(), self.topology.first.connect, d.return_endpoint,
+                                              hwm=self.topology.wire.hwm,
+                                              max_message_bytes=self.topology.wire.max_message_bytes)
+        poller = zmq.Poller()
+        poller.register(socks.router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                busy = bool(self.scheduler.running or self.scheduler.queue)
+                events = dict(poller.poll(50 if busy else 200))
+                if self._wake_r in events:
+                    self._drain_wake()
+                if socks.router in events:
+                    self._drain_replies(socks.router)
+                self._run_commands()
+                self._check_liveness()
+                for msg in self.scheduler.tick():
+                    transport.send_message(socks.push, msg)
+        except Exception:
+            logger.exception("pipeline thread crashed")
+            self.scheduler.fail_all(EngineError("the driver's pipeline thread crashed", 500, "driver_crash"))
+            self._ready.clear()
+        finally:
+            socks.close()
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                self.commands.get_nowait()()
+            except queue.Empty:
+                return
+
+    def _drain_replies(self, router: zmq.Socket) -> None:
+        for _ in range(10_000):
+            try:
+                identity, frames = transport.recv_routed(router, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            stage_id = identity.decode(errors="replace").removesuffix(transport.HEARTBEAT_SUFFIX)
+            try:
+                msg = wire.decode(frames, self.limits)
+            except wire.WireError as exc:
+                logger.warning("driver rejected a reply from {}: {} ({})", stage_id, exc.reason, exc.code)
+                continue
+            self._on_reply(stage_id, msg)
+
+    def _on_reply(self, stage_id: str, msg: wire.Message) -> None:
+        state = self.stages.get(stage_id)
+        if state is None:
+            logger.warning("reply from unknown stage {!r} ignored", stage_id)
+            return
+        state.last_seen = time.monotonic()
+        if msg.kind in (wire.Kind.READY, wire.Kind.HEARTBEAT):
+            self._on_presence(state, msg)
+        else:
+            self.scheduler.on_reply(stage_id, msg)
+        for hook in self.on_reply_hooks:
+            hook(stage_id, msg)
+
+    def _on_presence(self, state: StageState, msg: wire.Message) -> None:
+        incarnation = int(msg.extras.get("incarnation", 0))
+        info = msg.extras.get("info", {})
+        if msg.kind == wire.Kind.READY or (not state.ready and info.get("state") == "serving"
+                                           and incarnation == state.incarnation):
+            if not state.ready:
+                logger.info("stage {} is ready (incarnation {:08x})", state.stage_id, incarnation)
+            state.ready, state.incarnation = True, incarnation
+        if info.get("state") == "stopping":
+            state.ready = False
+        state.info = info
+        self._update_ready()
+
+    def _update_ready(self) -> None:
+        if all(s.ready for s in self.stages.values()):
+            if not self._ready.is_set():
+                logger.info("all {} stages ready", len(self.stages))
+            self._ready.set()
+        else:
+            self._ready.clear()
+
+    def _check_liveness(self) -> None:
+        now = time.monotonic()
+        dead_after = self.topology.driver.dead_after_s
+        for state in self.stages.values():
+            if state.ready and now - state.last_seen > dead_after:
+                state.ready = False
+                logger.error("stage {} is unreachable (no heartbeat for {:.1f} s)", state.stage_id, now - state.last_seen)
+                self.scheduler.fail_all(EngineError(
+                    f"stage {state.stage_id} is unreachable (no heartbeat for {dead_after:g} s)", 503, "stage_dead"))
+        self._update_ready()

@@ -1,0 +1,254 @@
+"""Iteration-level scheduler: admission, prefill credit, decode micro-batches.
+
+Pure state machine, no sockets: `submit`, `cancel`, `on_reply` and `tick`
+change state; `tick` returns the messages to push to stage 0. The pipeline
+engine (driver/pipeline.py) owns the sockets and calls these from one thread.
+
+Decode: every running session with its next input token known is "ready".
+Ready sessions are grouped into DECODE messages of up to
+ceil(running / n_stages) rows, with at most n_stages micro-batches in flight,
+so every stage has work while the others compute.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+from loguru import logger
+
+from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
+from skippy_zmq.wire import Kind, Message
+
+Sink = Callable[[object], None]   # receives TokenEvent or EngineError; must be thread-safe
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    n_stages: int
+    max_sessions: int = 8
+    max_queue: int = 64
+    prefill_chunk: int = 256
+    prefill_credit: int = 2          # prefill chunks in flight at once
+    max_context: int = 2048
+    reply_timeout_s: float = 30.0
+    request_timeout_s: float = 120.0
+
+
+@dataclass(eq=False)
+class Job:
+    req: GenRequest
+    session_id: int
+    sink: Sink
+    eos: frozenset[int]
+    deadline: float
+    prompt: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    prefill_sent: int = 0           # prompt[:-1] tokens sent as PREFILL
+    next_token: int = -1
+    next_pos: int = 0
+    in_flight: bool = False
+    cancelled: bool = False
+    done: bool = False
+    t_submit: float = field(default_factory=time.monotonic)
+    t_first: float = 0.0
+
+    @property
+    def prefill_total(self) -> int:
+        return len(self.prompt) - 1
+
+    @property
+    def decodable(self) -> bool:
+        return self.prefill_sent >= self.prefill_total and not self.in_flight and not self.done
+
+
+@dataclass
+class Batch:
+    sessions: set[int]
+    sent_at: float
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, eos_ids: frozenset[int]):
+        self.cfg, self.eos_ids = cfg, eos_ids
+        self.queue: deque[Job] = deque()
+        self.running: dict[int, Job] = {}
+        self.batches: dict[int, Batch] = {}
+        self.prefill_in_flight: dict[int, float] = {}   # request id of chunk -> sent time
+        self.outbox: list[Message] = []
+        self._ids = itertools.count(1)
+
+    # ------------------------------------------------------------ requests
+
+    def submit(self, req: GenRequest, sink: Sink) -> int:
+        if len(req.prompt_ids) + 1 > self.cfg.max_context:
+            raise EngineError(f"prompt of {len(req.prompt_ids)} tokens exceeds the context of "
+                              f"{self.cfg.max_context} tokens", 400, "context_length_exceeded")
+        if len(self.queue) >= self.cfg.max_queue:
+            raise EngineError(f"server is at capacity ({len(self.running)} running, {len(self.queue)} queued)",
+                              429, "overloaded", retry_after=1.0)
+        timeout = req.timeout_s or self.cfg.request_timeout_s
+        eos = frozenset() if req.ignore_eos else self.eos_ids
+        job = Job(req, next(self._ids), sink, eos, time.monotonic() + timeout, prompt=list(req.prompt_ids))
+        self.queue.append(job)
+        return job.session_id
+
+    def cancel(self, session_id: int) -> None:
+        job = self.running.get(session_id) or next((j for j in self.queue if j.session_id == session_id), None)
+        if job is not None and not job.done:
+            job.cancelled = True
+
+    @property
+    def load(self) -> dict[str, int]:
+        return {"running": len(self.running), "queued": len(self.queue), "batches_in_flight": len(self.batches)}
+
+    # ------------------------------------------------------------ replies
+
+    def on_reply(self, stage_id: str, msg: Message) -> None:
+        if msg.kind == Kind.PREDICTED_TOKENS:
+            self._on_tokens(msg)
+        elif msg.kind == Kind.ACK:
+            self.prefill_in_flight.pop(msg.request_id, None)
+        elif msg.kind == Kind.ERROR:
+            self._on_error(stage_id, msg)
+
+    def _on_tokens(self, msg: Message) -> None:
+        batch = self.batches.get(msg.request_id)
+        trace = msg.extras.get("trace", [])
+        for sid, tok in zip(msg.session_ids.tolist(), msg.tokens.tolist()):
+            if batch:
+                batch.sessions.discard(sid)
+            job = self.running.get(sid)
+            if job is None or job.done:
+                continue
+            job.in_flight = False
+            self._accept_token(job, int(tok), trace)
+        if batch is not None and not batch.sessions:
+            del self.batches[msg.request_id]
+
+    def _accept_token(self, job: Job, tok: int, trace: list) -> None:
+        job.generated.append(tok)
+        first = len(job.generated) == 1
+        if first:
+            job.t_first = time.monotonic()
+        job.next_token, job.next_pos = tok, job.next_pos + 1
+        reason = None
+        if tok in job.eos:
+            reason = "stop"
+        elif len(job.generated) >= job.req.max_tokens or job.next_pos + 1 >= self.cfg.max_context:
+            reason = "length"
+        job.sink(TokenEvent(token_id=tok, finish_reason=reason, stats={"trace": trace, "first": first}))
+        if reason:
+            self._finish(job)
+
+    def _on_error(self, stage_id: str, msg: Message) -> None:
+        reason = msg.extras.get("error", "unknown error")
+        code = msg.extras.get("code", "stage_error")
+        batch = self.batches.get(msg.request_id)
+        if batch is not None:
+            batch.sessions.discard(msg.session_id)
+            if not batch.sessions:
+                del self.batches[msg.request_id]
+        self.prefill_in_flight.pop(msg.request_id, None)
+        job = self.running.get(msg.session_id)
+        if job is None:
+            logger.warning("error from {} for unknown session {}: {}", stage_id, msg.session_id, reason)
+            return
+        status = 503 if code == "lanes_busy" else 500
+        self._fail(job, EngineError(reason, status, code))
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _finish(self, job: Job) -> None:
+        job.done = True
+        self.running.pop(job.session_id, None)
+        self.outbox.append(Message(Kind.STOP, next(self._ids), job.session_id))
+
+    def _fail(self, job: Job, error: EngineError | None) -> None:
+        """End a job early; `error` goes to its consumer (None: nobody is listening)."""
+        if job.done:
+            return
+        if error is not None:
+            job.sink(error)
+        if job in self.queue:
+            self.queue.remove(job)
+            job.done = True
+            return
+        self._finish(job)
+
+    def fail_all(self, error: EngineError) -> None:
+        for job in list(self.running.values()) + list(self.queue):
+            self._fail(job, error)
+        self.batches.clear()
+        self.prefill_in_flight.clear()
+
+    def tick(self, now: float | None = None) -> list[Message]:
+        now = time.monotonic() if now is None else now
+        self._expire(now)
+        self._admit()
+        self._send_decode_batches(now)
+        self._send_prefill(now)
+        out, self.outbox = self.outbox, []
+        return out
+
+    def _expire(self, now: float) -> None:
+        for job in list(self.running.values()) + list(self.queue):
+            if job.cancelled and not job.in_flight:
+                self._fail(job, None)
+            elif now > job.deadline:
+                self._fail(job, EngineError(f"request exceeded its deadline of "
+                                            f"{job.req.timeout_s or self.cfg.request_timeout_s:g} s", 504, "timeout"))
+        stale = [bid for bid, b in self.batches.items() if now - b.sent_at > self.cfg.reply_timeout_s]
+        for bid in stale:
+            for sid in self.batches.pop(bid).sessions:
+                if sid in self.running:
+                    self._fail(self.running[sid], EngineError(
+                        f"no reply from the pipeline within {self.cfg.reply_timeout_s:g} s", 504, "stage_timeout"))
+        for rid, sent in list(self.prefill_in_flight.items()):
+            if now - sent > self.cfg.reply_timeout_s:
+                del self.prefill_in_flight[rid]   # free the credit; the decode timeout catches the session
+
+    def _admit(self) -> None:
+        while self.queue and len(self.running) < self.cfg.max_sessions:
+            job = self.queue.popleft()
+            if job.done:
+                continue
+            self.running[job.session_id] = job
+            job.next_token, job.next_pos = job.prompt[-1], len(job.prompt) - 1
+            self.outbox.append(Message(Kind.CONFIGURE_GENERATION, next(self._ids), job.session_id,
+                                       tokens=np.asarray(job.prompt, np.int32),
+                                       extras={"sampling": job.req.sampling.to_dict()}))
+
+    def _send_prefill(self, now: float) -> None:
+        for job in self.running.values():
+            while job.prefill_sent < job.prefill_total and len(self.prefill_in_flight) < self.cfg.prefill_credit:
+                start = job.prefill_sent
+                end = min(start + self.cfg.prefill_chunk, job.prefill_total)
+                rid = next(self._ids)
+                self.outbox.append(Message(Kind.PREFILL, rid, job.session_id, position=start,
+                                           tokens=np.asarray(job.prompt[start:end], np.int32)))
+                self.prefill_in_flight[rid] = now
+                job.prefill_sent = end
+
+    def _send_decode_batches(self, now: float) -> None:
+        ready = [j for j in self.running.values() if j.decodable and not j.cancelled]
+        if not ready:
+            return
+        decoding = sum(1 for j in self.running.values() if j.prefill_sent >= j.prefill_total)
+        rows = max(1, math.ceil(decoding / self.cfg.n_stages))
+        while ready and len(self.batches) < self.cfg.n_stages:
+            group, ready = ready[:rows], ready[rows:]
+            bid = next(self._ids)
+            for job in group:
+                job.in_flight = True
+            self.batches[bid] = Batch({j.session_id for j in group}, now)
+            self.outbox.append(Message(
+                Kind.DECODE, bid, group[0].session_id, position=group[0].next_pos,
+                tokens=np.array([j.next_token for j in group], np.int32),
+                positions=np.array([j.next_pos for j in group], np.int32),
+                sessions=np.array([j.session_id for j in group], np.uint64)))

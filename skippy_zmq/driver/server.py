@@ -1,0 +1,490 @@
+"""OpenAI-compatible HTTP server over an Engine (FastAPI + uvicorn).
+
+The server turns requests into token ids (chat template / tokenizer), hands a
+GenRequest to the engine, and turns the engine's TokenEvents back into text:
+incremental detokenisation, stop strings across token boundaries, SSE
+streaming. Closing the engine's iterator is how a request is cancelled (stop
+string hit, client gone), so every path that stops reading closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from loguru import logger
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from skippy_zmq.driver.engine import Engine, EngineError, GenRequest, TokenEvent
+from skippy_zmq.driver.metrics import ServerMetrics
+from skippy_zmq.driver.openai_schema import (
+    CHAT, COMPLETION, ParsedRequest, RequestError, ResponseFormat, StopMatcher, error_body,
+    parse_chat, parse_completion, usage,
+)
+from skippy_zmq.model.tokenizer import TextTokenizer
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+GENERATION_ENDPOINTS = (CHAT.endpoint, COMPLETION.endpoint)
+KNOWN_ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/models", "/health", "/readyz", "/metrics")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_ERROR_KINDS = {
+    400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+    413: "payload_too_large", 415: "unsupported_media_type", 429: "rate_limited",
+    503: "unavailable", 504: "timeout",
+}
+T = TypeVar("T")
+
+
+@dataclass
+class ServerContext:
+    """Everything a handler needs; one per app, kept on app.state.ctx."""
+
+    engine: Engine
+    tokenizer: TextTokenizer
+    model_name: str
+    metrics: ServerMetrics
+    api_key: str | None
+    max_body_bytes: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class ClientDisconnected(Exception):
+    """The client went away before a non-streamed answer was ready."""
+
+
+# ---------------------------------------------------------------- errors
+
+def error_response(ctx: ServerContext, status: int, message: str, param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    ctx.metrics.count_error(_ERROR_KINDS.get(status, "server_error" if status >= 500 else "client_error"))
+    return JSONResponse(error_body(message, status, param, code), status_code=status, headers=headers)
+
+
+def engine_error_response(ctx: ServerContext, err: EngineError) -> JSONResponse:
+    status = err.status if 400 <= err.status <= 599 else 500
+    headers = {"Retry-After": str(max(1, math.ceil(err.retry_after)))} if err.retry_after is not None else None
+    logger.warning("engine error {} ({}): {}", status, err.code, err.message)
+    return error_response(ctx, status, err.message, code=err.code, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
+    async def on_request_error(_: Request, err: RequestError) -> Response:
+        return error_response(ctx, err.status, err.message, err.param, err.code)
+
+    async def on_engine_error(_: Request, err: EngineError) -> Response:
+        return engine_error_response(ctx, err)
+
+    async def on_http_error(_: Request, err: StarletteHTTPException) -> Response:
+        return error_response(ctx, err.status_code, str(err.detail), headers=err.headers)
+
+    app.add_exception_handler(RequestError, on_request_error)
+    app.add_exception_handler(EngineError, on_engine_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+
+
+# ---------------------------------------------------------------- middleware
+
+class HttpMiddleware:
+    """Request id, API key, request metrics and last-resort 500s, as plain ASGI.
+
+    Plain ASGI (not BaseHTTPMiddleware) so streamed responses and client
+    disconnects pass through untouched.
+    """
+
+    def __init__(self, app: ASGIApp, ctx: ServerContext) -> None:
+        self.app, self.ctx = app, ctx
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = _request_id(scope)
+        scope.setdefault("state", {}).update(request_id=request_id, arrival=time.perf_counter())
+        endpoint = scope["path"] if scope["path"] in KNOWN_ENDPOINTS else "other"
+        status: list[int] = []
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        started = time.perf_counter()
+        with logger.contextualize(request_id=request_id), self.ctx.metrics.in_flight(
+            endpoint in GENERATION_ENDPOINTS
+        ):
+            try:
+                await self._dispatch(scope, receive, send_with_id)
+            except Exception:
+                logger.exception("unhandled error on {}", scope["path"])
+                if not status:
+                    await error_response(self.ctx, 500, "internal server error")(scope, receive, send_with_id)
+            finally:
+                seconds = time.perf_counter() - started
+                self.ctx.metrics.observe_request(endpoint, status[0] if status else 500, seconds)
+                logger.debug("{} {} -> {} in {:.3f}s", scope["method"], scope["path"], status[:1], seconds)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.ctx.api_key and scope["path"].startswith("/v1") and not _authorized(scope, self.ctx.api_key):
+            denied = error_response(self.ctx, 401, "invalid or missing API key", code="invalid_api_key",
+                                    headers={"WWW-Authenticate": "Bearer"})
+            return await denied(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _request_id(scope: Scope) -> str:
+    given = _header(scope, b"x-request-id")
+    return given if given and _REQUEST_ID_RE.fullmatch(given) else f"req-{uuid.uuid4().hex}"
+
+
+def _authorized(scope: Scope, api_key: str) -> bool:
+    return hmac.compare_digest(_header(scope, b"authorization") or "", f"Bearer {api_key}")
+
+
+# ---------------------------------------------------------------- request body
+
+async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
+    """The JSON object body, refusing other media types and anything over `limit` bytes."""
+    media_type = (request.headers.get("content-type") or "application/json").split(";")[0].strip().lower()
+    if not media_type.endswith("json"):
+        raise RequestError(f"Content-Type must be application/json, got {media_type!r}", status=415)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"request body is {declared} bytes; the limit is {limit}", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:  # a chunked body has no Content-Length to check up front
+            raise RequestError(f"request body exceeds the limit of {limit} bytes", status=413)
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise RequestError(f"malformed JSON body: {err}") from None
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    return body
+
+
+# ---------------------------------------------------------------- generation
+
+class TextStream:
+    """One request's engine events turned into text deltas, stop strings applied."""
+
+    def __init__(self, ctx: ServerContext, request: GenRequest, stops: tuple[str, ...], arrival: float) -> None:
+        self.ctx, self.request = ctx, request
+        self.completion_tokens = self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self._events = ctx.engine.generate(request)
+        self._decoder = ctx.tokenizer.stream_decoder()
+        self._stops = StopMatcher(stops)
+        self._first: TokenEvent | None = None
+        self._last_time = arrival  # the first token's gap is the time to first token
+
+    async def start(self) -> None:
+        """Wait for the first event, so engine errors still get a proper HTTP status."""
+        try:
+            self._first = await anext(self._events)
+        except StopAsyncIteration:
+            raise EngineError("engine ended the request without a finish reason", 500) from None
+        self.cached_tokens = self._first.cached_tokens
+        self.ctx.metrics.observe_prompt(len(self.request.prompt_ids), self.cached_tokens)
+
+    async def deltas(self) -> AsyncIterator[str]:
+        event = self._first
+        while event is not None:
+            text = self._consume(event)
+            if text:
+                yield text
+            if self.finish_reason is not None:
+                break
+            event = await anext(self._events, None)
+        if self.finish_reason is None:
+            raise EngineError("engine ended the request without a finish reason", 500)
+        await self.close()
+        logger.info("finished ({}): {} prompt tokens ({} cached), {} generated", self.finish_reason,
+                    len(self.request.prompt_ids), self.cached_tokens, self.completion_tokens)
+
+    async def collect(self) -> str:
+        return "".join([text async for text in self.deltas()])
+
+    async def close(self) -> None:
+        """Close the engine iterator; if it had not finished, that cancels the request."""
+        await self._events.aclose()
+
+    def _consume(self, event: TokenEvent) -> str:
+        text = ""
+        if event.token_id is not None:
+            now = time.perf_counter()
+            self.ctx.metrics.observe_token(now - self._last_time, first=self.completion_tokens == 0)
+            self._last_time = now
+            self.completion_tokens += 1
+            text, hit = self._stops.push(self._decoder.push(event.token_id))
+            if hit:
+                self.finish_reason = "stop"
+                return text
+        if event.finish_reason is not None:
+            tail, hit = self._stops.push(self._decoder.flush())
+            text += tail if hit else tail + self._stops.flush()
+            self.finish_reason = "stop" if hit else event.finish_reason
+        return text
+
+
+def build_gen_request(ctx: ServerContext, request_id: str, prompt_ids: list[int],
+                      parsed: ParsedRequest) -> GenRequest:
+    room = ctx.engine.max_context - len(prompt_ids)
+    if not prompt_ids:
+        raise RequestError(f"{parsed.format.prompt_param}: the prompt is empty", parsed.format.prompt_param)
+    if room <= 0:
+        raise RequestError(
+            f"{parsed.format.prompt_param}: the prompt has {len(prompt_ids)} tokens but this model's "
+            f"maximum context length is {ctx.engine.max_context} tokens",
+            parsed.format.prompt_param, code="context_length_exceeded",
+        )
+    options = parsed.options
+    return GenRequest(
+        request_id=request_id, prompt_ids=tuple(prompt_ids), sampling=options.sampling,
+        max_tokens=min(options.max_tokens or room, room), ignore_eos=options.ignore_eos,
+        cache_key=options.cache_key,
+    )
+
+
+def encode_prompt(tokenizer: TextTokenizer, parsed: ParsedRequest) -> list[int]:
+    if parsed.messages:
+        try:
+            return tokenizer.encode_chat(list(parsed.messages))
+        except Exception as err:  # the template may raise_exception() on e.g. bad role order
+            raise RequestError(f"messages: the chat template failed: {err}", "messages") from None
+    if isinstance(parsed.prompt, str):
+        return tokenizer.encode(parsed.prompt)
+    return list(parsed.prompt or ())
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watcher):
+            pending.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if not task.cancelled():
+        return task.result()
+    raise ClientDisconnected()
+
+
+# ---------------------------------------------------------------- endpoints
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+async def sse_events(ctx: ServerContext, stream: TextStream, parsed: ParsedRequest) -> AsyncIterator[bytes]:
+    fmt, include_usage = parsed.format, parsed.options.include_usage
+    response_id, created = f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(choices: list[dict[str, Any]]) -> bytes:
+        body = fmt.envelope(response_id, created, ctx.model_name, choices, chunk=True)
+        return _sse({**body, "usage": None} if include_usage else body)
+
+    try:
+        if fmt.chat:
+            yield chunk([fmt.chunk_choice("", opening=True)])
+        async for text in stream.deltas():
+            yield chunk([fmt.chunk_choice(text)])
+        yield chunk([fmt.chunk_choice("", stream.finish_reason)])
+        if include_usage:
+            totals = usage(len(stream.request.prompt_ids), stream.completion_tokens, stream.cached_tokens)
+            yield _sse({**fmt.envelope(response_id, created, ctx.model_name, [], chunk=True), "usage": totals})
+    except EngineError as err:  # headers are gone: report in-band, as OpenAI and vLLM do
+        yield _sse(json.loads(engine_error_response(ctx, err).body))
+    except Exception:
+        logger.exception("stream failed")
+        yield _sse(json.loads(error_response(ctx, 500, "internal server error").body))
+    finally:
+        await stream.close()
+    yield _sse("[DONE]")
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes the body iterator however the response ends.
+
+    On a client disconnect Starlette cancels the send loop and leaves the
+    generator suspended; closing it here is what cancels the engine request.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+Parser = Callable[[Mapping[str, Any], int], ParsedRequest]
+
+
+async def _generate(request: Request, parse: Parser) -> Response:
+    ctx: ServerContext = request.app.state.ctx
+    parsed: ParsedRequest = parse(await read_json_body(request, ctx.max_body_bytes), ctx.tokenizer.vocab_size)
+    if not ctx.engine.is_ready():
+        raise EngineError("the model is still loading", 503, "not_ready")
+    prompt_ids = await run_in_threadpool(encode_prompt, ctx.tokenizer, parsed)
+    gen_request = build_gen_request(ctx, request.state.request_id, prompt_ids, parsed)
+    stream = TextStream(ctx, gen_request, parsed.options.stop, request.state.arrival)
+    handed_off = False
+    try:
+        await unless_disconnected(request, stream.start())
+        if parsed.options.stream:
+            handed_off = True
+            return ClosingStreamingResponse(
+                sse_events(ctx, stream, parsed), media_type="text/event-stream", headers=SSE_HEADERS
+            )
+        text = await unless_disconnected(request, stream.collect())
+    except ClientDisconnected:
+        ctx.metrics.count_error("client_disconnect")
+        logger.info("client disconnected; request cancelled")
+        return Response(status_code=499)
+    finally:
+        if not handed_off:
+            await stream.close()
+    return JSONResponse(_full_response(ctx, parsed.format, stream, text))
+
+
+def _full_response(ctx: ServerContext, fmt: ResponseFormat, stream: TextStream, text: str) -> dict[str, Any]:
+    body = fmt.envelope(f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), ctx.model_name,
+                        [fmt.choice(text, stream.finish_reason)], chunk=False)
+    body["usage"] = usage(len(stream.request.prompt_ids), stream.completion_tokens, stream.cached_tokens)
+    return body
+
+
+def _install_routes(app: FastAPI, ctx: ServerContext) -> None:
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        ready = ctx.engine.is_ready()
+        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        payload, content_type = ctx.metrics.render()
+        return Response(payload, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "skippy_zmq",
+                "max_model_len": ctx.engine.max_context}
+        return {"object": "list", "data": [card]}
+
+    @app.post(CHAT.endpoint)
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, parse_chat)
+
+    @app.post(COMPLETION.endpoint)
+    async def completions(request: Request) -> Response:
+        return await _generate(request, parse_completion)
+
+
+def create_app(engine: Engine, tokenizer: TextTokenizer, *, model_name: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
+               metrics: ServerMetrics | None = None) -> FastAPI:
+    """The OpenAI-compatible app. `model_name` defaults to engine.model_name;
+    pass `metrics` to share a registry with the scheduler."""
+    ctx = ServerContext(engine, tokenizer, model_name or engine.model_name,
+                        metrics or ServerMetrics(), api_key, max_body_bytes)
+    app = FastAPI(title="skippy_zmq", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    _install_error_handlers(app, ctx)
+    _install_routes(app, ctx)
+    app.add_middleware(HttpMiddleware, ctx=ctx)
+    return app
+
+
+# ---------------------------------------------------------------- serving
+
+def serve(app: FastAPI, host: str, port: int, *, log_level: str = "info") -> None:
+    """Serve until interrupted (blocking)."""
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+
+
+class _ThreadServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        self.ready.set()
+
+
+@dataclass
+class ServerHandle:
+    """A server running in a background thread; `stop()` shuts it down."""
+
+    server: _ThreadServer
+    thread: threading.Thread
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+
+
+def start_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
+                    startup_timeout_s: float = 30.0) -> ServerHandle:
+    """Start serving in a daemon thread; returns once the server accepts connections.
+
+    We bind the socket ourselves so port 0 yields a known free port at once.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=2)
+    server = _ThreadServer(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
+                              name=f"http-{sock.getsockname()[1]}")
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.ready.wait(0.05):  # bounded: a failed startup ends the thread
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"HTTP server on {host}:{port} failed to start")
+    return ServerHandle(server, thread, host, sock.getsockname()[1])

@@ -1,0 +1,72 @@
+"""Start and stop the processes of a topology (downstream first, no sleeps).
+
+Stages on this machine are child processes; a stage whose `host` is not
+local is started over ssh in the same working directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from loguru import logger
+
+from skippy_zmq.topology import StageConfig, Topology
+
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
+
+
+def is_local(host: str) -> bool:
+    return host in LOCAL_HOSTS or host == socket.gethostname()
+
+
+def stage_command(topology_path: Path, stage: StageConfig, extra: list[str] | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "skippy_zmq.cli", *(extra or []), "stage", "--topology", str(topology_path),
+           "--stage", stage.id]
+    if is_local(stage.host):
+        return cmd
+    remote = f"cd {shlex.quote(os.getcwd())} && " + " ".join(shlex.quote(c) for c in cmd)
+    return ["ssh", "-o", "BatchMode=yes", stage.host, remote]
+
+
+def spawn_stages(topology: Topology, topology_path: Path, run_dir: Path,
+                 extra: list[str] | None = None) -> list[subprocess.Popen]:
+    """Every stage, last first, each logging to RUN_DIR/<id>.log; pids in RUN_DIR/<id>.pid."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for stage in reversed(topology.stages):
+        log = open(run_dir / f"{stage.id}.log", "ab")
+        proc = subprocess.Popen(stage_command(topology_path, stage, extra), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        (run_dir / f"{stage.id}.pid").write_text(f"{proc.pid}\n")
+        logger.info("started stage {} (pid {}), log {}", stage.id, proc.pid, run_dir / f"{stage.id}.log")
+        procs.append(proc)
+    return procs
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
+    """SIGTERM (stages drain and exit), then SIGKILL whatever is left after `timeout`."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("pid {} did not stop in {:g} s; killing it", proc.pid, timeout)
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def check_alive(procs: list[subprocess.Popen], run_dir: Path) -> None:
+    for proc in procs:
+        if proc.poll() is not None:
+            raise RuntimeError(f"a stage exited with code {proc.returncode} during startup; see logs in {run_dir}")

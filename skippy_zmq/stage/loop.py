@@ -1,0 +1,142 @@
+"""The stage process: restore its layers, compile, say READY, then serve.
+
+Sockets live here and only here: PULL (bound on `listen`), PUSH to the next
+stage, DEALER to the driver. The worker never sees a socket.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import zmq
+from loguru import logger
+
+from skippy_zmq import transport, wire
+from skippy_zmq.config import Buckets, KVConfig
+from skippy_zmq.model import weights
+from skippy_zmq.model.runner import SliceRunner, resolve_device
+from skippy_zmq.stage.sessions import SessionTable
+from skippy_zmq.stage.worker import DRIVER, StageInfo, StageWorker
+from skippy_zmq.topology import StageConfig, Topology
+
+DRAIN_BATCH = 64
+
+
+def stage_buckets(topology: Topology, lanes: int) -> Buckets:
+    chunk = topology.driver.prefill_chunk
+    chunks = tuple(c for c in (16, 64, 256, 512, 1024) if c < chunk) + (chunk,)
+    rows = tuple(r for r in (1, 2, 4, 8, 16, 32, 64) if r < lanes) + (lanes,)
+    return Buckets(prefill_chunks=tuple(sorted(set(chunks))), decode_rows=tuple(sorted(set(rows))))
+
+
+def build_worker(topology: Topology, stage: StageConfig) -> StageWorker:
+    """Restore only this stage's layers and compile its common buckets."""
+    t0 = time.perf_counter()
+    device = resolve_device(stage.device)
+    cfg, params = weights.load_slice(topology.model_path, stage.start, stage.end, stage.dtype, device)
+    topology.check_model(cfg.n_layers)
+    capacity = min(topology.driver.max_context, cfg.max_seq_len)
+    buckets = stage_buckets(topology, stage.kv_lanes)
+    runner = SliceRunner(cfg, params, stage.start, stage.end,
+                         KVConfig(lanes=stage.kv_lanes, capacity=capacity, dtype=stage.dtype), buckets, device)
+    t1 = time.perf_counter()
+    runner.warmup(rows=buckets.decode_rows[:1] + buckets.decode_rows[1:2], chunks=buckets.prefill_chunks)
+    logger.info("stage {} layers [{}, {}) on {}: restored in {:.1f}s, compiled in {:.1f}s", stage.id,
+                stage.start, stage.end, stage.device, t1 - t0, time.perf_counter() - t1)
+    info = StageInfo(stage.id, first=stage.start == 0, last=stage.end == cfg.n_layers, width=cfg.d_model)
+    return StageWorker(info, runner, SessionTable(stage.kv_lanes))
+
+
+class StageLoop:
+    def __init__(self, topology: Topology, stage: StageConfig, worker: StageWorker):
+        self.topology, self.stage, self.worker = topology, stage, worker
+        self.incarnation = int.from_bytes(os.urandom(4), "little")
+        self.limits = wire.WireLimits(max_message_bytes=topology.wire.max_message_bytes)
+        self.dtype = wire.WireDType.parse(topology.wire.activation_dtype)
+        self.stopping = False
+        self._beats_done = threading.Event()
+        nxt = topology.next_stage(stage.id)
+        self.sockets = transport.open_stage_sockets(
+            transport.context(), stage.listen, nxt.connect if nxt else None, topology.driver.return_endpoint,
+            stage.id, hwm=topology.wire.hwm, max_message_bytes=topology.wire.max_message_bytes)
+
+    def request_stop(self, *_: Any) -> None:
+        """Signal handler: only sets a flag; the loop drains and exits."""
+        self.stopping = True
+
+    def send(self, out: list) -> None:
+        for o in out:
+            t0 = time.perf_counter()
+            if o.to == DRIVER:
+                transport.send_message(self.sockets.dealer, o.message)
+            else:
+                transport.send_message(self.sockets.push, o.message, self.dtype)
+            logger.debug("stage {} sent {} to {} in {:.3f} ms", self.stage.id, o.message.kind.name, o.to,
+                         1000 * (time.perf_counter() - t0))
+
+    def handle_frames(self, frames: list) -> None:
+        try:
+            msg = wire.decode(frames, self.limits)
+        except wire.WireError as exc:
+            logger.warning("stage {} rejected a message: {} ({})", self.stage.id, exc.reason, exc.code)
+            self.worker.counters["errors"] += 1
+            transport.send_message(self.sockets.dealer, exc.as_reply())
+            return
+        self.send(self.worker.handle(msg))
+
+    def heartbeat_message(self, state: str = "serving") -> wire.Message:
+        return wire.Message.heartbeat(self.stage.id, self.incarnation, {"state": state, **self.worker.status()})
+
+    def heartbeat_thread(self) -> None:
+        """Heartbeats on a socket of their own, so a long compile or prefill never looks like death."""
+        sock = transport.make_socket(transport.context(), zmq.DEALER, self.topology.driver.return_endpoint,
+                                     bind=False, identity=f"{self.stage.id}{transport.HEARTBEAT_SUFFIX}".encode())
+        try:
+            while not self._beats_done.wait(self.topology.driver.heartbeat_s):
+                transport.send_message(sock, self.heartbeat_message())
+        finally:
+            sock.close(linger=0)
+
+    def run(self) -> int:
+        ready_info = {"layers": [self.stage.start, self.stage.end], "device": self.stage.device,
+                      "lanes": self.stage.kv_lanes, "pid": os.getpid()}
+        transport.send_message(self.sockets.dealer, wire.Message.ready(self.stage.id, self.incarnation, ready_info))
+        logger.info("stage {} READY (incarnation {:08x}) listening on {}", self.stage.id, self.incarnation,
+                    self.stage.listen)
+        beats = threading.Thread(target=self.heartbeat_thread, name="heartbeat", daemon=True)
+        beats.start()
+        poller = zmq.Poller()
+        poller.register(self.sockets.pull, zmq.POLLIN)
+        while not self.stopping:
+            if dict(poller.poll(250)):
+                self.drain(DRAIN_BATCH)
+            for sid in self.worker.sessions.reclaim_idle():
+                logger.warning("stage {} reclaimed idle session {}", self.stage.id, sid)
+        self.drain(10_000)   # finish what already arrived, then say goodbye
+        self._beats_done.set()
+        beats.join(timeout=2)
+        transport.send_message(self.sockets.dealer, self.heartbeat_message("stopping"))
+        logger.info("stage {} stopped", self.stage.id)
+        self.sockets.close()
+        return 0
+
+    def drain(self, limit: int) -> None:
+        for _ in range(limit):
+            try:
+                frames = transport.recv_frames(self.sockets.pull, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.handle_frames(frames)
+
+
+def run_stage(topology: Topology, stage_id: str) -> int:
+    stage = topology.stage(stage_id)
+    worker = build_worker(topology, stage)
+    loop = StageLoop(topology, stage, worker)
+    signal.signal(signal.SIGTERM, loop.request_stop)
+    signal.signal(signal.SIGINT, loop.request_stop)
+    return loop.run()

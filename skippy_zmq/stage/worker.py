@@ -1,0 +1,221 @@
+"""StageWorker: messages in, messages out. No sockets here.
+
+`handle(message) -> list[Outbound]`; each Outbound goes either down the chain
+("next") or straight back to the driver ("driver"). Every stage forwards the
+token ids with its activations so any stage can key its prefix store.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import numpy as np
+from loguru import logger
+
+from skippy_zmq.model.runner import SliceRunner
+from skippy_zmq.sampling import Sampler, SamplingParams
+from skippy_zmq.stage.sessions import LanesBusy, SessionTable
+from skippy_zmq.wire import Kind, Message
+
+NEXT, DRIVER = "next", "driver"
+
+
+@dataclass(frozen=True)
+class Outbound:
+    to: str           # NEXT or DRIVER
+    message: Message
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    stage_id: str
+    first: bool
+    last: bool
+    width: int
+
+
+class StageFault(Exception):
+    """A request this stage cannot serve; becomes an ERROR reply to the driver."""
+
+    def __init__(self, reason: str, code: str):
+        super().__init__(reason)
+        self.reason, self.code = reason, code
+
+
+@dataclass
+class RuntimeLock:
+    """Serialises runtime use and measures wait and hold (telemetry)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    wait_ms: float = 0.0
+    hold_ms: float = 0.0
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        with self.lock:
+            t1 = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                t2 = time.perf_counter()
+                self.wait_ms, self.hold_ms = 1000 * (t1 - t0), 1000 * (t2 - t1)
+
+
+class StageWorker:
+    def __init__(self, info: StageInfo, runner: SliceRunner, sessions: SessionTable):
+        self.info, self.runner, self.sessions = info, runner, sessions
+        self.lock = RuntimeLock()
+        self.handlers: dict[Kind, Callable[[Message], list[Outbound]]] = {
+            Kind.PREFILL: self.on_prefill,
+            Kind.DECODE: self.on_decode,
+            Kind.CONFIGURE_GENERATION: self.on_configure,
+            Kind.STOP: self.on_stop,
+            Kind.TRIM_SESSION: self.on_trim,
+        }
+        self.counters: dict[str, int] = {"messages": 0, "errors": 0, "tokens": 0}
+
+    def handle(self, msg: Message) -> list[Outbound]:
+        self.counters["messages"] += 1
+        handler = self.handlers.get(msg.kind)
+        try:
+            if handler is None:
+                raise StageFault(f"stage {self.info.stage_id} does not accept {msg.kind.name} messages",
+                                 "unsupported_kind")
+            return handler(msg)
+        except StageFault as fault:
+            return [self.error(msg.request_id, msg.session_id, fault.reason, fault.code)]
+
+    def error(self, request_id: int, session_id: int, reason: str, code: str) -> Outbound:
+        self.counters["errors"] += 1
+        logger.warning("stage {} request {} session {}: {} ({})", self.info.stage_id, request_id, session_id,
+                       reason, code)
+        return Outbound(DRIVER, Message.error(request_id, session_id, f"stage {self.info.stage_id}: {reason}", code))
+
+    # ------------------------------------------------------------ helpers
+
+    def _inputs(self, msg: Message, n: int) -> np.ndarray:
+        """Token ids at the first stage, activations elsewhere; both checked against n."""
+        if self.info.first:
+            if msg.tokens.shape[0] != n:
+                raise StageFault(f"expected {n} token ids, got {msg.tokens.shape[0]}", "bad_tokens")
+            return msg.tokens
+        if msg.activation is None:
+            raise StageFault("message carries no activations but this stage is not the first", "no_activation")
+        if msg.activation.shape != (n, self.info.width):
+            raise StageFault(f"activation shape {msg.activation.shape} does not match ({n}, {self.info.width})",
+                             "bad_activation")
+        return msg.activation
+
+    def _acquire(self, session_id: int, request_id: int) -> Any:
+        try:
+            return self.sessions.acquire(session_id, request_id)
+        except LanesBusy as exc:
+            raise StageFault(str(exc), "lanes_busy") from exc
+
+    def _align(self, session_id: int, request_id: int, position: int) -> Any:
+        """Acquire the session and make its KV end at `position` (trim KV that is ahead)."""
+        session = self._acquire(session_id, request_id)
+        if position < 0 or position >= self.runner.capacity:
+            raise StageFault(f"position {position} is outside the KV capacity of {self.runner.capacity}",
+                             "bad_position")
+        if session.length > position:
+            session.length = position          # auto-align: positions are absolute
+        elif session.length < position:
+            raise StageFault(f"session {session_id} has KV up to position {session.length}, "
+                             f"message starts at {position}", "kv_gap")
+        return session
+
+    def _trace(self, msg: Message, compute_ms: float, rows: int) -> dict[str, Any]:
+        trace = list(msg.extras.get("trace", []))
+        trace.append({"stage": self.info.stage_id, "compute_ms": round(compute_ms, 3), "rows": rows,
+                      "lock_wait_ms": round(self.lock.wait_ms, 3), "lock_hold_ms": round(self.lock.hold_ms, 3)})
+        return {**msg.extras, "trace": trace}
+
+    # ------------------------------------------------------------ handlers
+
+    def on_configure(self, msg: Message) -> list[Outbound]:
+        session = self._acquire(msg.session_id, msg.request_id)
+        if self.info.last:
+            try:
+                params = SamplingParams.from_dict(msg.extras.get("sampling", {}))
+            except (TypeError, ValueError) as exc:
+                raise StageFault(f"bad sampling configuration: {exc}", "bad_sampling") from exc
+            session.sampler = Sampler(params, msg.tokens.tolist())
+            return []
+        return [Outbound(NEXT, msg)]
+
+    def on_prefill(self, msg: Message) -> list[Outbound]:
+        n = int(msg.tokens.shape[0]) if self.info.first else (0 if msg.activation is None else msg.activation.shape[0])
+        if n == 0:
+            raise StageFault("PREFILL carries no tokens", "empty")
+        session = self._align(msg.session_id, msg.request_id, msg.position)
+        x = self._inputs(msg, n)
+        output = "none" if self.info.last else "hidden"
+        t0 = time.perf_counter()
+        hidden = self.lock.run(lambda: self.runner.prefill(session.lane, x, msg.position, output=output))
+        compute_ms = 1000 * (time.perf_counter() - t0)
+        session.length = msg.position + n
+        self.counters["tokens"] += n
+        extras = self._trace(msg, compute_ms, 1)
+        if self.info.last:
+            return [Outbound(DRIVER, Message.ack(msg.request_id, msg.session_id,
+                                                 {"prefilled": session.length, "trace": extras["trace"]}))]
+        return [Outbound(NEXT, replace(msg, activation=hidden, extras=extras))]
+
+    def on_decode(self, msg: Message) -> list[Outbound]:
+        sessions = msg.session_ids
+        rows = len(sessions)
+        positions = msg.positions if msg.positions is not None else np.array([msg.position], np.int32)
+        if positions.shape[0] != rows or msg.tokens.shape[0] != rows:
+            raise StageFault(f"DECODE needs one token and one position per row ({rows} rows)", "bad_rows")
+        x = self._inputs(msg, rows)
+        out: list[Outbound] = []
+        keep, lanes = [], []
+        for i, sid in enumerate(sessions.tolist()):
+            try:
+                lanes.append(self._align(sid, msg.request_id, int(positions[i])).lane)
+                keep.append(i)
+            except StageFault as fault:
+                out.append(self.error(msg.request_id, sid, fault.reason, fault.code))
+        if not keep:
+            return out
+        if len(keep) < rows:
+            idx = np.asarray(keep)
+            sessions, positions, x = sessions[idx], positions[idx], x[idx]
+            msg = replace(msg, sessions=sessions, session_id=int(sessions[0]), tokens=msg.tokens[idx],
+                          positions=positions)
+        t0 = time.perf_counter()
+        result = self.lock.run(lambda: self.runner.decode(np.asarray(lanes, np.int32), x, positions))
+        compute_ms = 1000 * (time.perf_counter() - t0)
+        for sid, pos in zip(sessions.tolist(), positions.tolist()):
+            self.sessions.get(sid).length = pos + 1
+        self.counters["tokens"] += len(keep)
+        extras = self._trace(msg, compute_ms, len(keep))
+        if not self.info.last:
+            return out + [Outbound(NEXT, replace(msg, activation=result, extras=extras))]
+        tokens = [self._sample(sid, row) for sid, row in zip(sessions.tolist(), result)]
+        return out + [Outbound(DRIVER, Message.predicted_tokens(msg.request_id, sessions, tokens,
+                                                                {"trace": extras["trace"]}))]
+
+    def _sample(self, session_id: int, logits: np.ndarray) -> int:
+        session = self.sessions.get(session_id)
+        if session.sampler is None:
+            session.sampler = Sampler(SamplingParams())
+        return session.sampler.sample(logits)
+
+    def on_stop(self, msg: Message) -> list[Outbound]:
+        for sid in msg.session_ids.tolist():
+            self.sessions.release(sid)
+        return [] if self.info.last else [Outbound(NEXT, msg)]
+
+    def on_trim(self, msg: Message) -> list[Outbound]:
+        session = self.sessions.get(msg.session_id)
+        if session is not None:
+            session.length = min(session.length, msg.position)
+        return [] if self.info.last else [Outbound(NEXT, msg)]
+
+    def status(self) -> dict[str, Any]:
+        return {"lanes_in_use": len(self.sessions), "lanes": self.sessions.lanes, **self.counters}

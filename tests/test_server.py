@@ -1,0 +1,372 @@
+"""OpenAI HTTP layer: the real app on uvicorn, a scripted FakeEngine, the real tokenizer,
+driven by the official `openai` client (and httpx for raw HTTP cases)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from fake_engine import FakeEngine
+from prometheus_client.parser import text_string_to_metric_families
+
+from skippy_zmq.driver.engine import EngineError
+from skippy_zmq.driver.openai_schema import StopMatcher
+from skippy_zmq.driver.server import create_app, start_in_thread
+from skippy_zmq.model.tokenizer import TextTokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
+GGUF_PATH = REPO_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL = "smol-test"
+REPLY = "Hello there! The quick fox says STOP now, then 日本語 and more."
+MAX_CONTEXT = 256
+BODY_LIMIT = 64 * 1024
+API_KEY = "sekrit"
+MESSAGES = [{"role": "user", "content": "Say hello."}]
+
+
+def _load_tokenizer() -> TextTokenizer:
+    if (TOKENIZER_DIR / "tokenizer.json").is_file():
+        return TextTokenizer.load(TOKENIZER_DIR)
+    if GGUF_PATH.is_file():
+        return TextTokenizer.from_gguf(GGUF_PATH)
+    pytest.skip(f"no tokenizer: neither {TOKENIZER_DIR} nor {GGUF_PATH} exists")
+
+
+@pytest.fixture(scope="module")
+def tok() -> TextTokenizer:
+    return _load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def engine(tok: TextTokenizer) -> FakeEngine:
+    script = [*tok.encode(REPLY), tok.eos_ids[0]]
+    return FakeEngine(script, tok.eos_ids, model_name="engine-name", max_context=MAX_CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def server(engine: FakeEngine, tok: TextTokenizer):
+    handle = start_in_thread(create_app(engine, tok, model_name=MODEL, max_body_bytes=BODY_LIMIT))
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="module")
+def locked_server(engine: FakeEngine, tok: TextTokenizer):
+    handle = start_in_thread(create_app(engine, tok, model_name=MODEL, api_key=API_KEY))
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(autouse=True)
+def fresh_engine(engine: FakeEngine) -> FakeEngine:
+    engine.reset()
+    return engine
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=10)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=10) as session:
+        yield session
+
+
+def _chat(client: openai.OpenAI, **kwargs):
+    return client.chat.completions.create(model=kwargs.pop("model", MODEL), messages=MESSAGES, **kwargs)
+
+
+def _sse_payloads(lines) -> list:
+    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+
+
+# ---------------------------------------------------------------- basics
+
+def test_models_health_and_readyz(client, http, engine):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert http.get("/health").status_code == 200
+    engine.ready = False
+    not_ready = http.get("/readyz")
+    assert (not_ready.status_code, not_ready.json()) == (503, {"ready": False})
+    with pytest.raises(openai.InternalServerError) as err:
+        _chat(client)
+    assert err.value.status_code == 503
+    engine.ready = True
+    assert (http.get("/readyz").status_code, http.get("/readyz").json()) == (200, {"ready": True})
+
+
+def test_chat_non_streaming(client, engine, tok):
+    engine.cached_tokens = 7
+    resp = _chat(client, model="whatever", temperature=0.5, top_p=0.9, seed=3, max_tokens=100,
+                 frequency_penalty=0.5, logit_bias={"42": 2.0}, prompt_cache_key="ns-1",
+                 extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1})
+    prompt_ids = tok.encode_chat(MESSAGES)
+    assert resp.id.startswith("chatcmpl-") and resp.object == "chat.completion" and resp.model == MODEL
+    assert resp.choices[0].message.content == REPLY and resp.choices[0].finish_reason == "stop"
+    assert resp.choices[0].message.role == "assistant"
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (len(prompt_ids), len(engine.script))
+    assert resp.usage.total_tokens == len(prompt_ids) + len(engine.script)
+    assert resp.usage.prompt_tokens_details.cached_tokens == 7
+    sent = engine.requests[-1]
+    assert sent.prompt_ids == tuple(prompt_ids) and sent.cache_key == "ns-1" and sent.max_tokens == 100
+    s = sent.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (0.5, 0.9, 5, 0.1, 3)
+    assert (s.frequency_penalty, s.repetition_penalty, s.logit_bias) == (0.5, 1.1, ((42, 2.0),))
+
+
+def test_chat_streaming_with_usage(client, engine):
+    engine.cached_tokens = 3
+    chunks = list(_chat(client, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.model == MODEL for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == REPLY and "\ufffd" not in text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(engine.script)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 3
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions(client, engine, tok):
+    resp = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=50)
+    assert resp.object == "text_completion" and resp.id.startswith("cmpl-")
+    assert resp.choices[0].text == REPLY and resp.choices[0].finish_reason == "stop"
+    assert engine.requests[-1].prompt_ids == tuple(tok.encode("Once upon"))
+    # token-id prompt, streamed
+    chunks = list(client.completions.create(model=MODEL, prompt=[1, 2, 3, 4], stream=True,
+                                            stream_options={"include_usage": True}))
+    assert engine.requests[-1].prompt_ids == (1, 2, 3, 4)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == REPLY
+    assert chunks[-1].usage.prompt_tokens == 4
+    # special tokens in a text prompt are recognised
+    client.completions.create(model=MODEL, prompt="<|im_start|>user")
+    assert engine.requests[-1].prompt_ids[0] == tok.encode("<|im_start|>")[0]
+
+
+def test_max_tokens_gives_length_and_is_clamped(client, engine, tok):
+    resp = _chat(client, max_tokens=3)
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 3
+    assert resp.choices[0].message.content == tok.decode(engine.script[:3])
+    room = MAX_CONTEXT - len(tok.encode_chat(MESSAGES))
+    _chat(client, max_completion_tokens=100_000)
+    assert engine.requests[-1].max_tokens == room
+    _chat(client)
+    assert engine.requests[-1].max_tokens == room
+    # ignore_eos runs past the script's EOS to max_tokens
+    long = _chat(client, max_tokens=len(engine.script) + 5, extra_body={"ignore_eos": True})
+    assert long.choices[0].finish_reason == "length" and engine.requests[-1].ignore_eos
+
+
+# ---------------------------------------------------------------- stop strings
+
+def test_stop_string_spanning_two_tokens(client, engine, tok):
+    assert not any("STOP" in tok.decode([t]) for t in engine.script)  # it really spans tokens
+    expected = REPLY[: REPLY.index(" STOP")]
+    resp = _chat(client, stop=[" STOP", "never"])
+    assert resp.choices[0].message.content == expected and resp.choices[0].finish_reason == "stop"
+    assert engine.cancelled == [engine.requests[-1].request_id]  # the iterator was closed early
+    chunks = list(_chat(client, stop="STOP", stream=True))
+    pieces = [c.choices[0].delta.content or "" for c in chunks]
+    assert "".join(pieces) == REPLY[: REPLY.index("STOP")]
+    assert not any("S" in piece for piece in pieces)  # no partial stop string ever leaked
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_stop_string_after_multibyte_text(client):
+    resp = client.completions.create(model=MODEL, prompt="x", stop=["語 and"], stream=False)
+    assert resp.choices[0].text == REPLY[: REPLY.index("語 and")]
+
+
+@pytest.mark.parametrize(
+    ("stops", "pieces", "emitted", "hit"),
+    [
+        (("STOP",), ["ab S", "TO", "P x"], ["ab ", "", ""], True),
+        (("STOP",), ["ab S", "TX"], ["ab ", "STX"], False),
+        (("ab", "b c"), ["xa", "b c"], ["x", ""], True),
+        (("<end>",), ["a<e", "nd", "!"], ["a", "", "<end!"], False),
+    ],
+)
+def test_stop_matcher(stops, pieces, emitted, hit):
+    matcher, out, stopped = StopMatcher(stops), [], False
+    for piece in pieces:
+        text, stopped = matcher.push(piece)
+        out.append(text)
+        if stopped:
+            break
+    assert out == emitted[: len(out)] and stopped == hit
+
+
+# ---------------------------------------------------------------- validation
+
+BAD_REQUESTS = [
+    ({"temperature": 5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 2}, "n"),
+    ({"logprobs": True}, "logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"seed": -1}, "seed"),
+    ({"extra_body": {"top_k": "many"}}, "top_k"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "param"), BAD_REQUESTS, ids=[p for _, p in BAD_REQUESTS])
+def test_bad_parameters_are_400_naming_the_param(client, engine, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        _chat(client, **kwargs)
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == param and err.value.body["type"] == "invalid_request_error"
+    assert err.value.body["message"].startswith(param)
+    assert engine.requests == []
+
+
+def test_n2_message_and_bad_messages_and_prompts(client):
+    with pytest.raises(openai.BadRequestError, match="n: only n=1 is supported"):
+        _chat(client, n=2)
+    for messages in ([], [{"role": "robot", "content": "hi"}], [{"role": "user", "content": 5}]):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=messages)
+        assert err.value.body["param"] == "messages"
+    for prompt, kwargs in ((["a", "b"], {}), ([49152], {}), ("x", {"echo": True}), ("x", {"suffix": "y"})):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=prompt, **kwargs)
+        assert err.value.body["param"] in ("prompt", "echo", "suffix")
+
+
+def test_prompt_too_long(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=[5] * MAX_CONTEXT)
+    assert err.value.body["param"] == "prompt"
+    assert str(MAX_CONTEXT) in err.value.body["message"] and "256 tokens" in err.value.body["message"]
+    long_chat = [{"role": "user", "content": "word " * MAX_CONTEXT}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=long_chat)
+    assert err.value.body["param"] == "messages"
+
+
+def test_body_limits_json_and_content_type(http):
+    big = json.dumps({"model": MODEL, "prompt": "x" * (BODY_LIMIT + 10)}).encode()
+    resp = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert resp.status_code == 413 and resp.json()["error"]["type"] == "invalid_request_error"
+    chunked = http.post("/v1/completions", content=iter([big[:40_000], big[40_000:]]))  # no Content-Length
+    assert chunked.status_code == 413
+    bad = http.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
+    assert http.post("/v1/completions", content=b"[1, 2]").status_code == 400
+    plain = http.post("/v1/completions", content=b"hello", headers={"content-type": "text/plain"})
+    assert plain.status_code == 415
+    missing = http.get("/v1/nothing")
+    assert missing.status_code == 404 and "error" in missing.json()
+
+
+# ---------------------------------------------------------------- engine errors
+
+def test_engine_errors_map_to_http(client, engine):
+    engine.fail = EngineError("too busy", 429, "rate_limited", retry_after=2.5)
+    with pytest.raises(openai.RateLimitError) as err:
+        _chat(client)
+    assert err.value.response.headers["retry-after"] == "3"
+    assert err.value.body["type"] == "rate_limit_exceeded" and err.value.body["message"] == "too busy"
+    for status in (504, 503):
+        engine.fail = EngineError(f"failed {status}", status, "engine_error")
+        with pytest.raises(openai.APIStatusError) as err:
+            _chat(client, stream=True)  # errors before the first token still get a real status
+        assert err.value.status_code == status and err.value.body["type"] == "server_error"
+
+
+def test_engine_error_mid_stream_is_an_sse_event(http, engine):
+    engine.fail_after = 2
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        payloads = _sse_payloads(resp.iter_lines())
+    assert payloads[-1] == "[DONE]"
+    error = json.loads(payloads[-2])["error"]
+    assert error["message"] == "stage 1 went away" and error["type"] == "server_error"
+
+
+# ---------------------------------------------------------------- headers, auth, metrics
+
+def test_request_id_echoed_or_generated(http, engine):
+    given = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"x-request-id": "abc-123"})
+    assert given.headers["x-request-id"] == "abc-123" and engine.requests[-1].request_id == "abc-123"
+    made = http.get("/health").headers["x-request-id"]
+    assert re.fullmatch(r"req-[0-9a-f]{32}", made)
+    assert re.fullmatch(r"req-[0-9a-f]{32}", http.get("/nope").headers["x-request-id"])
+
+
+def test_api_key(locked_server):
+    base = f"{locked_server.url}/v1"
+    with pytest.raises(openai.AuthenticationError) as err:
+        openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+    assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+    ok = openai.OpenAI(base_url=base, api_key=API_KEY, max_retries=0)
+    assert ok.chat.completions.create(model=MODEL, messages=MESSAGES).choices[0].message.content == REPLY
+    for path in ("/health", "/readyz", "/metrics"):
+        assert httpx.get(f"{locked_server.url}{path}").status_code == 200
+
+
+def _metric_samples(http) -> dict[tuple[str, tuple], float]:
+    text = http.get("/metrics").text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text) for sample in family.samples
+    }
+
+
+def test_metrics_move(client, http, engine):
+    engine.cached_tokens = 4
+    before = _metric_samples(http)
+    _chat(client, max_tokens=5)
+    after = _metric_samples(http)
+    ok_chat = ("skippy_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))
+
+    def moved(key) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert moved(ok_chat) == 1
+    assert moved(("skippy_generated_tokens_total", ())) == 5
+    assert moved(("skippy_cached_prompt_tokens_total", ())) == 4
+    assert moved(("skippy_prompt_tokens_total", ())) == engine.requests[-1].prompt_ids.__len__()
+    assert moved(("skippy_time_to_first_token_seconds_count", ())) == 1
+    assert moved(("skippy_inter_token_latency_seconds_count", ())) == 4
+    assert moved(("skippy_request_duration_seconds_count", (("endpoint", "/v1/chat/completions"),))) == 1
+    assert after[("skippy_requests_in_flight", ())] == 0
+    with pytest.raises(openai.BadRequestError):
+        _chat(client, n=3)
+    assert _metric_samples(http)[("skippy_errors_total", (("kind", "invalid_request"),))] >= 1
+
+
+# ---------------------------------------------------------------- disconnects
+
+def test_client_disconnect_mid_stream_cancels(http, engine):
+    engine.delay_s = 0.02
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "max_tokens": 200, "ignore_eos": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        first = next(resp.iter_lines())
+        assert first.startswith("data: ")
+    assert engine.wait_cancelled(timeout_s=5.0)
+    assert engine.cancelled == [engine.requests[-1].request_id]
+
+
+def test_client_disconnect_non_streaming_cancels(server, engine):
+    engine.delay_s = 0.02
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 200, "ignore_eos": True}
+    started = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.3)
+    assert engine.wait_cancelled(timeout_s=5.0)
+    assert time.monotonic() - started < 4.0 and engine.finished == []
