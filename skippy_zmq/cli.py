@@ -132,6 +132,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     return run_up(args)
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    from skippy_zmq.launch import launch
+    from skippy_zmq.topology import load_topology
+
+    url = launch(load_topology(args.topology), Path(args.topology), Path(args.run_dir), args.timeout)
+    print(url)
+    return 0
+
+
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -198,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=None)
     p.add_argument("--api-key", default=None)
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("launch", help="start a topology in the background; print the API URL when ready")
+    p.add_argument("topology")
+    p.add_argument("run_dir")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser("bench", help="benchmarks; prints a table and writes JSON")
     p.add_argument("suite", nargs="?", default="single", choices=["single", "pipeline", "all"])

@@ -70,3 +70,45 @@ def check_alive(procs: list[subprocess.Popen], run_dir: Path) -> None:
     for proc in procs:
         if proc.poll() is not None:
             raise RuntimeError(f"a stage exited with code {proc.returncode} during startup; see logs in {run_dir}")
+
+
+def spawn_driver(topology_path: Path, run_dir: Path, extra: list[str] | None = None) -> subprocess.Popen:
+    log = open(run_dir / "driver.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "skippy_zmq.cli", *(extra or []), "driver", "--topology",
+                             str(topology_path)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    log.close()
+    (run_dir / "driver.pid").write_text(f"{proc.pid}\n")
+    return proc
+
+
+def wait_http_ready(url: str, procs: list[subprocess.Popen], run_dir: Path, timeout: float) -> None:
+    """Poll /readyz until 200; fail fast if a process died; bounded by `timeout`."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        check_alive(procs, run_dir)
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)   # polling an HTTP endpoint; not synchronisation between our processes
+    raise TimeoutError(f"{url}/readyz not ready after {timeout:g} s; see logs in {run_dir}")
+
+
+def launch(topology: Topology, topology_path: Path, run_dir: Path, timeout: float = 300.0,
+           extra: list[str] | None = None) -> str:
+    """Stages then driver in the background; returns the API base URL once /readyz is 200."""
+    procs = spawn_stages(topology, topology_path, run_dir, extra)
+    procs.append(spawn_driver(topology_path, run_dir, extra))
+    url = f"http://{topology.driver.http_host}:{topology.driver.http_port}"
+    try:
+        wait_http_ready(url, procs, run_dir, timeout)
+    except Exception:
+        stop_processes(procs)
+        raise
+    return url + "/v1"

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,10 +99,6 @@ class StageConfig:
     @property
     def is_last(self) -> bool:
         return self.end == self.n_layers
-
-    @property
-    def n_stage_layers(self) -> int:
-        return self.end - self.start
 
     @property
     def connect(self) -> str:
@@ -158,10 +155,6 @@ class Topology:
     @property
     def last(self) -> StageConfig:
         return self.stages[-1]
-
-    @property
-    def keys_path(self) -> Path | None:
-        return None if self.keys_dir is None else Path(self.keys_dir).resolve()
 
     def is_first(self, stage: StageConfig) -> bool:
         return stage.id == self.stages[0].id
@@ -227,7 +220,6 @@ class _At:
 
 Check = Callable[[Any, _At], Any]
 _TCP = re.compile(r"^tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d+)$")
-_HOSTPORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d+)$")
 
 
 def _integer(low: int) -> Check:
@@ -253,10 +245,6 @@ def _text(value: Any, at: _At) -> str:
     if not isinstance(value, str) or not value.strip():
         at.fail(f"expected a non-empty string, got {value!r}")
     return value
-
-
-def _optional_text(value: Any, at: _At) -> str | None:
-    return None if value is None else _text(value, at)
 
 
 def _choice(*options: str) -> Check:
@@ -289,7 +277,7 @@ def _endpoint(value: Any, at: _At) -> str:
 
 
 def _hostport(value: Any, at: _At) -> str:
-    if not (isinstance(value, str) and (m := _HOSTPORT.match(value))):
+    if not (isinstance(value, str) and (m := _TCP.match(f"tcp://{value}")) and m["host"] != "*"):
         at.fail(f"expected host:port, got {value!r}")
     _port(m["port"], at)
     return value
@@ -326,28 +314,30 @@ def _defaults(cls: type) -> dict[str, Any]:
     return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
 
 
-def _cache(raw: Any, at: _At) -> CacheConfig:
-    checks = {"mode": _choice("disabled", "record", "lookup-record"), "max_bytes": _integer(1),
-              "max_entries": _integer(1), "stride": _integer(1), "min_tokens": _integer(1)}
-    return CacheConfig(**_read(raw, at, checks, _defaults(CacheConfig)))
+def _section(cls: type, checks: dict[str, Check]) -> Check:
+    """A check for a nested mapping whose keys are exactly `cls`'s fields."""
+    return lambda raw, at: cls(**_read(raw, at, checks, _defaults(cls)))
+
+
+_cache = _section(CacheConfig, {
+    "mode": _choice("disabled", "record", "lookup-record"), "max_bytes": _integer(1), "max_entries": _integer(1),
+    "stride": _integer(1), "min_tokens": _integer(1),
+})
+_wire = _section(WireConfig, {
+    "activation_dtype": _choice("f32", "f16", "bf16", "q8"), "max_message_bytes": _integer(1024), "hwm": _integer(0),
+})
 
 
 def _driver(raw: Any, at: _At) -> DriverConfig:
     checks = {"return": _endpoint, "http": _hostport, "max_sessions": _integer(1), "max_queue": _integer(0),
               "request_timeout_s": _seconds, "reply_timeout_s": _seconds, "heartbeat_s": _seconds,
-              "dead_after_s": _seconds, "prefill_chunk": _integer(1), "max_context": _integer(2)}
+              "dead_after_s": _seconds, "prefill_chunk": _integer(1), "max_context": _integer(1)}
     defaults = _defaults(DriverConfig)
     defaults["return"] = defaults.pop("return_endpoint")
     fields = _read(raw, at, checks, defaults)
     if fields["dead_after_s"] <= fields["heartbeat_s"]:
         at.key("dead_after_s").fail(f"must exceed heartbeat_s ({fields['heartbeat_s']}), got {fields['dead_after_s']}")
     return DriverConfig(return_endpoint=fields.pop("return"), **fields)
-
-
-def _wire(raw: Any, at: _At) -> WireConfig:
-    checks = {"activation_dtype": _choice("f32", "f16", "bf16", "q8"), "max_message_bytes": _integer(1024),
-              "hwm": _integer(0)}
-    return WireConfig(**_read(raw, at, checks, _defaults(WireConfig)))
 
 
 _STAGE_CHECKS: dict[str, Check] = {
@@ -402,8 +392,9 @@ def _check_endpoints(topology: Topology, at: _At) -> None:
 
 
 _TOP_CHECKS: dict[str, Check] = {
-    "model": _text, "n_layers": _integer(1), "security": _choice("none", "curve"), "keys_dir": _optional_text,
-    "driver": _driver, "wire": _wire, "stages": lambda v, at: v,  # stages are checked by parse_topology
+    "model": _text, "n_layers": _integer(1), "security": _choice("none", "curve"),
+    "keys_dir": lambda v, at: None if v is None else _text(v, at), "driver": _driver, "wire": _wire,
+    "stages": lambda v, at: v,  # checked stage by stage in parse_topology
 }
 
 
@@ -474,7 +465,7 @@ def split_layers(n_layers: int, weights: Sequence[float]) -> list[tuple[int, int
     n = len(weights)
     if n < 1 or n > n_layers:
         raise TopologyError(f"cannot split {n_layers} layers into {n} stages (need 1 <= stages <= layers)")
-    if not all(isinstance(w, (int, float)) and 0 < w < math.inf for w in weights):
+    if not all(isinstance(w, numbers.Real) and 0 < w < math.inf for w in weights):
         raise TopologyError(f"stage weights must be positive finite numbers, got {list(weights)}")
     quotas = [n_layers * w / sum(weights) for w in weights]
     counts = [math.floor(q) for q in quotas]
@@ -482,7 +473,7 @@ def split_layers(n_layers: int, weights: Sequence[float]) -> list[tuple[int, int
     for i in by_remainder[: n_layers - sum(counts)]:
         counts[i] += 1
     while 0 in counts:  # a tiny weight still gets one layer, taken from the most over-quota stage
-        donor = max(range(n), key=lambda i: (counts[i] - quotas[i], counts[i]))
+        donor = max((i for i in range(n) if counts[i] > 1), key=lambda i: counts[i] - quotas[i])
         counts[donor] -= 1
         counts[counts.index(0)] += 1
     bounds = [sum(counts[:i]) for i in range(n + 1)]
@@ -492,6 +483,8 @@ def split_layers(n_layers: int, weights: Sequence[float]) -> list[tuple[int, int
 def plan_topology(n_layers: int, n_stages: int, weights: Sequence[float] | None = None,
                   model: str = DEFAULT_MODEL, base_port: int = 5600, host: str = "127.0.0.1") -> Topology:
     """A local topology: driver return on `base_port`, stage i listening on `base_port + 1 + i`."""
+    if n_stages < 1:
+        raise TopologyError(f"need at least one stage, got {n_stages}")
     if weights is None:
         weights = [1] * n_stages
     elif len(weights) != n_stages:

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 from fake_engine import FakeEngine
+from loguru import logger
 from prometheus_client.parser import text_string_to_metric_families
 
 from skippy_zmq.driver.engine import EngineError
@@ -70,8 +71,9 @@ def fresh_engine(engine: FakeEngine) -> FakeEngine:
 
 
 @pytest.fixture
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=10)
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=10) as session:
+        yield session
 
 
 @pytest.fixture
@@ -163,6 +165,28 @@ def test_max_tokens_gives_length_and_is_clamped(client, engine, tok):
     # ignore_eos runs past the script's EOS to max_tokens
     long = _chat(client, max_tokens=len(engine.script) + 5, extra_body={"ignore_eos": True})
     assert long.choices[0].finish_reason == "length" and engine.requests[-1].ignore_eos
+
+
+def test_accepted_noop_parameters_and_content_parts(client, engine):
+    messages = [{"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]}]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=messages, n=1, logprobs=False, response_format={"type": "text"},
+        tool_choice="none", user="someone", max_tokens=50, max_completion_tokens=4,
+        extra_body={"some_vendor_knob": 1, "top_k": -1},
+    )
+    assert resp.usage.completion_tokens == 4 and engine.requests[-1].sampling.top_k == 0
+    assert engine.requests[-1].sampling.temperature == 1.0  # OpenAI's default
+
+
+def test_request_id_is_bound_in_logs(http):
+    seen: list[str | None] = []
+    sink = logger.add(lambda message: seen.append(message.record["extra"].get("request_id")), level="DEBUG")
+    try:
+        http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"x-request-id": "log-me"})
+    finally:
+        logger.remove(sink)
+    assert seen and set(seen) == {"log-me"}
 
 
 # ---------------------------------------------------------------- stop strings
@@ -310,11 +334,12 @@ def test_request_id_echoed_or_generated(http, engine):
 
 def test_api_key(locked_server):
     base = f"{locked_server.url}/v1"
-    with pytest.raises(openai.AuthenticationError) as err:
-        openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+    with openai.OpenAI(base_url=base, api_key="wrong", max_retries=0) as wrong:
+        with pytest.raises(openai.AuthenticationError) as err:
+            wrong.models.list()
     assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
-    ok = openai.OpenAI(base_url=base, api_key=API_KEY, max_retries=0)
-    assert ok.chat.completions.create(model=MODEL, messages=MESSAGES).choices[0].message.content == REPLY
+    with openai.OpenAI(base_url=base, api_key=API_KEY, max_retries=0) as right:
+        assert right.chat.completions.create(model=MODEL, messages=MESSAGES).choices[0].message.content == REPLY
     for path in ("/health", "/readyz", "/metrics"):
         assert httpx.get(f"{locked_server.url}{path}").status_code == 200
 

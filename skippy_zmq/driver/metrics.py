@@ -20,6 +20,17 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
+# errors_total{kind}: a small fixed vocabulary keyed by HTTP status.
+ERROR_KINDS = {
+    400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+    413: "payload_too_large", 415: "unsupported_media_type", 429: "rate_limited",
+    503: "unavailable", 504: "timeout",
+}
+
+
+def error_kind(status: int) -> str:
+    return ERROR_KINDS.get(status, "server_error" if status >= 500 else "client_error")
+
 
 class ServerMetrics:
     """The HTTP layer's counters, histograms and gauges."""

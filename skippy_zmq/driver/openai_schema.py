@@ -1,4 +1,4 @@
-"""OpenAI wire format: request parsing and validation, response builders, stop strings.
+"""OpenAI wire format: body and parameter validation, prompt encoding, response builders, stop strings.
 
 Requests are plain JSON dicts checked by small tables (type, unsupported
 values) so every rejection names the offending parameter in the OpenAI error
@@ -7,11 +7,17 @@ body, as vLLM and llama-server do. Unknown keys are ignored (like vLLM).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2.exceptions import TemplateError
+from starlette.requests import Request
+
+from skippy_zmq.driver.engine import GenRequest
+from skippy_zmq.model.tokenizer import TextTokenizer
 from skippy_zmq.sampling import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -236,6 +242,60 @@ def parse_chat(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
 def parse_completion(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
     prompt = parse_prompt(body.get("prompt"), vocab_size)
     return ParsedRequest(COMPLETION, parse_options(body, vocab_size), prompt=prompt)
+
+
+# ---------------------------------------------------------------- body and prompt
+
+async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
+    """The JSON object body, refusing other media types and anything over `limit` bytes."""
+    media_type = (request.headers.get("content-type") or "application/json").split(";")[0].strip().lower()
+    if not media_type.endswith("json"):
+        raise RequestError(f"Content-Type must be application/json, got {media_type!r}", status=415)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"request body is {declared} bytes; the limit is {limit}", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:  # a chunked body has no Content-Length to check up front
+            raise RequestError(f"request body exceeds the limit of {limit} bytes", status=413)
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise RequestError(f"malformed JSON body: {err}") from None
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    return body
+
+
+def encode_prompt(tokenizer: TextTokenizer, parsed: ParsedRequest) -> list[int]:
+    if parsed.messages:
+        try:
+            return tokenizer.encode_chat(list(parsed.messages))
+        except (TemplateError, ValueError, TypeError) as err:  # e.g. raise_exception() on role order
+            raise RequestError(f"messages: the chat template failed: {err}", "messages") from None
+    if isinstance(parsed.prompt, str):
+        return tokenizer.encode(parsed.prompt)
+    return list(parsed.prompt or ())
+
+
+def to_gen_request(parsed: ParsedRequest, prompt_ids: list[int], request_id: str, max_context: int) -> GenRequest:
+    """The engine request; max_tokens defaults to, and is clamped to, the room left in the context."""
+    param, room = parsed.format.prompt_param, max_context - len(prompt_ids)
+    if not prompt_ids:
+        raise RequestError(f"{param}: the prompt is empty", param)
+    if room <= 0:
+        raise RequestError(
+            f"{param}: the prompt has {len(prompt_ids)} tokens but this model's maximum context length "
+            f"is {max_context} tokens", param, code="context_length_exceeded",
+        )
+    options = parsed.options
+    return GenRequest(
+        request_id=request_id, prompt_ids=tuple(prompt_ids), sampling=options.sampling,
+        max_tokens=min(options.max_tokens or room, room), ignore_eos=options.ignore_eos,
+        cache_key=options.cache_key,
+    )
 
 
 # ---------------------------------------------------------------- responses

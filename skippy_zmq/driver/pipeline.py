@@ -115,9 +115,12 @@ class PipelineEngine:
     async def generate(self, req: GenRequest) -> AsyncIterator[TokenEvent]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        cancel = await asyncio.to_thread(self.submit, req, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
+        submitted = asyncio.ensure_future(asyncio.to_thread(
+            self.submit, req, lambda item: loop.call_soon_threadsafe(events.put_nowait, item)))
         finished = False
         try:
+            # Shielded: a client that leaves during admission still gets its request cancelled below.
+            cancel = await asyncio.shield(submitted)
             while True:
                 item = await events.get()
                 if isinstance(item, EngineError):
@@ -129,7 +132,10 @@ class PipelineEngine:
                     return
         finally:
             if not finished:
-                cancel()
+                if submitted.done() and not submitted.cancelled() and submitted.exception() is None:
+                    submitted.result()()
+                elif not submitted.done():
+                    submitted.add_done_callback(lambda f: f.exception() is None and f.result()())
 
     def generate_blocking(self, req: GenRequest) -> Iterator[TokenEvent]:
         events: queue.Queue = queue.Queue()

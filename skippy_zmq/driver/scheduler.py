@@ -191,8 +191,9 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         self._expire(now)
         self._admit()
-        self._send_decode_batches(now)
-        self._send_prefill(now)
+        self._send_decode_batches(now)      # running streams first ...
+        self._send_prefill(now)             # ... then prefill within its credit ...
+        self._send_decode_batches(now)      # ... then first decodes of prompts fully sent
         out, self.outbox = self.outbox, []
         return out
 

@@ -31,10 +31,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skippy_zmq.driver.engine import Engine, EngineError, GenRequest, TokenEvent
-from skippy_zmq.driver.metrics import ServerMetrics
+from skippy_zmq.driver.metrics import ServerMetrics, error_kind
 from skippy_zmq.driver.openai_schema import (
-    CHAT, COMPLETION, ParsedRequest, RequestError, ResponseFormat, StopMatcher, error_body,
-    parse_chat, parse_completion, usage,
+    CHAT, COMPLETION, ParsedRequest, RequestError, ResponseFormat, StopMatcher, encode_prompt, error_body,
+    parse_chat, parse_completion, read_json_body, to_gen_request, usage,
 )
 from skippy_zmq.model.tokenizer import TextTokenizer
 
@@ -43,11 +43,6 @@ GENERATION_ENDPOINTS = (CHAT.endpoint, COMPLETION.endpoint)
 KNOWN_ENDPOINTS = (*GENERATION_ENDPOINTS, "/v1/models", "/health", "/readyz", "/metrics")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-_ERROR_KINDS = {
-    400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-    413: "payload_too_large", 415: "unsupported_media_type", 429: "rate_limited",
-    503: "unavailable", 504: "timeout",
-}
 T = TypeVar("T")
 
 
@@ -72,7 +67,7 @@ class ClientDisconnected(Exception):
 
 def error_response(ctx: ServerContext, status: int, message: str, param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    ctx.metrics.count_error(_ERROR_KINDS.get(status, "server_error" if status >= 500 else "client_error"))
+    ctx.metrics.count_error(error_kind(status))
     return JSONResponse(error_body(message, status, param, code), status_code=status, headers=headers)
 
 
@@ -84,18 +79,17 @@ def engine_error_response(ctx: ServerContext, err: EngineError) -> JSONResponse:
 
 
 def _install_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
+    @app.exception_handler(RequestError)
     async def on_request_error(_: Request, err: RequestError) -> Response:
         return error_response(ctx, err.status, err.message, err.param, err.code)
 
+    @app.exception_handler(EngineError)
     async def on_engine_error(_: Request, err: EngineError) -> Response:
         return engine_error_response(ctx, err)
 
+    @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, err: StarletteHTTPException) -> Response:
         return error_response(ctx, err.status_code, str(err.detail), headers=err.headers)
-
-    app.add_exception_handler(RequestError, on_request_error)
-    app.add_exception_handler(EngineError, on_engine_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
 
 
 # ---------------------------------------------------------------- middleware
@@ -124,7 +118,6 @@ class HttpMiddleware:
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
             await send(message)
 
-        started = time.perf_counter()
         with logger.contextualize(request_id=request_id), self.ctx.metrics.in_flight(
             endpoint in GENERATION_ENDPOINTS
         ):
@@ -135,7 +128,7 @@ class HttpMiddleware:
                 if not status:
                     await error_response(self.ctx, 500, "internal server error")(scope, receive, send_with_id)
             finally:
-                seconds = time.perf_counter() - started
+                seconds = time.perf_counter() - scope["state"]["arrival"]
                 self.ctx.metrics.observe_request(endpoint, status[0] if status else 500, seconds)
                 logger.debug("{} {} -> {} in {:.3f}s", scope["method"], scope["path"], status[:1], seconds)
 
@@ -161,31 +154,6 @@ def _request_id(scope: Scope) -> str:
 
 def _authorized(scope: Scope, api_key: str) -> bool:
     return hmac.compare_digest(_header(scope, b"authorization") or "", f"Bearer {api_key}")
-
-
-# ---------------------------------------------------------------- request body
-
-async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
-    """The JSON object body, refusing other media types and anything over `limit` bytes."""
-    media_type = (request.headers.get("content-type") or "application/json").split(";")[0].strip().lower()
-    if not media_type.endswith("json"):
-        raise RequestError(f"Content-Type must be application/json, got {media_type!r}", status=415)
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise RequestError(f"request body is {declared} bytes; the limit is {limit}", status=413)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:  # a chunked body has no Content-Length to check up front
-            raise RequestError(f"request body exceeds the limit of {limit} bytes", status=413)
-        chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks))
-    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise RequestError(f"malformed JSON body: {err}") from None
-    if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
-    return body
 
 
 # ---------------------------------------------------------------- generation
@@ -250,36 +218,6 @@ class TextStream:
             text += tail if hit else tail + self._stops.flush()
             self.finish_reason = "stop" if hit else event.finish_reason
         return text
-
-
-def build_gen_request(ctx: ServerContext, request_id: str, prompt_ids: list[int],
-                      parsed: ParsedRequest) -> GenRequest:
-    room = ctx.engine.max_context - len(prompt_ids)
-    if not prompt_ids:
-        raise RequestError(f"{parsed.format.prompt_param}: the prompt is empty", parsed.format.prompt_param)
-    if room <= 0:
-        raise RequestError(
-            f"{parsed.format.prompt_param}: the prompt has {len(prompt_ids)} tokens but this model's "
-            f"maximum context length is {ctx.engine.max_context} tokens",
-            parsed.format.prompt_param, code="context_length_exceeded",
-        )
-    options = parsed.options
-    return GenRequest(
-        request_id=request_id, prompt_ids=tuple(prompt_ids), sampling=options.sampling,
-        max_tokens=min(options.max_tokens or room, room), ignore_eos=options.ignore_eos,
-        cache_key=options.cache_key,
-    )
-
-
-def encode_prompt(tokenizer: TextTokenizer, parsed: ParsedRequest) -> list[int]:
-    if parsed.messages:
-        try:
-            return tokenizer.encode_chat(list(parsed.messages))
-        except Exception as err:  # the template may raise_exception() on e.g. bad role order
-            raise RequestError(f"messages: the chat template failed: {err}", "messages") from None
-    if isinstance(parsed.prompt, str):
-        return tokenizer.encode(parsed.prompt)
-    return list(parsed.prompt or ())
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -359,7 +297,7 @@ async def _generate(request: Request, parse: Parser) -> Response:
     if not ctx.engine.is_ready():
         raise EngineError("the model is still loading", 503, "not_ready")
     prompt_ids = await run_in_threadpool(encode_prompt, ctx.tokenizer, parsed)
-    gen_request = build_gen_request(ctx, request.state.request_id, prompt_ids, parsed)
+    gen_request = to_gen_request(parsed, prompt_ids, request.state.request_id, ctx.engine.max_context)
     stream = TextStream(ctx, gen_request, parsed.options.stop, request.state.arrival)
     handed_off = False
     try:
@@ -460,7 +398,8 @@ class ServerHandle:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.server.should_exit = True
@@ -486,5 +425,6 @@ def start_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
     while not server.ready.wait(0.05):  # bounded: a failed startup ends the thread
         if not thread.is_alive() or time.monotonic() > deadline:
             server.should_exit = True
+            sock.close()
             raise RuntimeError(f"HTTP server on {host}:{port} failed to start")
     return ServerHandle(server, thread, host, sock.getsockname()[1])

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Start every stage of TOPOLOGY (downstream first; ssh for a non-local host) and the
+# driver in the background; wait for /readyz; print the API URL. Logs and pids in RUN_DIR.
+set -euo pipefail
+if [ $# -lt 1 ]; then echo "usage: $0 TOPOLOGY [RUN_DIR]" >&2; exit 2; fi
+here="$(cd "$(dirname "$0")/.." && pwd)"
+topology="$1"
+run_dir="${2:-runs/$(basename "${topology%.yaml}")-$(date +%Y%m%d-%H%M%S)}"
+exec "${VENV:-$here/.venv}/bin/skippy-zmq" launch "$topology" "$run_dir"

@@ -1,0 +1,113 @@
+"""Real stage processes over real ZeroMQ sockets with the real model."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import openai
+import pytest
+import zmq
+
+from conftest import first_mismatch
+from procs import running_pipeline, write_topology
+from skippy_zmq import transport, wire
+from skippy_zmq.driver.engine import GenRequest
+from skippy_zmq.driver.server import create_app, start_in_thread
+from skippy_zmq.generate import LocalEngine
+from skippy_zmq.wire import Kind, Message
+
+
+@pytest.fixture(scope="module")
+def local(model_dir):
+    return LocalEngine(model_dir)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2stage", "3stage"])
+def pipeline(request, model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"p{request.param}")
+    path = write_topology(tmp, model_dir, request.param)
+    with running_pipeline(path, tmp / "run") as running:
+        yield running
+
+
+def pipeline_tokens(engine, ids, max_tokens=32, ignore_eos=True):
+    events = list(engine.generate_blocking(GenRequest("t", tuple(ids), max_tokens=max_tokens,
+                                                      ignore_eos=ignore_eos)))
+    return [e.token_id for e in events if e.token_id is not None], events[-1].finish_reason
+
+
+def test_greedy_through_the_pipeline_equals_transformers(pipeline, parity):
+    engine = pipeline[0]
+    for case in parity["prompts"]:
+        tokens, reason = pipeline_tokens(engine, case["prompt_ids"])
+        assert reason == "length"
+        assert first_mismatch(tokens, case["transformers_fp32_ids"]) == 32
+
+
+def test_chat_over_http_equals_single_process(pipeline, local):
+    engine, tokenizer = pipeline[0], pipeline[1]
+    handle = start_in_thread(create_app(engine, tokenizer, model_name="smollm2"))
+    try:
+        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+        reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
+        want = local.generate(local.tokenizer.encode_chat(messages), max_tokens=24)
+        assert reply.choices[0].message.content == want.text
+        assert reply.usage.completion_tokens == len(want.token_ids)
+        assert reply.usage.prompt_tokens == len(want.prompt_ids)
+        stream = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.text
+    finally:
+        handle.stop()
+
+
+def test_concurrent_requests_match_solo_runs(pipeline, parity):
+    engine = pipeline[0]
+    prompts = [c["prompt_ids"] for c in parity["prompts"]]
+    solo = [pipeline_tokens(engine, ids, 16)[0] for ids in prompts]
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda ids: pipeline_tokens(engine, ids, 16)[0], prompts))
+    assert together == solo
+
+
+def test_malformed_messages_get_error_replies_and_stage_keeps_serving(pipeline, parity):
+    engine, topology = pipeline[0], pipeline[2]
+    errors: list[tuple[str, Message]] = []
+    engine.on_reply_hooks.append(lambda sid, m: errors.append((sid, m)) if m.kind == Kind.ERROR else None)
+    good = wire.encode(Message(Kind.STOP, 77, 77))
+    header = bytearray(good[0])
+    bad_version = bytearray(header)
+    bad_version[4] = 9
+    unknown_kind = bytearray(header)
+    unknown_kind[5] = 99
+    lying = wire.encode(Message(Kind.PREFILL, 78, 78, tokens=np.arange(4, dtype=np.int32)))
+    lying[2] = bytes(lying[2])[:8]            # header says 4 tokens, frame holds 2
+    huge = bytearray(header)
+    wire.HEADER.pack_into(huge, 0, wire.MAGIC, wire.VERSION, Kind.PREFILL, 0, 0, 79, 79, 0, 100_000, 1, 0)
+    cases = {
+        "bad_version": [bytes(bad_version), *good[1:]],
+        "bad_frame_count": [bytes(header), bytes(good[1])],
+        "unknown_kind": [bytes(unknown_kind), *good[1:]],
+        "size_mismatch": lying,
+        "too_large": [bytes(huge), *good[1:]],
+    }
+    push = transport.make_socket(transport.context(), zmq.PUSH, topology.first.connect, bind=False)
+    try:
+        for frames in cases.values():
+            push.send_multipart([bytes(f) for f in frames])
+        deadline = time.monotonic() + 10
+        while len(errors) < len(cases) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        push.close(linger=0)
+    codes = sorted(m.extras["code"] for _, m in errors)
+    assert codes == sorted(cases), [m.extras for _, m in errors]
+    assert all(sid == topology.first.id for sid, _ in errors)
+    assert any("wrong protocol version 9" in m.extras["error"] for _, m in errors)
+    case = parity["prompts"][2]
+    tokens, _ = pipeline_tokens(engine, case["prompt_ids"], 8)
+    assert tokens == case["transformers_fp32_ids"][:8]
