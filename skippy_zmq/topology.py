@@ -366,7 +366,7 @@ def _check_chain(stages: Sequence[StageConfig], at: _At, declared: int | None) -
     previous_end, ids = 0, set()
     for i, stage in enumerate(stages):
         if stage.id in ids:
-            at.item(i).key("id").fail(f"duplicate stage id {stage.id!r}")
+            at.key("stages").item(i).key("id").fail(f"duplicate stage id {stage.id!r}")
         ids.add(stage.id)
         if i == 0 and stage.start != 0:
             at.fail(f"stages[0].layers starts at {stage.start}; the first stage must start at layer 0")

@@ -1,0 +1,333 @@
+"""Topology YAML: shipped files, round-trips, every validation error, the planner."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from skippy_zmq.topology import (
+    CacheConfig,
+    Topology,
+    TopologyError,
+    dump_topology,
+    load_topology,
+    parse_topology,
+    plan_topology,
+    split_layers,
+)
+
+TOPOLOGIES = sorted((Path(__file__).resolve().parents[1] / "topologies").glob("*.yaml"))
+
+BASE = {
+    "model": "models/smollm2-135m-instruct",
+    "n_layers": 30,
+    "driver": {"return": "tcp://127.0.0.1:5600", "http": "127.0.0.1:8000", "max_sessions": 4},
+    "stages": [
+        {"id": "s0", "layers": [0, 15], "listen": "tcp://127.0.0.1:5601", "cache": {"mode": "record"}},
+        {"id": "s1", "layers": [15, 30], "listen": "tcp://127.0.0.1:5602"},
+    ],
+}
+
+
+def load_mutated(tmp_path: Path, mutate) -> Topology:
+    """Write BASE, changed by `mutate(data)`, to a file and load it."""
+    data = copy.deepcopy(BASE)
+    mutate(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return load_topology(path)
+
+
+def expect_error(tmp_path: Path, mutate, *fragments: str) -> str:
+    with pytest.raises(TopologyError) as info:
+        load_mutated(tmp_path, mutate)
+    message = str(info.value)
+    assert message.startswith(str(tmp_path / "bad.yaml") + ": "), message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+# ------------------------------------------------------------ shipped files
+
+
+def test_shipped_topologies_exist():
+    names = {p.name for p in TOPOLOGIES}
+    assert {"smollm2-1stage.yaml", "smollm2-2stage.yaml", "smollm2-3stage.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.name)
+def test_shipped_topology_validates(path):
+    topology = load_topology(path)
+    topology.check_model(30)
+    assert topology.n_layers == 30
+    assert topology.first.is_first and topology.last.is_last
+    assert topology.model_path == Path(topology.model).resolve()
+    assert topology.source == str(path)
+
+
+def test_shipped_topologies_can_run_side_by_side():
+    addresses = []
+    for path in TOPOLOGIES:
+        t = load_topology(path)
+        addresses += [t.driver.return_endpoint, f"tcp://{t.driver.http}"] + [s.listen for s in t.stages]
+    assert len(addresses) == len(set(addresses))
+
+
+def test_shipped_layer_splits():
+    ranges = {p.name: [(s.start, s.end) for s in load_topology(p).stages] for p in TOPOLOGIES}
+    assert ranges["smollm2-1stage.yaml"] == [(0, 30)]
+    assert ranges["smollm2-2stage.yaml"] == [(0, 15), (15, 30)]
+    assert ranges["smollm2-3stage.yaml"] == [(0, 10), (10, 20), (20, 30)]
+
+
+@pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.name)
+def test_dump_parse_roundtrip(path):
+    topology = load_topology(path)
+    text = dump_topology(topology)
+    assert parse_topology(yaml.safe_load(text)) == topology
+    assert "layers: [0, " in text  # ranges stay readable
+
+
+# ------------------------------------------------------------ parsed values
+
+
+def test_defaults_and_accessors():
+    t = parse_topology(copy.deepcopy(BASE))
+    s0, s1 = t.stages
+    assert t.source == "<dict>" and t.security == "none" and t.keys_dir is None
+    assert s0.kv_lanes == 4 == t.driver.max_sessions  # kv_lanes defaults to max_sessions
+    assert s0.host == "127.0.0.1" and s0.device == "cpu" and s0.dtype == "float32"
+    assert s0.cache == CacheConfig(mode="record") and not s0.cache.lookup and s0.cache.record
+    assert s1.cache == CacheConfig() and s1.cache.lookup
+    assert t.wire.activation_dtype == "f32" and t.driver.reply_timeout_s == 30.0
+    assert (t.driver.http_host, t.driver.http_port) == ("127.0.0.1", 8000)
+    assert s0.is_first and not s0.is_last and s1.is_last and not s1.is_first
+    assert t.is_last(s1) and not t.is_last(s0) and t.is_first(s0)
+    assert t.stage("s1") is s1 and t.first is s0 and t.last is s1
+    assert t.next_stage("s0") is s1 and t.next_stage("s1") is None
+
+
+def test_unknown_stage_id_lists_ids():
+    t = parse_topology(copy.deepcopy(BASE))
+    with pytest.raises(KeyError, match=r"no stage 's9' \(stages: s0, s1\)"):
+        t.stage("s9")
+
+
+def test_n_layers_optional_is_inferred():
+    data = copy.deepcopy(BASE)
+    del data["n_layers"]
+    t = parse_topology(data)
+    assert t.n_layers == 30 and t.last.is_last
+
+
+def test_check_model_rejects_other_layer_count():
+    t = parse_topology(copy.deepcopy(BASE))
+    t.check_model(30)
+    with pytest.raises(TopologyError, match=r"stages cover layers \[0, 30\) but the model has 32 layers"):
+        t.check_model(32)
+
+
+def test_host_defaults_to_listen_host_unless_wildcard():
+    data = copy.deepcopy(BASE)
+    data["stages"][0]["listen"] = "tcp://10.0.0.7:5601"
+    data["stages"][1]["listen"] = "tcp://*:5602"
+    s0, s1 = parse_topology(data).stages
+    assert s0.host == "10.0.0.7" and s0.connect == "tcp://10.0.0.7:5601"
+    assert s1.host == "127.0.0.1" and s1.connect == "tcp://127.0.0.1:5602"
+
+
+def test_ipc_and_inproc_endpoints_and_curve():
+    data = copy.deepcopy(BASE)
+    data.update(security="curve", keys_dir="keys")
+    data["driver"]["return"] = "ipc:///tmp/skippy-return"
+    data["stages"][0]["listen"] = "inproc://s0"
+    t = parse_topology(data)
+    assert t.security == "curve" and t.keys_dir == "keys"
+    assert parse_topology(yaml.safe_load(dump_topology(t))) == t
+
+
+# ------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize(
+    "mutate, fragments",
+    [
+        (lambda d: d.update(modle="x"), ["modle: unknown key (allowed: driver, keys_dir, model"]),
+        (lambda d: d["driver"].update(retrun="tcp://127.0.0.1:1"), ["driver.retrun: unknown key", "return"]),
+        (lambda d: d.update(wire={"hwn": 1}), ["wire.hwn: unknown key (allowed: activation_dtype, hwm,"]),
+        (
+            lambda d: d["stages"][1].update(layrs=[15, 30]),
+            ["stages[1].layrs: unknown key (allowed: cache, device, dtype, host, id, kv_lanes, layers, listen)"],
+        ),
+        (lambda d: d["stages"][0]["cache"].update(strid=64), ["stages[0].cache.strid: unknown key", "stride"]),
+    ],
+    ids=["top", "driver", "wire", "stage", "cache"],
+)
+def test_unknown_keys_name_key_and_file(tmp_path, mutate, fragments):
+    expect_error(tmp_path, mutate, *fragments)
+
+
+def test_gap_between_stages(tmp_path):
+    expect_error(
+        tmp_path,
+        lambda d: d["stages"][1].update(layers=[16, 30]),
+        "stages[1].layers starts at 16 but the previous stage ends at 15",
+    )
+
+
+def test_overlapping_stages(tmp_path):
+    expect_error(
+        tmp_path,
+        lambda d: d["stages"][1].update(layers=[14, 30]),
+        "stages[1].layers starts at 14 but the previous stage ends at 15",
+    )
+
+
+def test_first_stage_must_start_at_zero(tmp_path):
+    expect_error(tmp_path, lambda d: d["stages"][0].update(layers=[1, 15]), "stages[0].layers starts at 1")
+
+
+def test_last_end_must_equal_n_layers(tmp_path):
+    expect_error(tmp_path, lambda d: d["stages"][1].update(layers=[15, 29]), "ends at 29 but n_layers is 30")
+
+
+def test_empty_or_reversed_range(tmp_path):
+    expect_error(tmp_path, lambda d: d["stages"][0].update(layers=[15, 15]), "stages[0].layers: [15, 15) is empty")
+    expect_error(tmp_path, lambda d: d["stages"][0].update(layers=[0]), "stages[0].layers: expected [start, end]")
+
+
+def test_duplicate_stage_id(tmp_path):
+    expect_error(tmp_path, lambda d: d["stages"][1].update(id="s0"), "stages[1].id: duplicate stage id 's0'")
+
+
+def test_duplicate_endpoint(tmp_path):
+    expect_error(
+        tmp_path,
+        lambda d: d["stages"][1].update(listen="tcp://127.0.0.1:5600"),
+        "stages[1].listen 'tcp://127.0.0.1:5600' is already used by driver.return",
+    )
+    expect_error(
+        tmp_path,
+        lambda d: d["driver"].update(http="127.0.0.1:5601"),
+        "stages[0].listen 'tcp://127.0.0.1:5601' is already used by driver.http",
+    )
+
+
+@pytest.mark.parametrize(
+    "mutate, fragments",
+    [
+        (lambda d: d["stages"][0].update(device="cuda"), ["stages[0].device: expected cpu, gpu:N or tpu:N, got 'cud"]),
+        (lambda d: d["stages"][0].update(device="gpu:"), ["stages[0].device"]),
+        (lambda d: d["stages"][1].update(dtype="float16"), ["stages[1].dtype: expected one of float32, bfloat16"]),
+        (lambda d: d["driver"].update(max_sessions="eight"), ["driver.max_sessions: expected an integer, got 'eight'"]),
+        (lambda d: d["driver"].update(max_sessions=True), ["driver.max_sessions: expected an integer, got True"]),
+        (lambda d: d["driver"].update(max_sessions=0), ["driver.max_sessions: must be at least 1, got 0"]),
+        (lambda d: d["driver"].update(reply_timeout_s="30s"), ["driver.reply_timeout_s: expected a number"]),
+        (lambda d: d["driver"].update(heartbeat_s=-1), ["driver.heartbeat_s: must be a positive number"]),
+        (lambda d: d["driver"].update(dead_after_s=0.25), ["driver.dead_after_s: must exceed heartbeat_s"]),
+        (lambda d: d["driver"].update(http="localhost"), ["driver.http: expected host:port"]),
+        (lambda d: d["driver"].update(**{"return": "udp://x:1"}), ["driver.return: expected tcp://host:port"]),
+        (lambda d: d["stages"][0].update(listen="tcp://127.0.0.1:70000"), ["stages[0].listen: port 70000"]),
+        (lambda d: d["stages"][0].update(listen="tcp://127.0.0.1:0"), ["stages[0].listen: port 0"]),
+        (lambda d: d.update(wire={"activation_dtype": "int4"}), ["wire.activation_dtype: expected one of f32"]),
+        (lambda d: d["stages"][0]["cache"].update(mode="lookup"), ["stages[0].cache.mode: expected one of disabled"]),
+        (lambda d: d["stages"][0]["cache"].update(max_bytes=0), ["stages[0].cache.max_bytes: must be at least 1"]),
+        (lambda d: d["stages"][0].update(kv_lanes=2), ["stages[0].kv_lanes: 2 lanes cannot hold", "max_sessions (4)"]),
+        (lambda d: d.update(security="tls"), ["security: expected one of none, curve"]),
+        (lambda d: d.update(n_layers="30"), ["n_layers: expected an integer, got '30'"]),
+        (lambda d: d.update(stages=[]), ["stages: expected a non-empty list"]),
+        (lambda d: d.update(driver=[1]), ["driver: expected a mapping"]),
+        (lambda d: d["stages"].__setitem__(1, "s1"), ["stages[1]: expected a mapping"]),
+        (lambda d: d["stages"][1].pop("listen"), ["stages[1].listen: required key is missing"]),
+        (lambda d: d.pop("model"), ["model: required key is missing"]),
+    ],
+)
+def test_bad_values_name_key_and_file(tmp_path, mutate, fragments):
+    expect_error(tmp_path, mutate, *fragments)
+
+
+def test_yaml_problems_name_the_file(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("model: a\nmodel: b\nstages: []\n")
+    with pytest.raises(TopologyError, match=r"dup\.yaml: invalid YAML: .*duplicate key 'model'"):
+        load_topology(path)
+    path.write_text("")
+    with pytest.raises(TopologyError, match=r"dup\.yaml: expected a mapping, got None"):
+        load_topology(path)
+    with pytest.raises(TopologyError, match=r"missing\.yaml: cannot read"):
+        load_topology(tmp_path / "missing.yaml")
+
+
+def test_topology_error_is_value_error():
+    assert issubclass(TopologyError, ValueError)
+
+
+def test_imports_neither_jax_nor_zmq():
+    code = "import sys, skippy_zmq.topology; assert not {'jax', 'zmq'} & set(sys.modules), sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------ planner
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 4, 7])
+def test_plan_even_split(n_stages):
+    t = plan_topology(30, n_stages)
+    t.check_model(30)
+    sizes = [s.end - s.start for s in t.stages]
+    assert len(sizes) == n_stages and sum(sizes) == 30
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)  # remainder goes to the earliest stages
+    assert t.driver.return_endpoint == "tcp://127.0.0.1:5600"
+    assert [s.listen for s in t.stages] == [f"tcp://127.0.0.1:{5601 + i}" for i in range(n_stages)]
+    assert parse_topology(yaml.safe_load(dump_topology(t))) == t
+
+
+def test_plan_7_stages_exact():
+    assert split_layers(30, [1] * 7) == [(0, 5), (5, 10), (10, 14), (14, 18), (18, 22), (22, 26), (26, 30)]
+
+
+def test_plan_weighted():
+    t = plan_topology(30, 3, weights=[2, 1, 1], base_port=6000, host="127.0.0.2")
+    assert [(s.start, s.end) for s in t.stages] == [(0, 15), (15, 23), (23, 30)]
+    assert t.stages[2].listen == "tcp://127.0.0.2:6003" and t.stages[2].host == "127.0.0.2"
+
+
+@pytest.mark.parametrize(
+    "weights", [[1, 2, 3, 4], [0.3, 0.7], [5, 1, 1, 1, 1, 1], [1.5, 2.5, 3.5], [1, 100, 1], [1e-6, 1, 1]]
+)
+def test_plan_weighted_is_proportional(weights):
+    ranges = split_layers(30, weights)
+    sizes = [end - start for start, end in ranges]
+    assert ranges[0][0] == 0 and ranges[-1][1] == 30 and sum(sizes) == 30
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert min(sizes) >= 1
+    quotas = [30 * w / sum(weights) for w in weights]
+    assert all(abs(size - max(quota, 1)) < 2 for size, quota in zip(sizes, quotas))
+
+
+def test_plan_every_layer_its_own_stage():
+    assert split_layers(30, [1] * 30) == [(i, i + 1) for i in range(30)]
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, fragment",
+    [
+        ((30, 31), {}, "cannot split 30 layers into 31 stages"),
+        ((30, 0), {}, "need at least one stage"),
+        ((30, 3), {"weights": [1, 1]}, "got 2 weights for 3 stages"),
+        ((30, 2), {"weights": [1, 0]}, "positive finite"),
+        ((30, 2), {"weights": [1, -2]}, "positive finite"),
+        ((30, 2), {"weights": [1, float("inf")]}, "positive finite"),
+        ((30, 2), {"base_port": 65534}, "port 65536"),
+    ],
+)
+def test_plan_impossible(args, kwargs, fragment):
+    with pytest.raises(TopologyError, match=fragment):
+        plan_topology(*args, **kwargs)
