@@ -20,6 +20,8 @@ is optional; defaults shown)::
       dead_after_s: 2.0              # must exceed heartbeat_s
       prefill_chunk: 256
       max_context: 2048              # prompt + generated tokens per session
+      micro_batches: 0               # decode micro-batches in flight (0 = one per stage)
+      max_body_bytes: 4194304        # HTTP request body limit
     wire:
       activation_dtype: f32          # f32 | f16 | bf16 | q8
       max_message_bytes: 67108864
@@ -118,6 +120,8 @@ class DriverConfig:
     dead_after_s: float = 2.0
     prefill_chunk: int = 256
     max_context: int = 2048
+    micro_batches: int = 0             # decode micro-batches in flight; 0 = one per stage
+    max_body_bytes: int = 4 << 20      # HTTP request body limit
 
     @property
     def http_host(self) -> str:
@@ -331,7 +335,8 @@ _wire = _section(WireConfig, {
 def _driver(raw: Any, at: _At) -> DriverConfig:
     checks = {"return": _endpoint, "http": _hostport, "max_sessions": _integer(1), "max_queue": _integer(0),
               "request_timeout_s": _seconds, "reply_timeout_s": _seconds, "heartbeat_s": _seconds,
-              "dead_after_s": _seconds, "prefill_chunk": _integer(1), "max_context": _integer(1)}
+              "dead_after_s": _seconds, "prefill_chunk": _integer(1), "max_context": _integer(1),
+              "micro_batches": _integer(0), "max_body_bytes": _integer(1024)}
     defaults = _defaults(DriverConfig)
     defaults["return"] = defaults.pop("return_endpoint")
     fields = _read(raw, at, checks, defaults)

@@ -115,8 +115,10 @@ def test_scheduler_sampling_with_seed_is_reproducible(tiny_tree):
 
 
 def test_scheduler_rejects_overfull_queue_and_long_prompts():
-    sched = make_scheduler(2, max_queue=1)
+    sched = make_scheduler(2, max_queue=1, max_sessions=1)
     sched.submit(GenRequest("a", (1, 2, 3)), lambda e: None)
+    sched.tick()                                                  # a runs
+    sched.submit(GenRequest("a2", (1, 2, 3)), lambda e: None)     # a2 waits
     with pytest.raises(EngineError) as exc:
         sched.submit(GenRequest("b", (1, 2, 3)), lambda e: None)
     assert exc.value.status == 429 and exc.value.retry_after

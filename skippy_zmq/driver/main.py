@@ -26,13 +26,25 @@ def open_engine(topology: Topology) -> tuple[PipelineEngine, TextTokenizer]:
     return engine, tokenizer
 
 
+def build_app(topology: Topology, engine: PipelineEngine, tokenizer: TextTokenizer, api_key: str | None = None) -> Any:
+    """The OpenAI app over a pipeline, with pipeline metrics on the same registry."""
+    from skippy_zmq.driver import pipeline_metrics
+    from skippy_zmq.driver.metrics import ServerMetrics
+    from skippy_zmq.driver.server import create_app
+
+    metrics = ServerMetrics()
+    pipeline_metrics.attach(engine, metrics)
+    return create_app(engine, tokenizer, model_name=engine.model_name, api_key=api_key, metrics=metrics,
+                      max_body_bytes=topology.driver.max_body_bytes)
+
+
 def serve_http(topology: Topology, engine: PipelineEngine, tokenizer: TextTokenizer, api_key: str | None,
                stop: threading.Event) -> None:
     """Serve the OpenAI API until `stop` is set (or the process is signalled)."""
-    from skippy_zmq.driver.server import create_app, start_in_thread
+    from skippy_zmq.driver.server import start_in_thread
 
-    app = create_app(engine, tokenizer, model_name=engine.model_name, api_key=api_key)
-    handle = start_in_thread(app, topology.driver.http_host, topology.driver.http_port)
+    handle = start_in_thread(build_app(topology, engine, tokenizer, api_key), topology.driver.http_host,
+                             topology.driver.http_port)
     logger.info("OpenAI API at http://{}:{}/v1 (ready when /readyz says so)", handle.host, handle.port)
     try:
         while not stop.wait(0.5):

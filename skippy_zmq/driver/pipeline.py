@@ -42,7 +42,7 @@ class PipelineEngine:
         d = topology.driver
         self.max_context = d.max_context
         self.scheduler = Scheduler(SchedulerConfig(
-            n_stages=len(topology.stages), max_sessions=d.max_sessions, max_queue=d.max_queue,
+            n_stages=len(topology.stages), micro_batches=d.micro_batches, max_sessions=d.max_sessions, max_queue=d.max_queue,
             prefill_chunk=d.prefill_chunk, max_context=d.max_context, reply_timeout_s=d.reply_timeout_s,
             request_timeout_s=d.request_timeout_s), frozenset(eos_ids))
         self.stages = {s.id: StageState(s.id) for s in topology.stages}

@@ -31,6 +31,7 @@ Sink = Callable[[object], None]   # receives TokenEvent or EngineError; must be 
 @dataclass(frozen=True)
 class SchedulerConfig:
     n_stages: int
+    micro_batches: int = 0           # decode micro-batches in flight; 0 = n_stages
     max_sessions: int = 8
     max_queue: int = 64
     prefill_chunk: int = 256
@@ -89,7 +90,8 @@ class Scheduler:
         if len(req.prompt_ids) + 1 > self.cfg.max_context:
             raise EngineError(f"prompt of {len(req.prompt_ids)} tokens exceeds the context of "
                               f"{self.cfg.max_context} tokens", 400, "context_length_exceeded")
-        if len(self.queue) >= self.cfg.max_queue:
+        waiting = len(self.queue)
+        if len(self.running) + waiting >= self.cfg.max_sessions and waiting >= self.cfg.max_queue:
             raise EngineError(f"server is at capacity ({len(self.running)} running, {len(self.queue)} queued)",
                               429, "overloaded", retry_after=1.0)
         timeout = req.timeout_s or self.cfg.request_timeout_s
@@ -241,8 +243,9 @@ class Scheduler:
         if not ready:
             return
         decoding = sum(1 for j in self.running.values() if j.prefill_sent >= j.prefill_total)
-        rows = max(1, math.ceil(decoding / self.cfg.n_stages))
-        while ready and len(self.batches) < self.cfg.n_stages:
+        in_flight = self.cfg.micro_batches or self.cfg.n_stages
+        rows = max(1, math.ceil(decoding / in_flight))
+        while ready and len(self.batches) < in_flight:
             group, ready = ready[:rows], ready[rows:]
             bid = next(self._ids)
             for job in group:

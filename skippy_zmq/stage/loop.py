@@ -75,6 +75,9 @@ class StageLoop:
                 transport.send_message(self.sockets.dealer, o.message)
             else:
                 transport.send_message(self.sockets.push, o.message, self.dtype)
+                if o.message.activation is not None:
+                    self.worker.counters["bytes_forwarded"] += o.message.activation.shape[0] * \
+                        wire.bytes_per_token(self.dtype, o.message.activation.shape[1])
             logger.debug("stage {} sent {} to {} in {:.3f} ms", self.stage.id, o.message.kind.name, o.to,
                          1000 * (time.perf_counter() - t0))
 

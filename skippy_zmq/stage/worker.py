@@ -75,7 +75,7 @@ class StageWorker:
             Kind.STOP: self.on_stop,
             Kind.TRIM_SESSION: self.on_trim,
         }
-        self.counters: dict[str, int] = {"messages": 0, "errors": 0, "tokens": 0}
+        self.counters: dict[str, int] = {"messages": 0, "errors": 0, "tokens": 0, "bytes_forwarded": 0}
 
     def handle(self, msg: Message) -> list[Outbound]:
         self.counters["messages"] += 1

@@ -1,0 +1,73 @@
+"""Pipeline metrics next to the HTTP ones: scheduler load, per-stage state from
+heartbeats, per-stage compute and lock wait from the traces replies carry."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from skippy_zmq import wire
+from skippy_zmq.driver.metrics import NAMESPACE, ServerMetrics
+
+COMPUTE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+STAGE_COUNTERS = {"messages": "messages handled", "errors": "error replies sent", "tokens": "tokens computed",
+                  "bytes_forwarded": "activation bytes sent to the next stage"}
+
+
+class PipelineCollector(Collector):
+    """Read at scrape time: nothing to keep in sync."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Any]:
+        load = self.engine.scheduler.load
+        for key, help_text in (("running", "sessions generating"), ("queued", "requests waiting for admission"),
+                               ("batches_in_flight", "decode micro-batches in the pipeline")):
+            yield GaugeMetricFamily(f"{NAMESPACE}_{key}", f"Scheduler: {help_text}.", value=load[key])
+        up = GaugeMetricFamily(f"{NAMESPACE}_stage_up", "1 when the stage is ready and heartbeating.", labels=["stage"])
+        lanes = GaugeMetricFamily(f"{NAMESPACE}_stage_kv_lanes_in_use", "KV lanes held by sessions.", labels=["stage"])
+        counters = {k: CounterMetricFamily(f"{NAMESPACE}_stage_{k}", f"Stage: {h}.", labels=["stage"])
+                    for k, h in STAGE_COUNTERS.items()}
+        for state in self.engine.stages.values():
+            up.add_metric([state.stage_id], 1.0 if state.ready else 0.0)
+            lanes.add_metric([state.stage_id], float(state.info.get("lanes_in_use", 0)))
+            for key, family in counters.items():
+                family.add_metric([state.stage_id], float(state.info.get(key, 0)))
+        yield up
+        yield lanes
+        yield from counters.values()
+
+
+class TraceMetrics:
+    """Histograms fed by the per-stage trace that PREDICTED_TOKENS and ACK replies carry."""
+
+    def __init__(self, metrics: ServerMetrics):
+        common = {"namespace": NAMESPACE, "registry": metrics.registry}
+        self.compute = Histogram("stage_compute_seconds", "Stage compute per message.", ["stage"],
+                                 buckets=COMPUTE_BUCKETS, **common)
+        self.lock_wait = Histogram("stage_lock_wait_seconds", "Stage runtime lock wait per message.", ["stage"],
+                                   buckets=COMPUTE_BUCKETS, **common)
+        self.rows = Histogram("decode_batch_rows", "Sessions per decode message.", buckets=ROW_BUCKETS, **common)
+
+    def on_reply(self, stage_id: str, msg: wire.Message) -> None:
+        if msg.kind == wire.Kind.PREDICTED_TOKENS:
+            trace = msg.extras.get("trace", [])
+            self.rows.observe(len(msg.tokens))
+        elif msg.kind == wire.Kind.ACK:
+            trace = msg.extras.get("stats", {}).get("trace", [])
+        else:
+            return
+        for hop in trace:
+            self.compute.labels(stage=hop["stage"]).observe(hop["compute_ms"] / 1000)
+            self.lock_wait.labels(stage=hop["stage"]).observe(hop.get("lock_wait_ms", 0.0) / 1000)
+
+
+def attach(engine: Any, metrics: ServerMetrics) -> None:
+    metrics.register(PipelineCollector(engine))
+    engine.on_reply_hooks.append(TraceMetrics(metrics).on_reply)

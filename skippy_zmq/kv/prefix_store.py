@@ -1,0 +1,229 @@
+"""Host-side prefix store: KV blocks of already-seen prompt prefixes, per stage.
+
+Each stage holds KV only for its own layer range, so each stage keeps its own
+store and keys it by (model digest, layer range, KV dtype, namespace, token ids).
+A repeated prompt prefix is then restored instead of recomputed.
+
+Besides the exact prompt, `record` stores a stride grid (prefixes of length
+stride, 2*stride, ...) so two prompts that share only a system prompt still hit
+through `longest_prefix`. Eviction is LRU under a byte budget and an entry cap.
+
+Thread-safety: none. The stage records and looks up from its single loop
+thread; the store takes no lock, so do not share one across threads.
+Numpy only: no JAX, no zmq.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import numpy as np
+
+Mode = Literal["disabled", "record", "lookup-record"]
+_MODES = ("disabled", "record", "lookup-record")
+_DIGEST_SIZE = 16
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    mode: Mode = "lookup-record"
+    max_bytes: int = 1 << 30
+    max_entries: int = 256
+    stride: int = 128
+    min_tokens: int = 64
+    max_grid_entries_per_record: int = 4  # a few entries per prompt, longest kept
+
+    def __post_init__(self) -> None:
+        if self.mode not in _MODES:
+            raise ValueError(f"prefix store mode must be one of {_MODES}, got {self.mode!r}")
+        for name in ("max_bytes", "max_grid_entries_per_record"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"prefix store {name} must be >= 0")
+        for name in ("max_entries", "stride", "min_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"prefix store {name} must be >= 1")
+
+
+@dataclass(frozen=True)
+class StoreIdentity:
+    """What makes KV blocks interchangeable: same weights, same layers, same dtype."""
+
+    model_digest: str
+    layer_start: int
+    layer_end: int
+    kv_dtype: str
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: bytes
+    namespace: str
+    length: int
+    k: np.ndarray  # [n_layers_of_stage, length, n_kv_heads, head_dim], read-only
+    v: np.ndarray
+    nbytes: int
+
+
+def _lp(text: str) -> bytes:
+    # Length-prefixed so ("ab", "c") and ("a", "bc") hash differently.
+    raw = text.encode("utf-8")
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
+        raise ValueError("token ids must fit in int32")
+    return arr.astype("<i4").tobytes()
+
+
+def _prefix_keys(
+    identity: StoreIdentity, namespace: str, tokens: Sequence[int] | np.ndarray, lengths: Sequence[int]
+) -> dict[int, bytes]:
+    """Keys of tokens[:L] for each L, hashing the shared prefix only once."""
+    h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    h.update(_lp(identity.model_digest))
+    h.update(struct.pack("<qq", identity.layer_start, identity.layer_end))
+    h.update(_lp(identity.kv_dtype))
+    h.update(_lp(namespace))
+    raw = _token_bytes(tokens)
+    keys: dict[int, bytes] = {}
+    done = 0
+    for length in sorted(set(lengths)):
+        h.update(raw[4 * done : 4 * length])
+        done = length
+        keys[length] = h.copy().digest()
+    return keys
+
+
+def prefix_key(identity: StoreIdentity, namespace: str, tokens: Sequence[int] | np.ndarray) -> bytes:
+    """blake2b of identity + namespace + int32 little-endian token ids."""
+    n = len(tokens)
+    return _prefix_keys(identity, namespace, tokens, [n])[n]
+
+
+def _frozen_copy(a: np.ndarray) -> np.ndarray:
+    # Own, contiguous, read-only: a slice view would pin the caller's big buffer,
+    # and a writable array could be corrupted by whoever restores from it.
+    out = np.array(a, copy=True, order="C")
+    out.flags.writeable = False
+    return out
+
+
+class PrefixStore:
+    def __init__(self, identity: StoreIdentity, config: StoreConfig) -> None:
+        self.identity = identity
+        self.config = config
+        self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # LRU first, MRU last
+        self._bytes = 0
+        self._counts = dict.fromkeys(
+            ("hits", "misses", "lookups_disabled", "evictions", "records", "refreshes", "rejected_too_large"), 0
+        )
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def grid_lengths(self, n_tokens: int) -> list[int]:
+        """Stride-grid prefix lengths `record` stores for an n-token prompt, longest first."""
+        c = self.config
+        top = (n_tokens - 1) // c.stride * c.stride  # grid points are strictly shorter than the prompt
+        grid = [n for n in range(top, 0, -c.stride) if n >= c.min_tokens]
+        return grid[: c.max_grid_entries_per_record]
+
+    def record(self, namespace: str, tokens: Sequence[int] | np.ndarray, k: np.ndarray, v: np.ndarray) -> list[int]:
+        """Store the exact prefix and its stride grid; return the lengths now held (ascending)."""
+        if self.config.mode == "disabled":
+            return []
+        k, v = np.asarray(k), np.asarray(v)
+        n = len(tokens)
+        if k.ndim != 4 or k.shape != v.shape or k.dtype != v.dtype:
+            raise ValueError(f"k and v must be equal 4-D blocks, got {k.shape}/{k.dtype} and {v.shape}/{v.dtype}")
+        if k.shape[1] != n:
+            raise ValueError(f"KV covers {k.shape[1]} positions but {n} tokens were given")
+        lengths = ([n] if n >= self.config.min_tokens else []) + self.grid_lengths(n)
+        keys = _prefix_keys(self.identity, namespace, tokens, lengths)
+        # Longest first, so the shorter, more widely shared grid entries end up
+        # most recently used and outlive the long, prompt-specific ones.
+        for length in lengths:
+            self._insert(keys[length], namespace, length, k, v)
+        return sorted(length for length in lengths if keys[length] in self._entries)
+
+    def lookup(self, namespace: str, tokens: Sequence[int] | np.ndarray) -> Entry | None:
+        """Exactly this token prefix, or None."""
+        if self.config.mode != "lookup-record":
+            self._counts["lookups_disabled"] += 1
+            return None
+        return self._hit_or_miss([prefix_key(self.identity, namespace, tokens)])
+
+    def longest_prefix(
+        self, namespace: str, tokens: Sequence[int] | np.ndarray, max_len: int | None = None
+    ) -> Entry | None:
+        """Longest stored prefix of tokens among len(tokens) and the stride grid, capped at max_len."""
+        if self.config.mode != "lookup-record":
+            self._counts["lookups_disabled"] += 1
+            return None
+        n = len(tokens)
+        cap = n if max_len is None else min(n, max_len)
+        stride, floor = self.config.stride, self.config.min_tokens
+        grid = range(cap - cap % stride, 0, -stride)
+        # Longest first, no duplicates; nothing shorter than min_tokens is ever stored.
+        candidates = [length for length in dict.fromkeys([n] * (n <= cap) + list(grid)) if length >= floor]
+        keys = _prefix_keys(self.identity, namespace, tokens, candidates)
+        return self._hit_or_miss([keys[length] for length in candidates])
+
+    def evict_until(self, free_bytes: int) -> int:
+        """Evict LRU entries until at least free_bytes of the budget is unused; return how many went."""
+        evicted = 0
+        while self._entries and self.config.max_bytes - self._bytes < free_bytes:
+            self._evict_oldest()
+            evicted += 1
+        return evicted
+
+    def clear(self) -> None:
+        """Drop every entry; counters are kept (they describe the run, not the contents)."""
+        self._entries.clear()
+        self._bytes = 0
+
+    def stats(self) -> dict[str, int]:
+        return {"entries": len(self._entries), "bytes": self._bytes, **self._counts}
+
+    def _hit_or_miss(self, keys: Sequence[bytes]) -> Entry | None:
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                self._counts["hits"] += 1
+                return entry
+        self._counts["misses"] += 1
+        return None
+
+    def _insert(self, key: bytes, namespace: str, length: int, k: np.ndarray, v: np.ndarray) -> None:
+        if key in self._entries:  # same identity + tokens means same KV: no copy needed
+            self._entries.move_to_end(key)
+            self._counts["refreshes"] += 1
+            return
+        k_view, v_view = k[:, :length], v[:, :length]
+        nbytes = k_view.nbytes + v_view.nbytes
+        if nbytes > self.config.max_bytes:  # could never fit: do not evict others for it
+            self._counts["rejected_too_large"] += 1
+            return
+        while self._entries and (
+            self._bytes + nbytes > self.config.max_bytes or len(self._entries) >= self.config.max_entries
+        ):
+            self._evict_oldest()
+        self._entries[key] = Entry(key, namespace, length, _frozen_copy(k_view), _frozen_copy(v_view), nbytes)
+        self._bytes += nbytes
+        self._counts["records"] += 1
+
+    def _evict_oldest(self) -> None:
+        _, entry = self._entries.popitem(last=False)
+        self._bytes -= entry.nbytes
+        self._counts["evictions"] += 1
