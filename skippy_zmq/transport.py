@@ -2,8 +2,13 @@
 chain (PUSH/PULL) and return (DEALER -> ROUTER) sockets of stages and driver.
 
 Only this module creates sockets, so socket policy (HWM, linger, identity,
-message size limits, and later CURVE keys) lives in one place. It never
-imports JAX; messages are encoded by `wire` and sent zero-copy.
+message size limits, CURVE keys) lives in one place. It never imports JAX;
+messages are encoded by `wire` and sent zero-copy.
+
+With a `PartySecurity` (see `security`), every socket is CURVE-encrypted: the
+binding side is the CURVE server, the connecting side a client that knows the
+server's public key, and the socket set that owns a server socket starts the
+process's ZAP authenticator before binding and stops it on close.
 """
 
 from __future__ import annotations
@@ -13,10 +18,15 @@ from dataclasses import dataclass
 import zmq
 
 from skippy_zmq import wire
+from skippy_zmq.security import DRIVER, ZAP_DOMAIN, CurveAuthenticator, PartySecurity, SocketSecurity
 
 
 # A stage heartbeats on a DEALER of its own whose identity is "<stage id>/hb".
 HEARTBEAT_SUFFIX = "/hb"
+
+# CURVE boxes every frame (8-byte nonce, 16-byte MAC, the MESSAGE command name
+# and flags), and libzmq checks MAXMSGSIZE against the boxed frame.
+CURVE_FRAME_OVERHEAD = 33
 
 
 def context() -> zmq.Context:
@@ -34,6 +44,7 @@ def make_socket(
     linger_ms: int = 0,
     identity: bytes | None = None,
     max_message_bytes: int = -1,
+    security: SocketSecurity | None = None,
 ) -> zmq.Socket:
     """Create, configure and bind or connect a socket.
 
@@ -43,7 +54,12 @@ def make_socket(
     message is dropped, so a stage never allocates for it; `wire.decode`
     checks the whole message against its own limit. Bind endpoints may use a
     wildcard port ("tcp://127.0.0.1:*"); read the real one with `bound_endpoint`.
+    With `security`, the socket is a CURVE server if it binds, else a client.
     """
+    if security is not None and security.server != bind:
+        raise ValueError(f"{endpoint}: the binding side must be the CURVE server and the connecting side a client")
+    if security is not None and max_message_bytes > 0:
+        max_message_bytes += CURVE_FRAME_OVERHEAD
     sock = ctx.socket(kind)
     try:
         sock.setsockopt(zmq.SNDHWM, hwm)
@@ -52,7 +68,7 @@ def make_socket(
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
-        _apply_security(sock, bind=bind)
+        _apply_security(sock, security)
         if bind:
             sock.bind(endpoint)
         else:
@@ -63,9 +79,23 @@ def make_socket(
     return sock
 
 
-def _apply_security(sock: zmq.Socket, *, bind: bool) -> None:
-    """The single place where CURVE keys will be applied (server side on bind,
-    client side on connect). Plain TCP for now."""
+def _apply_security(sock: zmq.Socket, security: SocketSecurity | None) -> None:
+    """Set CURVE keys; libzmq reads them when a connection's handshake starts.
+
+    A server also joins ZAP_DOMAIN with ZAP_ENFORCE_DOMAIN set: without a ZAP
+    handler libzmq would admit any client that knows the server's public key;
+    with it, a process that forgot its authenticator admits nobody.
+    """
+    if security is None:
+        return
+    sock.curve_publickey = security.public_key
+    sock.curve_secretkey = security.secret_key
+    if security.server:
+        sock.curve_server = True
+        sock.zap_domain = ZAP_DOMAIN.encode()
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+    else:
+        sock.curve_serverkey = security.server_key
 
 
 def bound_endpoint(sock: zmq.Socket) -> str:
@@ -106,6 +136,26 @@ def recv_routed(sock: zmq.Socket, flags: int = 0) -> tuple[bytes, list[zmq.Frame
 # ---------------------------------------------------------------- socket sets
 
 
+def _server(security: PartySecurity | None) -> SocketSecurity | None:
+    return None if security is None else security.server()
+
+
+def _client(security: PartySecurity | None, peer: str | None, what: str) -> SocketSecurity | None:
+    if security is None:
+        return None
+    if peer is None:
+        raise ValueError(f"with CURVE, {what} is needed to look up the peer's public key")
+    return security.client(peer)
+
+
+def _close(*socks: zmq.Socket | None, auth: CurveAuthenticator | None) -> None:
+    for sock in socks:
+        if sock is not None:
+            sock.close(linger=0)
+    if auth is not None:
+        auth.stop()
+
+
 @dataclass
 class StageSockets:
     """A stage's sockets: PULL work in, PUSH activations on, DEALER replies home."""
@@ -113,11 +163,10 @@ class StageSockets:
     pull: zmq.Socket
     push: zmq.Socket | None  # None on the final stage
     dealer: zmq.Socket
+    auth: CurveAuthenticator | None = None  # the process's ZAP handler when CURVE is on
 
     def close(self) -> None:
-        for sock in (self.pull, self.push, self.dealer):
-            if sock is not None:
-                sock.close(linger=0)
+        _close(self.pull, self.push, self.dealer, auth=self.auth)
 
 
 def open_stage_sockets(
@@ -128,27 +177,39 @@ def open_stage_sockets(
     stage_id: str,
     hwm: int = 1000,
     max_message_bytes: int = -1,
+    security: PartySecurity | None = None,
+    next_stage_id: str | None = None,
 ) -> StageSockets:
     """Bind `listen`, connect to the next stage (if any) and to the driver.
 
     The DEALER identity is the stage id, so the driver's ROUTER knows which
-    stage every reply came from.
+    stage every reply came from. With `security` the authenticator starts
+    first, PULL is a CURVE server, PUSH a client of `next_stage_id` and the
+    DEALER a client of the driver.
     """
-    opened: list[zmq.Socket] = []
+    push_security = _client(security, next_stage_id, "next_stage_id") if next_listen is not None else None
+    auth = security.start_authenticator(ctx) if security is not None else None
+    pull = push = None
     try:
-        pull = make_socket(ctx, zmq.PULL, listen, bind=True, hwm=hwm, max_message_bytes=max_message_bytes)
-        opened.append(pull)
-        push = None
+        pull = make_socket(ctx, zmq.PULL, listen, bind=True, hwm=hwm, max_message_bytes=max_message_bytes,
+                           security=_server(security))
         if next_listen is not None:
-            push = make_socket(ctx, zmq.PUSH, next_listen, bind=False, hwm=hwm)
-            opened.append(push)
-        dealer = make_socket(ctx, zmq.DEALER, return_endpoint, bind=False, hwm=hwm,
-                             identity=stage_id.encode(), max_message_bytes=max_message_bytes)
+            push = make_socket(ctx, zmq.PUSH, next_listen, bind=False, hwm=hwm, security=push_security)
+        dealer = make_socket(ctx, zmq.DEALER, return_endpoint, bind=False, hwm=hwm, identity=stage_id.encode(),
+                             max_message_bytes=max_message_bytes, security=_client(security, DRIVER, "the driver"))
     except BaseException:
-        for sock in opened:
-            sock.close(linger=0)
+        _close(pull, push, auth=auth)
         raise
-    return StageSockets(pull=pull, push=push, dealer=dealer)
+    return StageSockets(pull=pull, push=push, dealer=dealer, auth=auth)
+
+
+def open_heartbeat_socket(
+    ctx: zmq.Context, return_endpoint: str, stage_id: str, security: PartySecurity | None = None, hwm: int = 1000,
+) -> zmq.Socket:
+    """A stage's heartbeat DEALER (identity "<stage id>/hb"); a CURVE client of the driver when secured."""
+    return make_socket(ctx, zmq.DEALER, return_endpoint, bind=False, hwm=hwm,
+                       identity=f"{stage_id}{HEARTBEAT_SUFFIX}".encode(),
+                       security=_client(security, DRIVER, "the driver"))
 
 
 @dataclass
@@ -157,10 +218,10 @@ class DriverSockets:
 
     push: zmq.Socket
     router: zmq.Socket
+    auth: CurveAuthenticator | None = None  # the process's ZAP handler when CURVE is on
 
     def close(self) -> None:
-        self.push.close(linger=0)
-        self.router.close(linger=0)
+        _close(self.push, self.router, auth=self.auth)
 
 
 def open_driver_sockets(
@@ -169,12 +230,22 @@ def open_driver_sockets(
     return_endpoint: str,
     hwm: int = 1000,
     max_message_bytes: int = -1,
+    security: PartySecurity | None = None,
+    first_stage_id: str | None = None,
 ) -> DriverSockets:
-    """Bind the return ROUTER first (stages connect to it), then connect to stage 0."""
-    router = make_socket(ctx, zmq.ROUTER, return_endpoint, bind=True, hwm=hwm, max_message_bytes=max_message_bytes)
+    """Bind the return ROUTER first (stages connect to it), then connect to stage 0.
+
+    With `security` the authenticator starts first, the ROUTER is a CURVE
+    server and the PUSH a client of `first_stage_id`.
+    """
+    push_security = _client(security, first_stage_id, "first_stage_id")
+    auth = security.start_authenticator(ctx) if security is not None else None
+    router = None
     try:
-        push = make_socket(ctx, zmq.PUSH, first_listen, bind=False, hwm=hwm)
+        router = make_socket(ctx, zmq.ROUTER, return_endpoint, bind=True, hwm=hwm,
+                             max_message_bytes=max_message_bytes, security=_server(security))
+        push = make_socket(ctx, zmq.PUSH, first_listen, bind=False, hwm=hwm, security=push_security)
     except BaseException:
-        router.close(linger=0)
+        _close(router, auth=auth)
         raise
-    return DriverSockets(push=push, router=router)
+    return DriverSockets(push=push, router=router, auth=auth)

@@ -68,7 +68,8 @@ def test_disconnect_frees_lanes_on_every_stage(served):
     body = {"model": "m", "prompt": "Count to one thousand:", "max_tokens": 1000, "ignore_eos": True,
             "temperature": 0, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
-        for i, _line in enumerate(resp.iter_lines()):
+        lines = resp.iter_lines()     # keep a reference: a collected iterator closes the connection
+        for i, _line in enumerate(lines):
             if i > 4:
                 break
         assert metric(url, "skippy_running") == 1
@@ -90,7 +91,8 @@ def test_overload_returns_429_instead_of_queueing(served):
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as first:
             assert first.status_code == 200
-            next(first.iter_lines())
+            lines = first.iter_lines()
+            next(lines)
             with pytest.raises(openai.RateLimitError) as exc:
                 client(url).completions.create(model="m", prompt="hi", max_tokens=4)
             assert exc.value.response.headers.get("retry-after")
