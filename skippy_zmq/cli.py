@@ -224,13 +224,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.set_defaults(func=cmd_bench)
 
+    from skippy_zmq.security import add_keys_parser
+
+    add_keys_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_json)
-    if args.command not in ("fetch-model", "plan"):
+    if args.command not in ("fetch-model", "plan", "keys"):
         configure_jax()
     return int(args.func(args) or 0)
 

@@ -40,7 +40,9 @@ class InprocChain:
         while pending:
             index, message = pending.popleft()
             worker = self.workers[index]
-            for out in worker.handle(message):
+            outs = worker.handle(message)
+            worker.run_deferred()
+            for out in outs:
                 if out.to == DRIVER:
                     replies.append((worker.info.stage_id, self._through_wire(out.message, wire.WireDType.F32)))
                 else:

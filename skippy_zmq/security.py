@@ -34,12 +34,14 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from loguru import logger
+from zmq.auth.base import Authenticator
 from zmq.auth.thread import ThreadAuthenticator
 
 from skippy_zmq.topology import Topology
 
 DRIVER = "driver"
 ZAP_DOMAIN = "skippy_zmq"  # every CURVE server socket's ZAP domain; the authenticator serves only this one
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _MAX_WARNED_KEYS = 1024  # distinct rogue keys logged at WARNING; later ones at DEBUG (a rogue can mint keys)
 
@@ -179,7 +181,7 @@ def security_for(topology: Topology, role: str) -> PartySecurity | None:
         return None
     if topology.keys_dir is None:
         raise SecurityError(f"{topology.source}: security: curve needs keys_dir (run `skippy-zmq keys`)")
-    party_names(topology)
+    party_names(topology)  # every name must be a safe key-file name
     ids = [s.id for s in topology.stages]
     if role == DRIVER:
         connects, admits = [ids[0]], ids
@@ -198,7 +200,21 @@ def security_for(topology: Topology, role: str) -> PartySecurity | None:
 # ------------------------------------------------------------------ ZAP
 
 
-class CurveAuthenticator(ThreadAuthenticator):
+class _ReleaseEndpointOnStop(Authenticator):
+    """Unbind the ZAP endpoint before closing its socket: unbinding inproc is
+    synchronous, closing is not, so a process can stop one authenticator and
+    start the next at once (a restarted driver engine, tests)."""
+
+    def stop(self) -> None:
+        if self.zap_socket is not None and not self.zap_socket.closed:
+            try:
+                self.zap_socket.unbind(_ZAP_ENDPOINT)
+            except zmq.ZMQError:
+                pass  # never bound: start() failed
+        super().stop()
+
+
+class CurveAuthenticator(ThreadAuthenticator, _ReleaseEndpointOnStop):
     """A ZAP handler (in a thread) that admits only `allowed` CURVE public keys on ZAP_DOMAIN.
 
     It is its own credentials provider (`callback`); rejections are logged

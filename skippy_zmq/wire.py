@@ -259,6 +259,12 @@ def _array_frame(array: np.ndarray | None, dtype: type, what: str, length: int |
     return _byte_view(flat)
 
 
+def activation_rows(kind: Kind, n_tokens: int) -> int:
+    """Rows of activation a message carries: one per token, except TRY_RESTORE_PREFILL_DECODE,
+    whose tokens are prefix + [current] and whose activation is the current token's alone."""
+    return min(n_tokens, 1) if kind == Kind.TRY_RESTORE_PREFILL_DECODE else n_tokens
+
+
 def encode(msg: Message, dtype: WireDType | None = None) -> list[Buffer]:
     """Message -> the six frames. `dtype` defaults to `msg.wire_dtype`."""
     tokens = _array_frame(msg.tokens, np.int32, "tokens")
@@ -269,8 +275,9 @@ def encode(msg: Message, dtype: WireDType | None = None) -> list[Buffer]:
         wire_dtype, width, activation = WireDType.NONE, 0, memoryview(b"")
     else:
         wire_dtype = WireDType(msg.wire_dtype if dtype is None else dtype)
-        if msg.activation.ndim != 2 or msg.activation.shape[0] != n_tokens:
-            raise ValueError(f"activation shape {msg.activation.shape} does not match {n_tokens} tokens")
+        rows = activation_rows(Kind(msg.kind), n_tokens)
+        if msg.activation.ndim != 2 or msg.activation.shape[0] != rows:
+            raise ValueError(f"activation shape {msg.activation.shape} does not match {rows} rows")
         width = msg.activation.shape[1]
         activation = encode_activation(msg.activation, wire_dtype)
     extras = json.dumps(msg.extras, separators=(",", ":")).encode() if msg.extras else b""
@@ -321,14 +328,15 @@ def decode(frames: Sequence[Any], limits: WireLimits = WireLimits()) -> Message:
     kind, dtype = Kind(kind), WireDType(dtype)
     _check_counts(kind, dtype, n_tokens, n_rows, width, limits, fail)
     _, v_sessions, v_tokens, v_positions, v_activation, v_extras = views
-    _check_frame_sizes(dtype, n_tokens, n_rows, width, v_sessions, v_tokens, v_positions, v_activation, fail)
+    rows = activation_rows(kind, n_tokens)
+    _check_frame_sizes(dtype, n_tokens, rows, n_rows, width, v_sessions, v_tokens, v_positions, v_activation, fail)
     extras = _decode_extras(v_extras, limits, fail)
     return Message(
         kind=kind, request_id=request_id, session_id=session_id, position=position,
         tokens=np.frombuffer(v_tokens, dtype=np.int32),
         positions=np.frombuffer(v_positions, dtype=np.int32) if v_positions.nbytes else None,
         sessions=np.frombuffer(v_sessions, dtype=np.uint64),
-        activation=None if dtype == WireDType.NONE else decode_activation(v_activation, n_tokens, width, dtype),
+        activation=None if dtype == WireDType.NONE else decode_activation(v_activation, rows, width, dtype),
         extras=extras, flags=flags, wire_dtype=WireDType.F32 if dtype == WireDType.NONE else dtype,
     )
 
@@ -349,7 +357,7 @@ def _check_counts(kind: Kind, dtype: WireDType, n_tokens: int, n_rows: int, widt
         raise fail(f"activation width is 0 with wire dtype {dtype.label}", "size_mismatch")
 
 
-def _check_frame_sizes(dtype: WireDType, n_tokens: int, n_rows: int, width: int, sessions: memoryview,
+def _check_frame_sizes(dtype: WireDType, n_tokens: int, act_rows: int, n_rows: int, width: int, sessions: memoryview,
                        tokens: memoryview, positions: memoryview, activation: memoryview, fail: _Fail) -> None:
     if sessions.nbytes != 8 * n_rows:
         raise fail(f"sessions frame is {sessions.nbytes} bytes but {n_rows} rows need {8 * n_rows}",
@@ -360,11 +368,11 @@ def _check_frame_sizes(dtype: WireDType, n_tokens: int, n_rows: int, width: int,
     if positions.nbytes not in (0, 4 * n_tokens):
         raise fail(f"positions frame is {positions.nbytes} bytes but {n_tokens} tokens need 0 or "
                    f"{4 * n_tokens}", "size_mismatch")
-    need = n_tokens * bytes_per_token(dtype, width)
+    need = act_rows * bytes_per_token(dtype, width)
     if activation.nbytes != need:
         if dtype == WireDType.NONE:
             raise fail(f"activation frame is {activation.nbytes} bytes but wire dtype is none", "size_mismatch")
-        raise fail(f"activation frame is {activation.nbytes} bytes but {n_tokens} tokens × {width} width × "
+        raise fail(f"activation frame is {activation.nbytes} bytes but {act_rows} tokens × {width} width × "
                    f"{dtype.label} needs {need}", "size_mismatch")
 
 

@@ -6,7 +6,9 @@ import jax.numpy as jnp
 
 from skippy_zmq import wire
 from skippy_zmq.config import Buckets, KVConfig, ModelConfig
+from skippy_zmq.driver.prefix_index import PrefixIndex
 from skippy_zmq.driver.scheduler import Scheduler, SchedulerConfig
+from skippy_zmq.kv.prefix_store import PrefixStore, StoreConfig, StoreIdentity
 from skippy_zmq.inproc import InprocChain
 from skippy_zmq.model import weights
 from skippy_zmq.model.runner import SliceRunner
@@ -14,23 +16,30 @@ from skippy_zmq.stage.sessions import SessionTable
 from skippy_zmq.stage.worker import StageInfo, StageWorker
 
 
+CACHE = StoreConfig(mode="lookup-record", max_bytes=64 << 20, max_entries=64, stride=16, min_tokens=8)
+
+
 def make_worker(cfg: ModelConfig, tree: dict, start: int, end: int, lanes: int = 4, capacity: int = 256,
-                stage_id: str | None = None) -> StageWorker:
+                stage_id: str | None = None, cache: StoreConfig | None = None) -> StageWorker:
     params = weights.to_runtime(weights.slice_tree(tree, cfg, start, end), jnp.float32)
     buckets = Buckets(prefill_chunks=(16, 64), decode_rows=(1, 2, 4, 8))
     runner = SliceRunner(cfg, params, start, end, KVConfig(lanes=lanes, capacity=capacity), buckets)
     info = StageInfo(stage_id or f"s{start}", first=start == 0, last=end == cfg.n_layers, width=cfg.d_model)
-    return StageWorker(info, runner, SessionTable(lanes))
+    store = PrefixStore(StoreIdentity("test", start, end, "float32"), cache) if cache else None
+    return StageWorker(info, runner, SessionTable(lanes), store)
 
 
 def make_chain(cfg: ModelConfig, tree: dict, cuts: list[int], lanes: int = 4, capacity: int = 256,
-               dtype: wire.WireDType = wire.WireDType.F32) -> InprocChain:
+               dtype: wire.WireDType = wire.WireDType.F32, cache: StoreConfig | None = None) -> InprocChain:
     bounds = [0, *cuts, cfg.n_layers]
-    workers = [make_worker(cfg, tree, a, b, lanes, capacity, f"s{i}") for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    workers = [make_worker(cfg, tree, a, b, lanes, capacity, f"s{i}", cache)
+               for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     return InprocChain(workers, dtype)
 
 
-def make_scheduler(n_stages: int, eos: frozenset[int] = frozenset({2}), **kw) -> Scheduler:
+def make_scheduler(n_stages: int, eos: frozenset[int] = frozenset({2}), cache: StoreConfig | None = None,
+                   **kw) -> Scheduler:
     cfg = dict(n_stages=n_stages, max_sessions=4, max_queue=16, prefill_chunk=64, max_context=256)
     cfg.update(kw)
-    return Scheduler(SchedulerConfig(**cfg), eos)
+    index = PrefixIndex([cache] * n_stages) if cache else None
+    return Scheduler(SchedulerConfig(**cfg), eos, index)

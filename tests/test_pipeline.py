@@ -23,7 +23,7 @@ def local(model_dir):
     return LocalEngine(model_dir)
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2stage", "3stage"])
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=["1stage", "2stage", "3stage"])
 def pipeline(request, model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"p{request.param}")
     path = write_topology(tmp, model_dir, request.param)
@@ -111,3 +111,36 @@ def test_malformed_messages_get_error_replies_and_stage_keeps_serving(pipeline, 
     case = parity["prompts"][2]
     tokens, _ = pipeline_tokens(engine, case["prompt_ids"], 8)
     assert tokens == case["transformers_fp32_ids"][:8]
+
+
+SYSTEM = ("You are a meticulous assistant for a shipping company. Always answer in one short sentence, "
+          "cite the relevant policy number when you can, never invent tracking numbers, and be polite. "
+          "Policies: 1) parcels under 2 kg ship for free; 2) returns are accepted within 30 days; "
+          "3) express delivery costs 12 euros; 4) we do not ship batteries; 5) lost parcels are refunded "
+          "after 14 days of investigation; 6) customs fees are paid by the receiver; 7) parcels are insured "
+          "up to 500 euros; 8) weekend delivery is available in large cities only; 9) address changes are "
+          "possible until the parcel leaves the depot; 10) fragile items need the fragile label; "
+          "11) pick-up points keep parcels for 10 days; 12) complaints are answered within 48 hours.")
+
+
+def test_prefix_cache_restore_equals_recompute(pipeline, local):
+    engine, tokenizer = pipeline[0], pipeline[1]
+
+    def chat(question):
+        return tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+
+    def run(ids):
+        events = list(engine.generate_blocking(GenRequest("c", tuple(ids), max_tokens=12, ignore_eos=True)))
+        return [e.token_id for e in events if e.token_id is not None], events[0].cached_tokens
+
+    first = chat("Can I ship a laptop battery?")
+    second = chat("How much is express delivery?")
+    assert len(first) > 128
+    want = [local.generate(ids, max_tokens=12, ignore_eos=True).token_ids for ids in (first, second)]
+    cold, cached_cold = run(first)
+    warm, cached_warm = run(first)              # exact prompt again: fused restore + first decode
+    shared, cached_shared = run(second)         # same system prompt, new question: stride-grid hit
+    assert cold == warm == want[0] and shared == want[1]
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert common >= 128
+    assert cached_cold == 0 and cached_warm == len(first) - 1 and cached_shared == common // 128 * 128

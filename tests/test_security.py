@@ -249,7 +249,7 @@ def test_curve_server_without_authenticator_fails_closed(topology: Topology, new
     assert not received(pull, SILENCE_MS)
 
 
-def test_one_authenticator_per_context(topology: Topology, new_context) -> None:
+def test_one_authenticator_per_context_and_a_restart_at_once(topology: Topology, new_context) -> None:
     ctx = new_context()
     auth = security.security_for(topology, "driver").start_authenticator(ctx)
     try:
@@ -257,6 +257,19 @@ def test_one_authenticator_per_context(topology: Topology, new_context) -> None:
             security.security_for(topology, "s0").start_authenticator(ctx)
     finally:
         auth.stop()
+    # A closed socket set frees the ZAP endpoint synchronously: the next one opens (and admits) at once.
+    sec = {role: security.security_for(topology, role) for role in ("driver", "s0")}
+    for request_id in range(3):
+        listen, ret = free_endpoint(), free_endpoint()
+        driver = transport.open_driver_sockets(ctx, listen, ret, security=sec["driver"], first_stage_id="s0")
+        stage = transport.open_stage_sockets(new_context(), listen, None, ret, "s0", security=sec["s0"])
+        try:
+            transport.send_message(stage.dealer, activation_message(request_id))
+            assert received(driver.router)
+            assert wire.decode(transport.recv_routed(driver.router)[1]).request_id == request_id
+        finally:
+            stage.close()
+            driver.close()
 
 
 # ------------------------------------------------------------------ secured socket sets

@@ -99,3 +99,20 @@ def test_overload_returns_429_instead_of_queueing(served):
     finally:
         engine.scheduler.cfg = original
     assert "rate_limited" in httpx.get(url + "/metrics").text
+
+
+def test_repeated_prompt_reports_cached_tokens_and_cache_metrics(served):
+    _, url = served
+    system = "You are a careful assistant. " * 20
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Say something kind."}]
+    replies = [client(url).chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+               for _ in range(2)]
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+    assert replies[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert replies[1].usage.prompt_tokens_details.cached_tokens == replies[1].usage.prompt_tokens - 1
+    assert metric(url, "skippy_prefix_cache_requests_total", 'status="hit"') >= 1
+    deadline = time.monotonic() + 5          # stage stats arrive with the next heartbeat
+    while metric(url, "skippy_stage_cache_bytes", 'stage="s1"') <= 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(url, "skippy_stage_cache_bytes", 'stage="s0"') > 0
+    assert metric(url, "skippy_stage_cache_hits_total", 'stage="s1"') >= 1

@@ -244,7 +244,7 @@ def test_rejects_bad_extras() -> None:
 
 
 def test_encode_rejects_inconsistent_messages() -> None:
-    with pytest.raises(ValueError, match="does not match 2 tokens"):
+    with pytest.raises(ValueError, match="does not match 2 rows"):
         wire.encode(Message(Kind.PREFILL, tokens=np.arange(2), activation=np.zeros((3, 4), np.float32)))
     with pytest.raises(ValueError, match="positions"):
         wire.encode(Message(Kind.PREFILL, tokens=np.arange(2), positions=np.arange(3)))

@@ -21,6 +21,9 @@ from skippy_zmq.topology import Topology, load_topology
 
 
 def open_engine(topology: Topology) -> tuple[PipelineEngine, TextTokenizer]:
+    from skippy_zmq.security import warn_public_binds
+
+    warn_public_binds(topology)
     tokenizer = TextTokenizer.load(topology.model_path)
     engine = PipelineEngine(topology, tokenizer.eos_ids, model_name=topology.model_path.name).start()
     return engine, tokenizer

@@ -21,7 +21,10 @@ from loguru import logger
 
 from skippy_zmq import transport, wire
 from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
+from skippy_zmq.driver.prefix_index import PrefixIndex
 from skippy_zmq.driver.scheduler import Scheduler, SchedulerConfig
+from skippy_zmq.kv.prefix_store import StoreConfig
+from skippy_zmq.security import security_for
 from skippy_zmq.topology import Topology
 
 
@@ -44,8 +47,10 @@ class PipelineEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             n_stages=len(topology.stages), micro_batches=d.micro_batches, max_sessions=d.max_sessions, max_queue=d.max_queue,
             prefill_chunk=d.prefill_chunk, max_context=d.max_context, reply_timeout_s=d.reply_timeout_s,
-            request_timeout_s=d.request_timeout_s), frozenset(eos_ids))
+            request_timeout_s=d.request_timeout_s), frozenset(eos_ids),
+            PrefixIndex([StoreConfig.from_cache(s.cache) for s in topology.stages]))
         self.stages = {s.id: StageState(s.id) for s in topology.stages}
+        self.security = security_for(topology, "driver")
         self.limits = wire.WireLimits(max_message_bytes=topology.wire.max_message_bytes)
         self.commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
@@ -163,7 +168,8 @@ class PipelineEngine:
         d = self.topology.driver
         socks = transport.open_driver_sockets(transport.context(), self.topology.first.connect, d.return_endpoint,
                                               hwm=self.topology.wire.hwm,
-                                              max_message_bytes=self.topology.wire.max_message_bytes)
+                                              max_message_bytes=self.topology.wire.max_message_bytes,
+                                              security=self.security, first_stage_id=self.topology.first.id)
         poller = zmq.Poller()
         poller.register(socks.router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)

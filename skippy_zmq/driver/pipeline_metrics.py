@@ -16,7 +16,11 @@ COMPUTE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.6
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 STAGE_COUNTERS = {"messages": "messages handled", "errors": "error replies sent", "tokens": "tokens computed",
-                  "bytes_forwarded": "activation bytes sent to the next stage"}
+                  "bytes_forwarded": "activation bytes sent to the next stage",
+                  "cache_hits": "prefix-store lookups that hit", "cache_misses": "prefix-store lookups that missed",
+                  "cache_evictions": "prefix-store entries evicted", "cache_records": "prefix-store records"}
+STAGE_GAUGES = {"cache_bytes": "bytes held by the prefix store", "cache_entries": "prefix-store entries",
+                "lanes_in_use": "KV lanes held by sessions"}
 
 
 class PipelineCollector(Collector):
@@ -30,17 +34,22 @@ class PipelineCollector(Collector):
         for key, help_text in (("running", "sessions generating"), ("queued", "requests waiting for admission"),
                                ("batches_in_flight", "decode micro-batches in the pipeline")):
             yield GaugeMetricFamily(f"{NAMESPACE}_{key}", f"Scheduler: {help_text}.", value=load[key])
+        prefix = CounterMetricFamily(f"{NAMESPACE}_prefix_cache_requests", "Requests by prefix-cache status.",
+                                     labels=["status"])
+        for status, count in self.engine.scheduler.prefix_counts.items():
+            prefix.add_metric([status], float(count))
+        yield prefix
         up = GaugeMetricFamily(f"{NAMESPACE}_stage_up", "1 when the stage is ready and heartbeating.", labels=["stage"])
-        lanes = GaugeMetricFamily(f"{NAMESPACE}_stage_kv_lanes_in_use", "KV lanes held by sessions.", labels=["stage"])
+        gauges = {k: GaugeMetricFamily(f"{NAMESPACE}_stage_{'kv_' if k == 'lanes_in_use' else ''}{k}",
+                                       f"Stage: {h}.", labels=["stage"]) for k, h in STAGE_GAUGES.items()}
         counters = {k: CounterMetricFamily(f"{NAMESPACE}_stage_{k}", f"Stage: {h}.", labels=["stage"])
                     for k, h in STAGE_COUNTERS.items()}
         for state in self.engine.stages.values():
             up.add_metric([state.stage_id], 1.0 if state.ready else 0.0)
-            lanes.add_metric([state.stage_id], float(state.info.get("lanes_in_use", 0)))
-            for key, family in counters.items():
+            for key, family in {**gauges, **counters}.items():
                 family.add_metric([state.stage_id], float(state.info.get(key, 0)))
         yield up
-        yield lanes
+        yield from gauges.values()
         yield from counters.values()
 
 

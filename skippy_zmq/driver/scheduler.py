@@ -23,8 +23,10 @@ import numpy as np
 from loguru import logger
 
 from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
+from skippy_zmq.driver.prefix_index import PrefixIndex
 from skippy_zmq.wire import Kind, Message
 
+DEFAULT_NAMESPACE = "default"
 Sink = Callable[[object], None]   # receives TokenEvent or EngineError; must be thread-safe
 
 
@@ -58,6 +60,10 @@ class Job:
     done: bool = False
     t_submit: float = field(default_factory=time.monotonic)
     t_first: float = 0.0
+    namespace: str = DEFAULT_NAMESPACE
+    restoring: str | None = None    # "fused" | "prefix" while a restore try is in flight
+    cached: int = 0                 # prompt tokens served from the prefix stores
+    cache_status: str = "disabled"  # disabled | miss | hit
 
     @property
     def prefill_total(self) -> int:
@@ -65,7 +71,13 @@ class Job:
 
     @property
     def decodable(self) -> bool:
-        return self.prefill_sent >= self.prefill_total and not self.in_flight and not self.done
+        return self.prefill_sent >= self.prefill_total and not self.in_flight and not self.done \
+            and not self.restoring
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        """Tokens whose KV the stages hold: the prompt and all generated tokens but the last."""
+        return (self.prompt + self.generated)[:len(self.prompt) + len(self.generated) - 1]
 
 
 @dataclass
@@ -75,8 +87,11 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, eos_ids: frozenset[int]):
+    def __init__(self, cfg: SchedulerConfig, eos_ids: frozenset[int], index: PrefixIndex | None = None):
         self.cfg, self.eos_ids = cfg, eos_ids
+        self.index = index if index is not None and index.enabled else None
+        self.restores: dict[int, Batch] = {}             # request id of a restore try -> its session
+        self.prefix_counts = {"disabled": 0, "miss": 0, "hit": 0}
         self.queue: deque[Job] = deque()
         self.running: dict[int, Job] = {}
         self.batches: dict[int, Batch] = {}
@@ -96,7 +111,8 @@ class Scheduler:
                               429, "overloaded", retry_after=1.0)
         timeout = req.timeout_s or self.cfg.request_timeout_s
         eos = frozenset() if req.ignore_eos else self.eos_ids
-        job = Job(req, next(self._ids), sink, eos, time.monotonic() + timeout, prompt=list(req.prompt_ids))
+        job = Job(req, next(self._ids), sink, eos, time.monotonic() + timeout, prompt=list(req.prompt_ids),
+                  namespace=req.cache_key or DEFAULT_NAMESPACE)
         self.queue.append(job)
         return job.session_id
 
@@ -116,10 +132,39 @@ class Scheduler:
             self._on_tokens(msg)
         elif msg.kind == Kind.ACK:
             self.prefill_in_flight.pop(msg.request_id, None)
+            if msg.request_id in self.restores:
+                self._on_restore_ack(msg)
         elif msg.kind == Kind.ERROR:
             self._on_error(stage_id, msg)
 
+    def _on_restore_ack(self, msg: Message) -> None:
+        """A restore try ended: a hit (TRY_RESTORE_PREFILL) or a miss at some stage (either kind)."""
+        job = self.running.get(next(iter(self.restores.pop(msg.request_id).sessions)))
+        if job is None or job.done:
+            return
+        hit = msg.extras.get("stats", {}).get("restore", {}).get("status") == "hit"
+        fused = job.restoring == "fused"
+        job.restoring, job.in_flight = None, False
+        if hit and not fused:
+            job.prefill_sent = job.cached
+        else:   # fall back to a full prefill; positions are absolute, partial restores are overwritten
+            job.cached, job.prefill_sent = 0, 0
+            if fused:
+                self.outbox.append(self._configure(job))
+        self._count_prefix(job, "hit" if job.cached else "miss")
+
+    def _count_prefix(self, job: Job, status: str) -> None:
+        job.cache_status = status
+        self.prefix_counts[status] += 1
+        logger.info("prefix cache {} for session {} ({}): matched {} of {} prompt tokens", status,
+                    job.session_id, job.req.request_id, job.cached, len(job.prompt))
+
     def _on_tokens(self, msg: Message) -> None:
+        if self.restores.pop(msg.request_id, None) is not None:   # a fused restore hit everywhere
+            job = self.running.get(int(msg.session_ids[0]))
+            if job is not None and job.restoring:
+                job.restoring = None
+                self._count_prefix(job, "hit")
         batch = self.batches.get(msg.request_id)
         trace = msg.extras.get("trace", [])
         for sid, tok in zip(msg.session_ids.tolist(), msg.tokens.tolist()):
@@ -144,9 +189,14 @@ class Scheduler:
             reason = "stop"
         elif len(job.generated) >= job.req.max_tokens or job.next_pos + 1 >= self.cfg.max_context:
             reason = "length"
-        job.sink(TokenEvent(token_id=tok, finish_reason=reason, stats={"trace": trace, "first": first}))
+        stats = {"trace": trace, "first": first}
+        if first:
+            stats["prefix"] = {"status": job.cache_status, "matched": job.cached,
+                               "suffix": len(job.prompt) - job.cached}
+        job.sink(TokenEvent(token_id=tok, finish_reason=reason, cached_tokens=job.cached if first else 0,
+                            stats=stats))
         if reason:
-            self._finish(job)
+            self._finish(job, record=True)
 
     def _on_error(self, stage_id: str, msg: Message) -> None:
         reason = msg.extras.get("error", "unknown error")
@@ -157,6 +207,7 @@ class Scheduler:
             if not batch.sessions:
                 del self.batches[msg.request_id]
         self.prefill_in_flight.pop(msg.request_id, None)
+        self.restores.pop(msg.request_id, None)
         job = self.running.get(msg.session_id)
         if job is None:
             logger.warning("error from {} for unknown session {}: {}", stage_id, msg.session_id, reason)
@@ -166,10 +217,15 @@ class Scheduler:
 
     # ------------------------------------------------------------ lifecycle
 
-    def _finish(self, job: Job) -> None:
+    def _finish(self, job: Job, record: bool = False) -> None:
+        """STOP the session everywhere; after a normal end, stages record prompt + answer."""
         job.done = True
         self.running.pop(job.session_id, None)
-        self.outbox.append(Message(Kind.STOP, next(self._ids), job.session_id))
+        extras = {}
+        if record and self.index is not None:
+            self.index.add(job.namespace, job.kv_tokens)
+            extras = {"record": job.namespace}
+        self.outbox.append(Message(Kind.STOP, next(self._ids), job.session_id, extras=extras))
 
     def _fail(self, job: Job, error: EngineError | None) -> None:
         """End a job early; `error` goes to its consumer (None: nobody is listening)."""
@@ -187,6 +243,7 @@ class Scheduler:
         for job in list(self.running.values()) + list(self.queue):
             self._fail(job, error)
         self.batches.clear()
+        self.restores.clear()
         self.prefill_in_flight.clear()
 
     def tick(self, now: float | None = None) -> list[Message]:
@@ -206,15 +263,23 @@ class Scheduler:
             elif now > job.deadline:
                 self._fail(job, EngineError(f"request exceeded its deadline of "
                                             f"{job.req.timeout_s or self.cfg.request_timeout_s:g} s", 504, "timeout"))
-        stale = [bid for bid, b in self.batches.items() if now - b.sent_at > self.cfg.reply_timeout_s]
-        for bid in stale:
-            for sid in self.batches.pop(bid).sessions:
-                if sid in self.running:
-                    self._fail(self.running[sid], EngineError(
-                        f"no reply from the pipeline within {self.cfg.reply_timeout_s:g} s", 504, "stage_timeout"))
+        for pending in (self.batches, self.restores):
+            self._expire_pending(pending, now)
         for rid, sent in list(self.prefill_in_flight.items()):
             if now - sent > self.cfg.reply_timeout_s:
                 del self.prefill_in_flight[rid]   # free the credit; the decode timeout catches the session
+
+    def _expire_pending(self, pending: dict[int, Batch], now: float) -> None:
+        stale = [bid for bid, b in pending.items() if now - b.sent_at > self.cfg.reply_timeout_s]
+        for bid in stale:
+            for sid in pending.pop(bid).sessions:
+                if sid in self.running:
+                    self._fail(self.running[sid], EngineError(
+                        f"no reply from the pipeline within {self.cfg.reply_timeout_s:g} s", 504, "stage_timeout"))
+
+    def _configure(self, job: Job) -> Message:
+        return Message(Kind.CONFIGURE_GENERATION, next(self._ids), job.session_id,
+                       tokens=np.asarray(job.prompt, np.int32), extras={"sampling": job.req.sampling.to_dict()})
 
     def _admit(self) -> None:
         while self.queue and len(self.running) < self.cfg.max_sessions:
@@ -223,18 +288,47 @@ class Scheduler:
                 continue
             self.running[job.session_id] = job
             job.next_token, job.next_pos = job.prompt[-1], len(job.prompt) - 1
-            self.outbox.append(Message(Kind.CONFIGURE_GENERATION, next(self._ids), job.session_id,
-                                       tokens=np.asarray(job.prompt, np.int32),
-                                       extras={"sampling": job.req.sampling.to_dict()}))
+            matched = self.index.longest(job.namespace, job.prompt, len(job.prompt) - 1) if self.index else 0
+            if not matched:
+                self.outbox.append(self._configure(job))
+                self._count_prefix(job, "miss" if self.index else "disabled")
+            elif matched == len(job.prompt) - 1:
+                self._try_fused(job, matched)
+            else:
+                self.outbox.append(self._configure(job))
+                self._try_restore(job, matched)
+
+    def _try_fused(self, job: Job, matched: int) -> None:
+        """TRY_RESTORE_PREFILL_DECODE: restore prompt[:-1] and decode the last token in one pass."""
+        rid = next(self._ids)
+        job.restoring, job.in_flight, job.cached, job.prefill_sent = "fused", True, matched, job.prefill_total
+        self.restores[rid] = Batch({job.session_id}, time.monotonic())
+        self.outbox.append(Message(Kind.TRY_RESTORE_PREFILL_DECODE, rid, job.session_id,
+                                   tokens=np.asarray(job.prompt, np.int32),
+                                   extras={"namespace": job.namespace, "sampling": job.req.sampling.to_dict()}))
+
+    def _try_restore(self, job: Job, matched: int) -> None:
+        """TRY_RESTORE_PREFILL of prompt[:matched]; the suffix is prefilled once it hit."""
+        rid = next(self._ids)
+        job.restoring, job.cached = "prefix", matched
+        self.restores[rid] = Batch({job.session_id}, time.monotonic())
+        self.outbox.append(Message(Kind.TRY_RESTORE_PREFILL, rid, job.session_id,
+                                   tokens=np.asarray(job.prompt[:matched], np.int32),
+                                   extras={"namespace": job.namespace}))
 
     def _send_prefill(self, now: float) -> None:
         for job in self.running.values():
-            while job.prefill_sent < job.prefill_total and len(self.prefill_in_flight) < self.cfg.prefill_credit:
+            while (job.prefill_sent < job.prefill_total and not job.restoring
+                   and len(self.prefill_in_flight) < self.cfg.prefill_credit):
                 start = job.prefill_sent
                 end = min(start + self.cfg.prefill_chunk, job.prefill_total)
                 rid = next(self._ids)
+                extras = {}
+                if end == job.prefill_total and self.index is not None:   # the prompt is in: record it
+                    self.index.add(job.namespace, job.prompt[:end])
+                    extras = {"record": job.namespace}
                 self.outbox.append(Message(Kind.PREFILL, rid, job.session_id, position=start,
-                                           tokens=np.asarray(job.prompt[start:end], np.int32)))
+                                           tokens=np.asarray(job.prompt[start:end], np.int32), extras=extras))
                 self.prefill_in_flight[rid] = now
                 job.prefill_sent = end
 

@@ -19,7 +19,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 
@@ -36,6 +36,12 @@ class StoreConfig:
     stride: int = 128
     min_tokens: int = 64
     max_grid_entries_per_record: int = 4  # a few entries per prompt, longest kept
+
+    @classmethod
+    def from_cache(cls, cache: Any) -> "StoreConfig":
+        """From a topology stage's `cache` section (mode, max_bytes, max_entries, stride, min_tokens)."""
+        return cls(mode=cache.mode, max_bytes=cache.max_bytes, max_entries=cache.max_entries,
+                   stride=cache.stride, min_tokens=cache.min_tokens)
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -114,6 +120,18 @@ def _frozen_copy(a: np.ndarray) -> np.ndarray:
     return out
 
 
+def grid_lengths(c: StoreConfig, n_tokens: int) -> list[int]:
+    """Stride-grid prefix lengths recorded for an n-token prompt, longest first."""
+    top = (n_tokens - 1) // c.stride * c.stride  # grid points are strictly shorter than the prompt
+    grid = [n for n in range(top, 0, -c.stride) if n >= c.min_tokens]
+    return grid[: c.max_grid_entries_per_record]
+
+
+def recorded_lengths(c: StoreConfig, n_tokens: int) -> list[int]:
+    """Every prefix length `record` stores for n tokens (the driver's index predicts with this)."""
+    return ([n_tokens] if n_tokens >= c.min_tokens else []) + grid_lengths(c, n_tokens)
+
+
 class PrefixStore:
     def __init__(self, identity: StoreIdentity, config: StoreConfig) -> None:
         self.identity = identity
@@ -133,10 +151,7 @@ class PrefixStore:
 
     def grid_lengths(self, n_tokens: int) -> list[int]:
         """Stride-grid prefix lengths `record` stores for an n-token prompt, longest first."""
-        c = self.config
-        top = (n_tokens - 1) // c.stride * c.stride  # grid points are strictly shorter than the prompt
-        grid = [n for n in range(top, 0, -c.stride) if n >= c.min_tokens]
-        return grid[: c.max_grid_entries_per_record]
+        return grid_lengths(self.config, n_tokens)
 
     def record(self, namespace: str, tokens: Sequence[int] | np.ndarray, k: np.ndarray, v: np.ndarray) -> list[int]:
         """Store the exact prefix and its stride grid; return the lengths now held (ascending)."""
@@ -148,7 +163,7 @@ class PrefixStore:
             raise ValueError(f"k and v must be equal 4-D blocks, got {k.shape}/{k.dtype} and {v.shape}/{v.dtype}")
         if k.shape[1] != n:
             raise ValueError(f"KV covers {k.shape[1]} positions but {n} tokens were given")
-        lengths = ([n] if n >= self.config.min_tokens else []) + self.grid_lengths(n)
+        lengths = recorded_lengths(self.config, n)
         keys = _prefix_keys(self.identity, namespace, tokens, lengths)
         # Longest first, so the shorter, more widely shared grid entries end up
         # most recently used and outlive the long, prompt-specific ones.

@@ -4,6 +4,7 @@ chunking and device placement. The step itself stays pure and small.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,15 +147,40 @@ class SliceRunner:
                            "none" if self.last else "hidden")
         return time.perf_counter() - t0
 
+    def _span(self, length: int) -> int:
+        """Bucketed length for KV copies (powers of two from 64) so they never recompile per length."""
+        self._check_positions(length - 1)
+        span = 64
+        while span < length:
+            span *= 2
+        return min(span, self.capacity)
+
     def read_kv(self, lane: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of this lane's K and V for positions [0, length): [layers, length, kvh, hd]."""
-        k = np.stack([np.asarray(a[lane, :length]) for a in self.kv.k])
-        v = np.stack([np.asarray(a[lane, :length]) for a in self.kv.v])
-        return k, v
+        k, v = _read_lane(self.kv, np.int32(lane), span=self._span(length))
+        return np.asarray(k)[:, :length], np.asarray(v)[:, :length]
 
     def write_kv(self, lane: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Restore K and V blocks [layers, length, kvh, hd] into positions [0, length) of a lane."""
-        n = k.shape[1]
-        self._check_positions(n - 1)
-        self.kv = KVCache(k=tuple(a.at[lane, :n].set(self._put(k[i]).astype(a.dtype)) for i, a in enumerate(self.kv.k)),
-                          v=tuple(a.at[lane, :n].set(self._put(v[i]).astype(a.dtype)) for i, a in enumerate(self.kv.v)))
+        """Restore K and V blocks [layers, length, kvh, hd] into positions [0, length) of a lane.
+
+        Blocks are zero-padded to the bucketed span; positions past `length` are
+        beyond the session and never attended to before they are rewritten.
+        """
+        span = self._span(k.shape[1])
+        pad = [(0, 0), (0, span - k.shape[1]), (0, 0), (0, 0)]
+        dtype = self.kv.k[0].dtype
+        self.kv = _write_lane(self.kv, np.int32(lane), self._put(np.pad(k, pad)).astype(dtype),
+                              self._put(np.pad(v, pad)).astype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("span",))
+def _read_lane(kv: KVCache, lane: jax.Array, span: int) -> tuple[jax.Array, jax.Array]:
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a[lane], 0, span, axis=0)
+    return jnp.stack([take(a) for a in kv.k]), jnp.stack([take(a) for a in kv.v])
+
+
+@functools.partial(jax.jit, donate_argnames=("kv",))
+def _write_lane(kv: KVCache, lane: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    put = lambda a, block: jax.lax.dynamic_update_slice(a, block[None], (lane, 0, 0, 0))
+    return KVCache(k=tuple(put(a, k[i]) for i, a in enumerate(kv.k)),
+                   v=tuple(put(a, v[i]) for i, a in enumerate(kv.v)))

@@ -17,8 +17,11 @@ from loguru import logger
 
 from skippy_zmq import transport, wire
 from skippy_zmq.config import Buckets, KVConfig
+from skippy_zmq.kv.prefix_store import PrefixStore, StoreConfig, StoreIdentity
 from skippy_zmq.model import weights
+from skippy_zmq.model.convert import model_digest
 from skippy_zmq.model.runner import SliceRunner, resolve_device
+from skippy_zmq.security import security_for
 from skippy_zmq.stage.sessions import SessionTable
 from skippy_zmq.stage.worker import DRIVER, StageInfo, StageWorker
 from skippy_zmq.topology import StageConfig, Topology
@@ -48,12 +51,21 @@ def build_worker(topology: Topology, stage: StageConfig) -> StageWorker:
     logger.info("stage {} layers [{}, {}) on {}: restored in {:.1f}s, compiled in {:.1f}s", stage.id,
                 stage.start, stage.end, stage.device, t1 - t0, time.perf_counter() - t1)
     info = StageInfo(stage.id, first=stage.start == 0, last=stage.end == cfg.n_layers, width=cfg.d_model)
-    return StageWorker(info, runner, SessionTable(stage.kv_lanes))
+    return StageWorker(info, runner, SessionTable(stage.kv_lanes), make_store(topology, stage))
+
+
+def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
+    """This stage's prefix store; identity ties entries to the model, layer range and KV dtype."""
+    c = stage.cache
+    if c.mode == "disabled":
+        return None
+    identity = StoreIdentity(model_digest(topology.model_path), stage.start, stage.end, stage.dtype)
+    return PrefixStore(identity, StoreConfig.from_cache(c))
 
 
 class StageLoop:
-    def __init__(self, topology: Topology, stage: StageConfig, worker: StageWorker):
-        self.topology, self.stage, self.worker = topology, stage, worker
+    def __init__(self, topology: Topology, stage: StageConfig, worker: StageWorker, security: Any = None):
+        self.topology, self.stage, self.worker, self.security = topology, stage, worker, security
         self.incarnation = int.from_bytes(os.urandom(4), "little")
         self.limits = wire.WireLimits(max_message_bytes=topology.wire.max_message_bytes)
         self.dtype = wire.WireDType.parse(topology.wire.activation_dtype)
@@ -62,7 +74,8 @@ class StageLoop:
         nxt = topology.next_stage(stage.id)
         self.sockets = transport.open_stage_sockets(
             transport.context(), stage.listen, nxt.connect if nxt else None, topology.driver.return_endpoint,
-            stage.id, hwm=topology.wire.hwm, max_message_bytes=topology.wire.max_message_bytes)
+            stage.id, hwm=topology.wire.hwm, max_message_bytes=topology.wire.max_message_bytes,
+            security=security, next_stage_id=nxt.id if nxt else None)
 
     def request_stop(self, *_: Any) -> None:
         """Signal handler: only sets a flag; the loop drains and exits."""
@@ -90,14 +103,15 @@ class StageLoop:
             transport.send_message(self.sockets.dealer, exc.as_reply())
             return
         self.send(self.worker.handle(msg))
+        self.worker.run_deferred()
 
     def heartbeat_message(self, state: str = "serving") -> wire.Message:
         return wire.Message.heartbeat(self.stage.id, self.incarnation, {"state": state, **self.worker.status()})
 
     def heartbeat_thread(self) -> None:
         """Heartbeats on a socket of their own, so a long compile or prefill never looks like death."""
-        sock = transport.make_socket(transport.context(), zmq.DEALER, self.topology.driver.return_endpoint,
-                                     bind=False, identity=f"{self.stage.id}{transport.HEARTBEAT_SUFFIX}".encode())
+        sock = transport.open_heartbeat_socket(transport.context(), self.topology.driver.return_endpoint,
+                                               self.stage.id, security=self.security)
         try:
             while not self._beats_done.wait(self.topology.driver.heartbeat_s):
                 transport.send_message(sock, self.heartbeat_message())
@@ -138,8 +152,9 @@ class StageLoop:
 
 def run_stage(topology: Topology, stage_id: str) -> int:
     stage = topology.stage(stage_id)
+    security = security_for(topology, stage_id)   # before loading: missing keys fail fast
     worker = build_worker(topology, stage)
-    loop = StageLoop(topology, stage, worker)
+    loop = StageLoop(topology, stage, worker, security)
     signal.signal(signal.SIGTERM, loop.request_stop)
     signal.signal(signal.SIGINT, loop.request_stop)
     return loop.run()

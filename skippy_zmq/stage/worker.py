@@ -15,35 +15,13 @@ from typing import Any, Callable
 import numpy as np
 from loguru import logger
 
+from skippy_zmq.kv.prefix_store import PrefixStore
 from skippy_zmq.model.runner import SliceRunner
 from skippy_zmq.sampling import Sampler, SamplingParams
+from skippy_zmq.stage.restore import RestoreRoutes
 from skippy_zmq.stage.sessions import LanesBusy, SessionTable
+from skippy_zmq.stage.types import DRIVER, NEXT, Outbound, StageFault, StageInfo  # noqa: F401 (re-exported)
 from skippy_zmq.wire import Kind, Message
-
-NEXT, DRIVER = "next", "driver"
-
-
-@dataclass(frozen=True)
-class Outbound:
-    to: str           # NEXT or DRIVER
-    message: Message
-
-
-@dataclass(frozen=True)
-class StageInfo:
-    stage_id: str
-    first: bool
-    last: bool
-    width: int
-
-
-class StageFault(Exception):
-    """A request this stage cannot serve; becomes an ERROR reply to the driver."""
-
-    def __init__(self, reason: str, code: str):
-        super().__init__(reason)
-        self.reason, self.code = reason, code
-
 
 @dataclass
 class RuntimeLock:
@@ -65,9 +43,11 @@ class RuntimeLock:
 
 
 class StageWorker:
-    def __init__(self, info: StageInfo, runner: SliceRunner, sessions: SessionTable):
-        self.info, self.runner, self.sessions = info, runner, sessions
+    def __init__(self, info: StageInfo, runner: SliceRunner, sessions: SessionTable,
+                 store: PrefixStore | None = None):
+        self.info, self.runner, self.sessions, self.store = info, runner, sessions, store
         self.lock = RuntimeLock()
+        self.deferred: list[Callable[[], Any]] = []   # run by the loop after the replies are sent
         self.handlers: dict[Kind, Callable[[Message], list[Outbound]]] = {
             Kind.PREFILL: self.on_prefill,
             Kind.DECODE: self.on_decode,
@@ -75,6 +55,9 @@ class StageWorker:
             Kind.STOP: self.on_stop,
             Kind.TRIM_SESSION: self.on_trim,
         }
+        restore = RestoreRoutes(self)
+        self.handlers[Kind.TRY_RESTORE_PREFILL] = restore.on_try_restore_prefill
+        self.handlers[Kind.TRY_RESTORE_PREFILL_DECODE] = restore.on_try_restore_prefill_decode
         self.counters: dict[str, int] = {"messages": 0, "errors": 0, "tokens": 0, "bytes_forwarded": 0}
 
     def handle(self, msg: Message) -> list[Outbound]:
@@ -121,6 +104,7 @@ class StageWorker:
                              "bad_position")
         if session.length > position:
             session.length = position          # auto-align: positions are absolute
+            del session.tokens[position:]
         elif session.length < position:
             raise StageFault(f"session {session_id} has KV up to position {session.length}, "
                              f"message starts at {position}", "kv_gap")
@@ -156,7 +140,11 @@ class StageWorker:
         hidden = self.lock.run(lambda: self.runner.prefill(session.lane, x, msg.position, output=output))
         compute_ms = 1000 * (time.perf_counter() - t0)
         session.length = msg.position + n
+        session.tokens.extend(msg.tokens.tolist())
         self.counters["tokens"] += n
+        if "record" in msg.extras:
+            namespace = str(msg.extras["record"])
+            self.deferred.append(lambda: self.record(session, namespace))
         extras = self._trace(msg, compute_ms, 1)
         if self.info.last:
             return [Outbound(DRIVER, Message.ack(msg.request_id, msg.session_id,
@@ -188,8 +176,10 @@ class StageWorker:
         t0 = time.perf_counter()
         result = self.lock.run(lambda: self.runner.decode(np.asarray(lanes, np.int32), x, positions))
         compute_ms = 1000 * (time.perf_counter() - t0)
-        for sid, pos in zip(sessions.tolist(), positions.tolist()):
-            self.sessions.get(sid).length = pos + 1
+        for sid, pos, tok in zip(sessions.tolist(), positions.tolist(), msg.tokens.tolist()):
+            session = self.sessions.get(sid)
+            session.length = pos + 1
+            session.tokens.append(tok)
         self.counters["tokens"] += len(keep)
         extras = self._trace(msg, compute_ms, len(keep))
         if not self.info.last:
@@ -206,14 +196,38 @@ class StageWorker:
 
     def on_stop(self, msg: Message) -> list[Outbound]:
         for sid in msg.session_ids.tolist():
+            session = self.sessions.get(sid)
+            if session is not None and "record" in msg.extras:
+                self.record(session, str(msg.extras["record"]))
             self.sessions.release(sid)
         return [] if self.info.last else [Outbound(NEXT, msg)]
 
     def on_trim(self, msg: Message) -> list[Outbound]:
         session = self.sessions.get(msg.session_id)
-        if session is not None:
-            session.length = min(session.length, msg.position)
+        if session is not None and session.length > msg.position:
+            session.length = max(msg.position, 0)
+            del session.tokens[session.length:]
         return [] if self.info.last else [Outbound(NEXT, msg)]
 
+    def run_deferred(self) -> None:
+        """Work that must not delay a reply (prefix recording); the loop calls this after sending."""
+        work, self.deferred = self.deferred, []
+        for fn in work:
+            fn()
+
+    def record(self, session: Any, namespace: str) -> list[int]:
+        """Copy the session's KV into the prefix store (a host copy; the decode path waits only for it)."""
+        if self.store is None or session.length < self.store.config.min_tokens:
+            return []
+        t0 = time.perf_counter()
+        k, v = self.lock.run(lambda: self.runner.read_kv(session.lane, session.length))
+        lengths = self.store.record(namespace, session.tokens[:session.length], k, v)
+        logger.debug("stage {} recorded {} tokens of session {} as {} in {:.1f} ms", self.info.stage_id,
+                     session.length, session.session_id, lengths, 1000 * (time.perf_counter() - t0))
+        return lengths
+
     def status(self) -> dict[str, Any]:
-        return {"lanes_in_use": len(self.sessions), "lanes": self.sessions.lanes, **self.counters}
+        out = {"lanes_in_use": len(self.sessions), "lanes": self.sessions.lanes, **self.counters}
+        if self.store is not None:
+            out.update({f"cache_{k}": v for k, v in self.store.stats().items()})
+        return out

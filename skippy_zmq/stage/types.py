@@ -1,0 +1,31 @@
+"""Small types shared by the stage worker and its route handlers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from skippy_zmq.wire import Message
+
+NEXT, DRIVER = "next", "driver"
+
+
+@dataclass(frozen=True)
+class Outbound:
+    to: str           # NEXT or DRIVER
+    message: Message
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    stage_id: str
+    first: bool
+    last: bool
+    width: int
+
+
+class StageFault(Exception):
+    """A request this stage cannot serve; becomes an ERROR reply to the driver."""
+
+    def __init__(self, reason: str, code: str):
+        super().__init__(reason)
+        self.reason, self.code = reason, code
