@@ -74,6 +74,10 @@ def main(args: argparse.Namespace) -> int:
         from skippy_zmq.bench_pipeline import bench_pipeline
 
         result["pipeline"] = bench_pipeline(args, tables)
+    if args.suite in ("prefix", "all"):
+        from skippy_zmq.bench_prefix import bench_prefix
+
+        result["prefix"] = bench_prefix(args, tables)
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "bench.md").write_text("\n".join(tables))
     print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")

@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser("bench", help="benchmarks; prints a table and writes JSON")
-    p.add_argument("suite", nargs="?", default="single", choices=["single", "pipeline", "all"])
+    p.add_argument("suite", nargs="?", default="single", choices=["single", "pipeline", "prefix", "all"])
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--out", default="bench-out")
     p.add_argument("--quick", action="store_true")

@@ -42,6 +42,8 @@ class InprocChain:
             worker = self.workers[index]
             outs = worker.handle(message)
             worker.run_deferred()
+            if worker.store is not None:
+                worker.store.flush()   # records land before the next message, deterministically
             for out in outs:
                 if out.to == DRIVER:
                     replies.append((worker.info.stage_id, self._through_wire(out.message, wire.WireDType.F32)))

@@ -44,7 +44,7 @@ def test_miss_at_the_middle_stage_of_three_falls_back(tiny_tree):
     sched, chain = make_scheduler(3, cache=CACHE), make_chain(TINY, tiny_tree, [1, 3], cache=CACHE)
     prompt = SYSTEM + [9, 9, 9]
     cold, _ = gen(sched, chain, [prompt])
-    chain.workers[1].store.clear()                                # the middle stage evicted everything
+    chain.workers[1].store.store.clear()                           # the middle stage evicted everything
     replies = []
     send = chain.send
 
@@ -69,6 +69,7 @@ def test_routes_at_first_middle_and_last_stage(tiny_tree):
                  Message(Kind.PREFILL, 1, 50, tokens=prompt[:-1],
                          activation=np.zeros((len(prompt) - 1, TINY.d_model), np.float32)))
         w.record(w.sessions.get(50), "ns")
+        w.store.flush()
         w.handle(Message(Kind.STOP, 2, 50))
     msg = Message(Kind.TRY_RESTORE_PREFILL_DECODE, 3, 60, tokens=prompt, extras={"namespace": "ns"})
     [fwd] = chain.workers[0].handle(msg)                           # ForwardHit at the first stage
@@ -106,7 +107,7 @@ def test_eviction_keeps_every_store_under_budget(tiny_tree):
         prompt = random_ids(int(rng.integers(10, 120)), TINY.vocab_size, seed=100 + i).tolist()
         gen(sched, chain, [prompt], max_tokens=2)
         for w in chain.workers:
-            assert w.store.nbytes <= small.max_bytes
+            assert w.store.store.nbytes <= small.max_bytes
     assert all(w.store.stats()["evictions"] > 0 for w in chain.workers)
     # prompts recorded early were evicted: asking for one is a miss, never an error, and still right
     prompt = random_ids(int(np.random.default_rng(0).integers(10, 120)), TINY.vocab_size, seed=100).tolist()

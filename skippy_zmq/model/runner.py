@@ -148,16 +148,17 @@ class SliceRunner:
         return time.perf_counter() - t0
 
     def _span(self, length: int) -> int:
-        """Bucketed length for KV copies (powers of two from 64) so they never recompile per length."""
+        """Length bucket (a multiple of 128) for KV copies, so they compile once per bucket, not per length."""
         self._check_positions(length - 1)
-        span = 64
-        while span < length:
-            span *= 2
-        return min(span, self.capacity)
+        return min(-(-length // 128) * 128, self.capacity)
+
+    def read_kv_device(self, lane: int, length: int) -> tuple[jax.Array, jax.Array]:
+        """Dispatch a device copy of this lane's K and V, [layers, span >= length, kvh, hd]; returns at once."""
+        return _read_lane(self.kv, np.int32(lane), span=self._span(length))
 
     def read_kv(self, lane: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of this lane's K and V for positions [0, length): [layers, length, kvh, hd]."""
-        k, v = _read_lane(self.kv, np.int32(lane), span=self._span(length))
+        k, v = self.read_kv_device(lane, length)
         return np.asarray(k)[:, :length], np.asarray(v)[:, :length]
 
     def write_kv(self, lane: int, k: np.ndarray, v: np.ndarray) -> None:

@@ -71,6 +71,8 @@ class StageLoop:
         self.dtype = wire.WireDType.parse(topology.wire.activation_dtype)
         self.stopping = False
         self._beats_done = threading.Event()
+        # Benchmarks simulate network latency per hop with SKIPPY_HOP_DELAY_MS (never set in serving).
+        self.hop_delay_s = float(os.environ.get("SKIPPY_HOP_DELAY_MS", "0")) / 1000
         nxt = topology.next_stage(stage.id)
         self.sockets = transport.open_stage_sockets(
             transport.context(), stage.listen, nxt.connect if nxt else None, topology.driver.return_endpoint,
@@ -82,6 +84,8 @@ class StageLoop:
         self.stopping = True
 
     def send(self, out: list) -> None:
+        if self.hop_delay_s and any(o.to != DRIVER for o in out):
+            time.sleep(self.hop_delay_s)   # benchmark only: simulate a slow link before forwarding
         for o in out:
             t0 = time.perf_counter()
             if o.to == DRIVER:

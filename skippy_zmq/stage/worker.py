@@ -18,6 +18,7 @@ from loguru import logger
 from skippy_zmq.kv.prefix_store import PrefixStore
 from skippy_zmq.model.runner import SliceRunner
 from skippy_zmq.sampling import Sampler, SamplingParams
+from skippy_zmq.stage.recorder import Recorder
 from skippy_zmq.stage.restore import RestoreRoutes
 from skippy_zmq.stage.sessions import LanesBusy, SessionTable
 from skippy_zmq.stage.types import DRIVER, NEXT, Outbound, StageFault, StageInfo  # noqa: F401 (re-exported)
@@ -45,7 +46,8 @@ class RuntimeLock:
 class StageWorker:
     def __init__(self, info: StageInfo, runner: SliceRunner, sessions: SessionTable,
                  store: PrefixStore | None = None):
-        self.info, self.runner, self.sessions, self.store = info, runner, sessions, store
+        self.info, self.runner, self.sessions = info, runner, sessions
+        self.store = Recorder(store, info.stage_id) if store is not None else None
         self.lock = RuntimeLock()
         self.deferred: list[Callable[[], Any]] = []   # run by the loop after the replies are sent
         self.handlers: dict[Kind, Callable[[Message], list[Outbound]]] = {
@@ -215,16 +217,13 @@ class StageWorker:
         for fn in work:
             fn()
 
-    def record(self, session: Any, namespace: str) -> list[int]:
-        """Copy the session's KV into the prefix store (a host copy; the decode path waits only for it)."""
+    def record(self, session: Any, namespace: str) -> None:
+        """Copy the session's KV into the prefix store; only the device-side copy is on this thread."""
         if self.store is None or session.length < self.store.config.min_tokens:
-            return []
-        t0 = time.perf_counter()
-        k, v = self.lock.run(lambda: self.runner.read_kv(session.lane, session.length))
-        lengths = self.store.record(namespace, session.tokens[:session.length], k, v)
-        logger.debug("stage {} recorded {} tokens of session {} as {} in {:.1f} ms", self.info.stage_id,
-                     session.length, session.session_id, lengths, 1000 * (time.perf_counter() - t0))
-        return lengths
+            return
+        length = session.length
+        kv = self.lock.run(lambda: self.runner.read_kv_device(session.lane, length))
+        self.store.submit(namespace, session.tokens[:length], kv, length)
 
     def status(self) -> dict[str, Any]:
         out = {"lanes_in_use": len(self.sessions), "lanes": self.sessions.lanes, **self.counters}
