@@ -1,27 +1,95 @@
-"""Pipeline benchmarks: 1/2/3 stages side by side with the single process.
+"""Pipeline benchmarks: 1/2/3 stage processes on loopback, the driver's
+PipelineEngine in this process.
 
-Real stage processes on loopback, the driver's PipelineEngine in this
-process. Reports decode tok/s per stream count and ratios to the single
-process measured in the same run.
+Reports, per stage count: single-stream decode tok/s, its ratio to 1 stage and
+the per-hop overhead it implies; activation bytes per token per hop for each
+wire dtype; and a concurrency sweep (aggregate tok/s, inter-token latency and
+the pipeline bubble of every stage).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
+from skippy_zmq import wire
 from skippy_zmq.driver.engine import GenRequest
 from skippy_zmq.launch import running_pipeline, write_topology
 
-LLAMA_CPP_DECODE_TOK_S = 93.0   # single-stream llama.cpp on this machine (issue text)
+LANES = 16   # kv_lanes and driver max_sessions, so 16 streams run at once
 
 
-def run_stream(engine: Any, ids: list[int], new_tokens: int, out: list[dict[str, float]]) -> None:
+# ---------------------------------------------------------------- pure arithmetic (tests/test_bench.py)
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted list (q in [0, 1])."""
+    return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * q))]
+
+
+def stage_busy_ms(traces: Iterable[list[dict[str, Any]]]) -> dict[str, float]:
+    """Sum of compute_ms per stage over traces that each appear once (one per reply message)."""
+    busy: dict[str, float] = {}
+    for trace in traces:
+        for hop in trace:
+            busy[hop["stage"]] = busy.get(hop["stage"], 0.0) + float(hop["compute_ms"])
+    return busy
+
+
+def bubble(traces: Iterable[list[dict[str, Any]]], wall_s: float, stage_ids: Iterable[str]) -> dict[str, float]:
+    """Per stage, the fraction of the window it sat idle: 1 - compute / wall, clamped to [0, 1]
+    (a step that began just before the window can push compute a hair past it)."""
+    busy = stage_busy_ms(traces)
+    return {s: round(min(1.0, max(0.0, 1 - busy.get(s, 0.0) / (1000 * wall_s))), 3) for s in stage_ids}
+
+
+def per_hop_overhead_us(tok_s_one_stage: float, tok_s: float, stages: int) -> float | None:
+    """Extra time per token per inter-stage hop: (1/tok_s(S) - 1/tok_s(1)) / (S - 1), in µs."""
+    if stages < 2 or tok_s <= 0 or tok_s_one_stage <= 0:
+        return None
+    return round(1e6 * (1 / tok_s - 1 / tok_s_one_stage) / (stages - 1), 1)
+
+
+def wire_rows(width: int, stage_counts: Iterable[int] = (2, 3)) -> list[dict[str, Any]]:
+    """Activation bytes per decoded token: per hop, and over the S - 1 hops of each stage count."""
+    rows = []
+    for dtype in (wire.WireDType.F32, wire.WireDType.F16, wire.WireDType.BF16, wire.WireDType.Q8):
+        per_hop = wire.bytes_per_token(dtype, width)
+        row: dict[str, Any] = {"wire_dtype": dtype.label, "bytes_per_token_per_hop": per_hop}
+        row.update({f"bytes_per_token_{s}_stages": per_hop * (s - 1) for s in stage_counts})
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------- measurement
+
+
+class TraceLog:
+    """Every reply that carries a per-stage trace, recorded once per message as the driver receives it.
+
+    Token events repeat their batch's trace on every row, so summing event traces would count a
+    batched step once per row; the reply hook sees each PREDICTED_TOKENS (and prefill ACK) exactly once.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[float, list[dict[str, Any]]]] = []
+
+    def __call__(self, _stage_id: str, msg: wire.Message) -> None:
+        trace = msg.extras.get("trace") or msg.extras.get("stats", {}).get("trace")
+        if trace:
+            self.entries.append((time.perf_counter(), trace))
+
+    def window(self, t0: float, t1: float) -> list[list[dict[str, Any]]]:
+        return [trace for t, trace in list(self.entries) if t0 <= t <= t1]
+
+
+def run_stream(engine: Any, ids: list[int], new_tokens: int, out: list[dict[str, Any]]) -> None:
     stamps = []
     t0 = time.perf_counter()
     for event in engine.generate_blocking(GenRequest("bench", tuple(ids), max_tokens=new_tokens, ignore_eos=True)):
@@ -32,8 +100,9 @@ def run_stream(engine: Any, ids: list[int], new_tokens: int, out: list[dict[str,
                 "gaps": gaps})
 
 
-def measure(engine: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
-    """Run len(prompts) concurrent streams; aggregate decode tok/s and inter-token latency."""
+def measure(engine: Any, prompts: list[list[int]], new_tokens: int, log: TraceLog | None = None,
+            stage_ids: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Run len(prompts) concurrent streams; aggregate decode tok/s, inter-token latency, bubble."""
     results: list[dict[str, Any]] = []
     threads = [threading.Thread(target=run_stream, args=(engine, p, new_tokens, results)) for p in prompts]
     t0 = time.perf_counter()
@@ -41,46 +110,88 @@ def measure(engine: Any, prompts: list[list[int]], new_tokens: int) -> dict[str,
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    t1 = time.perf_counter()
     gaps = sorted(g for r in results for g in r["gaps"])
     decode_tokens = sum(r["tokens"] - 1 for r in results)
     decode_window = max(r["decode_s"] for r in results)
-    return {"streams": len(prompts), "agg_tok_s": round(decode_tokens / decode_window, 1),
-            "per_stream_tok_s": round(statistics.median((r["tokens"] - 1) / r["decode_s"] for r in results), 1),
-            "itl_p50_ms": round(1000 * gaps[len(gaps) // 2], 1),
-            "itl_p99_ms": round(1000 * gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))], 1),
-            "ttft_ms": round(1000 * statistics.median(r["ttft_s"] for r in results), 1),
-            "wall_s": round(wall, 2)}
+    out = {"streams": len(prompts), "agg_tok_s": round(decode_tokens / decode_window, 1),
+           "per_stream_tok_s": round(statistics.median((r["tokens"] - 1) / r["decode_s"] for r in results), 1),
+           "itl_p50_ms": round(1000 * percentile(gaps, 0.5), 2),
+           "itl_p99_ms": round(1000 * percentile(gaps, 0.99), 2),
+           "ttft_ms": round(1000 * statistics.median(r["ttft_s"] for r in results), 1),
+           "wall_s": round(t1 - t0, 2)}
+    if log is not None:
+        out["bubble"] = bubble(log.window(t0, t1), t1 - t0, stage_ids)
+    return out
 
 
-def bench_pipeline(args: argparse.Namespace, tables: list[str]) -> dict[str, Any]:
-    from skippy_zmq.bench import bench_single, print_table, synthetic_prompt
+def stream_prompts(base: list[int], streams: int) -> list[list[int]]:
+    """Distinct prompts of the same length (no prefix sharing between streams)."""
+    return [[(t + i) % 1000 + 200 for t in base] if i else base for i in range(streams)]
 
-    stage_counts = (1, 2) if args.quick else (1, 2, 3)
-    streams = (1, 2, 4, 8) if not args.quick else (1, 8)
-    new_tokens = 32 if args.quick else 64
+
+def sweep(engine: Any, topology: Any, tokenizer: Any, streams: tuple[int, ...], new_tokens: int,
+          prompt_len: int) -> list[dict[str, Any]]:
+    from skippy_zmq.bench import synthetic_prompt
+
+    log = TraceLog()
+    engine.on_reply_hooks.append(log)
+    stage_ids = tuple(s.id for s in topology.stages)
+    base = synthetic_prompt(tokenizer, prompt_len)
+    rows = []
+    for s in streams:
+        measure(engine, stream_prompts(base, s), 4)     # compile this batch size's buckets outside the timing
+        m = measure(engine, stream_prompts(base, s), new_tokens, log, stage_ids)
+        m["stages"] = len(stage_ids)
+        rows.append(m)
+    return rows
+
+
+def model_width(model: Path) -> int:
+    return int(json.loads((model / "model.json").read_text())["d_model"])
+
+
+def bench_pipeline(args: argparse.Namespace, tables: list[str], prior: dict[str, Any] | None = None
+                   ) -> dict[str, Any]:
+    from skippy_zmq.bench import print_table
+
+    stage_counts = (1, 2, 3)
+    streams = (1, 4, 16) if args.quick else (1, 2, 4, 8, 16)
+    new_tokens = 24 if args.quick else 64
     prompt_len = 64
-    single = bench_single(Path(args.model), prompt_len, new_tokens, 1 if args.quick else 3)
-    rows, result = [], {"single": single, "topologies": {}}
+    model = Path(args.model).absolute()
     tmp = Path(tempfile.mkdtemp(prefix="skippy-bench-"))
+    rows: list[dict[str, Any]] = []
     for n in stage_counts:
-        path = write_topology(tmp, Path(args.model).absolute(), n, name=f"bench-{n}", kv_lanes=8,
-                              driver__max_sessions=8)
-        with running_pipeline(path, tmp / f"run-{n}") as (engine, tokenizer, _, _procs):
-            base = synthetic_prompt(tokenizer, prompt_len)
-            measure(engine, [base], 8)      # compile buckets outside the timed runs
-            measure(engine, [base] * max(streams), 8)
-            for s in streams:
-                prompts = [[(t + i) % 1000 + 200 for t in base] if i else base for i in range(s)]
-                m = measure(engine, prompts, new_tokens)
-                m.update(stages=n, ratio_to_single=round(m["per_stream_tok_s"] / single["decode_tok_s"], 3),
-                         ratio_to_llama_cpp=round(m["agg_tok_s"] / LLAMA_CPP_DECODE_TOK_S, 3))
-                rows.append(m)
-        result["topologies"][n] = [r for r in rows if r["stages"] == n]
-    keys = ["stages", "streams", "agg_tok_s", "per_stream_tok_s", "ratio_to_single", "ratio_to_llama_cpp",
-            "itl_p50_ms", "itl_p99_ms", "ttft_ms"]
-    tables.append(print_table(f"pipeline decode (single process: {single['decode_tok_s']} tok/s, "
-                              f"{new_tokens} new tokens, {prompt_len}-token prompts)",
-                              [{k: r[k] for k in keys} for r in rows]))
-    result["rows"] = rows
-    return result
+        path = write_topology(tmp, model, n, name=f"bench-{n}", kv_lanes=LANES, driver__max_sessions=LANES)
+        with running_pipeline(path, tmp / f"run-{n}") as (engine, tokenizer, topology, _procs):
+            rows += sweep(engine, topology, tokenizer, streams, new_tokens, prompt_len)
+    peer = ((prior or {}).get("peers") or {}).get("llama_cpp") or {}
+    one = [r for r in rows if r["streams"] == 1]
+    base_tok_s = one[0]["per_stream_tok_s"]
+    one_stream = [{"stages": r["stages"], "decode_tok_s": r["per_stream_tok_s"],
+                   "ms_per_token": round(1000 / r["per_stream_tok_s"], 2),
+                   "ratio_to_1_stage": round(r["per_stream_tok_s"] / base_tok_s, 3),
+                   "per_hop_overhead_us": per_hop_overhead_us(base_tok_s, r["per_stream_tok_s"], r["stages"])}
+                  for r in one]
+    wires = wire_rows(model_width(model))
+    sweep_rows = [{"stages": r["stages"], "streams": r["streams"], "agg_tok_s": r["agg_tok_s"],
+                   "per_stream_tok_s": r["per_stream_tok_s"], "itl_p50_ms": r["itl_p50_ms"],
+                   "itl_p99_ms": r["itl_p99_ms"], "ttft_ms": r["ttft_ms"],
+                   "bubble_per_stage": " / ".join(f"{v:.2f}" for v in r["bubble"].values()),
+                   **({"ratio_to_llama_cpp": round(r["agg_tok_s"] / peer["decode_tok_s"], 2)} if peer else {})}
+                  for r in rows]
+    tables.append(print_table(
+        f"pipeline, 1 stream ({new_tokens} new tokens, {prompt_len}-token prompt, f32 wire)", one_stream,
+        "per_hop_overhead_us = (1/tok_s(S) - 1/tok_s(1)) / (S - 1): what each inter-stage hop "
+        "(encode, ZeroMQ over loopback, decode, the next process waking) adds to every token."))
+    tables.append(print_table(
+        f"activation bytes per token (width {model_width(model)}; `wire.activation_dtype`)", wires,
+        "Each decode step forwards one row per session over each of the S - 1 inter-stage hops; "
+        "the return hop carries only the sampled token id."))
+    tables.append(print_table(
+        f"concurrency (decode, {new_tokens} new tokens per stream, {prompt_len}-token prompts)", sweep_rows,
+        "bubble = 1 - (the stage's compute_ms summed over the window, one trace per reply) / wall time of "
+        "the window, per stage s0 / s1 / s2: the fraction of the time work was in flight that the stage sat idle."))
+    return {"new_tokens": new_tokens, "prompt_tokens": prompt_len, "one_stream": one_stream, "wire": wires,
+            "rows": rows}

@@ -141,6 +141,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_restart_stage(args: argparse.Namespace) -> int:
+    from skippy_zmq.launch import restart_stage
+
+    proc = restart_stage(Path(args.run_dir), args.stage)
+    print(proc.pid)
+    return 0
+
+
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -213,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--timeout", type=float, default=300.0)
     p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("restart-stage", help="start a replacement for one stage of a launched run")
+    p.add_argument("run_dir")
+    p.add_argument("stage")
+    p.set_defaults(func=cmd_restart_stage)
 
     p = sub.add_parser("bench", help="benchmarks; prints a table and writes JSON")
     p.add_argument("suite", nargs="?", default="single", choices=["single", "pipeline", "prefix", "all"])

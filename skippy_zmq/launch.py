@@ -38,20 +38,31 @@ def stage_command(topology_path: Path, stage: StageConfig, extra: list[str] | No
     return ["ssh", "-o", "BatchMode=yes", stage.host, remote]
 
 
+def spawn_stage(topology_path: Path, stage: StageConfig, run_dir: Path,
+                extra: list[str] | None = None) -> subprocess.Popen:
+    """One stage in the background, logging to RUN_DIR/<id>.log; its pid in RUN_DIR/<id>.pid."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "topology").write_text(f"{Path(topology_path).absolute()}\n")
+    log = open(run_dir / f"{stage.id}.log", "ab")
+    proc = subprocess.Popen(stage_command(topology_path, stage, extra), stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    log.close()
+    (run_dir / f"{stage.id}.pid").write_text(f"{proc.pid}\n")
+    logger.info("started stage {} (pid {}), log {}", stage.id, proc.pid, run_dir / f"{stage.id}.log")
+    return proc
+
+
 def spawn_stages(topology: Topology, topology_path: Path, run_dir: Path,
                  extra: list[str] | None = None) -> list[subprocess.Popen]:
-    """Every stage, last first, each logging to RUN_DIR/<id>.log; pids in RUN_DIR/<id>.pid."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for stage in reversed(topology.stages):
-        log = open(run_dir / f"{stage.id}.log", "ab")
-        proc = subprocess.Popen(stage_command(topology_path, stage, extra), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
-        (run_dir / f"{stage.id}.pid").write_text(f"{proc.pid}\n")
-        logger.info("started stage {} (pid {}), log {}", stage.id, proc.pid, run_dir / f"{stage.id}.log")
-        procs.append(proc)
-    return procs
+    """Every stage, last first (downstream first)."""
+    return [spawn_stage(topology_path, stage, run_dir, extra) for stage in reversed(topology.stages)]
+
+
+def restart_stage(run_dir: Path, stage_id: str) -> subprocess.Popen:
+    """Start a replacement for a stage of a launched run (it announces a new incarnation)."""
+    topology_path = Path((run_dir / "topology").read_text().strip())
+    stage = load_topology(topology_path).stage(stage_id)
+    return spawn_stage(topology_path, stage, run_dir)
 
 
 def stop_processes(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:

@@ -18,6 +18,7 @@ is optional; defaults shown)::
       reply_timeout_s: 30            # bound on any wait for a stage reply
       heartbeat_s: 0.5
       dead_after_s: 2.0              # must exceed heartbeat_s
+      resume_timeout_s: 60           # wait this long for a dead stage's replacement, then 503
       prefill_chunk: 256
       max_context: 2048              # prompt + generated tokens per session
       micro_batches: 0               # decode micro-batches in flight (0 = one per stage)
@@ -118,6 +119,7 @@ class DriverConfig:
     reply_timeout_s: float = 30.0
     heartbeat_s: float = 0.5
     dead_after_s: float = 2.0
+    resume_timeout_s: float = 60.0     # requests wait this long for a dead stage's replacement
     prefill_chunk: int = 256
     max_context: int = 2048
     micro_batches: int = 0             # decode micro-batches in flight; 0 = one per stage
@@ -335,7 +337,7 @@ _wire = _section(WireConfig, {
 def _driver(raw: Any, at: _At) -> DriverConfig:
     checks = {"return": _endpoint, "http": _hostport, "max_sessions": _integer(1), "max_queue": _integer(0),
               "request_timeout_s": _seconds, "reply_timeout_s": _seconds, "heartbeat_s": _seconds,
-              "dead_after_s": _seconds, "prefill_chunk": _integer(1), "max_context": _integer(1),
+              "dead_after_s": _seconds, "resume_timeout_s": _seconds, "prefill_chunk": _integer(1), "max_context": _integer(1),
               "micro_batches": _integer(0), "max_body_bytes": _integer(1024)}
     defaults = _defaults(DriverConfig)
     defaults["return"] = defaults.pop("return_endpoint")

@@ -22,7 +22,7 @@ def pgrep(pattern: str) -> list[int]:
 
 @pytest.fixture()
 def launched(model_dir, tmp_path):
-    topo = write_topology(tmp_path, model_dir, 2, name="launch-test")
+    topo = write_topology(tmp_path, model_dir, 2, name="launch-test", driver__resume_timeout_s=1.0)
     run_dir = tmp_path / "run"
     out = subprocess.run([str(REPO / "scripts" / "launch.sh"), str(topo), str(run_dir)], capture_output=True,
                          text=True, timeout=400, cwd=REPO)
@@ -59,7 +59,7 @@ def test_killed_stage_fails_the_stream_quickly_and_stop_leaves_nothing(launched)
     elapsed = time.monotonic() - killed_at
     assert "error" in events[-1], events[-1]
     assert "s1" in events[-1]["error"]["message"] and "unreachable" in events[-1]["error"]["message"]
-    assert elapsed < 6.0
+    assert elapsed < 6.0           # dead_after 2 s + resume_timeout 1 s + slack
     ready = httpx.get(url.removesuffix("/v1") + "/readyz")
     assert ready.status_code == 503
     subprocess.run([str(REPO / "scripts" / "stop.sh"), str(run_dir)], check=True, timeout=60)

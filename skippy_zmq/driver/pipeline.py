@@ -47,7 +47,7 @@ class PipelineEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             n_stages=len(topology.stages), micro_batches=d.micro_batches, max_sessions=d.max_sessions, max_queue=d.max_queue,
             prefill_chunk=d.prefill_chunk, max_context=d.max_context, reply_timeout_s=d.reply_timeout_s,
-            request_timeout_s=d.request_timeout_s), frozenset(eos_ids),
+            request_timeout_s=d.request_timeout_s, resume_timeout_s=d.resume_timeout_s), frozenset(eos_ids),
             PrefixIndex([StoreConfig.from_cache(s.cache) for s in topology.stages]))
         self.stages = {s.id: StageState(s.id) for s in topology.stages}
         self.security = security_for(topology, "driver")
@@ -56,6 +56,8 @@ class PipelineEngine:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._ready = threading.Event()
+        self.incarnation = int.from_bytes(os.urandom(4), "little")
+        self.faults: list[dict[str, float]] = []   # time to detect / resume, per stage failure
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.on_reply_hooks: list[Callable[[str, wire.Message], None]] = []
@@ -173,8 +175,12 @@ class PipelineEngine:
         poller = zmq.Poller()
         poller.register(socks.router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        next_beat = time.monotonic()
         try:
             while not self._stop.is_set():
+                if time.monotonic() >= next_beat:
+                    self._beat(socks.router)
+                    next_beat = time.monotonic() + d.heartbeat_s
                 busy = bool(self.scheduler.running or self.scheduler.queue)
                 events = dict(poller.poll(50 if busy else 200))
                 if self._wake_r in events:
@@ -191,6 +197,16 @@ class PipelineEngine:
             self._ready.clear()
         finally:
             socks.close()
+
+    def _beat(self, router: zmq.Socket) -> None:
+        """Driver -> stage heartbeats, so a stage notices a dead driver and frees its lanes."""
+        beat = wire.Message.heartbeat("driver", self.incarnation, {"state": "serving"})
+        for state in self.stages.values():
+            if state.ready:
+                try:
+                    transport.send_routed(router, state.stage_id.encode(), beat, flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass   # unroutable right now (peer gone); liveness is judged elsewhere
 
     def _drain_wake(self) -> None:
         try:
@@ -239,10 +255,12 @@ class PipelineEngine:
         if msg.kind == wire.Kind.READY or (not state.ready and info.get("state") == "serving"
                                            and incarnation == state.incarnation):
             if not state.ready:
-                logger.info("stage {} is ready (incarnation {:08x})", state.stage_id, incarnation)
+                restarted = state.incarnation not in (0, incarnation)
+                logger.info("stage {} is ready (incarnation {:08x}{})", state.stage_id, incarnation,
+                            ", a replacement" if restarted else "")
             state.ready, state.incarnation = True, incarnation
-        if info.get("state") == "stopping":
-            state.ready = False
+        if info.get("state") == "stopping" and state.ready:
+            self._mark_down(state, f"stage {state.stage_id} is shutting down", 0.0)
         state.info = info
         self._update_ready()
 
@@ -251,16 +269,26 @@ class PipelineEngine:
             if not self._ready.is_set():
                 logger.info("all {} stages ready", len(self.stages))
             self._ready.set()
+            if self.scheduler.paused_since is not None:
+                paused = self.scheduler.resume()
+                if self.faults:
+                    self.faults[-1]["resume_s"] = round(paused, 3)
         else:
             self._ready.clear()
+
+    def _mark_down(self, state: StageState, reason: str, silent_s: float) -> None:
+        """A stage is gone: pause running requests until a replacement says READY (or resume_timeout)."""
+        state.ready = False
+        logger.error("{}; pausing {} request(s) for up to {:g} s while it is replaced", reason,
+                     len(self.scheduler.running), self.topology.driver.resume_timeout_s)
+        self.faults.append({"stage": state.stage_id, "detect_s": round(silent_s, 3)})
+        self.scheduler.pause(reason)
 
     def _check_liveness(self) -> None:
         now = time.monotonic()
         dead_after = self.topology.driver.dead_after_s
         for state in self.stages.values():
             if state.ready and now - state.last_seen > dead_after:
-                state.ready = False
-                logger.error("stage {} is unreachable (no heartbeat for {:.1f} s)", state.stage_id, now - state.last_seen)
-                self.scheduler.fail_all(EngineError(
-                    f"stage {state.stage_id} is unreachable (no heartbeat for {dead_after:g} s)", 503, "stage_dead"))
+                self._mark_down(state, f"stage {state.stage_id} is unreachable (no heartbeat for {dead_after:g} s)",
+                                now - state.last_seen)
         self._update_ready()

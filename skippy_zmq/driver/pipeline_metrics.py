@@ -39,6 +39,14 @@ class PipelineCollector(Collector):
         for status, count in self.engine.scheduler.prefix_counts.items():
             prefix.add_metric([status], float(count))
         yield prefix
+        faults = CounterMetricFamily(f"{NAMESPACE}_stage_failures", "Stage failures detected.", value=len(self.engine.faults))
+        yield faults
+        if self.engine.faults:
+            last = self.engine.faults[-1]
+            for key in ("detect_s", "resume_s"):
+                if key in last:
+                    yield GaugeMetricFamily(f"{NAMESPACE}_last_failure_{key[:-2]}_seconds",
+                                            f"Last stage failure: time to {key[:-2]}.", value=last[key])
         up = GaugeMetricFamily(f"{NAMESPACE}_stage_up", "1 when the stage is ready and heartbeating.", labels=["stage"])
         gauges = {k: GaugeMetricFamily(f"{NAMESPACE}_stage_{'kv_' if k == 'lanes_in_use' else ''}{k}",
                                        f"Stage: {h}.", labels=["stage"]) for k, h in STAGE_GAUGES.items()}

@@ -41,6 +41,7 @@ class SchedulerConfig:
     max_context: int = 2048
     reply_timeout_s: float = 30.0
     request_timeout_s: float = 120.0
+    resume_timeout_s: float = 60.0   # how long paused requests wait for a replacement stage
 
 
 @dataclass(eq=False)
@@ -66,8 +67,13 @@ class Job:
     cache_status: str = "disabled"  # disabled | miss | hit
 
     @property
+    def history(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
     def prefill_total(self) -> int:
-        return len(self.prompt) - 1
+        """Tokens to prefill before the next decode: everything but the token about to be decoded."""
+        return self.next_pos
 
     @property
     def decodable(self) -> bool:
@@ -92,6 +98,8 @@ class Scheduler:
         self.index = index if index is not None and index.enabled else None
         self.restores: dict[int, Batch] = {}             # request id of a restore try -> its session
         self.prefix_counts = {"disabled": 0, "miss": 0, "hit": 0}
+        self.paused_since: float | None = None           # a stage died; requests wait for its replacement
+        self.pause_reason = ""
         self.queue: deque[Job] = deque()
         self.running: dict[int, Job] = {}
         self.batches: dict[int, Batch] = {}
@@ -140,6 +148,7 @@ class Scheduler:
     def _on_restore_ack(self, msg: Message) -> None:
         """A restore try ended: a hit (TRY_RESTORE_PREFILL) or a miss at some stage (either kind)."""
         job = self.running.get(next(iter(self.restores.pop(msg.request_id).sessions)))
+        self.batches.pop(msg.request_id, None)
         if job is None or job.done:
             return
         hit = msg.extras.get("stats", {}).get("restore", {}).get("status") == "hit"
@@ -166,16 +175,18 @@ class Scheduler:
                 job.restoring = None
                 self._count_prefix(job, "hit")
         batch = self.batches.get(msg.request_id)
+        if batch is None:   # a batch dropped by a pause (or timed out): its tokens are stale
+            logger.warning("dropping tokens of unknown or expired batch {}", msg.request_id)
+            return
         trace = msg.extras.get("trace", [])
         for sid, tok in zip(msg.session_ids.tolist(), msg.tokens.tolist()):
-            if batch:
-                batch.sessions.discard(sid)
+            batch.sessions.discard(sid)
             job = self.running.get(sid)
             if job is None or job.done:
                 continue
             job.in_flight = False
             self._accept_token(job, int(tok), trace)
-        if batch is not None and not batch.sessions:
+        if not batch.sessions:
             del self.batches[msg.request_id]
 
     def _accept_token(self, job: Job, tok: int, trace: list) -> None:
@@ -246,8 +257,37 @@ class Scheduler:
         self.restores.clear()
         self.prefill_in_flight.clear()
 
+    def pause(self, reason: str) -> None:
+        """A stage died: drop everything in flight; running requests wait for a replacement."""
+        if self.paused_since is None:
+            self.paused_since, self.pause_reason = time.monotonic(), reason
+        self.batches.clear()
+        self.restores.clear()
+        self.prefill_in_flight.clear()
+        for job in self.running.values():
+            job.in_flight, job.restoring = False, None
+
+    def resume(self) -> float:
+        """Every stage is back: re-prefill each paused session from its token history. Returns pause length."""
+        paused = time.monotonic() - (self.paused_since or time.monotonic())
+        self.paused_since = None
+        for job in self.running.values():
+            job.prefill_sent, job.cached = 0, 0
+            self.outbox.append(self._configure(job))
+        logger.info("resuming {} request(s) after {:.2f} s: re-prefilling from token history",
+                    len(self.running), paused)
+        return paused
+
     def tick(self, now: float | None = None) -> list[Message]:
         now = time.monotonic() if now is None else now
+        if self.paused_since is not None:
+            self._expire(now)   # deadlines and cancellations still apply while paused
+            if now - self.paused_since > self.cfg.resume_timeout_s:
+                self.paused_since = None
+                self.fail_all(EngineError(f"{self.pause_reason}; no replacement within "
+                                          f"{self.cfg.resume_timeout_s:g} s", 503, "stage_dead"))
+            out, self.outbox = self.outbox, []
+            return out
         self._expire(now)
         self._admit()
         self._send_decode_batches(now)      # running streams first ...
@@ -278,8 +318,12 @@ class Scheduler:
                         f"no reply from the pipeline within {self.cfg.reply_timeout_s:g} s", 504, "stage_timeout"))
 
     def _configure(self, job: Job) -> Message:
+        """Sampling config for the last stage; `generated` replays penalty history after a resume."""
+        extras = {"sampling": job.req.sampling.to_dict()}
+        if job.generated:
+            extras["generated"] = job.generated
         return Message(Kind.CONFIGURE_GENERATION, next(self._ids), job.session_id,
-                       tokens=np.asarray(job.prompt, np.int32), extras={"sampling": job.req.sampling.to_dict()})
+                       tokens=np.asarray(job.prompt, np.int32), extras=extras)
 
     def _admit(self) -> None:
         while self.queue and len(self.running) < self.cfg.max_sessions:
@@ -303,6 +347,7 @@ class Scheduler:
         rid = next(self._ids)
         job.restoring, job.in_flight, job.cached, job.prefill_sent = "fused", True, matched, job.prefill_total
         self.restores[rid] = Batch({job.session_id}, time.monotonic())
+        self.batches[rid] = Batch({job.session_id}, time.monotonic())   # its token arrives like a decode's
         self.outbox.append(Message(Kind.TRY_RESTORE_PREFILL_DECODE, rid, job.session_id,
                                    tokens=np.asarray(job.prompt, np.int32),
                                    extras={"namespace": job.namespace, "sampling": job.req.sampling.to_dict()}))
@@ -324,11 +369,12 @@ class Scheduler:
                 end = min(start + self.cfg.prefill_chunk, job.prefill_total)
                 rid = next(self._ids)
                 extras = {}
+                history = job.history
                 if end == job.prefill_total and self.index is not None:   # the prompt is in: record it
-                    self.index.add(job.namespace, job.prompt[:end])
+                    self.index.add(job.namespace, history[:end])
                     extras = {"record": job.namespace}
                 self.outbox.append(Message(Kind.PREFILL, rid, job.session_id, position=start,
-                                           tokens=np.asarray(job.prompt[start:end], np.int32), extras=extras))
+                                           tokens=np.asarray(history[start:end], np.int32), extras=extras))
                 self.prefill_in_flight[rid] = now
                 job.prefill_sent = end
 

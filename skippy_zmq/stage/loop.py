@@ -71,6 +71,7 @@ class StageLoop:
         self.dtype = wire.WireDType.parse(topology.wire.activation_dtype)
         self.stopping = False
         self._beats_done = threading.Event()
+        self.driver_seen, self.driver_lost = 0.0, False
         # Benchmarks simulate network latency per hop with SKIPPY_HOP_DELAY_MS (never set in serving).
         self.hop_delay_s = float(os.environ.get("SKIPPY_HOP_DELAY_MS", "0")) / 1000
         nxt = topology.next_stage(stage.id)
@@ -132,9 +133,14 @@ class StageLoop:
         beats.start()
         poller = zmq.Poller()
         poller.register(self.sockets.pull, zmq.POLLIN)
+        poller.register(self.sockets.dealer, zmq.POLLIN)
         while not self.stopping:
-            if dict(poller.poll(250)):
+            events = dict(poller.poll(250))
+            if self.sockets.pull in events:
                 self.drain(DRAIN_BATCH)
+            if self.sockets.dealer in events:
+                self.drain_driver()
+            self.check_driver()
             for sid in self.worker.sessions.reclaim_idle():
                 logger.warning("stage {} reclaimed idle session {}", self.stage.id, sid)
         self.drain(10_000)   # finish what already arrived, then say goodbye
@@ -144,6 +150,31 @@ class StageLoop:
         logger.info("stage {} stopped", self.stage.id)
         self.sockets.close()
         return 0
+
+    def drain_driver(self) -> None:
+        """Heartbeats from the driver (the only thing it sends on this socket)."""
+        while True:
+            try:
+                frames = transport.recv_frames(self.sockets.dealer, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = wire.decode(frames, self.limits)
+            except wire.WireError as exc:
+                logger.warning("stage {} ignored a bad message from the driver: {}", self.stage.id, exc.reason)
+                continue
+            if msg.kind == wire.Kind.HEARTBEAT:
+                self.driver_seen = time.monotonic()
+                self.driver_lost = False
+
+    def check_driver(self) -> None:
+        """A driver silent past dead_after_s is gone: free its sessions' lanes (orphans)."""
+        if self.driver_seen and not self.driver_lost and \
+                time.monotonic() - self.driver_seen > self.topology.driver.dead_after_s:
+            self.driver_lost = True
+            freed = self.worker.sessions.release_all()
+            logger.error("stage {}: driver unreachable (no heartbeat for {:g} s); freed {} session(s)",
+                         self.stage.id, self.topology.driver.dead_after_s, freed)
 
     def drain(self, limit: int) -> None:
         for _ in range(limit):

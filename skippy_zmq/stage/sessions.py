@@ -58,6 +58,12 @@ class SessionTable:
         self._free.append(session.lane)
         return True
 
+    def release_all(self) -> int:
+        ids = list(self._sessions)
+        for sid in ids:
+            self.release(sid)
+        return len(ids)
+
     def reclaim_idle(self, now: float | None = None) -> list[int]:
         """Free sessions idle past the deadline (their driver went away)."""
         now = time.monotonic() if now is None else now

@@ -128,6 +128,8 @@ class StageWorker:
             except (TypeError, ValueError) as exc:
                 raise StageFault(f"bad sampling configuration: {exc}", "bad_sampling") from exc
             session.sampler = Sampler(params, msg.tokens.tolist())
+            for token in msg.extras.get("generated", []):   # a resumed session replays its history
+                session.sampler.accept(int(token))
             return []
         return [Outbound(NEXT, msg)]
 

@@ -1,0 +1,104 @@
+"""Hop benchmark: a simulated per-hop network delay against the hop-count model.
+
+Every stage sleeps SKIPPY_HOP_DELAY_MS before forwarding to the next stage
+(stage/loop.py); replies to the driver are not delayed. With S stages a
+decoded token crosses S - 1 inter-stage hops, then the final stage returns the
+token straight to the driver, so
+
+    direct return (ours):  ms/token = compute(S) + (S - 1) * delay
+    relay back the chain:  ms/token = compute(S) + 2 (S - 1) * delay
+
+where compute(S) is the same topology's ms/token with no delay. The relay
+design pays the S - 1 hops again on the way back; that is the saving. On a
+real network the driver->stage 0 and final->driver links would add the same
+one delay each to both designs, so the saving is unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from skippy_zmq.launch import running_pipeline, write_topology
+
+DELAY_ENV = "SKIPPY_HOP_DELAY_MS"
+
+
+def hop_model(compute_ms: float, delay_ms: float, stages: int) -> dict[str, float]:
+    """ms/token predicted by the hop count, for the direct-return and the relay-back designs."""
+    forward = stages - 1
+    direct = compute_ms + forward * delay_ms
+    relay = compute_ms + 2 * forward * delay_ms
+    return {"model_direct_ms": round(direct, 2), "model_relay_ms": round(relay, 2),
+            "saving_ms": round(relay - direct, 2)}
+
+
+def hop_row(stages: int, delay_ms: float, compute_ms: float, measured_ms: float) -> dict[str, Any]:
+    """One table row: the measurement beside both models; error is measured minus the direct model."""
+    model = hop_model(compute_ms, delay_ms, stages)
+    return {"stages": stages, "delay_ms": delay_ms, "forward_hops": stages - 1,
+            "compute_ms": round(compute_ms, 2), "measured_ms": round(measured_ms, 2),
+            "model_direct_ms": model["model_direct_ms"], "model_relay_ms": model["model_relay_ms"],
+            "error_ms": round(measured_ms - model["model_direct_ms"], 2),
+            "saved_vs_relay_ms": round(model["model_relay_ms"] - measured_ms, 2)}
+
+
+@contextmanager
+def hop_delay(delay_ms: float) -> Iterator[None]:
+    """Stage processes spawned inside inherit the delay; the variable is restored afterwards."""
+    previous = os.environ.get(DELAY_ENV)
+    os.environ[DELAY_ENV] = f"{delay_ms:g}"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(DELAY_ENV, None)
+        else:
+            os.environ[DELAY_ENV] = previous
+
+
+def ms_per_token(model: Path, tmp: Path, stages: int, delay_ms: float, new_tokens: int) -> float:
+    """Median inter-token gap of one stream on a fresh S-stage pipeline with the given hop delay."""
+    from skippy_zmq.bench import synthetic_prompt
+    from skippy_zmq.bench_pipeline import LANES, measure
+
+    name = f"hops-{stages}-{delay_ms:g}"
+    path = write_topology(tmp, model, stages, name=name, kv_lanes=LANES, driver__max_sessions=LANES)
+    with hop_delay(delay_ms), running_pipeline(path, tmp / name) as (engine, tokenizer, _, _):
+        prompt = synthetic_prompt(tokenizer, 64)
+        measure(engine, [prompt], 4)   # compile outside the timing
+        return measure(engine, [prompt], new_tokens)["itl_p50_ms"]
+
+
+def baselines(prior: dict[str, Any] | None) -> dict[int, float]:
+    """compute(S) from the pipeline suite of the same run (same topology settings), when it ran."""
+    rows = ((prior or {}).get("pipeline") or {}).get("rows", [])
+    return {r["stages"]: r["itl_p50_ms"] for r in rows if r["streams"] == 1}
+
+
+def bench_hops(args: argparse.Namespace, tables: list[str], prior: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
+    from skippy_zmq.bench import print_table
+
+    stage_counts, delays = (2, 3), (5.0, 20.0)
+    new_tokens = 16 if args.quick else 32
+    model = Path(args.model).absolute()
+    tmp = Path(tempfile.mkdtemp(prefix="skippy-bench-hops-"))
+    compute = baselines(prior)
+    rows = []
+    for stages in stage_counts:
+        if stages not in compute:
+            compute[stages] = ms_per_token(model, tmp, stages, 0.0, new_tokens)
+        for delay in delays:
+            measured = ms_per_token(model, tmp, stages, delay, new_tokens)
+            rows.append(hop_row(stages, delay, compute[stages], measured))
+    tables.append(print_table(
+        f"simulated hop delay ({DELAY_ENV}; 1 stream, {new_tokens} tokens per point, median ms/token)", rows,
+        "direct = compute + (S-1)·delay (our stages forward down the chain, the last one returns the token "
+        "straight to the driver); relay = compute + 2(S-1)·delay (the token travels back through the chain). "
+        "saved_vs_relay_ms = relay model - measured."))
+    return {"new_tokens": new_tokens, "compute_ms": compute, "rows": rows}
