@@ -6,7 +6,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 TOPOLOGY ?= topologies/smollm2-2stage.yaml
 
-.PHONY: install model test serve bench bench-quick clean
+.PHONY: install model test serve bench bench-quick bench-peers clean
 
 install: $(VENV)/.installed
 
@@ -31,11 +31,19 @@ test: install model
 serve: install model
 	$(BIN)/skippy-zmq up $(TOPOLOGY)
 
+# Benchmarks write bench-out/bench.{json,md} and PNG plots; matplotlib comes with the `bench` extra.
 bench: install model
+	$(BIN)/pip install -q -e '.[test,bench]'
 	$(BIN)/skippy-zmq bench all --out bench-out
 
 bench-quick: install model
+	$(BIN)/pip install -q -e '.[test,bench]'
 	$(BIN)/skippy-zmq bench all --quick --out bench-out
+
+# Side by side with llama.cpp: llama-cpp-python builds from source (about 10 minutes on 2 cores).
+bench-peers: install model
+	$(BIN)/pip install -e '.[test,bench,peers]'
+	$(BIN)/skippy-zmq bench all --out bench-out
 
 clean:
 	rm -rf $(VENV) bench-out runs *.egg-info

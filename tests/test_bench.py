@@ -1,0 +1,86 @@
+"""The benchmark's arithmetic and output, on small synthetic inputs (no model, no timing)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from skippy_zmq.bench import format_table
+from skippy_zmq.bench_hops import hop_delay, hop_model, hop_row
+from skippy_zmq.bench_peers import NOT_INSTALLED, bench_peers, peer_rows, ratio
+from skippy_zmq.bench_pipeline import bubble, per_hop_overhead_us, percentile, stage_busy_ms, wire_rows
+from skippy_zmq.bench_plots import matplotlib_available, write_plots
+
+
+def test_table_is_markdown_with_note_and_missing_cells():
+    text = format_table("t", [{"a": 1, "b": None}, {"a": "x|y", "b": 2.5}], note="n")
+    assert text.splitlines() == ["### t", "", "| a | b |", "|---|---|", "| 1 | – |", "| x\\|y | 2.5 |", "", "n"]
+    assert format_table("empty", []) == ""
+
+
+def test_bubble_counts_each_trace_once_per_stage():
+    traces = [[{"stage": "s0", "compute_ms": 10.0, "rows": 2}, {"stage": "s1", "compute_ms": 30.0, "rows": 2}],
+              [{"stage": "s0", "compute_ms": 20.0, "rows": 1}, {"stage": "s1", "compute_ms": 30.0, "rows": 1}]]
+    assert stage_busy_ms(traces) == {"s0": 30.0, "s1": 60.0}
+    assert bubble(traces, 0.1, ("s0", "s1", "s2")) == {"s0": 0.7, "s1": 0.4, "s2": 1.0}
+    assert bubble(traces, 0.05, ("s1",)) == {"s1": 0.0}     # compute past the window is clamped
+
+
+def test_per_hop_overhead_and_percentile():
+    assert per_hop_overhead_us(50.0, 40.0, 3) == 2500.0    # (25 ms - 20 ms) / 2 hops
+    assert per_hop_overhead_us(50.0, 40.0, 1) is None
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.99) == 4.0
+
+
+def test_wire_bytes_at_smollm2_width():
+    rows = {r["wire_dtype"]: r for r in wire_rows(576)}
+    assert {k: r["bytes_per_token_per_hop"] for k, r in rows.items()} == {"f32": 2304, "f16": 1152,
+                                                                           "bf16": 1152, "q8": 580}
+    assert rows["q8"]["bytes_per_token_3_stages"] == 1160
+
+
+def test_hop_model_direct_vs_relay():
+    assert hop_model(20.0, 5.0, 3) == {"model_direct_ms": 30.0, "model_relay_ms": 40.0, "saving_ms": 10.0}
+    row = hop_row(2, 20.0, 15.0, 36.0)
+    assert (row["model_direct_ms"], row["model_relay_ms"], row["error_ms"], row["saved_vs_relay_ms"]) == \
+        (35.0, 55.0, 1.0, 19.0)
+
+
+def test_hop_delay_sets_and_restores_the_variable(monkeypatch):
+    monkeypatch.delenv("SKIPPY_HOP_DELAY_MS", raising=False)
+    import os
+
+    with hop_delay(5.0):
+        assert os.environ["SKIPPY_HOP_DELAY_MS"] == "5"
+    assert "SKIPPY_HOP_DELAY_MS" not in os.environ
+
+
+def test_peers_rows_and_skip_without_llama_cpp(monkeypatch, tmp_path):
+    rows = peer_rows({"prefill_tok_s": 100.0, "decode_tok_s": 50.0},
+                     {"engine": "llama.cpp", "prefill_tok_s": 400.0, "decode_tok_s": 100.0})
+    assert rows[-1]["prefill_tok_s"] == 0.25 and rows[-1]["decode_tok_s"] == 0.5
+    assert ratio(1.0, 0.0) is None
+    monkeypatch.setattr("skippy_zmq.bench_peers.llama_cpp_available", lambda: False)
+    (tmp_path / "source.json").write_text('{"file": "m.gguf"}')
+    (tmp_path / "m.gguf").write_bytes(b"")
+    args = argparse.Namespace(model=str(tmp_path), prompt_tokens=8, new_tokens=4, quick=True, repeats=1)
+    tables: list[str] = []
+    out = bench_peers(args, tables, {"single": {"prefill_tok_s": 1.0, "decode_tok_s": 2.0}})
+    assert out == {"status": NOT_INSTALLED} and NOT_INSTALLED in tables[0]
+
+
+@pytest.mark.skipif(not matplotlib_available(), reason="matplotlib not installed (the bench extra)")
+def test_plots_write_pngs(tmp_path: Path):
+    result = {
+        "pipeline": {"rows": [{"stages": s, "streams": n, "agg_tok_s": 10.0 * n / s}
+                              for s in (1, 2) for n in (1, 4)]},
+        "prefix": {"ttft": [{"prefix_tokens": 256, "cold_ttft_ms": 100.0, "warm_ttft_ms": 20.0},
+                            {"prefix_tokens": 1024, "cold_ttft_ms": 400.0, "warm_ttft_ms": 30.0}]},
+        "hops": {"rows": [hop_row(2, d, 15.0, 15.0 + d) for d in (5.0, 20.0)]},
+    }
+    paths = write_plots(result, tmp_path)
+    assert [p.name for p in paths] == ["concurrency.png", "prefix_ttft.png", "hops.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
