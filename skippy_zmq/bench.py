@@ -42,7 +42,7 @@ def machine() -> dict[str, Any]:
 
     return {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
 def bench_single(model: Path, prompt_tokens: int, new_tokens: int, repeats: int) -> dict[str, Any]:
@@ -123,7 +123,8 @@ def main(args: argparse.Namespace) -> int:
     result["plots"] = [p.name for p in plots]
     header = (f"# skippy_zmq benchmarks\n\n{result['machine']['date']} on {result['machine']['host']} "
               f"({result['machine']['cores']} cores, {result['machine']['backend']}, jax "
-              f"{result['machine']['jax']}){' — quick run' if args.quick else ''}\n")
+              f"{result['machine']['jax']}, load average {result['machine']['load_avg_1m']} at the start)"
+              f"{' — quick run' if args.quick else ''}\n")
     images = "".join(f"\n![{p.stem}]({p.name})\n" for p in plots)
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "bench.md").write_text(header + "\n" + "\n".join(t for t in tables if t) + images)

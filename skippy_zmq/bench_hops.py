@@ -64,13 +64,13 @@ def hop_delay(delay_ms: float) -> Iterator[None]:
 def ms_per_token(model: Path, tmp: Path, stages: int, delay_ms: float, new_tokens: int) -> float:
     """Median inter-token gap of one stream on a fresh S-stage pipeline with the given hop delay."""
     from skippy_zmq.bench import synthetic_prompt
-    from skippy_zmq.bench_pipeline import LANES, measure
+    from skippy_zmq.bench_pipeline import BENCH_TOPOLOGY, measure, stream_prompts
 
     name = f"hops-{stages}-{delay_ms:g}"
-    path = write_topology(tmp, model, stages, name=name, kv_lanes=LANES, driver__max_sessions=LANES)
+    path = write_topology(tmp, model, stages, name=name, **BENCH_TOPOLOGY)
     with hop_delay(delay_ms), running_pipeline(path, tmp / name) as (engine, tokenizer, _, _):
         prompt = synthetic_prompt(tokenizer, 64)
-        measure(engine, [prompt], 4)   # compile outside the timing
+        measure(engine, stream_prompts(prompt, 1, salt=100), 4, strict=False)   # compile outside the timing
         return measure(engine, [prompt], new_tokens)["itl_p50_ms"]
 
 

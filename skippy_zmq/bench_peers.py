@@ -50,7 +50,7 @@ def time_generation(llm: Any, prompt_ids: list[int], new_tokens: int) -> tuple[f
         if n >= new_tokens:
             break
     t_end = time.perf_counter()
-    return len(prompt_ids) / (t_first - t0), (n - 1) / (t_end - t_first)
+    return len(prompt_ids) / max(t_first - t0, 1e-9), (n - 1) / max(t_end - t_first, 1e-9)
 
 
 def run_llama_cpp(gguf: Path, prompt_ids: list[int], new_tokens: int, repeats: int,

@@ -66,8 +66,9 @@ def bench_prefix(args: argparse.Namespace, tables: list[str]) -> dict[str, Any]:
     n_req, prompt_tokens, new_tokens = (4, 256, 16) if args.quick else (8, 512, 32)
     tmp = Path(tempfile.mkdtemp(prefix="skippy-bench-prefix-"))
     model = Path(args.model).absolute()
-    on = write_topology(tmp, model, 2, name="cache-on", driver__max_context=4096)
-    off = write_topology(tmp, model, 2, name="cache-off", driver__max_context=4096,
+    # dead_after_s: a stage compiling a long prefill bucket on a busy machine must not look dead.
+    on = write_topology(tmp, model, 2, name="cache-on", driver__max_context=4096, driver__dead_after_s=30.0)
+    off = write_topology(tmp, model, 2, name="cache-off", driver__max_context=4096, driver__dead_after_s=30.0,
                          cache={"mode": "disabled"})
     result: dict[str, Any] = {}
     with running_pipeline(on, tmp / "run-on") as (engine, tokenizer, _, _):

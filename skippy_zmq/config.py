@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -110,26 +110,3 @@ class Buckets:
             if n <= size and size <= capacity:
                 return size
         return capacity
-
-
-@dataclass(frozen=True)
-class LayerRange:
-    """Half-open layer range [start, end) of a stage."""
-
-    start: int
-    end: int
-    n_layers: int = field(default=0)
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.start < self.end:
-            raise ValueError(f"layer range [{self.start}, {self.end}) is empty or negative")
-        if self.n_layers and self.end > self.n_layers:
-            raise ValueError(f"layer range [{self.start}, {self.end}) exceeds the model's {self.n_layers} layers")
-
-    @property
-    def first(self) -> bool:
-        return self.start == 0
-
-    @property
-    def last(self) -> bool:
-        return self.end == self.n_layers

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import types
 from pathlib import Path
 
 import pytest
 
 from skippy_zmq.bench import format_table
 from skippy_zmq.bench_hops import hop_delay, hop_model, hop_row
-from skippy_zmq.bench_peers import NOT_INSTALLED, bench_peers, peer_rows, ratio
-from skippy_zmq.bench_pipeline import bubble, per_hop_overhead_us, percentile, stage_busy_ms, wire_rows
+from skippy_zmq.bench_peers import NOT_INSTALLED, bench_peers, peer_rows, ratio, run_llama_cpp
+from skippy_zmq.bench_pipeline import (bubble, one_stream_rows, per_hop_overhead_us, percentile, stage_busy_ms,
+                                       wire_rows)
 from skippy_zmq.bench_plots import matplotlib_available, write_plots
 
 
@@ -33,6 +36,13 @@ def test_per_hop_overhead_and_percentile():
     assert per_hop_overhead_us(50.0, 40.0, 1) is None
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 3.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.99) == 4.0
+
+
+def test_one_stream_rows_against_one_stage():
+    rows = one_stream_rows([{"stages": 1, "itl_p50_ms": 20.0}, {"stages": 3, "itl_p50_ms": 25.0}])
+    assert rows[0] == {"stages": 1, "decode_tok_s": 50.0, "ms_per_token": 20.0, "ratio_to_1_stage": 1.0,
+                       "per_hop_overhead_us": None}
+    assert rows[1]["ratio_to_1_stage"] == 0.8 and rows[1]["per_hop_overhead_us"] == 2500.0
 
 
 def test_wire_bytes_at_smollm2_width():
@@ -70,6 +80,29 @@ def test_peers_rows_and_skip_without_llama_cpp(monkeypatch, tmp_path):
     tables: list[str] = []
     out = bench_peers(args, tables, {"single": {"prefill_tok_s": 1.0, "decode_tok_s": 2.0}})
     assert out == {"status": NOT_INSTALLED} and NOT_INSTALLED in tables[0]
+
+
+def test_llama_cpp_path_with_a_stand_in_module(monkeypatch, tmp_path):
+    """The peers code path against a fake llama_cpp: greedy arguments, reset between runs, counts."""
+    calls: list[dict] = []
+
+    class FakeLlama:
+        def __init__(self, **kwargs):
+            calls.append(kwargs)
+            self.resets = 0
+
+        def reset(self):
+            self.resets += 1
+
+        def generate(self, tokens, **sampling):
+            assert sampling["temp"] == 0.0 and self.resets
+            while True:
+                yield 7
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama, __version__="0.0"))
+    out = run_llama_cpp(tmp_path / "m.gguf", list(range(16)), new_tokens=4, repeats=2)
+    assert calls[0]["n_threads"] == 2 and calls[0]["n_ctx"] >= 20
+    assert out["prefill_tok_s"] > 0 and out["decode_tok_s"] > 0 and "m.gguf" in out["engine"]
 
 
 @pytest.mark.skipif(not matplotlib_available(), reason="matplotlib not installed (the bench extra)")

@@ -2,10 +2,8 @@
 
 Nothing a peer sends may crash a stage or the driver: bad frames become ERROR
 replies, bad HTTP bodies become 4xx. Crashes found by this file and not yet
-fixed are pinned as strict xfails (KNOWN_STAGE_CRASHES, KNOWN_HTTP_500S); the
-hypothesis strategies stay clear of exactly those triggers so the rest keeps
-fuzzing. Fixing one turns its xfail into an XPASS failure: drop the mark then,
-and the exclusion in the strategy with it.
+fixed were pinned here (KNOWN_STAGE_CRASHES, KNOWN_HTTP_500S) and now have
+tests of their own that expect an ERROR reply or a 400.
 
 Run with `-s` to see the counts the live tests print.
 """
@@ -14,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -57,11 +54,11 @@ json_values = st.recursive(json_leaves, lambda c: st.lists(c, max_size=4)
 
 
 @st.composite
-def messages(draw, widths=st.integers(1, 8), ids=st.integers(0, 2**64 - 1),
+def messages(draw, kinds=st.sampled_from(list(Kind)), widths=st.integers(1, 8), ids=st.integers(0, 2**64 - 1),
              positions=st.integers(-(2**31), 2**31 - 1), token_ids=st.integers(-(2**31), 2**31 - 1),
              extras=st.dictionaries(st.text(max_size=8), json_values, max_size=3), max_tokens: int = 6):
     """A valid message (any kind, dtype, rows) and the wire dtype to encode it with."""
-    kind = draw(st.sampled_from(list(Kind)))
+    kind = draw(kinds)
     rows = draw(st.integers(1, 4))
     n = rows if kind == Kind.DECODE and rows > 1 else draw(st.integers(0, max_tokens))
     dtype = draw(st.sampled_from(list(WireDType)))
@@ -256,14 +253,15 @@ def feed(workers: dict, target: str, msg: Message) -> list:
 
 
 @pytest.mark.parametrize("name", sorted(KNOWN_STAGE_CRASHES))
-@pytest.mark.xfail(strict=True, reason="BUG: StageWorker.handle lets non-StageFault exceptions out, and "
-                                       "StageLoop.handle_frames does not catch them: the stage process dies")
-def test_worker_known_crash(name, tiny_workers):
+def test_worker_answers_former_crash_triggers(name, tiny_workers):
+    """Each of these once killed the stage; now each is answered with an ERROR reply."""
     target, msgs = KNOWN_STAGE_CRASHES[name]
     for w in tiny_workers.values():
         w.sessions = SessionTable(w.sessions.lanes)
-    for msg in msgs:
-        feed(tiny_workers, target, msg)
+    outs = [o for msg in msgs for o in feed(tiny_workers, target, msg)]
+    errors = [o.message for o in outs if o.message.kind == Kind.ERROR]
+    assert all(e.extras["error"] and e.extras["code"] for e in errors)
+    assert errors or name == "trace_not_a_list"        # a bad trace is dropped and the message served
 
 
 # Hostile but clear of KNOWN_STAGE_CRASHES: trace is always a list, sampling stays greedy or
@@ -276,7 +274,8 @@ SESSION_POOL = st.sampled_from([FUZZ_ID + i for i in range(4)])
 
 
 def hostile(width: int, vocab: int) -> st.SearchStrategy:
-    return messages(widths=st.sampled_from([width, width, 1, width + 1]),
+    work = st.sampled_from([Kind.PREFILL, Kind.DECODE, Kind.CONFIGURE_GENERATION, Kind.TRY_RESTORE_PREFILL_DECODE])
+    return messages(kinds=st.sampled_from(list(Kind)) | work, widths=st.sampled_from([width, width, 1, width + 1]),
                     ids=SESSION_POOL | st.integers(FUZZ_ID, FUZZ_ID + 2**20),
                     positions=st.sampled_from([0, 0, 0, 1, 2, 3, 5, -1, 2**31 - 1, -(2**31)]),
                     token_ids=st.integers(0, vocab - 1) | st.sampled_from([-1, vocab, 2**31 - 1]),
@@ -313,14 +312,20 @@ def vm_rss_mb(pid: int) -> float:
 def greedy(engine, ids, n=16, timeout=60.0) -> list[int]:
     """Greedy tokens through the engine, failing (not hanging) after `timeout` seconds."""
     result: list = []
+    failure: list[BaseException] = []
 
     def run() -> None:
         req = GenRequest("fuzz", tuple(ids), max_tokens=n, ignore_eos=True, timeout_s=timeout)
-        result.extend(e.token_id for e in engine.generate_blocking(req) if e.token_id is not None)
+        try:
+            result.extend(e.token_id for e in engine.generate_blocking(req) if e.token_id is not None)
+        except BaseException as exc:  # handed to the test thread below
+            failure.append(exc)
     t = threading.Thread(target=run, daemon=True)
     t.start()
     t.join(timeout + 5)
     assert not t.is_alive(), f"generation hung for {timeout} s"
+    if failure:
+        raise failure[0]
     return result
 
 
@@ -438,8 +443,6 @@ LIVE_PROBES = ["trace_not_a_list", "logit_bias_outside_vocab", "repetition_penal
                "prefill_past_kv_capacity", "decode_rows_beyond_largest_bucket"]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a well-formed message that makes the worker raise (see "
-                                       "KNOWN_STAGE_CRASHES) kills the live stage process")
 def test_live_stage_survives_well_formed_hostile_messages(model_dir, tmp_path):
     with running_pipeline(write_topology(tmp_path, model_dir, 1), tmp_path / "run") as (engine, _, topology, procs):
         replies: list[int] = []
@@ -580,8 +583,7 @@ KNOWN_HTTP_500S = {
 
 
 @pytest.mark.parametrize("name", sorted(KNOWN_HTTP_500S))
-@pytest.mark.xfail(strict=True, reason="BUG: answered with 500 instead of 400")
-def test_http_known_500(http, name):
+def test_http_former_500s_are_400s(http, name):
     client, _ = http
     path, body = KNOWN_HTTP_500S[name]
     assert client.post(path, content=body, headers=JSON).status_code == 400
@@ -622,7 +624,9 @@ def http_requests(draw) -> tuple[str, dict]:
         body["prompt"] = draw(st.text(min_size=1, max_size=40) | st.lists(st.integers(0, 49151), min_size=1,
                                                                            max_size=8) if plausible else
                               st.text(max_size=40) | st.lists(st.integers(-2, 60000), max_size=8) | json_values)
-    body["max_tokens"] = draw(st.integers(1, 3) if plausible else st.integers(1, 3) | json_leaves)  # stay short
+    # Valid requests stay short: a missing or huge max_tokens means "up to the context" (~2000 tokens).
+    body["max_tokens"] = draw(st.integers(1, 3) if plausible else st.integers(1, 3) | st.sampled_from(
+        [0, -1, True, "3", 1.5, [], {}, 10**30 * 1.0]))
     return path, body
 
 

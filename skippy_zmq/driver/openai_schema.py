@@ -209,7 +209,7 @@ def parse_messages(raw: object) -> tuple[dict[str, str], ...]:
     messages = []
     for index, message in enumerate(raw):
         role = message.get("role") if isinstance(message, dict) else None
-        role = ROLE_ALIASES.get(role, role)
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in CHAT_ROLES:
             raise RequestError(
                 f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got {_short(role)}", "messages"
@@ -262,6 +262,8 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks))
+    except RecursionError:
+        raise RequestError("malformed JSON body: nested too deeply") from None
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise RequestError(f"malformed JSON body: {err}") from None
     if not isinstance(body, dict):
@@ -276,7 +278,10 @@ def encode_prompt(tokenizer: TextTokenizer, parsed: ParsedRequest) -> list[int]:
         except (TemplateError, ValueError, TypeError) as err:  # e.g. raise_exception() on role order
             raise RequestError(f"messages: the chat template failed: {err}", "messages") from None
     if isinstance(parsed.prompt, str):
-        return tokenizer.encode(parsed.prompt)
+        try:
+            return tokenizer.encode(parsed.prompt)
+        except (TypeError, ValueError) as err:   # e.g. a lone surrogate the tokenizer cannot take
+            raise RequestError(f"prompt cannot be tokenized: {err}", "prompt") from None
     return list(parsed.prompt or ())
 
 

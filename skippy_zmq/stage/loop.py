@@ -138,8 +138,6 @@ class StageLoop:
             events = dict(poller.poll(250))
             if self.sockets.pull in events:
                 self.drain(DRAIN_BATCH)
-            if self.sockets.dealer in events:
-                self.drain_driver()
             self.check_driver()
             for sid in self.worker.sessions.reclaim_idle():
                 logger.warning("stage {} reclaimed idle session {}", self.stage.id, sid)
@@ -168,7 +166,11 @@ class StageLoop:
                 self.driver_lost = False
 
     def check_driver(self) -> None:
-        """A driver silent past dead_after_s is gone: free its sessions' lanes (orphans)."""
+        """A driver silent past dead_after_s is gone: free its sessions' lanes (orphans).
+
+        Heartbeats queued while a long message was computing count: drain them first.
+        """
+        self.drain_driver()
         if self.driver_seen and not self.driver_lost and \
                 time.monotonic() - self.driver_seen > self.topology.driver.dead_after_s:
             self.driver_lost = True

@@ -72,6 +72,9 @@ class StageWorker:
             return handler(msg)
         except StageFault as fault:
             return [self.error(msg.request_id, msg.session_id, fault.reason, fault.code)]
+        except Exception as exc:   # a peer must never be able to kill the stage: answer and carry on
+            logger.exception("stage {} failed on {} (request {})", self.info.stage_id, msg.kind.name, msg.request_id)
+            return [self.error(msg.request_id, msg.session_id, f"internal error: {exc}", "internal_error")]
 
     def error(self, request_id: int, session_id: int, reason: str, code: str) -> Outbound:
         self.counters["errors"] += 1
@@ -98,22 +101,28 @@ class StageWorker:
         except LanesBusy as exc:
             raise StageFault(str(exc), "lanes_busy") from exc
 
-    def _align(self, session_id: int, request_id: int, position: int) -> Any:
-        """Acquire the session and make its KV end at `position` (trim KV that is ahead)."""
+    def _align(self, session_id: int, request_id: int, position: int, n: int = 1) -> Any:
+        """Acquire the session and make its KV end at `position` (trim KV that is ahead).
+
+        Everything is checked before a lane is taken, so a refused message holds none.
+        """
+        if position < 0 or position + n > self.runner.capacity:
+            raise StageFault(f"positions [{position}, {position + n}) fall outside the KV capacity of "
+                             f"{self.runner.capacity}", "bad_position")
+        existing = self.sessions.get(session_id)
+        length = existing.length if existing is not None else 0
+        if length < position:
+            raise StageFault(f"session {session_id} has KV up to position {length}, message starts at {position}",
+                             "kv_gap")
         session = self._acquire(session_id, request_id)
-        if position < 0 or position >= self.runner.capacity:
-            raise StageFault(f"position {position} is outside the KV capacity of {self.runner.capacity}",
-                             "bad_position")
         if session.length > position:
             session.length = position          # auto-align: positions are absolute
             del session.tokens[position:]
-        elif session.length < position:
-            raise StageFault(f"session {session_id} has KV up to position {session.length}, "
-                             f"message starts at {position}", "kv_gap")
         return session
 
     def _trace(self, msg: Message, compute_ms: float, rows: int) -> dict[str, Any]:
-        trace = list(msg.extras.get("trace", []))
+        trace = msg.extras.get("trace", [])
+        trace = list(trace) if isinstance(trace, list) else []   # a peer's bad trace is dropped, not fatal
         trace.append({"stage": self.info.stage_id, "compute_ms": round(compute_ms, 3), "rows": rows,
                       "lock_wait_ms": round(self.lock.wait_ms, 3), "lock_hold_ms": round(self.lock.hold_ms, 3)})
         return {**msg.extras, "trace": trace}
@@ -137,7 +146,7 @@ class StageWorker:
         n = int(msg.tokens.shape[0])     # token ids travel with activations to every stage
         if n == 0:
             raise StageFault("PREFILL carries no tokens", "empty")
-        session = self._align(msg.session_id, msg.request_id, msg.position)
+        session = self._align(msg.session_id, msg.request_id, msg.position, n)
         x = self._inputs(msg, n)
         output = "none" if self.info.last else "hidden"
         t0 = time.perf_counter()
@@ -161,6 +170,11 @@ class StageWorker:
         positions = msg.positions if msg.positions is not None else np.array([msg.position], np.int32)
         if positions.shape[0] != rows or msg.tokens.shape[0] != rows:
             raise StageFault(f"DECODE needs one token and one position per row ({rows} rows)", "bad_rows")
+        if rows > self.runner.buckets.decode_rows[-1]:
+            raise StageFault(f"{rows} rows exceed this stage's largest batch of {self.runner.buckets.decode_rows[-1]}",
+                             "too_many_rows")
+        if len(set(sessions.tolist())) != rows:
+            raise StageFault("a DECODE names the same session in more than one row", "bad_rows")
         x = self._inputs(msg, rows)
         out: list[Outbound] = []
         keep, lanes = [], []

@@ -1,0 +1,331 @@
+"""Soak benchmark: N streaming chat clients against a pipeline for M minutes.
+
+    python -m skippy_zmq.soak --topology topologies/smollm2-2stage.yaml --streams 16 --minutes 10
+    python -m skippy_zmq.soak --url http://127.0.0.1:8000/v1 --run-dir runs/two --minutes 10
+
+With --topology the stages and the driver are launched into a run directory
+(as scripts/launch.sh does) and stopped at the end (as scripts/stop.sh does);
+with --url an already running server is used, and --run-dir, if given, names
+its pid files. Every client loops over streaming chat completions (the
+official `openai` client) until the time is up; each request is bounded by
+max_tokens and a client timeout, so the run ends within one request of the
+deadline. Recorded: tokens/s and errors per minute, and the RSS of every
+process named by RUN_DIR/*.pid every --sample-s seconds. At the end: a table,
+soak.json and soak.md in --out, and a verdict: zero errors, and memory flat
+after warm-up (mean RSS over the last minute within --flat-pct of the mean
+over the warm-up's last minute, minute 2 by default).
+
+A benchmark, not a test: it only measures and reports (exit code 1 when the
+verdict fails).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from skippy_zmq.bench import format_table
+
+PROMPTS = ("Tell me a short story about a lighthouse keeper.", "Explain how rain forms, step by step.",
+           "List some good names for a grey cat and say why.", "Describe the city of Lisbon to a child.",
+           "Write a haiku about autumn, then explain it.", "What makes a good cup of tea?")
+MAX_ERROR_SAMPLES = 50
+
+
+# ---------------------------------------------------------------- recording
+
+
+@dataclass
+class Recorder:
+    """Tokens, requests and errors per minute since `start`; thread-safe."""
+
+    start: float
+    tokens: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    requests: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    errors: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    error_samples: list[str] = field(default_factory=list)
+    rss: list[dict[str, Any]] = field(default_factory=list)       # {"t": s, "rss_mb": {name: MB}}
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def minute(self) -> int:
+        return int((time.monotonic() - self.start) // 60)
+
+    def add_tokens(self, n: int) -> None:
+        with self.lock:
+            self.tokens[self.minute()] += n
+
+    def finish_request(self) -> None:
+        with self.lock:
+            self.requests[self.minute()] += 1
+
+    def error(self, message: str) -> None:
+        with self.lock:
+            self.errors[self.minute()] += 1
+            if len(self.error_samples) < MAX_ERROR_SAMPLES:
+                self.error_samples.append(f"{time.monotonic() - self.start:.1f}s {message}")
+
+    def sample(self, rss_mb: dict[str, float]) -> None:
+        with self.lock:
+            self.rss.append({"t": round(time.monotonic() - self.start, 1), "rss_mb": rss_mb})
+
+
+# ---------------------------------------------------------------- clients
+
+
+def run_client(index: int, client: Any, model: str, args: argparse.Namespace, stop_at: float, rec: Recorder) -> None:
+    """One stream after another until `stop_at`; tokens are counted from the usage chunk."""
+    n = 0
+    while time.monotonic() < stop_at:
+        prompt = f"{PROMPTS[(index + n) % len(PROMPTS)]} (client {index}, request {n})"
+        n += 1
+        try:
+            stream = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
+                temperature=args.temperature, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": args.ignore_eos})
+            seen = total = 0
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    seen += 1          # text chunks credit the minute they arrive in ...
+                    rec.add_tokens(1)
+                if chunk.usage is not None:
+                    total = chunk.usage.completion_tokens
+            if total <= 0:
+                raise RuntimeError("stream ended without a usage chunk")
+            rec.add_tokens(total - seen)   # ... and usage makes the total exact
+            rec.finish_request()
+        except Exception as exc:  # every failure is a data point; the client carries on
+            rec.error(f"client {index}: {type(exc).__name__}: {exc}"[:300])
+
+
+def read_pids(run_dir: Path | None) -> dict[str, int]:
+    if run_dir is None:
+        return {}
+    return {f.stem: int(f.read_text().split()[0]) for f in sorted(run_dir.glob("*.pid")) if f.read_text().strip()}
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def sample_memory(run_dir: Path | None, rec: Recorder, every_s: float, done: threading.Event) -> None:
+    """RSS of every process in the run's pid files, now and every `every_s` seconds until `done`."""
+    pids = read_pids(run_dir)
+    while True:
+        sample = {name: rss_mb(pid) for name, pid in pids.items()}
+        for name, value in sample.items():
+            if value is None:
+                rec.error(f"process {name} (pid {pids[name]}) is gone")
+        rec.sample({name: round(v, 1) for name, v in sample.items() if v is not None})
+        if done.wait(every_s):
+            return
+
+
+# ---------------------------------------------------------------- report
+
+
+def minute_rows(rec: Recorder, duration_s: float) -> list[dict[str, Any]]:
+    """One row per started minute; the last, partial minute's tok/s is over the seconds it had."""
+    rows = []
+    for m in range(max(1, int(-(-duration_s // 60)))):
+        last = [s["rss_mb"] for s in rec.rss if m * 60 <= s["t"] < (m + 1) * 60]
+        seconds = max(1e-9, min(60.0, duration_s - 60 * m))
+        row = {"minute": m + 1, "requests": rec.requests.get(m, 0), "tokens": rec.tokens.get(m, 0),
+               "tok_s": round(rec.tokens.get(m, 0) / seconds, 1), "errors": rec.errors.get(m, 0)}
+        row.update({f"{name}_rss_mb": value for name, value in (last[-1] if last else {}).items()})
+        rows.append(row)
+    return rows
+
+
+def mean_rss(rec: Recorder, t0: float, t1: float) -> dict[str, float]:
+    values: dict[str, list[float]] = defaultdict(list)
+    for s in rec.rss:
+        if t0 <= s["t"] < t1:
+            for name, v in s["rss_mb"].items():
+                values[name].append(v)
+    return {name: statistics.fmean(v) for name, v in values.items()}
+
+
+def memory_verdict(rec: Recorder, duration_s: float, warmup_min: float, flat_pct: float) -> dict[str, Any]:
+    """Mean RSS over the last minute against the mean over the warm-up's last minute.
+
+    A run no longer than the warm-up plus one minute cannot be judged (`flat` None); its
+    numbers compare the run's second half with its first instead.
+    """
+    judged = duration_s >= 60 * (warmup_min + 1)
+    if judged:
+        base, last = mean_rss(rec, 60 * (warmup_min - 1), 60 * warmup_min), mean_rss(rec, duration_s - 60, 1e9)
+    else:
+        base, last = mean_rss(rec, 0, duration_s / 2), mean_rss(rec, duration_s / 2, 1e9)
+    per_process = {name: {"baseline_mb": round(base[name], 1), "last_mb": round(last[name], 1),
+                          "growth_pct": round(100 * (last[name] - base[name]) / base[name], 2)}
+                   for name in sorted(base) if name in last and base[name] > 0}
+    flat = all(abs(p["growth_pct"]) <= flat_pct for p in per_process.values()) if judged and per_process else None
+    return {"judged": judged, "flat": flat, "flat_pct": flat_pct, "processes": per_process}
+
+
+def report(rec: Recorder, args: argparse.Namespace, url: str, duration_s: float, out: Path) -> dict[str, Any]:
+    rows = minute_rows(rec, duration_s)
+    total_tokens, total_errors = sum(rec.tokens.values()), sum(rec.errors.values())
+    memory = memory_verdict(rec, duration_s, args.warmup_minutes, args.flat_pct)
+    summary = {"url": url, "streams": args.streams, "duration_s": round(duration_s, 1),
+               "requests": sum(rec.requests.values()), "tokens": total_tokens,
+               "tok_s": round(total_tokens / duration_s, 1) if duration_s else 0.0, "errors": total_errors,
+               "zero_errors": total_errors == 0, "memory": memory}
+    summary["ok"] = summary["zero_errors"] and memory["flat"] is not False
+    mem_rows = [{"process": name, **p} for name, p in memory["processes"].items()]
+    verdict = (f"errors: {total_errors}; memory flat after warm-up: "
+               f"{'not judged (run too short)' if memory['flat'] is None else memory['flat']}; "
+               f"{'OK' if summary['ok'] else 'FAILED'}")
+    text = (format_table(f"Soak: {args.streams} streams for {duration_s / 60:.1f} min against {url}", rows,
+                         f"{summary['requests']} requests, {total_tokens} tokens, {summary['tok_s']} tok/s overall")
+            + "\n" + format_table("Memory (MB)", mem_rows, verdict))
+    print(text, flush=True)
+    for line in rec.error_samples[:10]:
+        print(f"  error: {line}")
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "summary": summary, "minutes": rows, "rss_samples": rec.rss, "error_samples": rec.error_samples}
+    (out / "soak.json").write_text(json.dumps(result, indent=2))
+    (out / "soak.md").write_text(text)
+    print(f"wrote {out / 'soak.json'} and {out / 'soak.md'}")
+    return result
+
+
+# ---------------------------------------------------------------- processes
+
+
+def stop_run(run_dir: Path, timeout: float = 10.0) -> None:
+    """scripts/stop.sh semantics: SIGTERM every pid file's process, wait, SIGKILL leftovers, remove the files.
+    Our own children are reaped as they exit, so a zombie never counts as still running."""
+    pids = read_pids(run_dir)
+    for pid in pids.values():
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    alive = set(pids.values())
+    while alive and time.monotonic() < deadline:
+        alive = {pid for pid in alive if _running(pid)}
+        if alive:
+            time.sleep(0.1)    # waiting for other processes to exit; nothing to block on
+    for pid in alive:
+        print(f"pid {pid} did not stop in {timeout:g} s; killing it")
+        os.kill(pid, signal.SIGKILL)
+        _running(pid)
+    for f in run_dir.glob("*.pid"):
+        f.unlink()
+
+
+def _running(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return False
+    except ChildProcessError:      # not our child: ask the kernel, zombies excluded
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    return True
+
+
+def start(args: argparse.Namespace) -> tuple[str, Path | None, bool]:
+    """(API base URL, run dir holding pid files or None, whether we launched it)."""
+    if args.url:
+        return args.url.rstrip("/"), args.run_dir, False
+    from skippy_zmq.launch import launch
+    from skippy_zmq.topology import load_topology
+
+    run_dir = args.run_dir or Path(f"runs/soak-{time.strftime('%Y%m%d-%H%M%S')}")
+    print(f"launching {args.topology} into {run_dir} ...", flush=True)
+    url = launch(load_topology(args.topology), args.topology, run_dir, args.ready_timeout)
+    return url, run_dir, True
+
+
+def soak(args: argparse.Namespace) -> dict[str, Any]:
+    import openai
+
+    url, run_dir, launched = start(args)
+    out = args.out or run_dir or Path(f"runs/soak-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        client = openai.OpenAI(base_url=url, api_key=args.api_key or os.environ.get("SKIPPY_API_KEY", "unused"),
+                               max_retries=0, timeout=args.request_timeout)
+        model = client.models.list().data[0].id
+        print(f"soaking {url} (model {model}) with {args.streams} streams for {args.minutes:g} min", flush=True)
+        rec = Recorder(start=time.monotonic())
+        stop_at = rec.start + 60 * args.minutes
+        done = threading.Event()
+        sampler = threading.Thread(target=sample_memory, args=(run_dir, rec, args.sample_s, done), daemon=True)
+        sampler.start()
+        clients = [threading.Thread(target=run_client, args=(i, client, model, args, stop_at, rec), daemon=True)
+                   for i in range(args.streams)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(max(0.0, stop_at - time.monotonic()) + args.request_timeout + 5)
+        duration = time.monotonic() - rec.start
+        done.set()
+        sampler.join(5)
+        for c in clients:
+            if c.is_alive():
+                rec.error("a client did not finish its last request within the request timeout")
+        return report(rec, args, url, duration, out)
+    finally:
+        if launched and run_dir is not None:
+            stop_run(run_dir)
+            print(f"stopped the processes of {run_dir}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m skippy_zmq.soak", description=__doc__.split("\n\n")[0])
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--topology", type=Path, help="launch this topology, soak it, stop it")
+    where.add_argument("--url", help="soak an already running server (API base URL, e.g. http://127.0.0.1:8000/v1)")
+    p.add_argument("--run-dir", type=Path, help="run directory (pid files, logs); default runs/soak-<time>")
+    p.add_argument("--out", type=Path, help="where soak.json and soak.md go; default the run directory")
+    p.add_argument("--streams", type=int, default=16, help="concurrent streaming clients")
+    p.add_argument("--minutes", type=float, default=10.0, help="how long to keep starting requests")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate max_tokens every time, so every request costs the same")
+    p.add_argument("--sample-s", type=float, default=10.0, help="RSS sampling period")
+    p.add_argument("--warmup-minutes", type=float, default=2.0, help="memory baseline: the warm-up's last minute")
+    p.add_argument("--flat-pct", type=float, default=5.0, help="allowed RSS change after warm-up, percent")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="client timeout per request, seconds")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="how long a launch may take to be ready")
+    p.add_argument("--api-key", help="bearer token (default $SKIPPY_API_KEY)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.streams < 1 or args.minutes <= 0:
+        raise SystemExit("--streams must be >= 1 and --minutes > 0")
+    return 0 if soak(args)["summary"]["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
