@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Benchmarks: scripts/bench.sh [all|single|peers|pipeline|hops|prefix] [--quick] [--out DIR]
-# Writes bench.json, bench.md and PNG plots into DIR (default bench-out).
+# No suite (or only flags) means all. Writes bench.json, bench.md and PNG plots into DIR (default bench-out).
 set -euo pipefail
-exec "${VENV:-$(dirname "$0")/../.venv}/bin/skippy-zmq" bench "${@:-all}"
+case "${1:-}" in ""|-*) set -- all "$@" ;; esac
+exec "${VENV:-$(dirname "$0")/../.venv}/bin/skippy-zmq" bench "$@"

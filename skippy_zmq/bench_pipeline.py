@@ -81,15 +81,21 @@ class TraceLog:
     """
 
     def __init__(self) -> None:
-        self.entries: list[tuple[float, list[dict[str, Any]]]] = []
+        self.entries: list[tuple[float, bool, list[dict[str, Any]]]] = []   # (when, decode step?, trace)
 
     def __call__(self, _stage_id: str, msg: wire.Message) -> None:
         trace = msg.extras.get("trace") or msg.extras.get("stats", {}).get("trace")
         if trace:
-            self.entries.append((time.perf_counter(), trace))
+            self.entries.append((time.perf_counter(), msg.kind == wire.Kind.PREDICTED_TOKENS, trace))
 
-    def window(self, t0: float, t1: float) -> list[list[dict[str, Any]]]:
-        return [trace for t, trace in list(self.entries) if t0 <= t <= t1]
+    def window(self, t0: float, t1: float, steps_only: bool = False) -> list[list[dict[str, Any]]]:
+        return [trace for t, step, trace in list(self.entries) if t0 <= t <= t1 and (step or not steps_only)]
+
+
+def step_compute_ms(traces: list[list[dict[str, Any]]]) -> float | None:
+    """Median compute of one decode step summed over every stage (one trace per step)."""
+    sums = [sum(float(hop["compute_ms"]) for hop in trace) for trace in traces]
+    return round(statistics.median(sums), 2) if sums else None
 
 
 def run_stream(engine: Any, ids: list[int], new_tokens: int, out: list[dict[str, Any]],
@@ -138,6 +144,7 @@ def measure(engine: Any, prompts: list[list[int]], new_tokens: int, log: TraceLo
            "wall_s": round(t1 - t0, 2)}
     if log is not None:
         out["bubble"] = bubble(log.window(t0, t1), t1 - t0, stage_ids)
+        out["step_compute_ms"] = step_compute_ms(log.window(t0, t1, steps_only=True))
     return out
 
 

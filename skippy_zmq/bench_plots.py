@@ -59,7 +59,7 @@ def plot_hops(rows: list[dict[str, Any]], path: Path) -> Path:
     for i, stages in enumerate(sorted({r["stages"] for r in rows})):
         pts = sorted((r for r in rows if r["stages"] == stages), key=lambda r: r["delay_ms"])
         d = [0.0] + [r["delay_ms"] for r in pts]
-        compute = pts[0]["compute_ms"]
+        compute = pts[0]["base_ms"]   # no delay: both models and the measurement start at the base
         color = f"C{i}"
         ax.plot(d, [compute] + [r["measured_ms"] for r in pts], marker="o", color=color,
                 label=f"{stages} stages: measured")

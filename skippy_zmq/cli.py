@@ -12,6 +12,7 @@ from typing import Any, Callable
 from loguru import logger
 
 DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct")
+SUITES = ("single", "pipeline", "hops", "prefix", "peers")
 DEFAULT_GGUF_DIR = Path("models")
 
 
@@ -228,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_restart_stage)
 
     p = sub.add_parser("bench", help="benchmarks; prints a table and writes JSON")
-    p.add_argument("suite", nargs="?", default="single", choices=["single", "pipeline", "prefix", "all"])
+    p.add_argument("suite", nargs="?", default="all", choices=[*SUITES, "all"])
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--out", default="bench-out")
     p.add_argument("--quick", action="store_true")

@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from skippy_zmq.config import KVConfig
-from skippy_zmq.model import weights
+from skippy_zmq.model.weights import load_slice
 from skippy_zmq.model.runner import SliceRunner, resolve_device
 from skippy_zmq.model.tokenizer import TextTokenizer
 from skippy_zmq.sampling import Sampler, SamplingParams
@@ -57,13 +57,20 @@ def stop_reason(token: int, n_generated: int, max_tokens: int, eos_ids: set[int]
     return None
 
 
+WEIGHT_FORMATS = {"f32": None, "int8": "int8"}   # LocalEngine(weights=...) -> load_slice(quantize=...)
+
+
 class LocalEngine:
     """The whole model in this process; one lane."""
 
-    def __init__(self, model_dir: Path, dtype: str = "float32", device: str = "cpu", capacity: int = 2048):
+    def __init__(self, model_dir: Path, dtype: str = "float32", device: str = "cpu", capacity: int = 2048,
+                 weights: str = "f32"):
+        """weights: "f32" (as stored) or "int8" (weight-only int8, see model/quant.py)."""
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {sorted(WEIGHT_FORMATS)}, got {weights!r}")
         self.tokenizer = TextTokenizer.load(model_dir)
         dev = resolve_device(device)
-        self.cfg, params = weights.load_slice(model_dir, dtype=dtype, device=dev)
+        self.cfg, params = load_slice(model_dir, dtype=dtype, device=dev, quantize=WEIGHT_FORMATS[weights])
         capacity = min(capacity, self.cfg.max_seq_len)
         self.runner = SliceRunner(self.cfg, params, 0, self.cfg.n_layers,
                                   KVConfig(lanes=1, capacity=capacity, dtype=dtype), device=dev)

@@ -72,15 +72,17 @@ def run_requests(scheduler: Scheduler, chain: InprocChain, requests: list[GenReq
         return bool(items) and (isinstance(items[-1], EngineError) or
                                 (isinstance(items[-1], TokenEvent) and items[-1].finish_reason is not None))
 
-    for _ in range(max_iterations):
-        if all(finished(v) for v in events.values()) and not scheduler.running:
-            break
+    def step() -> None:
         for msg in scheduler.tick():
             for stage_id, reply in chain.send(msg):
                 scheduler.on_reply(stage_id, reply)
-    else:
-        raise RuntimeError("requests did not finish")
-    return events
+
+    for _ in range(max_iterations):
+        if all(finished(v) for v in events.values()) and not scheduler.running:
+            step()   # deliver what finishing queued (STOPs), so stages free their lanes
+            return events
+        step()
+    raise RuntimeError("requests did not finish")
 
 
 def tokens_of(items: list[Any]) -> list[int]:

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from skippy_zmq.bench import format_table
-from skippy_zmq.bench_hops import hop_delay, hop_model, hop_row
+from skippy_zmq.bench_hops import corrected_base, hop_delay, hop_model, hop_row
 from skippy_zmq.bench_peers import NOT_INSTALLED, bench_peers, peer_rows, ratio, run_llama_cpp
 from skippy_zmq.bench_pipeline import (bubble, one_stream_rows, per_hop_overhead_us, percentile, stage_busy_ms,
-                                       wire_rows)
+                                       step_compute_ms, wire_rows)
 from skippy_zmq.bench_plots import matplotlib_available, write_plots
 
 
@@ -29,6 +29,7 @@ def test_bubble_counts_each_trace_once_per_stage():
     assert stage_busy_ms(traces) == {"s0": 30.0, "s1": 60.0}
     assert bubble(traces, 0.1, ("s0", "s1", "s2")) == {"s0": 0.7, "s1": 0.4, "s2": 1.0}
     assert bubble(traces, 0.05, ("s1",)) == {"s1": 0.0}     # compute past the window is clamped
+    assert step_compute_ms(traces) == 45.0 and step_compute_ms([]) is None
 
 
 def test_per_hop_overhead_and_percentile():
@@ -57,6 +58,8 @@ def test_hop_model_direct_vs_relay():
     row = hop_row(2, 20.0, 15.0, 36.0)
     assert (row["model_direct_ms"], row["model_relay_ms"], row["error_ms"], row["saved_vs_relay_ms"]) == \
         (35.0, 55.0, 1.0, 19.0)
+    # no-delay 50 ms/token of which 30 compute; this point computed 40: base 60
+    assert corrected_base(50.0, 30.0, 40.0) == 60.0 and corrected_base(50.0, None, 40.0) == 50.0
 
 
 def test_hop_delay_sets_and_restores_the_variable(monkeypatch):

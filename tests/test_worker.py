@@ -136,3 +136,21 @@ def test_scheduler_times_out_a_silent_pipeline():
     out = sched.tick(now=102.0)   # nobody answered
     assert isinstance(got[-1], EngineError) and got[-1].status == 504
     assert [m.kind for m in out] == [Kind.STOP]
+
+
+def test_each_prompt_is_prefilled_once_and_each_token_decoded_once(tiny_tree):
+    sched, chain = make_scheduler(2), make_chain(TINY, tiny_tree, [2])
+    sent = []
+    send = chain.send
+
+    def counting_send(message):
+        sent.append(message.kind)
+        return send(message)
+
+    chain.send = counting_send
+    prompt = random_ids(150, TINY.vocab_size, seed=9).tolist()     # 149 prefill tokens: 3 chunks of <= 64
+    events = run_requests(sched, chain, [GenRequest("a", tuple(prompt), max_tokens=10, ignore_eos=True)])
+    assert len(tokens_of(events["a"])) == 10
+    assert sent.count(Kind.PREFILL) == 3
+    assert sent.count(Kind.DECODE) == 10
+    assert sent.count(Kind.CONFIGURE_GENERATION) == 1 and sent.count(Kind.STOP) == 1

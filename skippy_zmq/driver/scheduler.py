@@ -195,6 +195,7 @@ class Scheduler:
         if first:
             job.t_first = time.monotonic()
         job.next_token, job.next_pos = tok, job.next_pos + 1
+        job.prefill_sent = job.next_pos   # the decode just wrote the KV of every position before next_pos
         reason = None
         if tok in job.eos:
             reason = "stop"

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from skippy_zmq.config import ModelConfig
+from skippy_zmq.model.quant import dense
 
 Params = dict[str, Any]
 
@@ -88,7 +89,7 @@ def attention(p: Params, x: jax.Array, ck: jax.Array, cv: jax.Array, positions: 
               cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     b, t, _ = x.shape
     h, kvh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
+    q, k, v = dense(x, p["wq"]), dense(x, p["wk"]), dense(x, p["wv"])
     if "bq" in p:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q = apply_rope(q.reshape(b, t, h, hd), *rope)
@@ -106,17 +107,17 @@ def attention(p: Params, x: jax.Array, ck: jax.Array, cv: jax.Array, positions: 
     scores = jnp.where(causal[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     out = jnp.einsum("bkgtl,blkd->btkgd", probs, vals).reshape(b, t, h * hd)
-    return out @ p["wo"], ck, cv
+    return dense(out, p["wo"]), ck, cv
 
 
 def mlp(p: Params, x: jax.Array) -> jax.Array:
-    return (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
+    return dense(jax.nn.silu(dense(x, p["w_gate"])) * dense(x, p["w_up"]), p["w_down"])
 
 
 def head(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     x = rms_norm(x, params["norm"], cfg.norm_eps)
     if "head" in params:
-        return (x @ params["head"]).astype(jnp.float32)
+        return dense(x, params["head"]).astype(jnp.float32)
     return jnp.einsum("...d,vd->...v", x, params["embed"], preferred_element_type=jnp.float32)
 
 

@@ -18,9 +18,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from skippy_zmq.config import ModelConfig
+from skippy_zmq.model import quant
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")
 BIAS_KEYS = ("bq", "bk", "bv")
+QUANT_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "head")   # int8 under quantize="int8"
+QUANTIZE_MODES = (None, "int8")
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -50,13 +53,34 @@ def _is_shape(x: Any) -> bool:
     return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
 
 
-def to_runtime(tree: dict[str, Any], dtype: Any, device: Any = None) -> dict[str, Any]:
-    """Checkpoint-keyed numpy tree -> runtime params (layers as an ordered tuple)."""
+def to_runtime(tree: dict[str, Any], dtype: Any, device: Any = None,
+               quantize: str | None = None) -> dict[str, Any]:
+    """Checkpoint-keyed numpy tree -> runtime params (layers as an ordered tuple).
+
+    quantize="int8": the big matrices become int8 QTensors (see quant.py), and
+    a last stage gets an int8 "head" (the transposed embedding when tied) so the
+    logits matmul reads 28 MB instead of 113 MB; "embed" stays float for lookup.
+    """
+    check_quantize(quantize)
     put = (lambda a: jax.device_put(jnp.asarray(a, dtype), device)) if device else (lambda a: jnp.asarray(a, dtype))
-    out = {k: put(v) for k, v in tree.items() if k != "layers"}
-    out["layers"] = tuple({k: put(v) for k, v in tree["layers"][i].items()}
+
+    def convert(key: str, a: Any) -> Any:
+        if not (quantize and key in QUANT_KEYS):
+            return put(a)
+        qt = quant.to_qtensor(np.asarray(a, np.float32))
+        return jax.device_put(qt, device) if device else jax.tree.map(jnp.asarray, qt)
+
+    out = {k: convert(k, v) for k, v in tree.items() if k != "layers"}
+    out["layers"] = tuple({k: convert(k, v) for k, v in tree["layers"][i].items()}
                           for i in sorted(tree["layers"], key=int))
+    if quantize and "norm" in tree and "head" not in tree:
+        out["head"] = convert("head", np.asarray(tree["embed"]).T)
     return out
+
+
+def check_quantize(quantize: str | None) -> None:
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
 
 
 def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.08) -> dict[str, Any]:
@@ -101,13 +125,17 @@ def restore_params(path: Path, cfg: ModelConfig, start: int = 0, end: int | None
 
 
 def load_slice(model_dir: Path, start: int = 0, end: int | None = None, dtype: str = "float32",
-               device: Any = None) -> tuple[ModelConfig, dict[str, Any]]:
-    """Config (with the runtime dtype) and runtime params of layers [start, end) of a converted model."""
+               device: Any = None, quantize: str | None = None) -> tuple[ModelConfig, dict[str, Any]]:
+    """Config (with the runtime dtype) and runtime params of layers [start, end) of a converted model.
+
+    quantize: None (float weights) or "int8" (weight-only int8, see to_runtime).
+    """
     import dataclasses
 
+    check_quantize(quantize)
     model_dir = Path(model_dir)
     if not (model_dir / "model.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no model.json (convert a model first: `make model`)")
     cfg = dataclasses.replace(ModelConfig.load(model_dir / "model.json"), dtype=dtype)
     tree = restore_params(model_dir / "params", cfg, start, end)
-    return cfg, to_runtime(tree, jnp.dtype(dtype), device)
+    return cfg, to_runtime(tree, jnp.dtype(dtype), device, quantize)
