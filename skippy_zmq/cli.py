@@ -78,7 +78,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return generate_with_pipeline(args, sampling)
     from skippy_zmq.generate import LocalEngine
 
-    engine = LocalEngine(Path(args.model), dtype=args.dtype, device=args.device)
+    engine = LocalEngine(Path(args.model), dtype=args.dtype, device=args.device, weights=args.weights)
     ids = prompt_ids_from_args(engine.tokenizer, args)
     stream = engine.tokenizer.stream_decoder()
     on_token: Callable[[int], None] | None = None
@@ -187,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=180.0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--weights", default="f32", choices=["f32", "int8"], help="int8: weight-only int8 matmuls")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--chat", action="store_true", default=True)
     mode.add_argument("--raw", action="store_true")

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import TINY, first_mismatch, random_ids
+from skippy_zmq.config import KVConfig
 from skippy_zmq.model import quant, weights
 from skippy_zmq.model.llama import forward_reference
 from skippy_zmq.model.runner import SliceRunner
-from skippy_zmq.config import KVConfig
 
 
 def device_tree(t: quant.QTensor) -> quant.QTensor:
@@ -116,3 +116,16 @@ def test_real_model_int8_greedy_matches_transformers(model_dir, parity):
         want = case["transformers_fp32_ids"]
         got = engine.generate(case["prompt_ids"], max_tokens=len(want), ignore_eos=True).token_ids
         assert first_mismatch(got, want) == len(want), (got, want)
+
+
+def test_topology_stage_with_int8_weights_serves_the_reference_tokens(model_dir, parity, tmp_path):
+    """`weights: int8` on every stage of a real 2-stage pipeline keeps greedy agreement."""
+    from procs import running_pipeline, write_topology
+    from skippy_zmq.driver.engine import GenRequest
+
+    topo = write_topology(tmp_path, model_dir, 2, name="int8", weights="int8")
+    with running_pipeline(topo, tmp_path / "run") as (engine, _, _, _):
+        case = parity["prompts"][1]
+        events = list(engine.generate_blocking(GenRequest("q", tuple(case["prompt_ids"]), max_tokens=16,
+                                                          ignore_eos=True)))
+        assert [e.token_id for e in events if e.token_id is not None] == case["transformers_fp32_ids"][:16]

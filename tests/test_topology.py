@@ -163,7 +163,7 @@ def test_ipc_and_inproc_endpoints_and_curve():
         (lambda d: d.update(wire={"hwn": 1}), ["wire.hwn: unknown key (allowed: activation_dtype, hwm,"]),
         (
             lambda d: d["stages"][1].update(layrs=[15, 30]),
-            ["stages[1].layrs: unknown key (allowed: cache, device, dtype, host, id, kv_lanes, layers, listen)"],
+            ["stages[1].layrs: unknown key (allowed: cache, device, dtype, host, id, kv_lanes, layers, listen, weights)"],
         ),
         (lambda d: d["stages"][0]["cache"].update(strid=64), ["stages[0].cache.strid: unknown key", "stride"]),
     ],

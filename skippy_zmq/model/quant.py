@@ -170,27 +170,27 @@ def _xla_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array) -> jax.Ar
     return x @ _dequantize_panels(q, s, z)
 
 
-@functools.cache
 def kernel_available() -> bool:
-    """Build (once per machine and source) and register the CPU kernel."""
+    """Whether the CPU kernel is built (once per machine and source) and registered."""
+    return _load_kernel() is not None
+
+
+@functools.cache   # holds the loaded library, so it stays mapped for the life of the process
+def _load_kernel() -> ctypes.CDLL | None:
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build_kernel()))
-        jax.ffi.register_ffi_target(KERNEL_TARGET, jax.ffi.pycapsule(lib.skippy_int8_dense), platform="cpu")
-        _LOADED.append(lib)   # keep the library mapped for the life of the process
-        return True
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", None) or ""
-        log.warning("int8 CPU kernel unavailable, using the slow XLA fallback: %s %s", exc, detail[-2000:])
-        return False
-
-
-_LOADED: list[ctypes.CDLL] = []
+    except subprocess.CalledProcessError as exc:
+        log.warning("int8 CPU kernel failed to build, using the slow XLA fallback:\n%s", exc.stderr[-2000:])
+        return None
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        log.warning("int8 CPU kernel unavailable, using the slow XLA fallback: %s", exc)
+        return None
+    jax.ffi.register_ffi_target(KERNEL_TARGET, jax.ffi.pycapsule(lib.skippy_int8_dense), platform="cpu")
+    return lib
 
 
 def _build_kernel() -> Path:
     cxx = os.environ.get("CXX", "g++")
-    if shutil.which(cxx) is None:
-        raise RuntimeError(f"no C++ compiler ({cxx}) on PATH")
     include = jax.ffi.include_dir()
     flags = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w"]
     # -march=native binaries belong to this CPU: key the cache on it too.
@@ -199,11 +199,13 @@ def _build_kernel() -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "skippy_zmq"
     target = cache / f"quant_kernel-{key}.so"
     if not target.is_file():
+        if shutil.which(cxx) is None:
+            raise RuntimeError(f"no C++ compiler ({cxx}) on PATH")
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:   # build aside, publish atomically
             out = Path(tmp) / target.name
             subprocess.run([cxx, *flags, "-I", include, str(KERNEL_SOURCE), "-o", str(out)],
-                           check=True, capture_output=True, timeout=300)
+                           check=True, capture_output=True, text=True, timeout=300)
             os.replace(out, target)
     return target
 

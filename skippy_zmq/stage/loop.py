@@ -40,7 +40,8 @@ def build_worker(topology: Topology, stage: StageConfig) -> StageWorker:
     """Restore only this stage's layers and compile its common buckets."""
     t0 = time.perf_counter()
     device = resolve_device(stage.device)
-    cfg, params = weights.load_slice(topology.model_path, stage.start, stage.end, stage.dtype, device)
+    quantize = None if stage.weights == "f32" else stage.weights
+    cfg, params = weights.load_slice(topology.model_path, stage.start, stage.end, stage.dtype, device, quantize)
     topology.check_model(cfg.n_layers)
     capacity = min(topology.driver.max_context, cfg.max_seq_len)
     buckets = stage_buckets(topology, stage.kv_lanes)
