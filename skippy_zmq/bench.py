@@ -45,17 +45,18 @@ def machine() -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
-def bench_single(model: Path, prompt_tokens: int, new_tokens: int, repeats: int) -> dict[str, Any]:
+def bench_single(model: Path, prompt_tokens: int, new_tokens: int, repeats: int,
+                 weights: str = "f32") -> dict[str, Any]:
     from skippy_zmq.generate import LocalEngine
 
-    engine = LocalEngine(model)
+    engine = LocalEngine(model, weights=weights)
     t0 = time.perf_counter()
     engine.warmup()
     warm_s = time.perf_counter() - t0
     ids = synthetic_prompt(engine.tokenizer, prompt_tokens)
     engine.generate(ids, max_tokens=4, ignore_eos=True)   # compile the attention buckets this length needs
     runs = [engine.generate(ids, max_tokens=new_tokens, ignore_eos=True) for _ in range(repeats)]
-    return {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeats": repeats,
+    return {"weights": weights, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeats": repeats,
             "warmup_s": round(warm_s, 2),
             "prefill_tok_s": round(statistics.median(r.prefill_tokens_per_s for r in runs), 1),
             "decode_tok_s": round(statistics.median(r.decode_tokens_per_s for r in runs), 1),
@@ -90,8 +91,10 @@ def print_table(title: str, rows: list[dict[str, Any]], note: str = "") -> str:
 def run_single(args: argparse.Namespace, tables: list[str], result: dict[str, Any]) -> dict[str, Any]:
     repeats = 1 if args.quick else args.repeats
     single = bench_single(Path(args.model), args.prompt_tokens, args.new_tokens, repeats)
-    tables.append(print_table(f"single process (fp32 JAX, {single['prompt_tokens']}-token prompt, "
-                              f"{single['new_tokens']} new tokens, greedy)", [single]))
+    int8 = bench_single(Path(args.model), args.prompt_tokens, args.new_tokens, repeats, weights="int8")
+    result["single_int8"] = int8
+    tables.append(print_table(f"single process (JAX on CPU, {single['prompt_tokens']}-token prompt, "
+                              f"{single['new_tokens']} new tokens, greedy)", [single, int8]))
     return single
 
 

@@ -150,9 +150,11 @@ def free_base_port(count: int) -> int:
 
 
 def write_topology(tmp: Path, model_dir: Path | str, n_stages: int, name: str = "topo", **overrides) -> Path:
+    """A local topology on free loopback ports; `section__key=value` or `stage_key=value` overrides."""
     base = free_base_port(n_stages + 3)
     data = plan_topology(30, n_stages, model=str(model_dir), base_port=base).to_dict()
     data["driver"]["http"] = f"127.0.0.1:{base + n_stages + 2}"
+    data["driver"]["micro_batches"] = 1   # every stage shares this machine's cores (see topologies/)
     for key, value in overrides.items():
         section, _, field = key.partition("__")
         if field:

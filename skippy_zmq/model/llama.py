@@ -9,7 +9,10 @@ Parameter layout (linear weights stored as [in, out] so that y = x @ w):
     {"embed": [V, D],                      # when first, or last with a tied head
      "layers": ({"attn_norm", "wq", "wk", "wv", "wo", ["bq", "bk", "bv"],
                  "ffn_norm", "w_gate", "w_up", "w_down"}, ...),   # end-start dicts
-     "norm": [D], ["head": [D, V]]}       # when last ("head" only if untied)
+     "norm": [D], ["head": [D, V]]}       # when last ("head" only if untied, or int8)
+
+Any linear weight may instead be a QTensor (model/quant.py: weight-only int8);
+every matmul goes through `dense`, which handles both.
 
 Rows that are padding carry position == capacity: their KV writes fall out of
 bounds and are dropped by the scatter, so padding never touches a real lane.
