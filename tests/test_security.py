@@ -9,7 +9,6 @@ bounded polls, rejections with the authenticator's condition variable, and
 from __future__ import annotations
 
 import argparse
-import socket
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,16 +21,13 @@ from skippy_zmq import security, transport, wire
 from skippy_zmq.security import SecurityError, SocketSecurity
 from skippy_zmq.topology import Topology, parse_topology
 from skippy_zmq.wire import Kind, Message
+from procs import free_endpoint
 
 WAIT_MS = 2000      # bound for what must arrive (returns as soon as it does)
 SILENCE_MS = 300    # how long a server listens to prove that nothing arrives
 ANY_PORT = "tcp://127.0.0.1:*"
 
 
-def free_endpoint() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
 
 
 def topology_dict(keys_dir: Path | None, security_mode: str = "curve", host: str = "127.0.0.1") -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import numpy as np
@@ -11,17 +10,12 @@ import zmq
 
 from skippy_zmq import transport, wire
 from skippy_zmq.wire import Kind, Message, WireDType
+from procs import free_endpoint
 
 WAIT_MS = 2000  # upper bound for things that must arrive; they return as soon as they do
 ANY_PORT = "tcp://127.0.0.1:*"
 
 
-def free_endpoint() -> str:
-    """A TCP port the OS just handed out. Needed where two processes' endpoints
-    refer to each other; elsewhere tests bind wildcard ports."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
 
 
 def wait(sock: zmq.Socket, timeout_ms: int = WAIT_MS) -> bool:

@@ -19,6 +19,7 @@ from loguru import logger
 from tqdm import tqdm
 
 from skippy_zmq.config import ModelConfig
+from skippy_zmq.fetch import sha256_file
 from skippy_zmq.model import weights
 
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
@@ -93,14 +94,6 @@ def _check_shapes(tree: dict[str, Any], shapes: dict[str, Any], path: str = "") 
             _check_shapes(got, want, f"{path}{key}.")
         elif tuple(got.shape) != tuple(want):
             raise ConvertError(f"tensor {path}{key} has shape {tuple(got.shape)}, expected {tuple(want)}")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------- GGUF
