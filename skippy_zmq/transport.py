@@ -244,6 +244,9 @@ def open_driver_sockets(
     try:
         router = make_socket(ctx, zmq.ROUTER, return_endpoint, bind=True, hwm=hwm,
                              max_message_bytes=max_message_bytes, security=_server(security))
+        # A replacement stage reuses its predecessor's identity; it must win even if the old
+        # connection has not been torn down yet, or its READY would be dropped.
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         push = make_socket(ctx, zmq.PUSH, first_listen, bind=False, hwm=hwm, security=push_security)
     except BaseException:
         _close(router, auth=auth)

@@ -23,6 +23,7 @@ from skippy_zmq import transport, wire
 from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
 from skippy_zmq.driver.prefix_index import PrefixIndex
 from skippy_zmq.driver.scheduler import Scheduler, SchedulerConfig
+from skippy_zmq.fencing import ChainView
 from skippy_zmq.kv.prefix_store import StoreConfig
 from skippy_zmq.security import security_for
 from skippy_zmq.topology import Topology
@@ -57,6 +58,7 @@ class PipelineEngine:
         os.set_blocking(self._wake_r, False)
         self._ready = threading.Event()
         self.incarnation = int.from_bytes(os.urandom(4), "little")
+        self.view = ChainView(self.incarnation, 0, {})   # stamped on every request (skippy_zmq/fencing.py)
         self.faults: list[dict[str, float]] = []   # time to detect / resume, per stage failure
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -190,7 +192,7 @@ class PipelineEngine:
                 self._run_commands()
                 self._check_liveness()
                 for msg in self.scheduler.tick():
-                    transport.send_message(socks.push, msg)
+                    transport.send_message(socks.push, self.view.stamp(msg))
         except Exception:
             logger.exception("pipeline thread crashed")
             self.scheduler.fail_all(EngineError("the driver's pipeline thread crashed", 500, "driver_crash"))
@@ -252,6 +254,9 @@ class PipelineEngine:
     def _on_presence(self, state: StageState, msg: wire.Message) -> None:
         incarnation = int(msg.extras.get("incarnation", 0))
         info = msg.extras.get("info", {})
+        if msg.kind == wire.Kind.READY and state.ready and incarnation != state.incarnation:
+            # A replacement announced itself before its predecessor was judged dead: that one is gone.
+            self._mark_down(state, f"stage {state.stage_id} was replaced (incarnation {incarnation:08x})", 0.0)
         if msg.kind == wire.Kind.READY or (not state.ready and info.get("state") == "serving"
                                            and incarnation == state.incarnation):
             if not state.ready:
@@ -259,9 +264,11 @@ class PipelineEngine:
                 logger.info("stage {} is ready (incarnation {:08x}{})", state.stage_id, incarnation,
                             ", a replacement" if restarted else "")
             state.ready, state.incarnation = True, incarnation
-        if info.get("state") == "stopping" and state.ready:
+            self.view = self.view.with_stage(state.stage_id, incarnation)
+        if info.get("state") == "stopping" and state.ready and incarnation == state.incarnation:
             self._mark_down(state, f"stage {state.stage_id} is shutting down", 0.0)
-        state.info = info
+        if incarnation == state.incarnation:
+            state.info = info
         self._update_ready()
 
     def _update_ready(self) -> None:

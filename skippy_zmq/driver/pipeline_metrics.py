@@ -18,7 +18,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 STAGE_COUNTERS = {"messages": "messages handled", "errors": "error replies sent", "tokens": "tokens computed",
                   "bytes_forwarded": "activation bytes sent to the next stage",
                   "cache_hits": "prefix-store lookups that hit", "cache_misses": "prefix-store lookups that missed",
-                  "cache_evictions": "prefix-store entries evicted", "cache_records": "prefix-store records"}
+                  "cache_evictions": "prefix-store entries evicted", "cache_records": "prefix-store records",
+                  "fenced": "requests dropped as meant for a dead predecessor or an older chain view"}
 STAGE_GAUGES = {"cache_bytes": "bytes held by the prefix store", "cache_entries": "prefix-store entries",
                 "lanes_in_use": "KV lanes held by sessions"}
 
@@ -41,6 +42,8 @@ class PipelineCollector(Collector):
         yield prefix
         faults = CounterMetricFamily(f"{NAMESPACE}_stage_failures", "Stage failures detected.", value=len(self.engine.faults))
         yield faults
+        yield CounterMetricFamily(f"{NAMESPACE}_kv_gap_heals", "Sessions re-prefilled after a stage reported a KV gap.",
+                                  value=self.engine.scheduler.heals)
         if self.engine.faults:
             last = self.engine.faults[-1]
             for key in ("detect_s", "resume_s"):

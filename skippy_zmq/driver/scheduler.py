@@ -65,6 +65,8 @@ class Job:
     restoring: str | None = None    # "fused" | "prefix" while a restore try is in flight
     cached: int = 0                 # prompt tokens served from the prefix stores
     cache_status: str = "disabled"  # disabled | miss | hit
+    fence_rid: int = 0              # replies to requests older than this predate a re-prefill: stale
+    healed: set = field(default_factory=set)   # (stage id, incarnation) that already re-prefilled it
 
     @property
     def history(self) -> list[int]:
@@ -98,6 +100,7 @@ class Scheduler:
         self.index = index if index is not None and index.enabled else None
         self.restores: dict[int, Batch] = {}             # request id of a restore try -> its session
         self.prefix_counts = {"disabled": 0, "miss": 0, "hit": 0}
+        self.heals = 0                                   # sessions re-prefilled after a stage reported kv_gap
         self.paused_since: float | None = None           # a stage died; requests wait for its replacement
         self.pause_reason = ""
         self.queue: deque[Job] = deque()
@@ -180,6 +183,8 @@ class Scheduler:
             return
         trace = msg.extras.get("trace", [])
         for sid, tok in zip(msg.session_ids.tolist(), msg.tokens.tolist()):
+            if sid not in batch.sessions:   # taken out of the batch by a re-prefill: its token is stale
+                continue
             batch.sessions.discard(sid)
             job = self.running.get(sid)
             if job is None or job.done:
@@ -224,8 +229,43 @@ class Scheduler:
         if job is None:
             logger.warning("error from {} for unknown session {}: {}", stage_id, msg.session_id, reason)
             return
+        if self.paused_since is not None or msg.request_id < job.fence_rid:
+            # Paused: every session is re-prefilled on resume anyway. Older than the fence: the
+            # error is about work the re-prefill already replaced.
+            logger.info("ignoring a stale error from {} for session {} ({}): {}", stage_id, job.session_id,
+                        code, reason)
+            return
+        if code == "kv_gap" and self._heal(job, stage_id, msg.extras.get("incarnation")):
+            return
         status = 503 if code == "lanes_busy" else 500
         self._fail(job, EngineError(reason, status, code))
+
+    def _heal(self, job: Job, stage_id: str, incarnation: object) -> bool:
+        """A stage lacks KV this session should have: re-prefill it from its token history.
+
+        Once per session per stage incarnation; a second gap there is a real failure.
+        """
+        key = (stage_id, incarnation)
+        if key in job.healed:
+            return False
+        job.healed.add(key)
+        self.heals += 1
+        logger.warning("stage {} lost KV of session {} ({}): re-prefilling {} tokens from its history", stage_id,
+                       job.session_id, job.req.request_id, job.next_pos)
+        for pending in (self.batches, self.restores):
+            for bid, batch in list(pending.items()):
+                batch.sessions.discard(job.session_id)
+                if not batch.sessions:
+                    del pending[bid]
+        self._replay(job)
+        return True
+
+    def _replay(self, job: Job) -> None:
+        """Forget what the stages hold for `job` and prefill it again from its token history."""
+        job.fence_rid = next(self._ids)
+        job.in_flight, job.restoring = False, None
+        job.prefill_sent, job.cached = 0, 0
+        self.outbox.append(self._configure(job))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -273,8 +313,7 @@ class Scheduler:
         paused = time.monotonic() - (self.paused_since or time.monotonic())
         self.paused_since = None
         for job in self.running.values():
-            job.prefill_sent, job.cached = 0, 0
-            self.outbox.append(self._configure(job))
+            self._replay(job)
         logger.info("resuming {} request(s) after {:.2f} s: re-prefilling from token history",
                     len(self.running), paused)
         return paused

@@ -67,7 +67,7 @@ def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
 class StageLoop:
     def __init__(self, topology: Topology, stage: StageConfig, worker: StageWorker, security: Any = None):
         self.topology, self.stage, self.worker, self.security = topology, stage, worker, security
-        self.incarnation = int.from_bytes(os.urandom(4), "little")
+        self.incarnation = worker.info.incarnation
         self.limits = wire.WireLimits(max_message_bytes=topology.wire.max_message_bytes)
         self.dtype = wire.WireDType.parse(topology.wire.activation_dtype)
         self.stopping = False

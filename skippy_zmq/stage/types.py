@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 
 from skippy_zmq.wire import Message
 
@@ -21,6 +22,8 @@ class StageInfo:
     first: bool
     last: bool
     width: int
+    # Random per process start, so the driver (and the fence) can tell a replacement from the one it replaced.
+    incarnation: int = field(default_factory=lambda: secrets.randbits(32) or 1)
 
 
 class StageFault(Exception):

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 from loguru import logger
 
+from skippy_zmq.fencing import BadView, Fence
 from skippy_zmq.kv.prefix_store import PrefixStore
 from skippy_zmq.model.runner import SliceRunner
 from skippy_zmq.sampling import Sampler, SamplingParams
@@ -49,6 +50,7 @@ class StageWorker:
         self.info, self.runner, self.sessions = info, runner, sessions
         self.store = Recorder(store, info.stage_id) if store is not None else None
         self.lock = RuntimeLock()
+        self.fence = Fence(info.stage_id, info.incarnation)
         self.deferred: list[Callable[[], Any]] = []   # run by the loop after the replies are sent
         self.handlers: dict[Kind, Callable[[Message], list[Outbound]]] = {
             Kind.PREFILL: self.on_prefill,
@@ -66,6 +68,14 @@ class StageWorker:
         self.counters["messages"] += 1
         handler = self.handlers.get(msg.kind)
         try:
+            stale = self.fence.check(msg)
+        except BadView as exc:
+            return [self.error(msg.request_id, msg.session_id, str(exc), "bad_view")]
+        if stale:   # meant for a dead predecessor or an older chain view: acting on it would corrupt KV
+            logger.info("stage {} dropped {} request {} session {}: {}", self.info.stage_id, msg.kind.name,
+                        msg.request_id, msg.session_id, stale)
+            return []
+        try:
             if handler is None:
                 raise StageFault(f"stage {self.info.stage_id} does not accept {msg.kind.name} messages",
                                  "unsupported_kind")
@@ -80,7 +90,9 @@ class StageWorker:
         self.counters["errors"] += 1
         logger.warning("stage {} request {} session {}: {} ({})", self.info.stage_id, request_id, session_id,
                        reason, code)
-        return Outbound(DRIVER, Message.error(request_id, session_id, f"stage {self.info.stage_id}: {reason}", code))
+        reply = Message.error(request_id, session_id, f"stage {self.info.stage_id}: {reason}", code)
+        reply.extras["incarnation"] = self.info.incarnation   # the driver heals a kv_gap once per incarnation
+        return Outbound(DRIVER, reply)
 
     # ------------------------------------------------------------ helpers
 
@@ -242,7 +254,8 @@ class StageWorker:
         self.store.submit(namespace, session.tokens[:length], kv, length)
 
     def status(self) -> dict[str, Any]:
-        out = {"lanes_in_use": len(self.sessions), "lanes": self.sessions.lanes, **self.counters}
+        out = {"lanes_in_use": len(self.sessions), "lanes": self.sessions.lanes, **self.counters,
+               "fenced": self.fence.dropped}
         if self.store is not None:
             out.update({f"cache_{k}": v for k, v in self.store.stats().items()})
         return out
