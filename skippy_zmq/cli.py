@@ -150,6 +150,12 @@ def cmd_restart_stage(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from skippy_zmq.chaos import main as chaos_main
+
+    return chaos_main(args.topology, args.rounds, args.out, args.only.split(",") if args.only else None)
+
+
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -228,6 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("stage")
     p.set_defaults(func=cmd_restart_stage)
+
+    p = sub.add_parser("chaos", help="kill stages mid-stream, in prefill and restores; check output is unchanged")
+    p.add_argument("--topology", required=True)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--out", default="chaos-out", help="writes chaos.json, chaos.md and the run's logs here")
+    p.add_argument("--only", default="", help="comma-separated scenario name prefixes (default: all)")
+    p.set_defaults(func=cmd_chaos)
 
     p = sub.add_parser("bench", help="benchmarks; prints a table and writes JSON")
     p.add_argument("suite", nargs="?", default="all", choices=[*SUITES, "all"])

@@ -7,6 +7,7 @@ local is started over ssh in the same working directory.
 from __future__ import annotations
 
 import os
+import random
 import shlex
 import signal
 import socket
@@ -132,13 +133,16 @@ def launch(topology: Topology, topology_path: Path, run_dir: Path, timeout: floa
 
 
 def free_base_port(count: int) -> int:
-    """A base port with `count` consecutive free ports after it."""
+    """A base port with `count` consecutive free ports after it.
+
+    Chosen below the kernel's ephemeral range, so that no outgoing connection
+    (a PUSH socket reconnecting somewhere) can take one of them between this
+    check and the stage's bind.
+    """
+    low, _ = _ephemeral_range()
+    rng = random.Random()
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count >= 65000:
-            continue
+        base = rng.randrange(max(1024, low - 12_000), low - count)
         try:
             for p in range(base, base + count):
                 with socket.socket() as t:
@@ -147,6 +151,14 @@ def free_base_port(count: int) -> int:
         except OSError:
             continue
     raise RuntimeError("no run of free ports")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def write_topology(tmp: Path, model_dir: Path | str, n_stages: int, name: str = "topo", **overrides) -> Path:

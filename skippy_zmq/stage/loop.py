@@ -22,6 +22,7 @@ from skippy_zmq.model import weights
 from skippy_zmq.model.convert import model_digest
 from skippy_zmq.model.runner import SliceRunner, resolve_device
 from skippy_zmq.security import security_for
+from skippy_zmq.stage.faults import FaultInjector
 from skippy_zmq.stage.sessions import SessionTable
 from skippy_zmq.stage.worker import DRIVER, StageInfo, StageWorker
 from skippy_zmq.topology import StageConfig, Topology
@@ -75,6 +76,7 @@ class StageLoop:
         self.driver_seen, self.driver_lost = 0.0, False
         # Benchmarks simulate network latency per hop with SKIPPY_HOP_DELAY_MS (never set in serving).
         self.hop_delay_s = float(os.environ.get("SKIPPY_HOP_DELAY_MS", "0")) / 1000
+        self.faults = FaultInjector.from_env(stage.id)   # chaos runs and tests only
         nxt = topology.next_stage(stage.id)
         self.sockets = transport.open_stage_sockets(
             transport.context(), stage.listen, nxt.connect if nxt else None, topology.driver.return_endpoint,
@@ -108,6 +110,8 @@ class StageLoop:
             self.worker.counters["errors"] += 1
             transport.send_message(self.sockets.dealer, exc.as_reply())
             return
+        if self.faults is not None:
+            self.faults.on_message(msg.kind)
         self.send(self.worker.handle(msg))
         self.worker.run_deferred()
 

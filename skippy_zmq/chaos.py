@@ -1,0 +1,295 @@
+"""Chaos runs: kill stages at exact points of the protocol, restart them, and
+check that greedy output is what the fault-free run gave.
+
+`skippy-zmq chaos --topology T --rounds N` (or scripts/chaos.sh) launches the
+topology's stages and driver as real processes, computes each prompt's clean
+output once, then plays every scenario N times and prints a table. Stages
+die by SIGKILL: either their own, armed through a fault file
+(skippy_zmq/stage/faults.py) to fire on the nth message of a kind, or the
+tool's, at the nth streamed token. A dead stage is restarted with
+`launch.restart_stage`, exactly as scripts/restart-stage.sh does.
+
+It is a tool, not a test; tests/test_chaos.py plays each scenario once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import httpx
+from loguru import logger
+
+from skippy_zmq import launch
+from skippy_zmq.stage import faults
+from skippy_zmq.topology import Topology, load_topology
+from skippy_zmq.wire import Kind
+
+SHORT = "List the planets of the solar system and describe each one:"
+SENTENCE = "The quick brown fox jumps over the lazy dog while the river keeps running to the sea. "
+MAX_TOKENS = 40
+DEATH_TIMEOUT_S = 60.0     # bound on waiting for an armed stage to die
+REQUEST_TIMEOUT_S = 180.0  # bound on a whole faulted request (detect + restart + generate)
+
+
+@dataclass(frozen=True)
+class Fault:
+    stage: str                 # "first" | "middle" | "last"
+    kind: Kind | None = None   # self-kill on the nth message of this kind (armed by file) ...
+    nth: int = 1
+    at_token: int = 0          # ... or the tool's SIGKILL once this many tokens have streamed
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    prompt: str                # "short" | "long" | "restore"
+    faults: tuple[Fault, ...]  # played in order; a later fault on a stage hits its replacement
+
+
+def scenarios() -> list[Scenario]:
+    out = []
+    for where in ("first", "middle", "last"):
+        out.append(Scenario(f"mid-stream/{where}", "short", (Fault(where, Kind.DECODE, 12),)))
+        out.append(Scenario(f"prefill-chunk/{where}", "long", (Fault(where, Kind.PREFILL, 2),)))
+        out.append(Scenario(f"restore/{where}", "restore", (Fault(where, Kind.TRY_RESTORE_PREFILL_DECODE, 1),)))
+    out.append(Scenario("two-at-once/first+last", "short", (Fault("first", at_token=12), Fault("last", at_token=12))))
+    out.append(Scenario("same-twice/middle", "short", (Fault("middle", Kind.DECODE, 8), Fault("middle", Kind.DECODE, 8))))
+    return out
+
+
+@dataclass
+class Round:
+    scenario: str
+    identical: bool
+    error: str = ""
+    detect_s: float | None = None
+    resume_s: float | None = None
+
+
+@dataclass
+class Outcome:
+    text: str = ""
+    error: str = ""
+    tokens: int = 0
+
+
+class ChaosRun:
+    """A launched topology plus what a round needs: stage processes, clean outputs, the fault directory."""
+
+    def __init__(self, topology_path: Path, run_dir: Path, timeout: float = 400.0):
+        self.topology_path, self.run_dir = Path(topology_path), Path(run_dir)
+        self.topology: Topology = load_topology(self.topology_path)
+        self.fault_dir = self.run_dir / "faults"
+        self.fault_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.fault_dir.glob("*.json"):
+            stale.unlink()
+        os.environ[faults.ENV] = str(self.fault_dir)   # inherited by every stage we spawn or restart
+        self.procs = {s.id: launch.spawn_stage(self.topology_path, s, self.run_dir)
+                      for s in reversed(self.topology.stages)}
+        self.driver = launch.spawn_driver(self.topology_path, self.run_dir)
+        d = self.topology.driver
+        self.base = f"http://{d.http_host}:{d.http_port}"
+        try:
+            self.start(timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def start(self, timeout: float) -> None:
+        d = self.topology.driver
+        self.wait_ready(timeout)
+        chunk = d.prefill_chunk
+        # "long" spans ~2.5 prefill chunks (~18 tokens a sentence); "restore" is long enough to be recorded.
+        self.prompts = {"short": SHORT, "restore": SENTENCE * 8 + SHORT,
+                        "long": SENTENCE * max(4, (5 * chunk) // (2 * 18))}
+        self.clean = {name: self.complete(text, f"clean-{name}") for name, text in self.prompts.items()}
+        for name, outcome in self.clean.items():
+            if outcome.error or not outcome.text:
+                raise RuntimeError(f"the fault-free {name!r} run failed: {outcome.error or 'no text'}")
+        self.rounds_played = 0
+
+    # ------------------------------------------------------------ plumbing
+
+    def close(self) -> None:
+        launch.stop_processes([*self.procs.values(), self.driver])
+        os.environ.pop(faults.ENV, None)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        launch.wait_http_ready(self.base, [*self.procs.values(), self.driver], self.run_dir, timeout)
+
+    def stage_id(self, where: str) -> str:
+        stages = self.topology.stages
+        return {"first": stages[0], "middle": stages[len(stages) // 2], "last": stages[-1]}[where].id
+
+    def complete(self, prompt: str, namespace: str, on_token: Callable[[int], None] | None = None) -> Outcome:
+        body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "stream": True, "prompt_cache_key": namespace}
+        out = Outcome()
+        try:
+            with httpx.stream("POST", f"{self.base}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    return Outcome(error=f"HTTP {resp.status_code}: {resp.text[:300]}")
+                for line in resp.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        out.error = event["error"].get("message", str(event["error"]))
+                        return out
+                    if event.get("choices"):
+                        out.text += event["choices"][0]["text"]
+                        out.tokens += 1
+                        if on_token:
+                            on_token(out.tokens)
+        except httpx.HTTPError as exc:
+            out.error = f"{type(exc).__name__}: {exc}"
+        return out
+
+    def failure_metrics(self) -> tuple[int, float | None, float | None]:
+        text = httpx.get(f"{self.base}/metrics", timeout=10).text
+
+        def value(name: str) -> float | None:
+            m = re.search(rf"^skippy_{name} ([0-9.e+-]+)$", text, re.M)
+            return float(m.group(1)) if m else None
+        return int(value("stage_failures_total") or 0), value("last_failure_detect_seconds"), \
+            value("last_failure_resume_seconds")
+
+    # ------------------------------------------------------------ one round
+
+    def play(self, scenario: Scenario) -> Round:
+        self.rounds_played += 1
+        namespace = f"chaos-{self.rounds_played}"
+        prompt = self.prompts[scenario.prompt]
+        if scenario.prompt == "restore":
+            namespace = f"restore-{self.rounds_played}"
+            warm = self.complete(prompt, namespace)   # every stage records the prompt; the next try restores it
+            if warm.error:
+                return Round(scenario.name, False, f"warm-up failed: {warm.error}")
+        failures_before = self.failure_metrics()[0]
+        pending = list(scenario.faults)
+        kills: dict[str, threading.Event] = {}
+        for f in pending:
+            if f.at_token:
+                kills.setdefault(self.stage_id(f.stage), threading.Event())
+
+        def on_token(n: int) -> None:
+            for f in pending:
+                if f.at_token == n:
+                    sid = self.stage_id(f.stage)
+                    os.kill(self.procs[sid].pid, signal.SIGKILL)
+                    kills[sid].set()
+
+        result: list[Outcome] = []
+        first = pending[0]
+        if first.kind is not None:
+            faults.arm(self.fault_dir, self.stage_id(first.stage), first.kind, first.nth)
+        request = threading.Thread(target=lambda: result.append(self.complete(prompt, namespace, on_token)))
+        request.start()
+        error = self.reap_and_restart(scenario, request)
+        request.join(REQUEST_TIMEOUT_S)
+        outcome = result[0] if result else Outcome(error="the request did not finish")
+        count, detect, resume = self.failure_metrics()
+        if not error and count <= failures_before:
+            error = "the driver saw no stage failure"
+        error = error or outcome.error
+        identical = not error and outcome.text == self.clean[scenario.prompt].text
+        if not identical and not error:
+            error = "output differs from the fault-free run"
+        self.wait_ready()
+        return Round(scenario.name, identical, error, detect if count > failures_before else None,
+                     resume if count > failures_before else None)
+
+    def reap_and_restart(self, scenario: Scenario, request: threading.Thread) -> str:
+        """Wait for each planned death (bounded), restart the stage, arm the next fault if any."""
+        faults_left = list(scenario.faults)
+        while faults_left:
+            f = faults_left.pop(0)
+            sid = self.stage_id(f.stage)
+            proc = self.procs[sid]
+            deadline = time.monotonic() + DEATH_TIMEOUT_S
+            while proc.poll() is None:
+                if not request.is_alive() or time.monotonic() > deadline:
+                    (self.fault_dir / f"{sid}.json").unlink(missing_ok=True)
+                    return f"stage {sid} was never killed ({f.kind.name if f.kind else 'token'} fault did not fire)"
+                try:
+                    proc.wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    pass
+            together = [g for g in faults_left if g.at_token and f.at_token]
+            for g in [f, *together]:   # stages killed at the same token come back together
+                gid = self.stage_id(g.stage)
+                self.procs[gid].wait(timeout=DEATH_TIMEOUT_S)
+                self.procs[gid] = launch.restart_stage(self.run_dir, gid)
+            faults_left = [g for g in faults_left if g not in together]
+            if faults_left and faults_left[0].kind is not None:
+                nxt = faults_left[0]
+                faults.arm(self.fault_dir, self.stage_id(nxt.stage), nxt.kind, nxt.nth)
+        return ""
+
+
+# ---------------------------------------------------------------- the table
+
+
+def summarize(rounds: list[Round]) -> list[dict]:
+    rows = []
+    for name in dict.fromkeys(r.scenario for r in rounds):
+        mine = [r for r in rounds if r.scenario == name]
+        detect = [r.detect_s for r in mine if r.detect_s is not None]
+        resume = [r.resume_s for r in mine if r.resume_s is not None]
+        rows.append({"scenario": name, "rounds": len(mine), "identical": sum(r.identical for r in mine),
+                     "errors": sum(bool(r.error) for r in mine),
+                     "median_detect_s": round(statistics.median(detect), 2) if detect else None,
+                     "median_resume_s": round(statistics.median(resume), 2) if resume else None})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| scenario | rounds | identical | errors | median detect (s) | median resume (s) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['scenario']} | {r['rounds']} | {r['identical']} | {r['errors']} | "
+                     f"{r['median_detect_s']} | {r['median_resume_s']} |")
+    return "\n".join(lines)
+
+
+def run(topology_path: Path, rounds: int, run_dir: Path, only: list[str] | None = None) -> list[Round]:
+    chosen = [s for s in scenarios() if not only or any(s.name.startswith(o) for o in only)]
+    if any(st.cache.mode == "disabled" for st in load_topology(topology_path).stages):
+        logger.warning("the prefix cache is disabled on some stage: skipping the restore scenarios")
+        chosen = [s for s in chosen if s.prompt != "restore"]
+    chaos = ChaosRun(topology_path, run_dir)
+    played: list[Round] = []
+    try:
+        for i in range(rounds):
+            for scenario in chosen:
+                r = chaos.play(scenario)
+                played.append(r)
+                logger.info("round {} {}: {}{}", i + 1, r.scenario, "identical" if r.identical else "FAILED",
+                            f" ({r.error})" if r.error else "")
+    finally:
+        chaos.close()
+    return played
+
+
+def main(topology: str, rounds: int, out: str, only: list[str] | None = None) -> int:
+    run_dir = Path(out) / "run"
+    played = run(Path(topology), rounds, run_dir, only)
+    rows = summarize(played)
+    table = markdown(rows)
+    print(table)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "chaos.json").write_text(json.dumps({"topology": topology, "rounds": rounds, "summary": rows,
+                                                      "rounds_detail": [r.__dict__ for r in played]}, indent=2))
+    (Path(out) / "chaos.md").write_text(table + "\n")
+    return 0 if all(r.identical for r in played) else 1
