@@ -6,7 +6,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 TOPOLOGY ?= topologies/smollm2-2stage.yaml
 
-.PHONY: install model test serve bench bench-quick bench-peers clean
+.PHONY: install model test serve bench bench-quick bench-peers gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -44,6 +44,11 @@ bench-quick: install model
 bench-peers: install model
 	$(BIN)/pip install -e '.[test,bench,peers]'
 	$(BIN)/skippy-zmq bench all --out bench-out
+
+# One NVIDIA GPU: parity and benches on gpu:0 (installs the `gpu` extra if JAX sees no GPU).
+gpu-check: install model
+	$(BIN)/pip install -q -e '.[test,bench]'
+	scripts/gpu-check.sh bench-out/gpu
 
 clean:
 	rm -rf $(VENV) bench-out runs *.egg-info

@@ -11,8 +11,10 @@ from typing import Any, Callable
 
 from loguru import logger
 
+from skippy_zmq.bench import SUITES
+from skippy_zmq.bench.common import int_list
+
 DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct")
-SUITES = ("single", "pipeline", "hops", "prefix", "peers")
 DEFAULT_GGUF_DIR = Path("models")
 
 
@@ -111,6 +113,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from skippy_zmq import bench
 
+    if args.device != "cpu":
+        # The stage processes and this driver share one accelerator: each takes memory as it needs it
+        # instead of JAX's default 75% up front (inherited by the stages this process spawns).
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     return bench.main(args)
 
 
@@ -250,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="every stage and the single engine: cpu | gpu:N | tpu:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--stages", type=int_list, default=(1, 2, 3), help="pipeline stage counts, e.g. 2 or 1,2,3")
     p.set_defaults(func=cmd_bench)
 
     from skippy_zmq.security import add_keys_parser

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skippy_zmq.bench import format_table
+from skippy_zmq.bench.common import format_table
 
 PROMPTS = ("Tell me a short story about a lighthouse keeper.", "Explain how rain forms, step by step.",
            "List some good names for a grey cat and say why.", "Describe the city of Lisbon to a child.",

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
-from skippy_zmq.bench import format_table
-from skippy_zmq.bench_hops import corrected_base, hop_delay, hop_model, hop_row
-from skippy_zmq.bench_peers import NOT_INSTALLED, bench_peers, peer_rows, ratio, run_llama_cpp
-from skippy_zmq.bench_pipeline import (bubble, one_stream_rows, per_hop_overhead_us, percentile, stage_busy_ms,
-                                       step_compute_ms, wire_rows)
-from skippy_zmq.bench_plots import matplotlib_available, write_plots
+from skippy_zmq.bench.common import format_table, int_list
+from skippy_zmq.bench import gpu_check
+from skippy_zmq.bench.greedy import agreement_row, pipeline_tokens
+from skippy_zmq.bench.hops import corrected_base, hop_delay, hop_model, hop_row
+from skippy_zmq.bench.peers import NOT_INSTALLED, bench_peers, peer_rows, ratio, run_llama_cpp
+from skippy_zmq.bench.pipeline import (BENCH_TOPOLOGY, STREAMS, bubble, one_stream_rows, per_hop_overhead_us,
+                                       percentile, stage_busy_ms, step_compute_ms, wire_rows)
+from skippy_zmq.bench.plots import matplotlib_available, write_plots
 
 
 def test_table_is_markdown_with_note_and_missing_cells():
@@ -44,6 +47,82 @@ def test_one_stream_rows_against_one_stage():
     assert rows[0] == {"stages": 1, "decode_tok_s": 50.0, "ms_per_token": 20.0, "ratio_to_1_stage": 1.0,
                        "per_hop_overhead_us": None}
     assert rows[1]["ratio_to_1_stage"] == 0.8 and rows[1]["per_hop_overhead_us"] == 2500.0
+
+
+def test_one_stream_rows_without_a_one_stage_row():
+    rows = one_stream_rows([{"stages": 2, "itl_p50_ms": 20.0}])
+    assert rows[0]["ratio_to_1_stage"] is None and rows[0]["per_hop_overhead_us"] is None
+
+
+def test_bench_topology_runs_32_streams_on_the_chosen_device(tmp_path):
+    from skippy_zmq.launch import write_topology
+    from skippy_zmq.stage.loop import stage_buckets
+    from skippy_zmq.topology import load_topology
+
+    assert max(STREAMS) == 32
+    path = write_topology(tmp_path, tmp_path, 2, **BENCH_TOPOLOGY, device="gpu:0", dtype="bfloat16")
+    topology = load_topology(path)
+    assert topology.driver.max_sessions >= 32
+    for stage in topology.stages:
+        assert (stage.device, stage.dtype) == ("gpu:0", "bfloat16") and stage.kv_lanes >= 32
+        assert 32 in stage_buckets(topology, stage.kv_lanes).decode_rows
+
+
+def test_bench_cli_flags():
+    from skippy_zmq.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "pipeline", "--device", "gpu:0", "--dtype", "bfloat16",
+                                      "--stages", "2"])
+    assert (args.suite, args.device, args.dtype, args.stages) == ("pipeline", "gpu:0", "bfloat16", (2,))
+    assert build_parser().parse_args(["bench"]).stages == (1, 2, 3)
+    assert int_list("1, 3") == (1, 3)
+    with pytest.raises(argparse.ArgumentTypeError):
+        int_list("0")
+
+
+def test_greedy_agreement_counts_leading_tokens():
+    row = agreement_row(2, [[1, 2, 3], [4, 5, 9]], [[1, 2, 3], [4, 6, 6]])
+    assert row == {"stages": 2, "prompts": 2, "identical": 1, "agree": "4/6", "first_mismatch": [3, 1]}
+
+    class Echo:   # a pipeline that answers each prompt with its own ids, then the end of the stream
+        def generate_blocking(self, request):
+            assert request.ignore_eos and request.sampling.temperature == 0.0
+            yield from (types.SimpleNamespace(token_id=t) for t in request.prompt_ids[:request.max_tokens])
+            yield types.SimpleNamespace(token_id=None)
+
+    assert pipeline_tokens(Echo(), [[5, 6, 7], [8]], n_tokens=2) == [[5, 6], [8]]
+
+
+def write_gpu_check_outputs(out: Path, bf16_first: list[int]) -> None:
+    for dtype in ("float32", "bfloat16"):
+        (out / f"parity-{dtype}.xml").write_text(
+            '<testsuites><testsuite tests="3" failures="0" errors="0" skipped="0"/></testsuites>')
+        first = [3, 3] if dtype == "float32" else bf16_first
+        pipeline = {"one_stream": [{"stages": 2, "decode_tok_s": 90.0}],
+                    "rows": [{"stages": 2, "streams": n, "agg_tok_s": 90.0 * n} for n in (1, 32)],
+                    "greedy_vs_cpu": {"stages": [{"stages": 2, "prompts": 2, "identical": sum(f == 3 for f in first),
+                                                  "agree": f"{sum(first)}/6", "first_mismatch": first}]}}
+        (out / f"pipeline-{dtype}").mkdir()
+        (out / f"pipeline-{dtype}" / "bench.json").write_text(json.dumps({"pipeline": pipeline}))
+    (out / "single").mkdir()
+    (out / "single" / "bench.json").write_text(json.dumps({
+        "machine": {"dtype": "float32"}, "single_int8": {"decode_tok_s": 70.0},
+        "single": {"prefill_tok_s": 5000.0, "decode_tok_s": 80.0, "ttft_ms": 12.0}}))
+
+
+def test_gpu_check_verdict(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "BF16_MIN_AGREE", 2)
+    write_gpu_check_outputs(tmp_path, bf16_first=[3, 2])
+    assert gpu_check.main([str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert summary["ok"] and [r["check"] for r in summary["rows"]] == [
+        "parity test", "parity test", "bench single", "pipeline, 2 stages", "pipeline, 2 stages"]
+    assert summary["rows"][3]["agg_tok_s"] == 2880.0 and summary["rows"][4]["greedy_vs_cpu"] == "5/6"
+    monkeypatch.setattr(gpu_check, "BF16_MIN_AGREE", 3)        # bf16 parted from the CPU too early
+    assert gpu_check.main([str(tmp_path)]) == 1
+    (tmp_path / "parity-float32.xml").unlink()                   # a step that wrote nothing fails the check
+    rows = gpu_check.report(tmp_path)
+    assert not rows[0]["ok"] and "no report" in rows[0]["note"]
 
 
 def test_wire_bytes_at_smollm2_width():
@@ -76,7 +155,7 @@ def test_peers_rows_and_skip_without_llama_cpp(monkeypatch, tmp_path):
                      {"engine": "llama.cpp", "prefill_tok_s": 400.0, "decode_tok_s": 100.0})
     assert rows[-1]["prefill_tok_s"] == 0.25 and rows[-1]["decode_tok_s"] == 0.5
     assert ratio(1.0, 0.0) is None
-    monkeypatch.setattr("skippy_zmq.bench_peers.llama_cpp_available", lambda: False)
+    monkeypatch.setattr("skippy_zmq.bench.peers.llama_cpp_available", lambda: False)
     (tmp_path / "source.json").write_text('{"file": "m.gguf"}')
     (tmp_path / "m.gguf").write_bytes(b"")
     args = argparse.Namespace(model=str(tmp_path), prompt_tokens=8, new_tokens=4, quick=True, repeats=1)
@@ -112,7 +191,7 @@ def test_llama_cpp_path_with_a_stand_in_module(monkeypatch, tmp_path):
 def test_plots_write_pngs(tmp_path: Path):
     result = {
         "pipeline": {"rows": [{"stages": s, "streams": n, "agg_tok_s": 10.0 * n / s}
-                              for s in (1, 2) for n in (1, 4)]},
+                              for s in (1, 2) for n in (1, 4, 32)]},
         "prefix": {"ttft": [{"prefix_tokens": 256, "cold_ttft_ms": 100.0, "warm_ttft_ms": 20.0},
                             {"prefix_tokens": 1024, "cold_ttft_ms": 400.0, "warm_ttft_ms": 30.0}]},
         "hops": {"rows": [hop_row(2, d, 15.0, 15.0 + d) for d in (5.0, 20.0)]},

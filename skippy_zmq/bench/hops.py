@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from skippy_zmq.bench.common import print_table, stage_overrides, synthetic_prompt
+from skippy_zmq.bench.pipeline import BENCH_TOPOLOGY, TraceLog, measure, stream_prompts
 from skippy_zmq.launch import running_pipeline, write_topology
 
 DELAY_ENV = "SKIPPY_HOP_DELAY_MS"
@@ -74,14 +76,12 @@ def hop_delay(delay_ms: float) -> Iterator[None]:
             os.environ[DELAY_ENV] = previous
 
 
-def ms_per_token(model: Path, tmp: Path, stages: int, delay_ms: float, new_tokens: int
-                 ) -> tuple[float, float | None]:
-    """(median inter-token ms, median step compute ms) of one stream on a fresh S-stage pipeline."""
-    from skippy_zmq.bench import synthetic_prompt
-    from skippy_zmq.bench_pipeline import BENCH_TOPOLOGY, TraceLog, measure, stream_prompts
-
+def ms_per_token(model: Path, tmp: Path, stages: int, delay_ms: float, new_tokens: int,
+                 on: dict[str, Any]) -> tuple[float, float | None]:
+    """(median inter-token ms, median step compute ms) of one stream on a fresh S-stage pipeline;
+    `on` is the stages' device and dtype."""
     name = f"hops-{stages}-{delay_ms:g}"
-    path = write_topology(tmp, model, stages, name=name, **BENCH_TOPOLOGY)
+    path = write_topology(tmp, model, stages, name=name, **BENCH_TOPOLOGY, **on)
     with hop_delay(delay_ms), running_pipeline(path, tmp / name) as (engine, tokenizer, topology, _):
         log = TraceLog()
         engine.on_reply_hooks.append(log)
@@ -99,8 +99,6 @@ def baselines(prior: dict[str, Any] | None) -> dict[int, tuple[float, float | No
 
 def bench_hops(args: argparse.Namespace, tables: list[str], prior: dict[str, Any] | None = None
                ) -> dict[str, Any]:
-    from skippy_zmq.bench import print_table
-
     stage_counts, delays = (2, 3), (5.0, 20.0)
     new_tokens = 16 if args.quick else 32
     model = Path(args.model).absolute()
@@ -109,9 +107,9 @@ def bench_hops(args: argparse.Namespace, tables: list[str], prior: dict[str, Any
     rows = []
     for stages in stage_counts:
         if stages not in base:
-            base[stages] = ms_per_token(model, tmp, stages, 0.0, new_tokens)
+            base[stages] = ms_per_token(model, tmp, stages, 0.0, new_tokens, stage_overrides(args))
         for delay in delays:
-            measured, compute = ms_per_token(model, tmp, stages, delay, new_tokens)
+            measured, compute = ms_per_token(model, tmp, stages, delay, new_tokens, stage_overrides(args))
             rows.append(hop_row(stages, delay, corrected_base(*base[stages], compute), measured, compute))
     tables.append(print_table(
         f"simulated hop delay ({DELAY_ENV}; 1 stream, {new_tokens} tokens per point, median ms/token)", rows,

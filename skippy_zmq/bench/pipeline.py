@@ -1,10 +1,11 @@
-"""Pipeline benchmarks: 1/2/3 stage processes on loopback, the driver's
-PipelineEngine in this process.
+"""Pipeline benchmarks: 1/2/3 stage processes on loopback (`--stages`), the
+driver's PipelineEngine in this process, every stage on `--device` in `--dtype`.
 
 Reports, per stage count: single-stream decode tok/s, its ratio to 1 stage and
 the per-hop overhead it implies; activation bytes per token per hop for each
-wire dtype; and a concurrency sweep (aggregate tok/s, inter-token latency and
-the pipeline bubble of every stage).
+wire dtype; a concurrency sweep up to 32 streams (aggregate tok/s, inter-token
+latency and the pipeline bubble of every stage); and, off cpu/float32, the
+pipeline's greedy tokens against one CPU fp32 process (bench/greedy.py).
 """
 
 from __future__ import annotations
@@ -19,13 +20,19 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from skippy_zmq import wire
+from skippy_zmq.bench import greedy
+from skippy_zmq.bench.common import print_table, stage_overrides, synthetic_prompt
 from skippy_zmq.driver.engine import EngineError, GenRequest
 from skippy_zmq.launch import running_pipeline, write_topology
 
-LANES = 16   # kv_lanes and driver max_sessions, so 16 streams run at once
+LANES = 32   # kv_lanes and driver max_sessions, so 32 streams run at once (stage_buckets: rows up to 32)
+STREAMS = (1, 2, 4, 8, 16, 32)
+QUICK_STREAMS = (1, 4, 16)
 # write_topology overrides for every benchmark pipeline. dead_after_s is raised because a stage
-# compiling a new bucket on a busy 2-core machine can miss the 2 s default and drop its sessions.
-BENCH_TOPOLOGY: dict[str, Any] = {"kv_lanes": LANES, "driver__max_sessions": LANES, "driver__dead_after_s": 30.0}
+# compiling a new bucket on a busy 2-core machine can miss the 2 s default and drop its sessions;
+# request_timeout_s because 32 streams on such a machine (or in bfloat16 on a CPU) outlast 120 s.
+BENCH_TOPOLOGY: dict[str, Any] = {"kv_lanes": LANES, "driver__max_sessions": LANES, "driver__dead_after_s": 30.0,
+                                  "driver__request_timeout_s": 600.0}
 
 
 # ---------------------------------------------------------------- pure arithmetic (tests/test_bench.py)
@@ -155,8 +162,6 @@ def stream_prompts(base: list[int], streams: int, salt: int = 0) -> list[list[in
 
 def sweep(engine: Any, topology: Any, tokenizer: Any, streams: tuple[int, ...], new_tokens: int,
           prompt_len: int) -> list[dict[str, Any]]:
-    from skippy_zmq.bench import synthetic_prompt
-
     log = TraceLog()
     engine.on_reply_hooks.append(log)
     stage_ids = tuple(s.id for s in topology.stages)
@@ -173,11 +178,12 @@ def sweep(engine: Any, topology: Any, tokenizer: Any, streams: tuple[int, ...], 
 
 
 def one_stream_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Single-stream decode per stage count, against the 1-stage row (the first)."""
+    """Single-stream decode per stage count, against the 1-stage row (none without one: `--stages 2`)."""
     tok_s = [1000 / r["itl_p50_ms"] for r in rows]
+    one = next((t for r, t in zip(rows, tok_s) if r["stages"] == 1), 0.0)
     return [{"stages": r["stages"], "decode_tok_s": round(t, 1), "ms_per_token": r["itl_p50_ms"],
-             "ratio_to_1_stage": round(t / tok_s[0], 3),
-             "per_hop_overhead_us": per_hop_overhead_us(tok_s[0], t, r["stages"])} for r, t in zip(rows, tok_s)]
+             "ratio_to_1_stage": round(t / one, 3) if one else None,
+             "per_hop_overhead_us": per_hop_overhead_us(one, t, r["stages"])} for r, t in zip(rows, tok_s)]
 
 
 def model_width(model: Path) -> int:
@@ -186,18 +192,22 @@ def model_width(model: Path) -> int:
 
 def bench_pipeline(args: argparse.Namespace, tables: list[str], prior: dict[str, Any] | None = None
                    ) -> dict[str, Any]:
-    from skippy_zmq.bench import print_table
-
-    stage_counts = (1, 2, 3)
-    streams = (1, 4, 16) if args.quick else (1, 2, 4, 8, 16)
+    streams = QUICK_STREAMS if args.quick else STREAMS
     new_tokens = 16 if args.quick else 64
     prompt_len = 64
     model = Path(args.model).absolute()
     tmp = Path(tempfile.mkdtemp(prefix="skippy-bench-"))
+    # Off the tested setting (cpu, float32), check the tokens too: CPU reference first, before any stage runs.
+    check = (args.device, args.dtype) != ("cpu", "float32")
+    prompts, want = greedy.cpu_reference(model) if check else ([], [])
     rows: list[dict[str, Any]] = []
-    for n in stage_counts:
-        path = write_topology(tmp, model, n, name=f"bench-{n}", **BENCH_TOPOLOGY)
+    agreement: list[dict[str, Any]] = []
+    for n in args.stages:
+        path = write_topology(tmp, model, n, name=f"bench-{n}", **BENCH_TOPOLOGY, **stage_overrides(args))
         with running_pipeline(path, tmp / f"run-{n}") as (engine, tokenizer, topology, _procs):
+            if check:
+                got = greedy.pipeline_tokens(engine, prompts)
+                agreement.append(dict(greedy.agreement_row(n, got, want), tokens=got))
             rows += sweep(engine, topology, tokenizer, streams, new_tokens, prompt_len)
     peer = ((prior or {}).get("peers") or {}).get("llama_cpp") or {}
     one_stream = one_stream_rows([r for r in rows if r["streams"] == 1])
@@ -208,8 +218,9 @@ def bench_pipeline(args: argparse.Namespace, tables: list[str], prior: dict[str,
                    "bubble_per_stage": " / ".join(f"{v:.2f}" for v in r["bubble"].values()),
                    **({"ratio_to_llama_cpp": round(r["agg_tok_s"] / peer["decode_tok_s"], 2)} if peer else {})}
                   for r in rows]
+    on = f"{args.device}, {args.dtype}"
     tables.append(print_table(
-        f"pipeline, 1 stream ({new_tokens} new tokens, {prompt_len}-token prompt, f32 wire)", one_stream,
+        f"pipeline, 1 stream ({on}, {new_tokens} new tokens, {prompt_len}-token prompt, f32 wire)", one_stream,
         "decode_tok_s = 1000 / median inter-token ms (robust to a neighbour's CPU burst); "
         "per_hop_overhead_us = (1/tok_s(S) - 1/tok_s(1)) / (S - 1): what each inter-stage hop "
         "(encode, ZeroMQ over loopback, decode, the next process waking) adds to every token."))
@@ -218,8 +229,14 @@ def bench_pipeline(args: argparse.Namespace, tables: list[str], prior: dict[str,
         "Each decode step forwards one row per session over each of the S - 1 inter-stage hops; "
         "the return hop carries only the sampled token id."))
     tables.append(print_table(
-        f"concurrency (decode, {new_tokens} new tokens per stream, {prompt_len}-token prompts)", sweep_rows,
+        f"concurrency ({on}, decode, {new_tokens} new tokens per stream, {prompt_len}-token prompts)", sweep_rows,
         "bubble = 1 - (the stage's compute_ms summed over the window, one trace per reply) / wall time of "
         "the window, per stage s0 / s1 / s2: the fraction of the time work was in flight that the stage sat idle."))
-    return {"new_tokens": new_tokens, "prompt_tokens": prompt_len, "one_stream": one_stream, "wire": wires,
-            "rows": rows}
+    if check:
+        tables.append(print_table(
+            f"greedy tokens, pipeline on {on} vs one process on cpu, float32 ({greedy.N_TOKENS} tokens per prompt)",
+            [{k: v for k, v in r.items() if k != "tokens"} for r in agreement],
+            "first_mismatch = leading tokens equal to the CPU's, per prompt; bfloat16 may part on a near-tie."))
+    return {"device": args.device, "dtype": args.dtype, "new_tokens": new_tokens, "prompt_tokens": prompt_len,
+            "one_stream": one_stream, "wire": wires, "rows": rows,
+            **({"greedy_vs_cpu": {"cpu_tokens": want, "stages": agreement}} if check else {})}

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from skippy_zmq.bench.common import print_table, stage_overrides, synthetic_prompt
 from skippy_zmq.driver.engine import GenRequest
 from skippy_zmq.launch import running_pipeline, write_topology
 
@@ -30,8 +31,6 @@ def timed(engine: Any, ids: list[int], max_tokens: int) -> tuple[float, float, i
 
 
 def distinct(tokenizer: Any, n: int, salt: int) -> list[int]:
-    from skippy_zmq.bench import synthetic_prompt
-
     return [(t * 7 + salt * 13) % 20000 + 300 for t in synthetic_prompt(tokenizer, n)]
 
 
@@ -60,16 +59,14 @@ def throughput(engine: Any, tokenizer: Any, n_requests: int, prompt_tokens: int,
 
 
 def bench_prefix(args: argparse.Namespace, tables: list[str]) -> dict[str, Any]:
-    from skippy_zmq.bench import print_table
-
     lengths = (256, 1024) if args.quick else (256, 512, 1024, 2048)
     n_req, prompt_tokens, new_tokens = (4, 256, 16) if args.quick else (8, 512, 32)
     tmp = Path(tempfile.mkdtemp(prefix="skippy-bench-prefix-"))
     model = Path(args.model).absolute()
     # dead_after_s: a stage compiling a long prefill bucket on a busy machine must not look dead.
-    on = write_topology(tmp, model, 2, name="cache-on", driver__max_context=4096, driver__dead_after_s=30.0)
-    off = write_topology(tmp, model, 2, name="cache-off", driver__max_context=4096, driver__dead_after_s=30.0,
-                         cache={"mode": "disabled"})
+    common = {"driver__max_context": 4096, "driver__dead_after_s": 30.0, **stage_overrides(args)}
+    on = write_topology(tmp, model, 2, name="cache-on", **common)
+    off = write_topology(tmp, model, 2, name="cache-off", **common, cache={"mode": "disabled"})
     result: dict[str, Any] = {}
     with running_pipeline(on, tmp / "run-on") as (engine, tokenizer, _, _):
         timed(engine, distinct(tokenizer, 300, salt=9), 2)     # compile outside the timings

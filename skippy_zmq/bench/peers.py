@@ -15,6 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from skippy_zmq.bench.common import print_table, synthetic_prompt
+from skippy_zmq.bench.single import bench_single
+
 NOT_INSTALLED = "not installed (make bench-peers)"
 
 
@@ -83,8 +86,6 @@ def peer_rows(ours: dict[str, Any], theirs: dict[str, Any] | None) -> list[dict[
 
 def bench_peers(args: argparse.Namespace, tables: list[str], prior: dict[str, Any] | None = None
                 ) -> dict[str, Any]:
-    from skippy_zmq.bench import bench_single, print_table, synthetic_prompt
-
     model = Path(args.model)
     title = f"side by side with llama.cpp ({args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, greedy)"
     gguf = find_gguf(model)

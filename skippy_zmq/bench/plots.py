@@ -33,7 +33,8 @@ def plot_concurrency(rows: list[dict[str, Any]], path: Path) -> Path:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{stages} stage{'s' * (stages > 1)}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({r["streams"] for r in rows}), labels=[str(s) for s in sorted({r["streams"] for r in rows})])
-    ax.set(xlabel="concurrent streams", ylabel="aggregate decode tok/s", title="Concurrency vs throughput")
+    ax.set(xlabel="concurrent streams", ylabel="aggregate decode tok/s",
+           title="Aggregate decode tok/s vs concurrent streams")
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, plt, path)

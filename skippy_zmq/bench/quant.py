@@ -2,7 +2,7 @@
 greedy agreement with transformers' fp32 tokens. Prints a table and writes
 bench-out/quant.json.
 
-    python -m skippy_zmq.bench_quant [--model DIR] [--repeats 3] [--xla]
+    python -m skippy_zmq.bench.quant [--model DIR] [--repeats 3] [--xla]
 
 Variants run interleaved (one repeat of each in turn) so load from other
 processes on a shared machine hits them alike; medians are reported.
@@ -21,11 +21,11 @@ from typing import Any
 
 import jax
 
-from skippy_zmq.bench import machine, print_table, synthetic_prompt
+from skippy_zmq.bench.common import machine, print_table, synthetic_prompt
 from skippy_zmq.generate import LocalEngine
 from skippy_zmq.model.quant import QTensor
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
 DEFAULT_PARITY = REPO.parent / "shared" / "parity" / "smollm2_reference.json"
 LLAMA_CPP_TOK_S = 93.0   # llama.cpp Q4_1 single-stream decode on this machine (issue "performance work")

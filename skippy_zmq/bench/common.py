@@ -1,0 +1,75 @@
+"""What every benchmark suite shares: the synthetic prompt, the machine record,
+Markdown tables, and the stage settings a run's `--device`/`--dtype` imply."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from typing import Any
+
+FILLER = ("The quick brown fox jumps over the lazy dog while the river runs past the old mill. "
+          "Numbers like 12345 and names like Ada Lovelace appear in this benchmark text. ")
+
+
+def synthetic_prompt(tokenizer: Any, n_tokens: int) -> list[int]:
+    """Exactly n_tokens ids of ordinary English text."""
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        ids.extend(tokenizer.encode(FILLER, add_bos=False))
+    return ids[:n_tokens]
+
+
+def machine() -> dict[str, Any]:
+    import jax
+
+    return {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+def stage_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """write_topology overrides that put every stage on the run's device and dtype."""
+    return {"device": args.device, "dtype": args.dtype}
+
+
+def device_label(args: argparse.Namespace) -> str:
+    """'JAX on cpu, float32' and the like, for table titles."""
+    return f"JAX on {args.device}, {args.dtype}"
+
+
+def format_table(title: str, rows: list[dict[str, Any]], note: str = "") -> str:
+    """A Markdown table (columns = the first row's keys), with an optional note under it."""
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    lines = [f"### {title}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(_cell(r.get(k, "")) for k in keys) + " |" for r in rows]
+    if note:
+        lines += ["", note]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "–"
+    return str(value).replace("|", "\\|")
+
+
+def print_table(title: str, rows: list[dict[str, Any]], note: str = "") -> str:
+    text = format_table(title, rows, note)
+    if text:
+        print(text, flush=True)
+    return text
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """'1,2,3' -> (1, 2, 3); an argparse type."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
