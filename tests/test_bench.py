@@ -199,3 +199,16 @@ def test_plots_write_pngs(tmp_path: Path):
     paths = write_plots(result, tmp_path)
     assert [p.name for p in paths] == ["concurrency.png", "prefix_ttft.png", "hops.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_hop_breakdown_from_stage_telemetry():
+    from skippy_zmq.bench.pipeline import hop_breakdown
+
+    def step(offset_ns):
+        return [{"stage": "s0", "compute_ms": 5.0, "send_ns": 1_000_000 + offset_ns},
+                {"stage": "s1", "compute_ms": 6.0, "recv_ns": 1_400_000 + offset_ns, "decode_ms": 0.02,
+                 "h2d_ms": 0.01, "d2h_ms": 0.03, "sample_ms": 0.2}]
+    rows = hop_breakdown([step(0), step(10), step(20), [{"stage": "s0", "compute_ms": 1.0}]], {"s0": 0.1})
+    assert rows == [{"hop": "s0->s1", "encode_ms": 0.1, "send_to_recv_ms": 0.3, "decode_ms": 0.02, "h2d_ms": 0.01,
+                     "compute_ms": 6.0, "d2h_ms": 0.03, "sample_ms": 0.2}]
+    assert hop_breakdown([], {}) == []

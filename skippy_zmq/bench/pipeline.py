@@ -77,6 +77,48 @@ def wire_rows(width: int, stage_counts: Iterable[int] = (2, 3)) -> list[dict[str
     return rows
 
 
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def hop_breakdown(traces: list[list[dict[str, Any]]], encode_ms: dict[str, float | None]) -> list[dict[str, Any]]:
+    """Where each inter-stage hop's time goes, from the stages' own telemetry (one trace per decode step).
+
+    Per stage k -> k+1: encode (stage k's mean wire encode + hand-off to ZeroMQ, from its heartbeat
+    counters), send->recv (k+1's receive wall clock minus k's send wall clock, less that encode), decode
+    (k+1's wire decode); then k+1's host->device, compute, device->host (when the runner reports them)
+    and, on the last stage, sampling. Medians over the steps.
+    """
+    if not traces:
+        return []
+    stages = [hop["stage"] for hop in traces[0]]
+    steps = [t for t in traces if [hop["stage"] for hop in t] == stages]
+
+    def col(key: str, j: int) -> float | None:
+        return _median([float(t[j][key]) for t in steps if key in t[j]])
+
+    rows = []
+    for i in range(len(stages) - 1):
+        enc = encode_ms.get(stages[i]) or 0.0
+        transit = [(t[i + 1]["recv_ns"] - t[i]["send_ns"]) / 1e6 - enc for t in steps
+                   if "send_ns" in t[i] and "recv_ns" in t[i + 1]]
+        rows.append({"hop": f"{stages[i]}->{stages[i + 1]}", "encode_ms": round(enc, 3),
+                     "send_to_recv_ms": _median(transit), "decode_ms": col("decode_ms", i + 1),
+                     "h2d_ms": col("h2d_ms", i + 1), "compute_ms": col("compute_ms", i + 1),
+                     "d2h_ms": col("d2h_ms", i + 1),
+                     "sample_ms": col("sample_ms", i + 1) if i == len(stages) - 2 else None})
+    return rows
+
+
+def encode_ms_per_stage(engine: Any) -> dict[str, float | None]:
+    """Mean encode + hand-off per forwarded message, from each stage's heartbeat counters."""
+    out: dict[str, float | None] = {}
+    for sid, state in engine.stages.items():
+        n = state.info.get("forwarded", 0)
+        out[sid] = round(state.info.get("encode_send_us", 0) / n / 1000, 3) if n else None
+    return out
+
+
 # ---------------------------------------------------------------- measurement
 
 
@@ -151,7 +193,10 @@ def measure(engine: Any, prompts: list[list[int]], new_tokens: int, log: TraceLo
            "wall_s": round(t1 - t0, 2)}
     if log is not None:
         out["bubble"] = bubble(log.window(t0, t1), t1 - t0, stage_ids)
-        out["step_compute_ms"] = step_compute_ms(log.window(t0, t1, steps_only=True))
+        steps = log.window(t0, t1, steps_only=True)
+        out["step_compute_ms"] = step_compute_ms(steps)
+        if len(prompts) == 1 and len(stage_ids) > 1:
+            out["hops"] = hop_breakdown(steps, encode_ms_per_stage(engine))
     return out
 
 
@@ -224,6 +269,14 @@ def bench_pipeline(args: argparse.Namespace, tables: list[str], prior: dict[str,
         "decode_tok_s = 1000 / median inter-token ms (robust to a neighbour's CPU burst); "
         "per_hop_overhead_us = (1/tok_s(S) - 1/tok_s(1)) / (S - 1): what each inter-stage hop "
         "(encode, ZeroMQ over loopback, decode, the next process waking) adds to every token."))
+    hops = [dict(h, stages=r["stages"]) for r in rows if r["streams"] == 1 for h in r.get("hops", [])]
+    if hops:
+        tables.append(print_table(
+            f"per-hop breakdown, 1 stream ({on}; medians over the decode steps, ms)", hops,
+            "From the stages' own telemetry: encode = wire encode + hand-off to ZeroMQ at the sender; "
+            "send_to_recv = receiver's arrival wall clock - sender's send wall clock - encode (ZeroMQ I/O "
+            "threads, loopback, the receiver's poll wake-up); decode = wire decode at the receiver; then the "
+            "receiver's host->device, compute, device->host and (last stage) sampling."))
     tables.append(print_table(
         f"activation bytes per token (width {model_width(model)}; `wire.activation_dtype`)", wires,
         "Each decode step forwards one row per session over each of the S - 1 inter-stage hops; "

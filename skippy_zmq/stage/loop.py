@@ -87,22 +87,27 @@ class StageLoop:
         """Signal handler: only sets a flag; the loop drains and exits."""
         self.stopping = True
 
-    def send(self, out: list) -> None:
+    def send(self, out: list, arrival: dict[str, Any] | None = None) -> None:
         if self.hop_delay_s and any(o.to != DRIVER for o in out):
             time.sleep(self.hop_delay_s)   # benchmark only: simulate a slow link before forwarding
         for o in out:
+            own = _own_trace_entry(o.message, self.stage.id)
+            if own is not None:   # per-hop telemetry: when it arrived, how long decoding took, when it left
+                own.update(arrival or {})
+                own["send_ns"] = time.time_ns()
             t0 = time.perf_counter()
             if o.to == DRIVER:
                 transport.send_message(self.sockets.dealer, o.message)
             else:
                 transport.send_message(self.sockets.push, o.message, self.dtype)
+                self.worker.counters["encode_send_us"] += int(1e6 * (time.perf_counter() - t0))
+                self.worker.counters["forwarded"] += 1
                 if o.message.activation is not None:
                     self.worker.counters["bytes_forwarded"] += o.message.activation.shape[0] * \
                         wire.bytes_per_token(self.dtype, o.message.activation.shape[1])
-            logger.debug("stage {} sent {} to {} in {:.3f} ms", self.stage.id, o.message.kind.name, o.to,
-                         1000 * (time.perf_counter() - t0))
 
-    def handle_frames(self, frames: list) -> None:
+    def handle_frames(self, frames: list, recv_ns: int = 0) -> None:
+        t0 = time.perf_counter()
         try:
             msg = wire.decode(frames, self.limits)
         except wire.WireError as exc:
@@ -110,9 +115,10 @@ class StageLoop:
             self.worker.counters["errors"] += 1
             transport.send_message(self.sockets.dealer, exc.as_reply())
             return
+        decode_ms = round(1000 * (time.perf_counter() - t0), 3)
         if self.faults is not None:
             self.faults.on_message(msg.kind)
-        self.send(self.worker.handle(msg))
+        self.send(self.worker.handle(msg), {"recv_ns": recv_ns, "decode_ms": decode_ms})
         self.worker.run_deferred()
 
     def heartbeat_message(self, state: str = "serving") -> wire.Message:
@@ -189,7 +195,17 @@ class StageLoop:
                 frames = transport.recv_frames(self.sockets.pull, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.handle_frames(frames)
+            self.handle_frames(frames, time.time_ns())
+
+
+def _own_trace_entry(msg: wire.Message, stage_id: str) -> dict[str, Any] | None:
+    """This stage's entry in a message's per-stage trace (forwarded work, tokens, or an ACK's stats)."""
+    trace = msg.extras.get("trace")
+    if trace is None and isinstance(msg.extras.get("stats"), dict):
+        trace = msg.extras["stats"].get("trace")
+    if isinstance(trace, list) and trace and isinstance(trace[-1], dict) and trace[-1].get("stage") == stage_id:
+        return trace[-1]
+    return None
 
 
 def run_stage(topology: Topology, stage_id: str) -> int:

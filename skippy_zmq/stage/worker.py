@@ -62,7 +62,8 @@ class StageWorker:
         restore = RestoreRoutes(self)
         self.handlers[Kind.TRY_RESTORE_PREFILL] = restore.on_try_restore_prefill
         self.handlers[Kind.TRY_RESTORE_PREFILL_DECODE] = restore.on_try_restore_prefill_decode
-        self.counters: dict[str, int] = {"messages": 0, "errors": 0, "tokens": 0, "bytes_forwarded": 0}
+        self.counters: dict[str, int] = {"messages": 0, "errors": 0, "tokens": 0, "bytes_forwarded": 0,
+                                         "forwarded": 0, "encode_send_us": 0}
 
     def handle(self, msg: Message) -> list[Outbound]:
         self.counters["messages"] += 1
@@ -214,7 +215,9 @@ class StageWorker:
         extras = self._trace(msg, compute_ms, len(keep))
         if not self.info.last:
             return out + [Outbound(NEXT, replace(msg, activation=result, extras=extras))]
+        t1 = time.perf_counter()
         tokens = [self._sample(sid, row) for sid, row in zip(sessions.tolist(), result)]
+        extras["trace"][-1]["sample_ms"] = round(1000 * (time.perf_counter() - t1), 3)
         return out + [Outbound(DRIVER, Message.predicted_tokens(msg.request_id, sessions, tokens,
                                                                 {"trace": extras["trace"]}))]
 
