@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=180.0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--weights", default="f32", choices=["f32", "int8"], help="int8: weight-only int8 matmuls")
+    p.add_argument("--weights", default="f32", choices=["f32", "int8", "q4"],
+                   help="int8 / q4: weight-only int8 / 4-bit matmuls")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--chat", action="store_true", default=True)
     mode.add_argument("--raw", action="store_true")

@@ -57,7 +57,7 @@ def stop_reason(token: int, n_generated: int, max_tokens: int, eos_ids: set[int]
     return None
 
 
-WEIGHT_FORMATS = {"f32": None, "int8": "int8"}   # LocalEngine(weights=...) -> load_slice(quantize=...)
+WEIGHT_FORMATS = {"f32": None, "int8": "int8", "q4": "q4"}   # LocalEngine(weights=...) -> load_slice(quantize=...)
 
 
 class LocalEngine:
@@ -65,7 +65,7 @@ class LocalEngine:
 
     def __init__(self, model_dir: Path, dtype: str = "float32", device: str = "cpu", capacity: int = 2048,
                  weights: str = "f32"):
-        """weights: "f32" (as stored) or "int8" (weight-only int8, see model/quant.py)."""
+        """weights: "f32" (as stored), "int8" or "q4" (weight-only int8 / 4-bit, see model/quant.py)."""
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {sorted(WEIGHT_FORMATS)}, got {weights!r}")
         self.tokenizer = TextTokenizer.load(model_dir)

@@ -1,24 +1,31 @@
-"""Weight-only int8: int8 weights in memory, float32 scales per group of 32 inputs.
+"""Weight-only int8 and 4-bit weights: levels in memory, float32 scale and
+offset per group of 32 inputs.
 
 Decode on CPU is memory-bound (every weight is read once per token), so
-reading 1 byte per weight instead of 4 is the whole point. XLA CPU cannot do
-that by itself: measured on this repo's CPU, every XLA formulation of an int8
-matmul (convert then dot, dot_general with preferred_element_type, int8 x int8
--> int32 with dynamic activation scales, convert-multiply-reduce) materialises
-the widened weight and runs 10-20x slower than the f32 dot. So on CPU the
-QTensor matmul is a small native kernel (quant_kernel.cc, through the XLA FFI)
-that widens int8 in registers; elsewhere, or without a C++ compiler, it falls
-back to the correct but slow XLA dequantise-then-dot.
+reading 1 byte (int8) or half a byte (q4) per weight instead of 4 is the whole
+point. XLA CPU cannot do that by itself: measured on this repo's CPU, every
+XLA formulation of an int8 matmul (convert then dot, dot_general with
+preferred_element_type, int8 x int8 -> int32 with dynamic activation scales,
+convert-multiply-reduce) materialises the widened weight and runs 10-20x
+slower than the f32 dot. So on CPU the QTensor matmul is a small native kernel
+(quant_kernel*.cc, through the XLA FFI) that widens levels in registers;
+elsewhere, or without a C++ compiler, it falls back to the correct but slow
+XLA dequantise-then-dot. README "Native kernel" says how it is built and
+dispatched.
 
-Each group of 32 input rows of a column gets W ~= q * s + z, whichever of a
-symmetric grid (z = 0) or a min/max grid reconstructs it better. Why: a
-per-column scale moved logits by up to ~2 (mean 0.23), far above the ~0.04
-top-1/top-2 margins of the parity prompts; groups of 32 match how GGUF
-files quantise, and the two grids contain Q4_1's and Q8_0's levels exactly,
-so weights converted from such a file are reproduced to float rounding.
+Each group of 32 input rows of a column gets W ~= q * s + z, whichever of two
+grids reconstructs it better: int8 takes a symmetric grid (z = 0) or a min/max
+grid; q4 (levels 0..15) takes Q4_1's min/max grid or Q4_0's symmetric one.
+Why: a per-column scale moved logits by up to ~2 (mean 0.23), far above the
+~0.04 top-1/top-2 margins of the parity prompts; groups of 32 match how GGUF
+files quantise, and the grids contain those blocks' levels exactly (int8:
+Q4_1 and Q8_0; q4: Q4_1 and Q4_0), so weights converted from such a file are
+reproduced to float rounding (q4: the very same levels).
 
-Weights are packed for the kernel as 64-column panels (Np = out rounded up
-to 64, padding columns are zero): q[Np / 64, K, 64], s and z [Np / 64, groups, 64].
+Weights are packed for the kernel as 64-column panels (Np = out rounded up to
+64, padding columns are zero): q int8 [Np / 64, K, 64] or, for q4, uint8
+[Np / 64, K, 32] with column j in the low nibble of byte j and column j + 32
+in the high nibble; s and z [Np / 64, groups, 64].
 """
 
 from __future__ import annotations
@@ -27,7 +34,6 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
-import logging
 import os
 import platform
 import shutil
@@ -39,30 +45,38 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-log = logging.getLogger(__name__)
+from loguru import logger
 
 PANEL = 64
 GROUP_SIZE = 32   # input rows per scale; to_qtensor falls back to one group when it does not divide
-KERNEL_TARGET = "skippy_int8_dense"
-KERNEL_SOURCE = Path(__file__).with_name("quant_kernel.cc")
+KERNEL_TARGETS = {8: "skippy_int8_dense", 4: "skippy_q4_dense"}   # bits -> FFI target
+KERNEL_DIR = Path(__file__).parent
+KERNEL_SOURCES = ("quant_kernel.cc", "quant_kernel_isa.cc", "quant_kernel.h")
+# Instruction sets quant_kernel_isa.cc is compiled for (x86-64), best first; other CPUs get "generic".
+ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"),
+             "avx2": ("-mavx2", "-mfma"),
+             "generic": ()}
+ISA_ENV = "SKIPPY_KERNEL_ISA"        # auto (default) | avx512 | avx2 | generic
+CACHE_ENV = "SKIPPY_KERNEL_CACHE"    # where built kernels go; default $XDG_CACHE_HOME/skippy_zmq
+CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-ffp-contract=fast", "-w")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QTensor:
-    """An int8 [in, out] weight packed in panels: W[k, n] = q[k, n] * s[g, n] + z[g, n]
+    """A quantised [in, out] weight packed in panels: W[k, n] = q[k, n] * s[g, n] + z[g, n]
     with g = k // (in / groups).
 
-    `n` (the logical out width) and `impl` ("kernel" | "xla") are static, so
-    they are part of the jit cache key, never traced.
+    `n` (the logical out width), `impl` ("kernel" | "xla") and `bits` (8 or 4)
+    are static, so they are part of the jit cache key, never traced.
     """
 
-    q: Any   # int8 [Np / 64, in, 64]
+    q: Any   # int8 [Np / 64, in, 64] (bits 8) or uint8 [Np / 64, in, 32] (bits 4, two levels a byte)
     s: Any   # float32 [Np / 64, groups, 64]
     z: Any   # float32 [Np / 64, groups, 64]
     n: int = dataclasses.field(metadata=dict(static=True))
     impl: str = dataclasses.field(default="kernel", metadata=dict(static=True))
+    bits: int = dataclasses.field(default=8, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -81,29 +95,45 @@ def quantize_int8(w: np.ndarray, group_size: int | None = None,
     offsets False: symmetric only (z = 0). Otherwise each (group, column)
     takes whichever of the symmetric or min/max grid has the smaller max error.
     """
+    w3, lo, hi = _groups(w, group_size)
+    best = _grid(w3, np.maximum(-lo, hi) / 127.0, np.zeros_like(lo), -128, 127)   # symmetric (Q8_0)
+    if offsets:
+        step = (hi - lo) / 255.0                                                    # q = -128 at the min
+        best = _pick(best, _grid(w3, step, lo + 128.0 * step, -128, 127))
+    return _result(best, w.shape, group_size, np.int8)
+
+
+def quantize_q4(w: np.ndarray, group_size: int | None = GROUP_SIZE) -> dict[str, np.ndarray]:
+    """4-bit levels 0..15: w[k, j] ~= q[k, j] * s[g, j] + z[g, j], g = k // group_size.
+
+    Each (group, column) takes whichever of Q4_1's grid (s = (max - min) / 15,
+    z = min) or Q4_0's (s = -v / 8, z = v, v the value of largest magnitude)
+    has the smaller max error, so blocks of either GGUF type keep their levels.
+    """
+    w3, lo, hi = _groups(w, group_size)
+    best = _grid(w3, (hi - lo) / 15.0, lo, 0, 15)                                  # Q4_1
+    at = np.abs(w3).argmax(axis=1)[:, None]
+    big = np.take_along_axis(w3, at, axis=1)[:, 0]                                  # signed absmax
+    best = _pick(best, _grid(w3, big / -8.0, big, 0, 15))                           # Q4_0: (q - 8) * d
+    return _result(best, w.shape, group_size, np.uint8)
+
+
+def _groups(w: np.ndarray, group_size: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     w = np.asarray(w, np.float32)
     k, n = w.shape
     g = k if group_size is None else group_size
     if k % g:
         raise ValueError(f"group_size {g} does not divide the input width {k}")
     w3 = w.reshape(k // g, g, n)
-    lo, hi = w3.min(axis=1), w3.max(axis=1)
-    best = _grid(w3, np.maximum(-lo, hi) / 127.0, np.zeros_like(lo))       # symmetric
-    if offsets:
-        step = (hi - lo) / 255.0                                             # q = -128 at the min
-        best = _pick(best, _grid(w3, step, lo + 128.0 * step))
-    q, s, z, _ = best
-    if group_size is None:
-        s, z = s[0], z[0]
-    return {"q": q.reshape(k, n), "s": s.astype(np.float32), "z": z.astype(np.float32)}
+    return w3, w3.min(axis=1), w3.max(axis=1)
 
 
-def _grid(w3: np.ndarray, s: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, ...]:
+def _grid(w3: np.ndarray, s: np.ndarray, z: np.ndarray, qmin: int, qmax: int) -> tuple[np.ndarray, ...]:
     """Round onto q * s + z; returns (q, s, z, max error per group and column)."""
-    safe = np.where(s > 0, s, 1.0)                                           # constant groups: q = 0
-    q = np.clip(np.rint((w3 - z[:, None]) / safe[:, None]), -128, 127)
+    safe = np.where(s != 0, s, 1.0)                                                 # constant groups: q = 0
+    q = np.clip(np.rint((w3 - z[:, None]) / safe[:, None]), qmin, qmax)
     err = np.abs(q * s[:, None] + z[:, None] - w3).max(axis=1)
-    return q.astype(np.int8), s, z, err
+    return q, s, z, err
 
 
 def _pick(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
@@ -112,32 +142,58 @@ def _pick(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> tuple[np.ndar
             np.where(take_b, b[2], a[2]), np.minimum(a[3], b[3]))
 
 
-def pack(q: np.ndarray, s: np.ndarray, z: np.ndarray | None = None, impl: str = "kernel") -> QTensor:
-    """[in, out] int8 + [out] or [groups, out] scales (and offsets) -> 64-column panels."""
+def _result(best: tuple[np.ndarray, ...], shape: tuple[int, int], group_size: int | None,
+            dtype: Any) -> dict[str, np.ndarray]:
+    q, s, z, _ = best
+    if group_size is None:
+        s, z = s[0], z[0]
+    return {"q": q.astype(dtype).reshape(shape), "s": s.astype(np.float32), "z": z.astype(np.float32)}
+
+
+def pack(q: np.ndarray, s: np.ndarray, z: np.ndarray | None = None, impl: str = "kernel",
+         bits: int = 8) -> QTensor:
+    """[in, out] levels (int8, or uint8 0..15 for bits 4) + [out] or [groups, out]
+    scales (and offsets) -> 64-column panels."""
     k, n = q.shape
     np_ = -(-n // PANEL) * PANEL
-    padded = np.zeros((k, np_), np.int8)
+    padded = np.zeros((k, np_), np.int8 if bits == 8 else np.uint8)
     padded[:, :n] = q
-    panels = np.ascontiguousarray(padded.reshape(k, np_ // PANEL, PANEL).transpose(1, 0, 2))
+    panels = padded.reshape(k, np_ // PANEL, PANEL).transpose(1, 0, 2)
+    if bits == 4:
+        if padded.max(initial=0) > 15:
+            raise ValueError("4-bit levels must lie in 0..15")
+        panels = panels[..., :PANEL // 2] | (panels[..., PANEL // 2:] << 4)
+    elif bits != 8:
+        raise ValueError(f"bits must be 8 or 4, got {bits}")
     z = np.zeros_like(s) if z is None else z
 
     def pack_scales(a: np.ndarray) -> np.ndarray:   # [groups, out] -> [Np / 64, groups, 64]
         a = np.pad(np.asarray(a, np.float32).reshape(-1, n), ((0, 0), (0, np_ - n)))
         return np.ascontiguousarray(a.reshape(-1, np_ // PANEL, PANEL).transpose(1, 0, 2))
 
-    return QTensor(q=panels, s=pack_scales(s), z=pack_scales(z), n=n, impl=impl)
+    return QTensor(q=np.ascontiguousarray(panels), s=pack_scales(s), z=pack_scales(z), n=n, impl=impl, bits=bits)
 
 
-def to_qtensor(w: np.ndarray, impl: str = "kernel") -> QTensor:
+def to_qtensor(w: np.ndarray, impl: str = "kernel", bits: int = 8) -> QTensor:
     """Quantise (GROUP_SIZE groups when they divide the input width, else one) and pack."""
     group = GROUP_SIZE if w.shape[0] % GROUP_SIZE == 0 else None
-    d = quantize_int8(w, group)
-    return pack(d["q"], d["s"], d["z"], impl)
+    d = quantize_int8(w, group) if bits == 8 else quantize_q4(w, group)
+    return pack(d["q"], d["s"], d["z"], impl, bits)
+
+
+def levels(t: QTensor) -> np.ndarray:
+    """The [in, out] levels a QTensor holds (int8, or uint8 0..15 for q4)."""
+    return np.asarray(_panel_levels(jnp.asarray(t.q), t.bits)).transpose(1, 0, 2).reshape(t.q.shape[1], -1)[:, :t.n]
 
 
 def dequantize(t: QTensor) -> jax.Array:
-    """float32 [in, out]: what the int8 weight stands for."""
-    return _dequantize_panels(jnp.asarray(t.q), jnp.asarray(t.s), jnp.asarray(t.z))[:, :t.n]
+    """float32 [in, out]: what the quantised weight stands for."""
+    return _dequantize_panels(_panel_levels(jnp.asarray(t.q), t.bits), jnp.asarray(t.s), jnp.asarray(t.z))[:, :t.n]
+
+
+def _panel_levels(q: jax.Array, bits: int) -> jax.Array:
+    """Packed panels -> [Np / 64, K, 64] levels (unpacks q4 nibbles)."""
+    return q if bits == 8 else jnp.concatenate([q & 15, q >> 4], axis=-1)
 
 
 def _dequantize_panels(q: jax.Array, s: jax.Array, z: jax.Array) -> jax.Array:
@@ -153,21 +209,23 @@ def dense(x: jax.Array, w: Any) -> jax.Array:
         return x @ w
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    xla = functools.partial(_xla_dense, bits=w.bits)
     if w.impl == "kernel" and kernel_available():
-        y = jax.lax.platform_dependent(x2, w.q, w.s, w.z, cpu=_kernel_dense, default=_xla_dense)
+        kernel = functools.partial(_kernel_dense, bits=w.bits)
+        y = jax.lax.platform_dependent(x2, w.q, w.s, w.z, cpu=kernel, default=xla)
     else:
-        y = _xla_dense(x2, w.q, w.s, w.z)
+        y = xla(x2, w.q, w.s, w.z)
     return y[:, :w.n].reshape(*lead, w.n).astype(x.dtype)
 
 
-def _kernel_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array) -> jax.Array:
+def _kernel_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array, *, bits: int) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0] * PANEL), jnp.float32)
-    return jax.ffi.ffi_call(KERNEL_TARGET, out)(x, q, s, z)
+    return jax.ffi.ffi_call(KERNEL_TARGETS[bits], out)(x, q, s, z)
 
 
-def _xla_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array) -> jax.Array:
+def _xla_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array, *, bits: int) -> jax.Array:
     # Fallback: XLA materialises the f32 weight here (see the module docstring).
-    return x @ _dequantize_panels(q, s, z)
+    return x @ _dequantize_panels(_panel_levels(q, bits), s, z)
 
 
 def kernel_available() -> bool:
@@ -175,44 +233,91 @@ def kernel_available() -> bool:
     return _load_kernel() is not None
 
 
-@functools.cache   # holds the loaded library, so it stays mapped for the life of the process
-def _load_kernel() -> ctypes.CDLL | None:
+def kernel_isa() -> str | None:
+    """The instruction set the loaded kernel runs ("avx512", "avx2", "generic"), or None."""
+    kernel = _load_kernel()
+    return kernel.isa if kernel is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    lib: ctypes.CDLL   # kept referenced, so the library stays mapped for the life of the process
+    isa: str
+
+
+@functools.cache   # one build, load and warning per process
+def _load_kernel() -> _Kernel | None:
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build_kernel()))
     except subprocess.CalledProcessError as exc:
-        log.warning("int8 CPU kernel failed to build, using the slow XLA fallback:\n%s", exc.stderr[-2000:])
+        logger.warning("quantised-matmul CPU kernel failed to build, using the slow XLA fallback:\n{}",
+                       (exc.stderr or "")[-2000:])
         return None
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
-        log.warning("int8 CPU kernel unavailable, using the slow XLA fallback: %s", exc)
+        logger.warning("quantised-matmul CPU kernel unavailable, using the slow XLA fallback: {}", exc)
         return None
-    jax.ffi.register_ffi_target(KERNEL_TARGET, jax.ffi.pycapsule(lib.skippy_int8_dense), platform="cpu")
-    return lib
+    kernel = _Kernel(lib, _select_isa(lib, os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"))
+    for target in KERNEL_TARGETS.values():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+    logger.debug("quantised-matmul CPU kernel: {} loops", kernel.isa)
+    return kernel
+
+
+def _select_isa(lib: ctypes.CDLL, want: str) -> str:
+    """Ask the library for `want` (SKIPPY_KERNEL_ISA); the best supported one if it cannot run here."""
+    select = lib.skippy_kernel_select
+    select.restype, select.argtypes = ctypes.c_char_p, [ctypes.c_char_p]
+    got = select(want.encode())
+    if got is None:
+        got = select(b"auto")
+        logger.warning("{}={} is unknown or not supported by this CPU (choices: auto, {}); using {}",
+                       ISA_ENV, want, ", ".join(ISA_FLAGS), got.decode())
+    return got.decode()
+
+
+def kernel_isas() -> tuple[str, ...]:
+    """The instruction sets the kernel library is built with on this machine, best first."""
+    return tuple(ISA_FLAGS) if platform.machine().lower() in ("x86_64", "amd64") else ("generic",)
+
+
+def kernel_cache_dir() -> Path:
+    """Built kernels live here, never in the source tree: $SKIPPY_KERNEL_CACHE,
+    else $XDG_CACHE_HOME/skippy_zmq, else ~/.cache/skippy_zmq."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "skippy_zmq"
 
 
 def _build_kernel() -> Path:
-    cxx = os.environ.get("CXX", "g++")
+    """The kernel library, compiled on first use; cached under a name keyed by
+    the sources, the ISAs, the compiler (path and version), flags and JAX's FFI headers."""
+    cxx = os.environ.get("CXX") or "g++"
+    path = shutil.which(cxx)
+    if path is None:
+        raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (set CXX)")
+    version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60, check=True).stdout
     include = jax.ffi.include_dir()
-    flags = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w"]
-    # -march=native binaries belong to this CPU: key the cache on it too.
-    key = hashlib.sha256(KERNEL_SOURCE.read_bytes() + " ".join(
-        [cxx, *flags, include, jax.__version__, _cpu_signature()]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "skippy_zmq"
-    target = cache / f"quant_kernel-{key}.so"
-    if not target.is_file():
-        if shutil.which(cxx) is None:
-            raise RuntimeError(f"no C++ compiler ({cxx}) on PATH")
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:   # build aside, publish atomically
-            out = Path(tmp) / target.name
-            subprocess.run([cxx, *flags, "-I", include, str(KERNEL_SOURCE), "-o", str(out)],
-                           check=True, capture_output=True, text=True, timeout=300)
-            os.replace(out, target)
+    isas = kernel_isas()
+    ident = [path, version.splitlines()[0] if version else "", *CXX_FLAGS, include, jax.__version__,
+             *(f"{isa}:{' '.join(ISA_FLAGS[isa])}" for isa in isas)]
+    key = hashlib.sha256(b"".join((KERNEL_DIR / f).read_bytes() for f in KERNEL_SOURCES)
+                         + "\n".join(ident).encode()).hexdigest()[:16]
+    cache = kernel_cache_dir()
+    target = cache / f"quant_kernel-{platform.machine()}-{'+'.join(isas)}-{key}.so"
+    if target.is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:   # build aside, publish atomically
+        def cc(*args: str) -> None:
+            subprocess.run([path, *CXX_FLAGS, *args], check=True, capture_output=True, text=True, timeout=300)
+
+        objects = []
+        for isa in isas:
+            objects.append(f"{tmp}/isa_{isa}.o")
+            cc(*ISA_FLAGS[isa], f"-DSKIPPY_ISA={isa}", "-c", str(KERNEL_DIR / "quant_kernel_isa.cc"), "-o", objects[-1])
+        objects.append(f"{tmp}/glue.o")
+        cc("-I", include, "-c", str(KERNEL_DIR / "quant_kernel.cc"), "-o", objects[-1])
+        out = Path(tmp) / target.name
+        cc("-shared", *objects, "-o", str(out))
+        os.replace(out, target)
     return target
-
-
-def _cpu_signature() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
-    except OSError:
-        return platform.machine() + platform.processor()

@@ -22,8 +22,8 @@ from skippy_zmq.model import quant
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")
 BIAS_KEYS = ("bq", "bk", "bv")
-QUANT_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "head")   # int8 under quantize="int8"
-QUANTIZE_MODES = (None, "int8")
+QUANT_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "head")   # quantised under quantize=...
+QUANTIZE_MODES = (None, "int8", "q4")
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -60,6 +60,9 @@ def to_runtime(tree: dict[str, Any], dtype: Any, device: Any = None,
     quantize="int8": the big matrices become int8 QTensors (see quant.py), and
     a last stage gets an int8 "head" (the transposed embedding when tied) so the
     logits matmul reads 28 MB instead of 113 MB; "embed" stays float for lookup.
+    quantize="q4": the layers' matrices get 4-bit levels, the head stays int8,
+    as GGUF Q4 files keep it at 8 bits: a tied head comes from a Q8_0 embedding,
+    whose levels int8 holds exactly and 4 bits would not.
     """
     check_quantize(quantize)
     put = (lambda a: jax.device_put(jnp.asarray(a, dtype), device)) if device else (lambda a: jnp.asarray(a, dtype))
@@ -67,7 +70,8 @@ def to_runtime(tree: dict[str, Any], dtype: Any, device: Any = None,
     def convert(key: str, a: Any) -> Any:
         if not (quantize and key in QUANT_KEYS):
             return put(a)
-        qt = quant.to_qtensor(np.asarray(a, np.float32))
+        bits = 4 if quantize == "q4" and key != "head" else 8
+        qt = quant.to_qtensor(np.asarray(a, np.float32), bits=bits)
         return jax.device_put(qt, device) if device else jax.tree.map(jnp.asarray, qt)
 
     out = {k: convert(k, v) for k, v in tree.items() if k != "layers"}
@@ -128,7 +132,7 @@ def load_slice(model_dir: Path, start: int = 0, end: int | None = None, dtype: s
                device: Any = None, quantize: str | None = None) -> tuple[ModelConfig, dict[str, Any]]:
     """Config (with the runtime dtype) and runtime params of layers [start, end) of a converted model.
 
-    quantize: None (float weights) or "int8" (weight-only int8, see to_runtime).
+    quantize: None (float weights), "int8" or "q4" (weight-only int8 / 4-bit, see to_runtime).
     """
     import dataclasses
 
