@@ -212,3 +212,30 @@ def test_hop_breakdown_from_stage_telemetry():
     assert rows == [{"hop": "s0->s1", "encode_ms": 0.1, "send_to_recv_ms": 0.3, "decode_ms": 0.02, "h2d_ms": 0.01,
                      "compute_ms": 6.0, "d2h_ms": 0.03, "sample_ms": 0.2}]
     assert hop_breakdown([], {}) == []
+
+
+def test_goal_rows_read_one_run_and_say_what_is_missing():
+    from skippy_zmq.bench.goals import goal_rows
+
+    result = {"single": {"decode_tok_s": 40.0}, "single_int8": {"decode_tok_s": 70.0},
+              "single_q4": {"decode_tok_s": 95.0}, "peers": {"llama_cpp": {"decode_tok_s": 90.0}},
+              "pipeline": {"one_stream": [{"stages": 1, "decode_tok_s": 50.0, "per_hop_overhead_us": None,
+                                           "ratio_to_1_stage": None},
+                                          {"stages": 2, "decode_tok_s": 48.0, "per_hop_overhead_us": 833.3,
+                                           "ratio_to_1_stage": 0.96}],
+                           "rows": [{"stages": 2, "streams": 8, "agg_tok_s": 300.0},
+                                    {"stages": 2, "streams": 16, "agg_tok_s": 280.0}]},
+              "prefix": {"ttft": [{"prefix_tokens": 1024, "warm_over_cold": 0.04, "warm_ttft_ms": 40,
+                                   "cold_ttft_ms": 1000}], "zero_hit": {"overhead": 0.03}}}
+    rows = {r["metric"]: r for r in goal_rows(result)}
+    assert rows["single-stream decode, 1 stage ÷ llama.cpp"]["measured"] == 1.056
+    assert rows["single-stream decode, 1 stage ÷ llama.cpp"]["met"] == "yes"
+    assert rows["2-stage ÷ 1-stage, 1 stream"]["met"] == "yes"
+    assert rows["3-stage ÷ 1-stage, 1 stream"]["met"] == "n/a"
+    assert rows["per-hop overhead, loopback (ms)"]["measured"] == 0.833
+    assert rows["per-hop overhead, loopback (ms)"]["met"] == "**no**"
+    assert rows["aggregate decode, 8 streams, 2 stages ÷ llama.cpp 1 stream"]["measured"] == 3.333
+    assert rows["aggregate at 16 streams ≥ at 8, 2 stage(s)"]["met"] == "**no**"
+    assert rows["warm ÷ cold TTFT, 1024-token shared prefix"]["met"] == "yes"
+    assert rows["0%-hit overhead of the prefix cache"]["met"] == "**no**"
+    assert all(r["met"] == "n/a" for r in goal_rows({}))

@@ -56,7 +56,14 @@ def main(args: argparse.Namespace) -> int:
         result[name] = runners[name](args, tables, result)
         result["elapsed_s"][name] = round(time.perf_counter() - t0, 1)
         print(f"[bench] {name} took {result['elapsed_s'][name]:.0f} s", flush=True)
+    from skippy_zmq.bench.goals import goal_rows
     from skippy_zmq.bench.plots import write_plots
+
+    if args.suite == "all":
+        from skippy_zmq.bench.common import print_table
+
+        result["goals"] = goal_rows(result)
+        tables.insert(0, print_table("goals (every figure from this run, side by side)", result["goals"]))
 
     plots = write_plots(result, out)
     result["plots"] = [p.name for p in plots]

@@ -30,8 +30,8 @@ def machine() -> dict[str, Any]:
 
 
 def stage_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """write_topology overrides that put every stage on the run's device and dtype."""
-    return {"device": args.device, "dtype": args.dtype}
+    """write_topology overrides that put every stage on the run's device, dtype and weights."""
+    return {"device": args.device, "dtype": args.dtype, "weights": args.weights}
 
 
 def device_label(args: argparse.Namespace) -> str:

@@ -1,5 +1,5 @@
 """The whole model in one process: prefill tok/s, decode tok/s and TTFT, fp32
-(or the run's `--dtype`) and int8 weights, on the run's `--device`."""
+(or the run's `--dtype`), int8 and q4 weights, on the run's `--device`."""
 
 from __future__ import annotations
 
@@ -34,8 +34,11 @@ def run_single(args: argparse.Namespace, tables: list[str], result: dict[str, An
     repeats = 1 if args.quick else args.repeats
     on = {"device": args.device, "dtype": args.dtype}
     single = bench_single(Path(args.model), args.prompt_tokens, args.new_tokens, repeats, **on)
-    int8 = bench_single(Path(args.model), args.prompt_tokens, args.new_tokens, repeats, weights="int8", **on)
-    result["single_int8"] = int8
+    rows = [single]
+    for weights in ("int8", "q4"):
+        result[f"single_{weights}"] = bench_single(Path(args.model), args.prompt_tokens, args.new_tokens, repeats,
+                                                   weights=weights, **on)
+        rows.append(result[f"single_{weights}"])
     tables.append(print_table(f"single process ({device_label(args)}, {single['prompt_tokens']}-token prompt, "
-                              f"{single['new_tokens']} new tokens, greedy)", [single, int8]))
+                              f"{single['new_tokens']} new tokens, greedy)", rows))
     return single
