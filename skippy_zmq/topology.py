@@ -36,6 +36,7 @@ is optional; defaults shown)::
         dtype: float32               # float32 | bfloat16
         weights: f32                 # f32 | int8 | q4 (weight-only int8 / 4-bit: ~1.5x decode on CPU)
         kv_lanes: 8                  # sessions held at once; default driver.max_sessions
+        cpus: [0]                    # pin the stage to these CPUs (its XLA pool sizes to them); default: all
         cache:                       # prefix store
           mode: lookup-record        # disabled | record | lookup-record
           max_bytes: 268435456
@@ -96,6 +97,7 @@ class StageConfig:
     weights: str = "f32"               # f32 (as converted) | int8 | q4 (weight-only, groups of 32)
     kv_lanes: int = 8
     cache: CacheConfig = CacheConfig()
+    cpus: tuple[int, ...] = ()         # CPU affinity of the stage process; () = leave it unpinned
 
     @property
     def is_first(self) -> bool:
@@ -200,7 +202,8 @@ class Topology:
         out["wire"] = dataclasses.asdict(self.wire)
         out["stages"] = [
             {"id": s.id, "layers": [s.start, s.end], "listen": s.listen, "host": s.host, "device": s.device,
-             "dtype": s.dtype, "weights": s.weights, "kv_lanes": s.kv_lanes, "cache": dataclasses.asdict(s.cache)}
+             "dtype": s.dtype, "weights": s.weights, "kv_lanes": s.kv_lanes, "cache": dataclasses.asdict(s.cache),
+             **({"cpus": list(s.cpus)} if s.cpus else {})}
             for s in self.stages
         ]
         return out
@@ -239,6 +242,15 @@ def _integer(low: int) -> Check:
         return value
 
     return check
+
+
+def _cpus(value: Any, at: _At) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value or \
+            not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value):
+        at.fail(f"expected a non-empty list of CPU numbers, got {value!r}")
+    if len(set(value)) != len(value):
+        at.fail(f"lists a CPU twice: {value!r}")
+    return tuple(value)
 
 
 def _seconds(value: Any, at: _At) -> float:
@@ -352,7 +364,7 @@ def _driver(raw: Any, at: _At) -> DriverConfig:
 _STAGE_CHECKS: dict[str, Check] = {
     "id": _text, "layers": _layers, "listen": _endpoint, "host": _text, "device": _device,
     "dtype": _choice("float32", "bfloat16"), "weights": _choice("f32", "int8", "q4"), "kv_lanes": _integer(1),
-    "cache": _cache,
+    "cache": _cache, "cpus": _cpus,
 }
 
 

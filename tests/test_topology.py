@@ -163,7 +163,7 @@ def test_ipc_and_inproc_endpoints_and_curve():
         (lambda d: d.update(wire={"hwn": 1}), ["wire.hwn: unknown key (allowed: activation_dtype, hwm,"]),
         (
             lambda d: d["stages"][1].update(layrs=[15, 30]),
-            ["stages[1].layrs: unknown key (allowed: cache, device, dtype, host, id, kv_lanes, layers, listen, weights)"],
+            ["stages[1].layrs: unknown key (allowed: cache, cpus, device, dtype, host, id, kv_lanes, layers, listen, weights)"],
         ),
         (lambda d: d["stages"][0]["cache"].update(strid=64), ["stages[0].cache.strid: unknown key", "stride"]),
     ],
@@ -331,3 +331,26 @@ def test_plan_every_layer_its_own_stage():
 def test_plan_impossible(args, kwargs, fragment):
     with pytest.raises(TopologyError, match=fragment):
         plan_topology(*args, **kwargs)
+
+
+def test_stage_cpus_pin_and_round_trip(tmp_path):
+    topo = load_mutated(tmp_path, lambda d: d["stages"][1].update(cpus=[1, 0]))
+    assert topo.stages[0].cpus == () and topo.stages[1].cpus == (1, 0)
+    assert topo.to_dict()["stages"][1]["cpus"] == [1, 0] and "cpus" not in topo.to_dict()["stages"][0]
+
+
+@pytest.mark.parametrize("value, fragment", [([], "non-empty list of CPU numbers"), ([0, 0], "lists a CPU twice"),
+                                             ([-1], "non-empty list"), ("0", "non-empty list"),
+                                             ([True], "non-empty list")])
+def test_stage_cpus_errors(tmp_path, value, fragment):
+    with pytest.raises(TopologyError, match=r"stages\[0\]\.cpus") as exc:
+        load_mutated(tmp_path, lambda d: d["stages"][0].update(cpus=value))
+    assert fragment in str(exc.value)
+
+
+def test_a_stage_pinned_to_a_missing_cpu_says_so(tmp_path):
+    from skippy_zmq.stage.loop import pin_cpus
+
+    topo = load_mutated(tmp_path, lambda d: d["stages"][0].update(cpus=[4096]))
+    with pytest.raises(RuntimeError, match=r"stage s0: cpus \[4096\] are not available here"):
+        pin_cpus(topo.stages[0])

@@ -208,8 +208,23 @@ def _own_trace_entry(msg: wire.Message, stage_id: str) -> dict[str, Any] | None:
     return None
 
 
+def pin_cpus(stage: StageConfig) -> None:
+    """Pin this process to the stage's CPUs before JAX starts its CPU client, whose thread pool
+    is sized to the CPUs the process may use: stages sharing a machine then stop competing."""
+    if not stage.cpus:
+        return
+    available = os.sched_getaffinity(0)
+    missing = sorted(set(stage.cpus) - available)
+    if missing:
+        raise RuntimeError(f"stage {stage.id}: cpus {missing} are not available here (this process may use "
+                           f"{sorted(available)})")
+    os.sched_setaffinity(0, stage.cpus)
+    logger.info("stage {} pinned to CPUs {}", stage.id, list(stage.cpus))
+
+
 def run_stage(topology: Topology, stage_id: str) -> int:
     stage = topology.stage(stage_id)
+    pin_cpus(stage)
     security = security_for(topology, stage_id)   # before loading: missing keys fail fast
     worker = build_worker(topology, stage)
     loop = StageLoop(topology, stage, worker, security)
