@@ -239,3 +239,12 @@ def test_goal_rows_read_one_run_and_say_what_is_missing():
     assert rows["warm ÷ cold TTFT, 1024-token shared prefix"]["met"] == "yes"
     assert rows["0%-hit overhead of the prefix cache"]["met"] == "**no**"
     assert all(r["met"] == "n/a" for r in goal_rows({}))
+
+
+def test_steady_throughput_counts_only_while_every_stream_decodes():
+    from skippy_zmq.bench.pipeline import steady_tok_s
+
+    early = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]        # one token a second from t=0
+    late = [2.0, 2.5, 3.0, 3.5, 4.0, 6.0]         # starts at 2, two a second
+    assert steady_tok_s([early, late]) == 2.3     # window (2, 5]: 3 tokens of early + 4 of late, over 3 s
+    assert steady_tok_s([[0.0, 1.0], [5.0, 6.0]]) == 2.0   # never together: all tokens / longest stream
