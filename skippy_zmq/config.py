@@ -75,13 +75,27 @@ class ModelConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+_SHORT_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+
+
 @dataclass(frozen=True)
 class KVConfig:
-    """Per-stage KV arena: `lanes` sessions of `capacity` positions each."""
+    """Per-stage KV arena: `lanes` sessions of `capacity` positions each, values in `dtype`.
+
+    `dtype` also takes the topology's short names (f32, bf16, f16), kept as the long ones.
+    """
 
     lanes: int = 8
     capacity: int = 2048
     dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", _SHORT_DTYPES.get(self.dtype, self.dtype))
+        if self.lanes <= 0 or self.capacity <= 0:
+            raise ValueError(f"invalid KVConfig: lanes and capacity must be positive, "
+                             f"got {self.lanes} and {self.capacity}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"invalid KVConfig: dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
 
 @dataclass(frozen=True)

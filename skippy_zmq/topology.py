@@ -35,6 +35,8 @@ is optional; defaults shown)::
         device: cpu                  # cpu | gpu:N | tpu:N
         dtype: float32               # float32 | bfloat16
         weights: f32                 # f32 | int8 | q4 (weight-only int8 / 4-bit: ~1.5x decode on CPU)
+        kv_dtype: f32                # f32 | bf16 KV cache (bf16: half the memory); default: bf16 if dtype is
+                                     # bfloat16, else f32
         kv_lanes: 8                  # sessions held at once; default driver.max_sessions
         cpus: [0]                    # pin the stage to these CPUs (its XLA pool sizes to them); default: all
         cache:                       # prefix store
@@ -96,6 +98,7 @@ class StageConfig:
     dtype: str = "float32"
     weights: str = "f32"               # f32 (as converted) | int8 | q4 (weight-only, groups of 32)
     kv_lanes: int = 8
+    kv_dtype: str = "f32"              # KV cache values: f32 | bf16
     cache: CacheConfig = CacheConfig()
     cpus: tuple[int, ...] = ()         # CPU affinity of the stage process; () = leave it unpinned
 
@@ -202,7 +205,8 @@ class Topology:
         out["wire"] = dataclasses.asdict(self.wire)
         out["stages"] = [
             {"id": s.id, "layers": [s.start, s.end], "listen": s.listen, "host": s.host, "device": s.device,
-             "dtype": s.dtype, "weights": s.weights, "kv_lanes": s.kv_lanes, "cache": dataclasses.asdict(s.cache),
+             "dtype": s.dtype, "weights": s.weights, "kv_lanes": s.kv_lanes, "kv_dtype": s.kv_dtype,
+             "cache": dataclasses.asdict(s.cache),
              **({"cpus": list(s.cpus)} if s.cpus else {})}
             for s in self.stages
         ]
@@ -364,7 +368,7 @@ def _driver(raw: Any, at: _At) -> DriverConfig:
 _STAGE_CHECKS: dict[str, Check] = {
     "id": _text, "layers": _layers, "listen": _endpoint, "host": _text, "device": _device,
     "dtype": _choice("float32", "bfloat16"), "weights": _choice("f32", "int8", "q4"), "kv_lanes": _integer(1),
-    "cache": _cache, "cpus": _cpus,
+    "kv_dtype": _choice("f32", "bf16"), "cache": _cache, "cpus": _cpus,
 }
 
 
@@ -374,6 +378,8 @@ def _stage(raw: Any, at: _At, driver: DriverConfig) -> StageConfig:
     if "host" not in raw:  # spawn where it listens, unless it binds a wildcard
         m = _TCP.match(fields["listen"])
         fields["host"] = m["host"].strip("[]") if m and m["host"] not in ("*", "0.0.0.0") else "127.0.0.1"
+    if "kv_dtype" not in raw:  # a bfloat16 stage keeps a bfloat16 KV unless told otherwise
+        fields["kv_dtype"] = "bf16" if fields["dtype"] == "bfloat16" else "f32"
     if "kv_lanes" not in raw:
         fields["kv_lanes"] = driver.max_sessions
     elif fields["kv_lanes"] < driver.max_sessions:

@@ -82,15 +82,44 @@ def test_batched_decode_rows_match_single_rows(tiny_tree):
 
 
 def test_padding_never_touches_other_lanes(tiny_tree):
-    r = runner(tiny_tree)
+    r = runner(tiny_tree, buckets=Buckets(decode_rows=(4,)))
     ids = random_ids(20, TINY.vocab_size, seed=3)
+    r.prefill(0, ids, 0, output="none")
     r.prefill(1, ids, 0, output="none")
-    before = r.read_kv(1, 256)
-    r.decode(np.array([0]), ids[:1], np.array([0]))   # 1 row padded to a bucket
+    lane0, lane1 = r.read_kv(0, 256), r.read_kv(1, 256)
+    r.decode(np.array([2]), ids[:1], np.array([0]))   # 1 row, then 3 padding rows on lane 0 at "capacity"
     r.prefill(2, ids[:5], 0, output="none")            # 5 tokens padded to 16
-    after = r.read_kv(1, 256)
-    np.testing.assert_array_equal(before[0], after[0])
-    np.testing.assert_array_equal(before[1], after[1])
+    r.prefill(2, ids[:5], 250, output="none")          # a window clamped at the end of the arena
+    for before, after in zip(lane0 + lane1, r.read_kv(0, 256) + r.read_kv(1, 256)):
+        np.testing.assert_array_equal(before, after)
+
+
+def test_chunk_at_the_end_of_the_arena_lands_on_its_own_positions(tiny_tree):
+    """A 5-token chunk at 250 pads to 16 and its window is clamped to [240, 256): no shift, no clobber."""
+    ids = random_ids(256, TINY.vocab_size, seed=6)
+    want = reference_logits(tiny_tree, ids)
+    r = runner(tiny_tree, buckets=Buckets(prefill_chunks=(16, 64)))
+    r.prefill(1, ids[:250], 0, output="none")
+    r.prefill(1, ids[250:255], 250, output="none")
+    got = r.decode(np.array([1]), ids[255:], np.array([255]))[0]     # the arena's last position
+    np.testing.assert_allclose(got, want[255], rtol=2e-4, atol=2e-4)
+
+
+def test_bf16_kv_is_stored_as_bits_and_restores_bit_for_bit(tiny_tree):
+    """A bf16 arena holds uint16 bits (no f32 round trip per update) yet reads and restores as bf16."""
+    ids = random_ids(30, TINY.vocab_size, seed=7)
+    params = weights.to_runtime(tiny_tree, jnp.float32)
+    half = SliceRunner(TINY, params, 0, TINY.n_layers, KVConfig(lanes=2, capacity=256, dtype="bfloat16"))
+    full = runner(tiny_tree)
+    assert half.kv.k[0].dtype == jnp.uint16 and half.kv.dtype == "bfloat16"
+    half.prefill(0, ids[:-1], 0, output="none")
+    full.prefill(0, ids[:-1], 0, output="none")
+    got = half.decode(np.array([0]), ids[-1:], np.array([29]))
+    np.testing.assert_allclose(got, full.decode(np.array([0]), ids[-1:], np.array([29])), atol=0.05)
+    k, v = half.read_kv(0, 30)
+    assert k.dtype == jnp.bfloat16
+    half.write_kv(1, k, v)
+    np.testing.assert_array_equal(half.decode(np.array([1]), ids[-1:], np.array([29])), got)
 
 
 def test_no_recompiles_after_warmup(tiny_tree):

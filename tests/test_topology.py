@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from skippy_zmq.config import KVConfig
 from skippy_zmq.topology import (
     CacheConfig,
     Topology,
@@ -102,7 +103,7 @@ def test_defaults_and_accessors():
     s0, s1 = t.stages
     assert t.source == "<dict>" and t.security == "none" and t.keys_dir is None
     assert s0.kv_lanes == 4 == t.driver.max_sessions  # kv_lanes defaults to max_sessions
-    assert s0.host == "127.0.0.1" and s0.device == "cpu" and s0.dtype == "float32"
+    assert s0.host == "127.0.0.1" and s0.device == "cpu" and s0.dtype == "float32" and s0.kv_dtype == "f32"
     assert s0.cache == CacheConfig(mode="record") and not s0.cache.lookup and s0.cache.record
     assert s1.cache == CacheConfig() and s1.cache.lookup
     assert t.wire.activation_dtype == "f32" and t.driver.reply_timeout_s == 30.0
@@ -111,6 +112,15 @@ def test_defaults_and_accessors():
     assert t.is_last(s1) and not t.is_last(s0) and t.is_first(s0)
     assert t.stage("s1") is s1 and t.first is s0 and t.last is s1
     assert t.next_stage("s0") is s1 and t.next_stage("s1") is None
+
+
+def test_kv_dtype_defaults_to_the_stage_dtype_and_can_be_set():
+    raw = copy.deepcopy(BASE)
+    raw["stages"][0]["dtype"] = "bfloat16"
+    raw["stages"][1]["kv_dtype"] = "bf16"
+    s0, s1 = parse_topology(raw).stages
+    assert s0.kv_dtype == "bf16" and s1.kv_dtype == "bf16" and s1.dtype == "float32"
+    assert KVConfig(dtype=s1.kv_dtype) == KVConfig(dtype="bfloat16")
 
 
 def test_unknown_stage_id_lists_ids():
@@ -163,7 +173,8 @@ def test_ipc_and_inproc_endpoints_and_curve():
         (lambda d: d.update(wire={"hwn": 1}), ["wire.hwn: unknown key (allowed: activation_dtype, hwm,"]),
         (
             lambda d: d["stages"][1].update(layrs=[15, 30]),
-            ["stages[1].layrs: unknown key (allowed: cache, cpus, device, dtype, host, id, kv_lanes, layers, listen, weights)"],
+            ["stages[1].layrs: unknown key (allowed: cache, cpus, device, dtype, host, id, kv_dtype, kv_lanes, "
+             "layers, listen, weights)"],
         ),
         (lambda d: d["stages"][0]["cache"].update(strid=64), ["stages[0].cache.strid: unknown key", "stride"]),
     ],
@@ -225,6 +236,7 @@ def test_duplicate_endpoint(tmp_path):
         (lambda d: d["stages"][0].update(device="cuda"), ["stages[0].device: expected cpu, gpu:N or tpu:N, got 'cud"]),
         (lambda d: d["stages"][0].update(device="gpu:"), ["stages[0].device"]),
         (lambda d: d["stages"][1].update(dtype="float16"), ["stages[1].dtype: expected one of float32, bfloat16"]),
+        (lambda d: d["stages"][1].update(kv_dtype="bfloat16"), ["stages[1].kv_dtype: expected one of f32, bf16"]),
         (lambda d: d["driver"].update(max_sessions="eight"), ["driver.max_sessions: expected an integer, got 'eight'"]),
         (lambda d: d["driver"].update(max_sessions=True), ["driver.max_sessions: expected an integer, got True"]),
         (lambda d: d["driver"].update(max_sessions=0), ["driver.max_sessions: must be at least 1, got 0"]),

@@ -169,19 +169,21 @@ class SliceRunner:
         """
         span = self._span(k.shape[1])
         pad = [(0, 0), (0, span - k.shape[1]), (0, 0), (0, 0)]
-        dtype = self.kv.k[0].dtype
-        self.kv = _write_lane(self.kv, np.int32(lane), self._put(np.pad(k, pad)).astype(dtype),
-                              self._put(np.pad(v, pad)).astype(dtype))
+        self.kv = _write_lane(self.kv, np.int32(lane), self._put(np.pad(k, pad)), self._put(np.pad(v, pad)))
 
 
+# Blocks leave and enter as [layers, span, kvh, hd] in the KV dtype; the arena itself is head-major.
 @functools.partial(jax.jit, static_argnames=("span",))
 def _read_lane(kv: KVCache, lane: jax.Array, span: int) -> tuple[jax.Array, jax.Array]:
-    take = lambda a: jax.lax.dynamic_slice_in_dim(a[lane], 0, span, axis=0)
+    def take(a: jax.Array) -> jax.Array:
+        block = jax.lax.dynamic_slice(a, (lane, 0, 0, 0), (1, a.shape[1], span, a.shape[3]))
+        return kv.decode(block[0]).swapaxes(0, 1)
     return jnp.stack([take(a) for a in kv.k]), jnp.stack([take(a) for a in kv.v])
 
 
 @functools.partial(jax.jit, donate_argnames=("kv",))
 def _write_lane(kv: KVCache, lane: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
-    put = lambda a, block: jax.lax.dynamic_update_slice(a, block[None], (lane, 0, 0, 0))
+    def put(a: jax.Array, block: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice(a, kv.encode(block).swapaxes(0, 1)[None], (lane, 0, 0, 0))
     return KVCache(k=tuple(put(a, k[i]) for i, a in enumerate(kv.k)),
-                   v=tuple(put(a, v[i]) for i, a in enumerate(kv.v)))
+                   v=tuple(put(a, v[i]) for i, a in enumerate(kv.v)), dtype=kv.dtype)

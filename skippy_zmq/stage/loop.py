@@ -47,7 +47,7 @@ def build_worker(topology: Topology, stage: StageConfig) -> StageWorker:
     capacity = min(topology.driver.max_context, cfg.max_seq_len)
     buckets = stage_buckets(topology, stage.kv_lanes)
     runner = SliceRunner(cfg, params, stage.start, stage.end,
-                         KVConfig(lanes=stage.kv_lanes, capacity=capacity, dtype=stage.dtype), buckets, device)
+                         KVConfig(lanes=stage.kv_lanes, capacity=capacity, dtype=stage.kv_dtype), buckets, device)
     t1 = time.perf_counter()
     runner.warmup(rows=buckets.decode_rows[:1] + buckets.decode_rows[1:2], chunks=buckets.prefill_chunks)
     logger.info("stage {} layers [{}, {}) on {}: restored in {:.1f}s, compiled in {:.1f}s", stage.id,
