@@ -41,9 +41,10 @@ bench-quick: install model
 	$(BIN)/skippy-zmq bench all --quick --out bench-out
 
 # Side by side with llama.cpp: llama-cpp-python builds from source (about 10 minutes on 2 cores).
+# Pipeline stages use int8 weights here (bench single runs f32, int8 and q4 in one process).
 bench-peers: install model
 	$(BIN)/pip install -e '.[test,bench,peers]'
-	$(BIN)/skippy-zmq bench all --out bench-out
+	$(BIN)/skippy-zmq bench all --weights int8 --out bench-out
 
 # One NVIDIA GPU: parity and benches on gpu:0 (installs the `gpu` extra if JAX sees no GPU).
 gpu-check: install model

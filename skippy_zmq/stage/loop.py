@@ -61,7 +61,7 @@ def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
     c = stage.cache
     if c.mode == "disabled":
         return None
-    identity = StoreIdentity(model_digest(topology.model_path), stage.start, stage.end, stage.dtype)
+    identity = StoreIdentity(model_digest(topology.model_path), stage.start, stage.end, stage.kv_dtype)
     return PrefixStore(identity, StoreConfig.from_cache(c))
 
 
