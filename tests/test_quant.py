@@ -177,9 +177,10 @@ def test_tiny_model_int8_logits_stay_close(tiny_tree):
     assert (int8.argmax(-1) == f32.argmax(-1)).mean() >= 0.95
 
 
-def test_int8_runner_cached_decode_matches_full_forward(tiny_tree):
-    params = weights.to_runtime(tiny_tree, jnp.float32, quantize="int8")
-    ids = random_ids(30, TINY.vocab_size, seed=4)
+@pytest.mark.parametrize("quantize, seed", [("int8", 4), ("q4", 8)])
+def test_quantized_runner_cached_decode_matches_full_forward(tiny_tree, quantize, seed):
+    params = weights.to_runtime(tiny_tree, jnp.float32, quantize=quantize)
+    ids = random_ids(30, TINY.vocab_size, seed=seed)
     want = np.asarray(forward_reference(params, jnp.asarray(ids)[None], TINY))[0]
     r = SliceRunner(TINY, params, 0, TINY.n_layers, KVConfig(lanes=2, capacity=256))
     r.prefill(1, ids[:-3], 0, output="none")
@@ -200,17 +201,6 @@ def test_tiny_model_q4_equals_its_dequantised_float_model(tiny_tree):
     np.testing.assert_allclose(q4, np.asarray(forward_reference(plain, ids, TINY))[0], rtol=1e-4, atol=1e-4)
     f32 = np.asarray(forward_reference(weights.to_runtime(tiny_tree, jnp.float32), ids, TINY))[0]
     assert np.abs(q4 - f32).mean() < 0.4 * np.abs(f32).mean()   # gaussian weights: 4 bits is coarse, not wrong
-
-
-def test_q4_runner_cached_decode_matches_full_forward(tiny_tree):
-    params = weights.to_runtime(tiny_tree, jnp.float32, quantize="q4")
-    ids = random_ids(30, TINY.vocab_size, seed=8)
-    want = np.asarray(forward_reference(params, jnp.asarray(ids)[None], TINY))[0]
-    r = SliceRunner(TINY, params, 0, TINY.n_layers, KVConfig(lanes=2, capacity=256))
-    r.prefill(1, ids[:-3], 0, output="none")
-    for i in range(len(ids) - 3, len(ids)):
-        got = r.decode(np.array([1]), ids[i:i + 1], np.array([i]))[0]
-        np.testing.assert_allclose(got, want[i], rtol=2e-4, atol=2e-4)
 
 
 def test_unknown_quantize_mode_is_rejected(tiny_tree):
