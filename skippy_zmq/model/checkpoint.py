@@ -1,0 +1,280 @@
+"""Checkpoints that store each layer in its serving format, written incrementally.
+
+Layout (still orbax: one small orbax PyTree checkpoint per item, so a writer
+holds one layer, or one row block of the embedding / head, at a time and a
+stage restores only the items it owns):
+
+    OUT/params/format.json       {"version": 2, "weights": "q4", "rows_per_block": 8192, ...}
+    OUT/params/top/              {"norm": f32 [D]}
+    OUT/params/embed/000000/     rows [0, 8192) of the embedding [V, D], then 000001/, ...
+    OUT/params/head/000000/      rows of an untied head [V, D] ([out, in]), same blocks
+    OUT/params/layer_00000/      {"attn_norm": f32 [D], "wq": <weight>, ...}, one item per layer
+
+Every matrix is stored [out, in] (PyTorch and GGUF order; the embedding is
+[V, D], which is also a tied head's [out, in]); the group of 32 runs along
+`in`, the direction of GGUF's blocks. A <weight> in format
+
+    f32   {"w": float32 [out, in]}
+    bf16  {"w": bfloat16 [out, in]}
+    int8  {"q": int8 [out, in],       "d": f16 [out, in/32], "m": f16 [out, in/32]}  1.125 B/weight
+    q4    {"q": uint8 [out, in/2],    "d": f16 [out, in/32], "m": f16 [out, in/32]}  0.625 B/weight
+
+stands for w = q * d + m (per 32-wide group; one group when 32 does not divide
+`in`). q4 byte j of a row holds input 2j in its low nibble and 2j + 1 in its
+high one. Q4_0 blocks are stored as m = -8 d, Q4_1 as they are, Q8_0 as int8
+with m = 0: a GGUF's levels come through exactly. Norms and biases stay f32.
+In a q4 checkpoint the embedding and an untied head are int8, as GGUF Q4 files
+keep them at 8 bits (a tied head is the embedding: the same stored levels serve
+the first stage's row lookup and the last stage's head).
+
+A stage may run its checkpoint's format or a coarser one (f32 -> bf16 -> int8
+-> q4); a finer one is refused at start. Checkpoints from before this layout
+(one f32 PyTree under params/, no format.json) load as f32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+
+from skippy_zmq.config import ModelConfig
+from skippy_zmq.model import quant, weights
+
+VERSION = 2
+FORMATS = ("f32", "bf16", "int8", "q4")     # finest first: a stage may run its checkpoint's format or a later one
+GROUP = quant.GROUP_SIZE                     # 32 inputs per scale and offset
+ROWS_PER_BLOCK = 8192                        # embedding / head rows per stored item
+QUANT_CHUNK_ROWS = 1024                      # output rows quantised at once (bounds the temporaries)
+MANIFEST = "format.json"
+MATRIX_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot serve the request; the message says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """A weight already in a quantised grid: w[o, i] = q[o, i] * d[o, g] + m[o, g], g = i // 32.
+
+    fmt "q4": q uint8 levels 0..15 [out, in] (unpacked); "int8": q int8 [out, in].
+    d and m float16 [out, groups]. Make one with `q4_blocks` / `int8_blocks`.
+    """
+
+    fmt: str
+    q: np.ndarray
+    d: np.ndarray
+    m: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+
+def q4_blocks(levels: np.ndarray, d: np.ndarray, m: np.ndarray) -> Encoded:
+    """Exact Q4_1-style blocks: levels uint8 0..15 [out, in], d and m f16 [out, in/32]; w = q * d + m.
+    (Q4_0's w = (q - 8) * d is d, m = -8 * d.)"""
+    return Encoded("q4", np.asarray(levels, np.uint8), np.asarray(d, np.float16), np.asarray(m, np.float16))
+
+
+def int8_blocks(levels: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> Encoded:
+    """Exact int8 blocks (Q8_0: m = 0): levels int8 [out, in], d (and m) f16 [out, in/32]."""
+    d = np.asarray(d, np.float16)
+    return Encoded("int8", np.asarray(levels, np.int8), d, np.zeros_like(d) if m is None else np.asarray(m, np.float16))
+
+
+# ---------------------------------------------------------------- formats
+
+
+def check_format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise CheckpointError(f"weights format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    return fmt
+
+
+def stored_format(fmt: str, key: str) -> str:
+    """The format `key` ("embed", "head" or a layer key) is stored in by a checkpoint of `fmt`."""
+    return "int8" if fmt == "q4" and key in ("embed", "head") else fmt
+
+
+def encode(w: np.ndarray | Encoded, fmt: str) -> dict[str, np.ndarray]:
+    """One [out, in] matrix (float, or an Encoded grid) -> its stored arrays in `fmt`."""
+    if isinstance(w, Encoded):
+        return _encode_grid(w, fmt)
+    if fmt in ("f32", "bf16"):
+        return {"w": np.asarray(w, np.float32 if fmt == "f32" else ml_dtypes.bfloat16)}
+    rows = [_quantise_rows(np.asarray(w[r:r + QUANT_CHUNK_ROWS], np.float32), fmt)
+            for r in range(0, w.shape[0], QUANT_CHUNK_ROWS)]
+    return _stored(fmt, *(np.concatenate(part) for part in zip(*rows)))
+
+
+def _quantise_rows(w: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # quant.py's grids on [in, out], the very functions a stage quantises with at load.
+    group = GROUP if w.shape[1] % GROUP == 0 else None
+    r = quant.quantize_q4(w.T, group) if fmt == "q4" else quant.quantize_int8(w.T, group)
+    s, z = (r["s"][None], r["z"][None]) if group is None else (r["s"], r["z"])
+    return r["q"].T, s.T.astype(np.float16), z.T.astype(np.float16)
+
+
+def _encode_grid(e: Encoded, fmt: str) -> dict[str, np.ndarray]:
+    if e.fmt == fmt:
+        return _stored(fmt, e.q, e.d, e.m)
+    if e.fmt == "q4" and fmt == "int8":        # 0..15 levels are int8 levels: exact
+        return _stored(fmt, e.q.astype(np.int8), e.d, e.m)
+    return encode(dequantize_grid(e), fmt)     # finer float, or int8 -> q4: requantise
+
+
+def _stored(fmt: str, q: np.ndarray, d: np.ndarray, m: np.ndarray) -> dict[str, np.ndarray]:
+    if fmt == "q4":
+        if q.shape[1] % 2:
+            raise CheckpointError(f"q4 needs an even input width, got {q.shape[1]}")
+        q = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+    return {"q": np.ascontiguousarray(q), "d": np.asarray(d, np.float16), "m": np.asarray(m, np.float16)}
+
+
+def grid(stored: dict[str, np.ndarray]) -> Encoded:
+    """Stored int8 / q4 arrays -> unpacked levels and f16 scales."""
+    q = stored["q"]
+    if q.dtype == np.uint8:
+        q = np.stack([q & 15, q >> 4], axis=-1).reshape(q.shape[0], -1)
+        return Encoded("q4", q, stored["d"], stored["m"])
+    return Encoded("int8", q, stored["d"], stored["m"])
+
+
+def dequantize_grid(e: Encoded) -> np.ndarray:
+    out, n = e.q.shape
+    g = e.d.shape[1]
+    w = e.q.reshape(out, g, n // g).astype(np.float32) * e.d[:, :, None].astype(np.float32)
+    return (w + e.m[:, :, None].astype(np.float32)).reshape(out, n)
+
+
+def to_float(stored: dict[str, np.ndarray]) -> np.ndarray:
+    """Any stored matrix -> float32 [out, in]."""
+    return np.asarray(stored["w"], np.float32) if "w" in stored else dequantize_grid(grid(stored))
+
+
+def stored_nbytes(shape: tuple[int, int], fmt: str) -> int:
+    """Bytes an [out, in] matrix takes on disk in `fmt` (before orbax's compression)."""
+    out, n = shape
+    groups = n // GROUP if n % GROUP == 0 else 1
+    return {"f32": 4 * out * n, "bf16": 2 * out * n, "int8": out * n + 4 * out * groups,
+            "q4": out * n // 2 + 4 * out * groups}[check_format(fmt)]
+
+
+def runtime_nbytes(shape: tuple[int, int], fmt: str, key: str = "") -> int:
+    """Exact bytes an [out, in] matrix takes in a stage's memory when run as `fmt`
+    (panel padding included). key "head" under q4 counts the int8 head; "embed"
+    under int8/q4 counts the dequantised float32 rows of the first stage's lookup."""
+    out, n = shape
+    if fmt in ("f32", "bf16") or key == "embed":
+        return (4 if fmt != "bf16" or key == "embed" else 2) * out * n
+    padded = -(-out // quant.PANEL) * quant.PANEL
+    groups = n // GROUP if n % GROUP == 0 else 1
+    bits = 4 if fmt == "q4" and key != "head" else 8
+    return padded * n * bits // 8 + 2 * 4 * padded * groups    # levels + f32 s and z
+
+
+# ---------------------------------------------------------------- writer
+
+
+class CheckpointWriter:
+    """Writes a converted model item by item; memory holds one layer (or row block) at a time.
+
+        w = CheckpointWriter(out_dir, cfg, "q4")
+        w.add_top("norm", norm)                      # f32 [D]
+        w.add_rows("embed", 0, rows)                 # [rows, D] float or Encoded, blocks in order
+        w.add_top("head", head_out_in)               # (untied) a whole [V, D]; add_rows streams it
+        w.add_layer(i, {"wq": wq_out_in, "attn_norm": v, ...})   # float [out, in] or Encoded
+        w.finish({"format": "gguf", "sha256": ...})  # format.json, source.json, then model.json
+
+    Matrices come [out, in] (PyTorch / GGUF order) as float arrays (any float
+    dtype, bf16 included) or as exact grids (`q4_blocks`, `int8_blocks`), and
+    are stored in `fmt` (requantised or dequantised when the grid differs).
+    Q/K row permutations are the caller's business. The tokenizer files are
+    the caller's too (write them into out_dir before finish).
+    """
+
+    def __init__(self, out_dir: Path, cfg: ModelConfig, fmt: str = "f32", rows_per_block: int = ROWS_PER_BLOCK):
+        self.out, self.cfg, self.fmt, self.rows_per_block = Path(out_dir).absolute(), cfg, check_format(fmt), rows_per_block
+        self.params = self.out / "params"
+        if self.params.exists():
+            shutil.rmtree(self.params)
+        self.params.mkdir(parents=True)
+        (self.out / "model.json").unlink(missing_ok=True)   # its presence means a finished conversion
+        self._ckpt = ocp.PyTreeCheckpointer()
+        self._rows = {"embed": 0, "head": 0}
+        self._layers: set[int] = set()
+        self._top: dict[str, np.ndarray] = {}
+
+    def add_top(self, key: str, w: np.ndarray | Encoded) -> None:
+        """"norm" f32 [D], or a whole "embed" / "head" [V, D] (split into row blocks here)."""
+        if key == "norm":
+            self._top["norm"] = _vector(w, (self.cfg.d_model,), "norm")
+            return
+        for r in range(0, w.shape[0], self.rows_per_block):
+            part = w[r:r + self.rows_per_block] if not isinstance(w, Encoded) else _grid_rows(w, r, self.rows_per_block)
+            self.add_rows(key, r, part)
+
+    def add_rows(self, key: str, start: int, rows: np.ndarray | Encoded) -> None:
+        """Rows [start, start + len) of "embed" or "head" ([V, D]); blocks come in order, each
+        rows_per_block long but the last."""
+        if key not in self._rows or start != self._rows[key]:
+            raise CheckpointError(f"rows of {key!r} must come in order from 0 (expected {self._rows.get(key)}, got {start})")
+        if tuple(rows.shape[1:]) != (self.cfg.d_model,) or (rows.shape[0] != self.rows_per_block
+                                                           and start + rows.shape[0] != self.cfg.vocab_size):
+            raise CheckpointError(f"{key} rows at {start}: shape {tuple(rows.shape)}, expected "
+                                  f"[{self.rows_per_block} (or the last rows), {self.cfg.d_model}]")
+        self._save(f"{key}/{start // self.rows_per_block:06d}", encode(rows, stored_format(self.fmt, key)))
+        self._rows[key] = start + rows.shape[0]
+
+    def add_layer(self, i: int, tensors: dict[str, np.ndarray | Encoded]) -> None:
+        """Every tensor of layer i, keyed as weights.layer_shapes; matrices [out, in]."""
+        shapes = weights.layer_shapes(self.cfg)
+        if set(tensors) != set(shapes):
+            raise CheckpointError(f"layer {i}: got keys {sorted(tensors)}, expected {sorted(shapes)}")
+        item = {}
+        for key, shape in shapes.items():
+            if len(shape) == 1:
+                item[key] = _vector(tensors[key], shape, f"layer {i} {key}")
+                continue
+            if tuple(tensors[key].shape) != shape[::-1]:
+                raise CheckpointError(f"layer {i} {key}: shape {tuple(tensors[key].shape)}, expected {shape[::-1]} [out, in]")
+            item[key] = encode(tensors[key], stored_format(self.fmt, key))
+        self._save(f"layer_{i:05d}", item)
+        self._layers.add(i)
+
+    def finish(self, source: dict[str, Any]) -> None:
+        """Check completeness; write format.json, source.json and (last) model.json."""
+        missing = [i for i in range(self.cfg.n_layers) if i not in self._layers]
+        want = {"embed": self.cfg.vocab_size, "head": 0 if self.cfg.tied_embeddings else self.cfg.vocab_size}
+        short = [k for k, n in want.items() if self._rows[k] != n]
+        if missing or short or "norm" not in self._top:
+            raise CheckpointError(f"incomplete checkpoint: layers missing {missing[:8]}, rows incomplete {short}, "
+                                  f"norm {'present' if 'norm' in self._top else 'missing'}")
+        self._save("top", self._top)
+        manifest = {"version": VERSION, "weights": self.fmt, "rows_per_block": self.rows_per_block, "group": GROUP,
+                    "stored": {k: stored_format(self.fmt, k) for k in ("layers", "embed", "head")}}
+        (self.params / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        (self.out / "source.json").write_text(json.dumps(source, indent=2) + "\n")
+        self.cfg.save(self.out / "model.json")
+
+    def _save(self, name: str, tree: dict[str, Any]) -> None:
+        self._ckpt.save(self.params / name, tree, force=True)
+
+
+def _vector(v: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
+    v = np.asarray(v, np.float32)
+    if v.shape != tuple(shape):
+        raise CheckpointError(f"{what}: shape {v.shape}, expected {tuple(shape)}")
+    return v
+
+
+def _grid_rows(e: Encoded, start: int, n: int) -> Encoded:
+    return Encoded(e.fmt, e.q[start:start + n], e.d[start:start + n], e.m[start:start + n])
