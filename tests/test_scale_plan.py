@@ -1,6 +1,7 @@
 """scripts/scale_plan.py (docs/scale.md): a few of its numbers, checked by hand."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "scale_plan.py"
 def sp():
     spec = importlib.util.spec_from_file_location("scale_plan", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["scale_plan"] = mod   # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -43,4 +45,4 @@ def test_hop_model(sp):
     assert t["ms_per_token"] == pytest.approx(1000 + 9 * 10 + 7 * 16384 * 8 / 1e8 * 1000)
     assert sp.micro_batch_tok_s(1000.0, 125.0, 8) == pytest.approx(8.0)
     assert sp.micro_batch_tok_s(1000.0, 200.0, 8) == pytest.approx(5.0)
-    assert "Time per token" in sp.markdown(dict(p := sp.plan(), calibration=sp.calibration()))
+    assert "Time per token" in sp.markdown(dict(sp.plan(), calibration=sp.calibration()))
