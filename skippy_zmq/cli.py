@@ -77,7 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.topology:
         from skippy_zmq.driver.main import generate_with_pipeline
 
-        return generate_with_pipeline(args, sampling)
+        return generate_with_pipeline(args, sampling, lambda tokenizer: prompt_ids_from_args(tokenizer, args))
     from skippy_zmq.generate import LocalEngine
 
     engine = LocalEngine(Path(args.model), dtype=args.dtype, device=args.device, weights=args.weights)

@@ -1,27 +1,25 @@
 """Start and stop the processes of a topology (downstream first, no sleeps).
 
 Stages on this machine are child processes; a stage whose `host` is not
-local is started over ssh in the same working directory.
+local is started over ssh in the same working directory. Helpers for tests and
+benchmarks (free ports, throwaway topologies, a pipeline in a `with`) live in
+harness.py, which builds on this module and never the other way round.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
-import yaml
 from loguru import logger
 
-from skippy_zmq.topology import StageConfig, Topology, load_topology, plan_topology
+from skippy_zmq.topology import StageConfig, Topology, load_topology
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
 
@@ -127,77 +125,3 @@ def launch(topology: Topology, topology_path: Path, run_dir: Path, timeout: floa
         stop_processes(procs)
         raise
     return url + "/v1"
-
-
-# ---------------------------------------------------------------- local runs (tests, benchmarks)
-
-
-def free_base_port(count: int) -> int:
-    """A base port with `count` consecutive free ports after it.
-
-    Chosen below the kernel's ephemeral range, so that no outgoing connection
-    (a PUSH socket reconnecting somewhere) can take one of them between this
-    check and the stage's bind.
-    """
-    low, _ = _ephemeral_range()
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(max(1024, low - 12_000), low - count)
-        try:
-            for p in range(base, base + count):
-                with socket.socket() as t:
-                    t.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no run of free ports")
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def write_topology(tmp: Path, model_dir: Path | str, n_stages: int, name: str = "topo", **overrides) -> Path:
-    """A local topology on free loopback ports; `section__key=value` or `stage_key=value` overrides."""
-    base = free_base_port(n_stages + 3)
-    data = plan_topology(30, n_stages, model=str(model_dir), base_port=base).to_dict()
-    data["driver"]["http"] = f"127.0.0.1:{base + n_stages + 2}"
-    data["driver"]["micro_batches"] = 1   # every stage shares this machine's cores (see topologies/)
-    for key, value in overrides.items():
-        section, _, field = key.partition("__")
-        if field:
-            data[section][field] = value
-        else:
-            for stage in data["stages"]:
-                stage[section] = value
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    load_topology(path)   # validate
-    return path
-
-
-@contextmanager
-def running_pipeline(topology_path: Path, run_dir: Path, timeout: float = 240.0) -> Iterator:
-    """Stage processes + an in-process PipelineEngine; yields (engine, tokenizer, topology, procs)."""
-    from skippy_zmq.driver.main import open_engine
-
-    topology = load_topology(topology_path)
-    procs: list[subprocess.Popen] = spawn_stages(topology, topology_path, run_dir, ["--log-level", "INFO"])
-    engine = None
-    try:
-        engine, tokenizer = open_engine(topology)
-        waited = 0.0
-        while not engine.wait_ready(0.5):
-            check_alive(procs, run_dir)
-            waited += 0.5
-            if waited > timeout:
-                raise TimeoutError(f"pipeline not ready: {engine.not_ready_reason()}")
-        yield engine, tokenizer, topology, procs
-    finally:
-        if engine is not None:
-            engine.close()
-        stop_processes(procs)

@@ -55,12 +55,12 @@ def test_one_stream_rows_without_a_one_stage_row():
 
 
 def test_bench_topology_runs_32_streams_on_the_chosen_device(tmp_path):
-    from skippy_zmq.launch import write_topology
-    from skippy_zmq.stage.loop import stage_buckets
+    from skippy_zmq.harness import write_topology
+    from skippy_zmq.stage.factory import stage_buckets
     from skippy_zmq.topology import load_topology
 
     assert max(STREAMS) == 32
-    path = write_topology(tmp_path, tmp_path, 2, **BENCH_TOPOLOGY, device="gpu:0", dtype="bfloat16")
+    path = write_topology(tmp_path, tmp_path, 2, n_layers=30, **BENCH_TOPOLOGY, device="gpu:0", dtype="bfloat16")
     topology = load_topology(path)
     assert topology.driver.max_sessions >= 32
     for stage in topology.stages:

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 from skippy_zmq.bench.common import print_table, stage_overrides, synthetic_prompt
 from skippy_zmq.bench.pipeline import BENCH_TOPOLOGY, TraceLog, measure, stream_prompts
-from skippy_zmq.launch import running_pipeline, write_topology
+from skippy_zmq.harness import running_pipeline, write_topology
 
 DELAY_ENV = "SKIPPY_HOP_DELAY_MS"
 

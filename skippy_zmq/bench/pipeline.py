@@ -23,7 +23,7 @@ from skippy_zmq import wire
 from skippy_zmq.bench import greedy
 from skippy_zmq.bench.common import print_table, stage_overrides, synthetic_prompt
 from skippy_zmq.driver.engine import EngineError, GenRequest
-from skippy_zmq.launch import running_pipeline, write_topology
+from skippy_zmq.harness import running_pipeline, write_topology
 
 LANES = 32   # kv_lanes and driver max_sessions, so 32 streams run at once (stage_buckets: rows up to 32)
 STREAMS = (1, 2, 4, 8, 16, 32)

@@ -15,7 +15,7 @@ from typing import Any
 
 from skippy_zmq.bench.common import print_table, stage_overrides, synthetic_prompt
 from skippy_zmq.driver.engine import GenRequest
-from skippy_zmq.launch import running_pipeline, write_topology
+from skippy_zmq.harness import running_pipeline, write_topology
 
 TAIL = 16
 

@@ -10,12 +10,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from loguru import logger
 
 from skippy_zmq.driver.engine import EngineError, GenRequest
 from skippy_zmq.driver.pipeline import PipelineEngine
+from skippy_zmq.launch import check_alive, spawn_stages, stop_processes
 from skippy_zmq.model.tokenizer import TextTokenizer
 from skippy_zmq.topology import Topology, load_topology
 
@@ -75,8 +76,6 @@ def run_driver(args: argparse.Namespace) -> int:
 
 def run_up(args: argparse.Namespace) -> int:
     """Stages (downstream first) as children, the driver in this process; Ctrl-C stops everything."""
-    from skippy_zmq.launch import spawn_stages, stop_processes
-
     topology = load_topology(args.topology)
     run_dir = Path(args.run_dir or f"runs/up-{time.strftime('%Y%m%d-%H%M%S')}")
     procs = spawn_stages(topology, Path(args.topology), run_dir)
@@ -102,11 +101,13 @@ def _watch_children(procs: list, stop: threading.Event) -> None:
                 procs.remove(proc)
 
 
-def generate_with_pipeline(args: argparse.Namespace, sampling: Any) -> int:
-    """`generate --topology T [--spawn]`: same flags and JSON as the single-process command."""
-    from skippy_zmq.cli import prompt_ids_from_args
+def generate_with_pipeline(args: argparse.Namespace, sampling: Any,
+                           prompt_ids: Callable[[TextTokenizer], list[int]]) -> int:
+    """`generate --topology T [--spawn]`: same flags and JSON as the single-process command.
+
+    `prompt_ids` turns the pipeline's tokenizer into the prompt's ids (cli owns how flags say it).
+    """
     from skippy_zmq.generate import GenerationResult
-    from skippy_zmq.launch import check_alive, spawn_stages, stop_processes
 
     topology = load_topology(args.topology)
     procs = spawn_stages(topology, Path(args.topology), Path(args.run_dir or "runs/generate")) if args.spawn else []
@@ -117,7 +118,7 @@ def generate_with_pipeline(args: argparse.Namespace, sampling: Any) -> int:
             check_alive(procs, Path(args.run_dir or "runs/generate"))
             if time.monotonic() > deadline:
                 raise SystemExit(f"pipeline not ready after {args.ready_timeout:g} s: {engine.not_ready_reason()}")
-        ids = prompt_ids_from_args(tokenizer, args)
+        ids = prompt_ids(tokenizer)
         result = GenerationResult(prompt_ids=ids)
         stream = tokenizer.stream_decoder()
         t0 = time.perf_counter()

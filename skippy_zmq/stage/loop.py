@@ -1,4 +1,4 @@
-"""The stage process: restore its layers, compile, say READY, then serve.
+"""The stage process: build the stage (stage/factory.py), say READY, then serve.
 
 Sockets live here and only here: PULL (bound on `listen`), PUSH to the next
 stage, DEALER to the driver. The worker never sees a socket.
@@ -16,53 +16,13 @@ import zmq
 from loguru import logger
 
 from skippy_zmq import transport, wire
-from skippy_zmq.config import Buckets, KVConfig
-from skippy_zmq.kv.prefix_store import PrefixStore, StoreConfig, StoreIdentity
-from skippy_zmq.model import weights
-from skippy_zmq.model.convert import model_digest
-from skippy_zmq.model.runner import SliceRunner, resolve_device
 from skippy_zmq.security import security_for
+from skippy_zmq.stage.factory import build_worker
 from skippy_zmq.stage.faults import FaultInjector
-from skippy_zmq.stage.sessions import SessionTable
-from skippy_zmq.stage.worker import DRIVER, StageInfo, StageWorker
+from skippy_zmq.stage.worker import DRIVER, StageWorker
 from skippy_zmq.topology import StageConfig, Topology
 
 DRAIN_BATCH = 64
-
-
-def stage_buckets(topology: Topology, lanes: int) -> Buckets:
-    chunk = topology.driver.prefill_chunk
-    chunks = tuple(c for c in (16, 64, 256, 512, 1024) if c < chunk) + (chunk,)
-    rows = tuple(r for r in (1, 2, 4, 8, 16, 32, 64) if r < lanes) + (lanes,)
-    return Buckets(prefill_chunks=tuple(sorted(set(chunks))), decode_rows=tuple(sorted(set(rows))))
-
-
-def build_worker(topology: Topology, stage: StageConfig) -> StageWorker:
-    """Restore only this stage's layers and compile its common buckets."""
-    t0 = time.perf_counter()
-    device = resolve_device(stage.device)
-    quantize = None if stage.weights == "f32" else stage.weights
-    cfg, params = weights.load_slice(topology.model_path, stage.start, stage.end, stage.dtype, device, quantize)
-    topology.check_model(cfg.n_layers)
-    capacity = min(topology.driver.max_context, cfg.max_seq_len)
-    buckets = stage_buckets(topology, stage.kv_lanes)
-    runner = SliceRunner(cfg, params, stage.start, stage.end,
-                         KVConfig(lanes=stage.kv_lanes, capacity=capacity, dtype=stage.kv_dtype), buckets, device)
-    t1 = time.perf_counter()
-    runner.warmup(rows=buckets.decode_rows[:1] + buckets.decode_rows[1:2], chunks=buckets.prefill_chunks)
-    logger.info("stage {} layers [{}, {}) on {}: restored in {:.1f}s, compiled in {:.1f}s", stage.id,
-                stage.start, stage.end, stage.device, t1 - t0, time.perf_counter() - t1)
-    info = StageInfo(stage.id, first=stage.start == 0, last=stage.end == cfg.n_layers, width=cfg.d_model)
-    return StageWorker(info, runner, SessionTable(stage.kv_lanes), make_store(topology, stage))
-
-
-def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
-    """This stage's prefix store; identity ties entries to the model, layer range and KV dtype."""
-    c = stage.cache
-    if c.mode == "disabled":
-        return None
-    identity = StoreIdentity(model_digest(topology.model_path), stage.start, stage.end, stage.kv_dtype)
-    return PrefixStore(identity, StoreConfig.from_cache(c))
 
 
 class StageLoop:

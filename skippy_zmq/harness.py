@@ -1,0 +1,102 @@
+"""Local pipelines for tests and benchmarks: free loopback ports, a throwaway
+topology for any converted model, and stage processes + an in-process driver
+engine in a `with` block.
+
+Serving code never imports this module; it builds on launch.py (processes)
+and driver/main.py (the engine).
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import yaml
+
+from skippy_zmq.config import ModelConfig
+from skippy_zmq.driver.main import open_engine
+from skippy_zmq.launch import check_alive, spawn_stages, stop_processes
+from skippy_zmq.topology import load_topology, plan_topology
+
+
+def free_base_port(count: int) -> int:
+    """A base port with `count` consecutive free ports after it.
+
+    Chosen below the kernel's ephemeral range, so that no outgoing connection
+    (a PUSH socket reconnecting somewhere) can take one of them between this
+    check and the stage's bind.
+    """
+    low, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(max(1024, low - 12_000), low - count)
+        try:
+            for p in range(base, base + count):
+                with socket.socket() as t:
+                    t.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no run of free ports")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def model_layers(model_dir: Path | str) -> int:
+    """The layer count of a converted model (its model.json)."""
+    return ModelConfig.load(Path(model_dir) / "model.json").n_layers
+
+
+def write_topology(tmp: Path, model_dir: Path | str, n_stages: int, name: str = "topo",
+                   n_layers: int | None = None, **overrides) -> Path:
+    """A local topology on free loopback ports; `section__key=value` or `stage_key=value` overrides.
+
+    The layers split evenly; `n_layers` defaults to the model's own count (its model.json).
+    """
+    base = free_base_port(n_stages + 3)
+    n_layers = model_layers(model_dir) if n_layers is None else n_layers
+    data = plan_topology(n_layers, n_stages, model=str(model_dir), base_port=base).to_dict()
+    data["driver"]["http"] = f"127.0.0.1:{base + n_stages + 2}"
+    data["driver"]["micro_batches"] = 1   # every stage shares this machine's cores (see topologies/)
+    for key, value in overrides.items():
+        section, _, field = key.partition("__")
+        if field:
+            data[section][field] = value
+        else:
+            for stage in data["stages"]:
+                stage[section] = value
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    load_topology(path)   # validate
+    return path
+
+
+@contextmanager
+def running_pipeline(topology_path: Path, run_dir: Path, timeout: float = 240.0) -> Iterator:
+    """Stage processes + an in-process PipelineEngine; yields (engine, tokenizer, topology, procs)."""
+    topology = load_topology(topology_path)
+    procs: list[subprocess.Popen] = spawn_stages(topology, topology_path, run_dir, ["--log-level", "INFO"])
+    engine = None
+    try:
+        engine, tokenizer = open_engine(topology)
+        waited = 0.0
+        while not engine.wait_ready(0.5):
+            check_alive(procs, run_dir)
+            waited += 0.5
+            if waited > timeout:
+                raise TimeoutError(f"pipeline not ready: {engine.not_ready_reason()}")
+        yield engine, tokenizer, topology, procs
+    finally:
+        if engine is not None:
+            engine.close()
+        stop_processes(procs)

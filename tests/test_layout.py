@@ -1,0 +1,108 @@
+"""Module layout: no import cycle among skippy_zmq modules (lazy imports inside functions included)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+PACKAGE = REPO / "skippy_zmq"
+
+
+def module_names() -> dict[str, Path]:
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _nearest(dotted: str, modules: dict[str, Path]) -> str | None:
+    """The module a dotted name lives in (`skippy_zmq.wire.Kind` -> `skippy_zmq.wire`), if ours."""
+    while dotted and dotted not in modules:
+        dotted = dotted.rpartition(".")[0]
+    return dotted or None
+
+
+def _edges(tree: ast.AST, package: str, modules: dict[str, Path]) -> set[str]:
+    """The modules an import statement anywhere in `tree` loads, TYPE_CHECKING blocks skipped.
+
+    `from pkg import sub` is an edge to pkg.sub only: a submodule's implicit import of its
+    parent package is not an edge, or every package that imports its submodules would be a cycle.
+    """
+    found: set[str | None] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if _type_checking_only(node):
+            continue
+        if isinstance(node, ast.Import):
+            found.update(_nearest(a.name, modules) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in modules else _nearest(base, modules))
+        stack.extend(ast.iter_child_nodes(node))
+    return {m for m in found if m is not None}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the skippy_zmq modules it imports (at the top or inside functions)."""
+    modules = module_names()
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        graph[name] = _edges(ast.parse(path.read_text()), package, modules) - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path a -> b -> ... -> a, or None."""
+    state: dict[str, int] = {}   # 1 on the current path, 2 done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_among_skippy_modules():
+    graph = import_graph()
+    assert {"skippy_zmq.cli", "skippy_zmq.launch", "skippy_zmq.harness", "skippy_zmq.driver.main"} <= set(graph)
+    assert "skippy_zmq.launch" in graph["skippy_zmq.harness"]
+    assert "skippy_zmq.stage.factory" in graph["skippy_zmq.stage.loop"]
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_find_cycle_reports_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_serving_code_never_imports_the_test_harness():
+    graph = import_graph()
+    users = sorted(m for m, targets in graph.items() if "skippy_zmq.harness" in targets)
+    assert all(m.startswith("skippy_zmq.bench.") for m in users), users
