@@ -12,10 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+ROPE_TYPES = ("default", "linear", "llama3")   # model/rope.py turns each into inverse frequencies
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder."""
+    """Shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3).
+
+    Fields after `name` came with more families; their defaults are the plain
+    Llama math, so model.json files written before them load unchanged.
+    """
 
     arch: str
     n_layers: int
@@ -34,6 +40,15 @@ class ModelConfig:
     bos_id: int = -1
     eos_ids: tuple[int, ...] = ()
     name: str = ""
+    rope_type: str = "default"              # one of ROPE_TYPES
+    rope_factor: float = 1.0                # linear and llama3: how far the context was stretched
+    rope_low_freq_factor: float = 1.0       # llama3 only
+    rope_high_freq_factor: float = 4.0      # llama3 only
+    rope_original_max_pos: int = 0          # llama3 only: the pretraining context
+    rope_freq_factors: tuple[float, ...] = ()   # GGUF rope_freqs: inv_freq[i] is divided by it (head_dim / 2)
+    attn_out_bias: bool = False             # a bias on the output projection (Llama attention_bias)
+    qk_norm: bool = False                   # Qwen3: RMSNorm of each q and k head over head_dim, before rope
+    sliding_window: int = 0                 # 0: full causal; else every layer sees the last `sliding_window` keys
 
     def __post_init__(self) -> None:
         problems = []
@@ -44,6 +59,13 @@ class ModelConfig:
             problems.append(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             problems.append(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.rope_type not in ROPE_TYPES:
+            problems.append(f"rope_type must be one of {', '.join(ROPE_TYPES)}, got {self.rope_type!r}")
+        if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
+            problems.append(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
+                            f"expected head_dim / 2 = {self.head_dim // 2}")
+        if self.sliding_window < 0:
+            problems.append(f"sliding_window must be >= 0, got {self.sliding_window}")
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 
@@ -54,6 +76,7 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["eos_ids"] = list(self.eos_ids)
+        out["rope_freq_factors"] = list(self.rope_freq_factors)
         return out
 
     @classmethod
@@ -65,6 +88,8 @@ class ModelConfig:
         data = dict(data)
         if "eos_ids" in data:
             data["eos_ids"] = tuple(int(x) for x in data["eos_ids"])
+        if "rope_freq_factors" in data:
+            data["rope_freq_factors"] = tuple(float(x) for x in data["rope_freq_factors"])
         return cls(**data)
 
     def save(self, path: Path) -> None:

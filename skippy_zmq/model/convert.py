@@ -21,9 +21,11 @@ from tqdm import tqdm
 from skippy_zmq.config import ModelConfig
 from skippy_zmq.fetch import sha256_file
 from skippy_zmq.model import weights
+# The families and their config reading live in model/families.py; imported here for callers of convert.
+from skippy_zmq.model.families import (ConvertError, GGUF_ARCHS, SUPPORTED_HF_TYPES,  # noqa: F401
+                                       gguf_model_config, hf_model_config)
 
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
-SUPPORTED_HF_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_GGUF_ARCHS = GGUF_ARCHS
 
 # Our per-layer key -> (GGUF suffix, HF suffix)
 LAYER_NAMES = {
@@ -35,6 +37,9 @@ LAYER_NAMES = {
     "bq": ("attn_q.bias", "self_attn.q_proj.bias"),
     "bk": ("attn_k.bias", "self_attn.k_proj.bias"),
     "bv": ("attn_v.bias", "self_attn.v_proj.bias"),
+    "bo": ("attn_output.bias", "self_attn.o_proj.bias"),
+    "q_norm": ("attn_q_norm.weight", "self_attn.q_norm.weight"),   # norms: never permuted, never quantised
+    "k_norm": ("attn_k_norm.weight", "self_attn.k_norm.weight"),
     "ffn_norm": ("ffn_norm.weight", "post_attention_layernorm.weight"),
     "w_gate": ("ffn_gate.weight", "mlp.gate_proj.weight"),
     "w_up": ("ffn_up.weight", "mlp.up_proj.weight"),
@@ -43,10 +48,6 @@ LAYER_NAMES = {
 TOP_NAMES = {"embed": ("token_embd.weight", "model.embed_tokens.weight"),
              "norm": ("output_norm.weight", "model.norm.weight"),
              "head": ("output.weight", "lm_head.weight")}
-
-
-class ConvertError(ValueError):
-    """The input cannot be converted; the message names what is wrong."""
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -99,39 +100,6 @@ def _check_shapes(tree: dict[str, Any], shapes: dict[str, Any], path: str = "") 
 # ---------------------------------------------------------------- GGUF
 
 
-def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_model_config(reader: Any, name: str = "") -> ModelConfig:
-    arch = _gguf_field(reader, "general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHS:
-        raise ConvertError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_GGUF_ARCHS)})")
-
-    def need(key: str) -> Any:
-        value = _gguf_field(reader, f"{arch}.{key}")
-        if value is None:
-            raise ConvertError(f"GGUF metadata key {arch}.{key} is missing")
-        return value
-
-    names = {t.name for t in reader.tensors}
-    d_model, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
-    vocab = _gguf_field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        arch=arch, n_layers=int(need("block_count")), d_model=d_model, n_heads=n_heads,
-        n_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
-        head_dim=int(_gguf_field(reader, f"{arch}.attention.key_length", d_model // n_heads)),
-        ffn_dim=int(need("feed_forward_length")), vocab_size=int(vocab),
-        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        tied_embeddings="output.weight" not in names,
-        max_seq_len=int(need("context_length")), attn_bias="blk.0.attn_q.bias" in names,
-        bos_id=int(_gguf_field(reader, "tokenizer.ggml.bos_token_id", -1)),
-        eos_ids=(int(eos),) if eos is not None else (), name=name)
-
-
 def convert_gguf(path: Path, out: Path) -> ModelConfig:
     import gguf
     from gguf import quants
@@ -172,26 +140,6 @@ def convert_gguf(path: Path, out: Path) -> ModelConfig:
 
 
 # ---------------------------------------------------------------- HF safetensors
-
-
-def hf_model_config(config: dict[str, Any], name: str = "") -> ModelConfig:
-    kind = config.get("model_type")
-    if kind not in SUPPORTED_HF_TYPES:
-        raise ConvertError(f"unsupported HF model_type {kind!r} (supported: {', '.join(SUPPORTED_HF_TYPES)})")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
-        if key not in config:
-            raise ConvertError(f"config.json lacks {key!r}")
-    d, h = config["hidden_size"], config["num_attention_heads"]
-    eos = config.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    return ModelConfig(
-        arch=kind, n_layers=config["num_hidden_layers"], d_model=d, n_heads=h,
-        n_kv_heads=config.get("num_key_value_heads") or h, head_dim=config.get("head_dim") or d // h,
-        ffn_dim=config["intermediate_size"], vocab_size=config["vocab_size"],
-        rope_theta=float(config.get("rope_theta", 10000.0)), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        max_seq_len=int(config.get("max_position_embeddings", 4096)), attn_bias=kind == "qwen2",
-        bos_id=int(config.get("bos_token_id") or -1), eos_ids=eos_ids, name=name)
 
 
 def _hf_tensors(directory: Path) -> Iterator[tuple[str, np.ndarray]]:

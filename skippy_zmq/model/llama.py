@@ -7,8 +7,8 @@
 
 Parameter layout (linear weights stored as [in, out] so that y = x @ w):
     {"embed": [V, D],                      # when first, or last with a tied head
-     "layers": ({"attn_norm", "wq", "wk", "wv", "wo", ["bq", "bk", "bv"],
-                 "ffn_norm", "w_gate", "w_up", "w_down"}, ...),   # end-start dicts
+     "layers": ({"attn_norm", "wq", "wk", "wv", "wo", ["bq", "bk", "bv"], ["bo"],
+                 ["q_norm", "k_norm"], "ffn_norm", "w_gate", "w_up", "w_down"}, ...),   # end-start dicts
      "norm": [D], ["head": [D, V]]}       # when last ("head" only if untied, or int8)
 
 Any linear weight may instead be a QTensor (model/quant.py: weight-only int8);
@@ -20,6 +20,11 @@ KV is read and written in place: each row writes its tokens with one masked
 than it attends to. Rows and tokens that are padding carry position ==
 capacity: their writes are masked off (the window keeps its old contents), so
 padding never touches a real lane.
+
+Families differ only in what the config switches on: q/k/v biases (Qwen2,
+Llama attention_bias) and an output bias (Llama attention_bias), a per-head
+RMSNorm of q and k before rope (Qwen3), the rope type (model/rope.py) and a
+sliding attention window on every layer (Mistral).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from skippy_zmq.config import ModelConfig
+from skippy_zmq.model import rope as rope_freqs
 from skippy_zmq.model.quant import dense
 
 Params = dict[str, Any]
@@ -150,10 +156,9 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * xf.astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos/sin of shape [B, T, head_dim] in the HF rotate-half layout."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+def rope_tables(positions: jax.Array, inv_freq: Any) -> tuple[jax.Array, jax.Array]:
+    """cos/sin of shape [B, T, head_dim] in the HF rotate-half layout; inv_freq: [head_dim / 2]."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -174,19 +179,34 @@ def attention(p: Params, x: jax.Array, kv: KVCache, layer: int, positions: jax.A
     q, k, v = dense(x, p["wq"]), dense(x, p["wk"]), dense(x, p["wv"])
     if "bq" in p:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    q = apply_rope(q.reshape(b, t, h, hd), *rope)
-    k = apply_rope(k.reshape(b, t, kvh, hd), *rope)
+    q, k = q.reshape(b, t, h, hd), k.reshape(b, t, kvh, hd)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     kv = kv.write(layer, k, v.reshape(b, t, kvh, hd), positions, lanes)
     keys, vals = kv.read(layer, lanes, attn_len)                  # [B, kvh, L, hd]
     qg = q.reshape(b, t, kvh, h // kvh, hd)
     scores = jnp.einsum("btkgd,bkld->bkgtl", qg, keys.astype(x.dtype), preferred_element_type=jnp.float32)
     scores = scores * (1.0 / (hd ** 0.5))
-    causal = jnp.arange(attn_len)[None, None, :] <= positions[:, :, None]  # [B, T, L]
-    scores = jnp.where(causal[:, None, None], scores, -jnp.inf)
+    scores = jnp.where(visible_keys(positions, attn_len, kv.capacity, cfg)[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     # probs on the left, so the value slice feeds the dot as it lies (no transpose copy)
     out = jnp.einsum("bkgtl,bkld->bkgtd", probs, vals.astype(x.dtype))
-    return dense(out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * hd), p["wo"]), kv
+    out = dense(out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * hd), p["wo"])
+    return (out + p["bo"] if "bo" in p else out), kv
+
+
+def visible_keys(positions: jax.Array, attn_len: int, capacity: int, cfg: ModelConfig) -> jax.Array:
+    """[B, T, L]: which keys each query sees: causal, and within the sliding window if there is one.
+
+    Padding queries (position == capacity) keep the plain causal mask, so a window
+    never leaves them with no key at all (a softmax over nothing is NaN).
+    """
+    keys, pos = jnp.arange(attn_len)[None, None, :], positions[:, :, None]
+    visible = keys <= pos
+    if cfg.sliding_window:
+        visible &= (keys > pos - cfg.sliding_window) | (pos >= capacity)
+    return visible
 
 
 def mlp(p: Params, x: jax.Array) -> jax.Array:
@@ -210,7 +230,7 @@ def forward_slice(params: Params, kv: KVCache, inputs: jax.Array, positions: jax
     """
     dtype = jnp.dtype(cfg.dtype)
     x = params["embed"][inputs].astype(dtype) if start == 0 else inputs.astype(dtype)
-    rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    rope = rope_tables(positions, rope_freqs.inv_freq(cfg))
     for i, p in enumerate(params["layers"]):
         a, kv = attention(p, rms_norm(x, p["attn_norm"], cfg.norm_eps), kv, i, positions, lanes, rope,
                           attn_len, cfg)

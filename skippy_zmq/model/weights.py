@@ -32,6 +32,10 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
               "ffn_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
     if cfg.attn_bias:
         shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+    if cfg.attn_out_bias:
+        shapes.update(bo=(d,))
+    if cfg.qk_norm:   # norms (Qwen3): stay float under every weights format, never quantised
+        shapes.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
     return shapes
 
 

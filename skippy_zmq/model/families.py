@@ -1,0 +1,240 @@
+"""Model config, read in one place: an HF config.json (transformers 4 or 5 layout)
+or a GGUF's metadata -> a frozen ModelConfig.
+
+Families (HF model_type / GGUF architecture) and what they switch on:
+
+    family    q/k/v bias         o bias            q/k norm  head_dim default  sliding window
+    llama     attention_bias     attention_bias    no        hidden / heads    none
+    mistral   no                 no                no        hidden / heads    sliding_window, every layer
+    qwen2     yes                no                no        hidden / heads    use_sliding_window (all layers or none)
+    qwen3     attention_bias     attention_bias    yes       128               use_sliding_window (all layers or none)
+
+Rope, either layout: transformers 4 keeps `rope_theta` (and `partial_rotary_factor`)
+at the top level and the scaling in `rope_scaling`; transformers 5 keeps all of
+it in `rope_parameters`. Both are merged (v5 winning) and read once. Rope types
+`default`, `linear` and `llama3` are implemented (model/rope.py).
+
+Any field that would change the math and is not implemented is refused with a
+ConvertError naming it (other activations, MLP biases, yarn/dynamic/longrope
+rope, partial rotary, logit softcapping, per-layer attention patterns), never
+converted into a silently different model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from skippy_zmq.config import ROPE_TYPES, ModelConfig
+
+
+class ConvertError(ValueError):
+    """The input cannot be converted; the message names what is wrong."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """What an HF model_type switches on. None: read the config's `attention_bias`."""
+
+    qkv_bias: bool | None
+    out_bias: bool | None
+    qk_norm: bool = False
+    head_dim: int | None = None        # default when config.json has none (None: hidden / heads)
+    window: str = "none"               # "none" | "mistral" (sliding_window) | "qwen" (use_sliding_window)
+
+
+HF_FAMILIES = {
+    "llama": Family(qkv_bias=None, out_bias=None),
+    "mistral": Family(qkv_bias=False, out_bias=False, window="mistral"),
+    "qwen2": Family(qkv_bias=True, out_bias=False, window="qwen"),
+    "qwen3": Family(qkv_bias=None, out_bias=None, qk_norm=True, head_dim=128, window="qwen"),
+}
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")   # llama.cpp files Mistral under "llama"
+SUPPORTED_HF_TYPES = tuple(HF_FAMILIES)
+
+# Fields that change the math and the one value we implement (absent or null: transformers' default, ours).
+HF_MATH_FIELDS = {
+    "hidden_act": "silu",
+    "hidden_activation": "silu",
+    "mlp_bias": False,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "logits_scaling": 1.0,
+    "embedding_multiplier": 1.0,
+    "residual_multiplier": 1.0,
+    "attention_multiplier": None,
+    "partial_rotary_factor": 1.0,
+    "use_qk_norm": False,
+}
+ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+             "original_max_position_embeddings", "partial_rotary_factor"}
+
+
+# ---------------------------------------------------------------- HF config.json
+
+
+def hf_model_config(config: dict[str, Any], name: str = "") -> ModelConfig:
+    kind = config.get("model_type")
+    if kind not in HF_FAMILIES:
+        raise ConvertError(f"unsupported HF model_type {kind!r} (supported: {', '.join(SUPPORTED_HF_TYPES)})")
+    family = HF_FAMILIES[kind]
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if key not in config:
+            raise ConvertError(f"config.json lacks {key!r}")
+    _refuse_unimplemented(config)
+    d, h, n_layers = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
+    max_pos = int(config.get("max_position_embeddings", 4096))
+    bias = bool(config.get("attention_bias", False))
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    return ModelConfig(
+        arch=kind, n_layers=n_layers, d_model=d, n_heads=h,
+        n_kv_heads=config.get("num_key_value_heads") or h,
+        head_dim=config.get("head_dim") or family.head_dim or d // h,
+        ffn_dim=config["intermediate_size"], vocab_size=config["vocab_size"],
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)), max_seq_len=max_pos,
+        attn_bias=bias if family.qkv_bias is None else family.qkv_bias,
+        attn_out_bias=bias if family.out_bias is None else family.out_bias, qk_norm=family.qk_norm,
+        sliding_window=_hf_sliding_window(config, family, n_layers),
+        bos_id=int(config.get("bos_token_id") or -1), eos_ids=eos_ids, name=name,
+        **hf_rope(config, max_pos))
+
+
+def _refuse_unimplemented(config: dict[str, Any]) -> None:
+    for key, ours in HF_MATH_FIELDS.items():
+        value = config.get(key)
+        if value is not None and value != ours:
+            raise ConvertError(f"config.json {key}={value!r} is not implemented (only {ours!r})")
+
+
+def hf_rope(config: dict[str, Any], max_pos: int) -> dict[str, Any]:
+    """The ModelConfig rope fields from either layout: top-level rope_theta + rope_scaling (v4), rope_parameters (v5)."""
+    params = {"rope_theta": config.get("rope_theta", 10000.0)}
+    for key in ("rope_scaling", "rope_parameters"):
+        block = config.get(key) or {}
+        if not isinstance(block, dict) or any(isinstance(v, dict) for v in block.values()):
+            raise ConvertError(f"config.json {key} per layer type is not implemented: {block!r}")
+        params.update(block)
+    unknown = sorted(set(params) - ROPE_KEYS)
+    if unknown:
+        raise ConvertError(f"config.json rope parameter {unknown[0]!r} is not implemented")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConvertError(f"config.json partial_rotary_factor={params['partial_rotary_factor']!r} "
+                           "is not implemented (only 1.0)")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConvertError(f"config.json rope_type {rope_type!r} is not implemented "
+                           f"(implemented: {', '.join(ROPE_TYPES)})")
+    out: dict[str, Any] = {"rope_theta": float(params["rope_theta"]), "rope_type": rope_type}
+    if rope_type in ("linear", "llama3"):
+        out["rope_factor"] = float(_rope_need(params, "factor"))
+    if rope_type == "llama3":
+        out.update(rope_low_freq_factor=float(_rope_need(params, "low_freq_factor")),
+                   rope_high_freq_factor=float(_rope_need(params, "high_freq_factor")),
+                   rope_original_max_pos=int(params.get("original_max_position_embeddings", max_pos)))
+    return out
+
+
+def _rope_need(params: dict[str, Any], key: str) -> Any:
+    if key not in params:
+        raise ConvertError(f"config.json rope_type {params.get('rope_type', params.get('type'))!r} needs {key!r}")
+    return params[key]
+
+
+def _hf_sliding_window(config: dict[str, Any], family: Family, n_layers: int) -> int:
+    """The window every layer uses (0: none); a window on only some layers is refused."""
+    window = config.get("sliding_window")
+    if family.window == "mistral":
+        return int(window or 0)
+    layer_types = config.get("layer_types")
+    if family.window == "none":        # as transformers: Llama has no window, whatever the file says
+        return 0
+    if not config.get("use_sliding_window", False):
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            raise ConvertError(f"config.json layer_types {sorted(set(layer_types))} with use_sliding_window "
+                               "false is not implemented")
+        return 0
+    if window is None:
+        return 0
+    field = "layer_types" if layer_types else "max_window_layers"
+    if not layer_types:
+        first = int(config.get("max_window_layers", 28))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    if all(t == "full_attention" for t in layer_types):
+        return 0
+    if all(t == "sliding_attention" for t in layer_types):
+        return int(window)
+    raise ConvertError(f"config.json {field}: a sliding window on only some layers is not implemented "
+                       f"(use_sliding_window with {field}={config.get(field)!r})")
+
+
+# ---------------------------------------------------------------- GGUF metadata
+
+
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_model_config(reader: Any, name: str = "") -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ConvertError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHS)})")
+
+    def need(key: str) -> Any:
+        value = gguf_field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ConvertError(f"GGUF metadata key {arch}.{key} is missing")
+        return value
+
+    names = {t.name for t in reader.tensors}
+    d_model, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", d_model // n_heads))
+    _refuse_gguf_unimplemented(reader, arch, head_dim)
+    vocab = gguf_field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        arch=arch, n_layers=int(need("block_count")), d_model=d_model, n_heads=n_heads,
+        n_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads)), head_dim=head_dim,
+        ffn_dim=int(need("feed_forward_length")), vocab_size=int(vocab),
+        norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        tied_embeddings="output.weight" not in names, max_seq_len=int(need("context_length")),
+        attn_bias="blk.0.attn_q.bias" in names, attn_out_bias="blk.0.attn_output.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_id=int(gguf_field(reader, "tokenizer.ggml.bos_token_id", -1)),
+        eos_ids=(int(eos),) if eos is not None else (), name=name, **gguf_rope(reader, arch, head_dim))
+
+
+def _refuse_gguf_unimplemented(reader: Any, arch: str, head_dim: int) -> None:
+    dims = gguf_field(reader, f"{arch}.rope.dimension_count", head_dim)
+    if int(dims) != head_dim:
+        raise ConvertError(f"GGUF {arch}.rope.dimension_count={dims} (partial rotary) is not implemented "
+                           f"(only head_dim = {head_dim})")
+    for key in (f"{arch}.attention.sliding_window", f"{arch}.attn_logit_softcapping",
+                f"{arch}.final_logit_softcapping"):
+        if gguf_field(reader, key) is not None:
+            raise ConvertError(f"GGUF {key} is not implemented")
+
+
+def gguf_rope(reader: Any, arch: str, head_dim: int) -> dict[str, Any]:
+    """Rope fields from GGUF metadata: scaling type none or linear, and llama.cpp's rope_freqs tensor (llama3)."""
+    out: dict[str, Any] = {"rope_theta": float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0))}
+    old_linear = gguf_field(reader, f"{arch}.rope.scale_linear")     # the key before rope.scaling.*
+    kind = gguf_field(reader, f"{arch}.rope.scaling.type") or ("linear" if old_linear not in (None, 1.0) else "none")
+    if kind == "linear":
+        factor = gguf_field(reader, f"{arch}.rope.scaling.factor") or old_linear
+        out.update(rope_type="linear", rope_factor=float(factor))
+    elif kind != "none":
+        raise ConvertError(f"GGUF {arch}.rope.scaling.type {kind!r} is not implemented (only none, linear)")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        from gguf import quants
+
+        factors = np.asarray(quants.dequantize(freqs.data, freqs.tensor_type), np.float32).reshape(-1)
+        if factors.size != head_dim // 2:
+            raise ConvertError(f"GGUF rope_freqs.weight has {factors.size} entries, expected {head_dim // 2}")
+        out["rope_freq_factors"] = tuple(float(x) for x in factors)
+    return out
