@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,14 +49,22 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    import resource
+
     from skippy_zmq.model.convert import ConvertError, convert_gguf, convert_hf
 
+    t0 = time.perf_counter()
     try:
-        cfg = convert_gguf(Path(args.gguf), Path(args.out)) if args.gguf else convert_hf(Path(args.hf), Path(args.out))
+        if args.gguf:
+            cfg = convert_gguf(Path(args.gguf), Path(args.out), args.weights)
+        else:
+            cfg = convert_hf(Path(args.hf), Path(args.out), args.weights)
     except ConvertError as exc:
         logger.error("convert failed: {}", exc)
         return 1
-    logger.info("converted {} layers ({} arch) into {}", cfg.n_layers, cfg.arch, args.out)
+    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux
+    logger.info("converted {} layers ({} arch) into {} as {} weights in {:.1f}s, peak RSS {:.2f} GiB",
+                cfg.n_layers, cfg.arch, args.out, args.weights, time.perf_counter() - t0, peak_gib)
     return 0
 
 
@@ -185,6 +194,10 @@ def add_convert_parser(sub: Any) -> None:
     src.add_argument("--gguf")
     src.add_argument("--hf")
     p.add_argument("--out", required=True)
+    p.add_argument("--weights", default="f32", choices=["f32", "bf16", "int8", "q4"],
+                   help="format stored in the checkpoint (q4: 4-bit levels + f16 scale and offset per 32, "
+                        "0.625 B/weight; GGUF Q4_0/Q4_1/Q8_0 blocks keep their levels). Stages may run it "
+                        "or a coarser one")
     p.set_defaults(func=cmd_convert)
 
 

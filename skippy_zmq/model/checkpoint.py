@@ -278,3 +278,130 @@ def _vector(v: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
 
 def _grid_rows(e: Encoded, start: int, n: int) -> Encoded:
     return Encoded(e.fmt, e.q[start:start + n], e.d[start:start + n], e.m[start:start + n])
+
+
+# ---------------------------------------------------------------- restore
+
+
+def stored_weights(model_dir: Path) -> str:
+    """The format a converted model's checkpoint stores ("f32" for the older single-PyTree layout)."""
+    manifest = _manifest(Path(model_dir) / "params")
+    return "f32" if manifest is None else manifest["weights"]
+
+
+def check_runnable(stored: str, asked: str) -> None:
+    """A stage may run the stored format or a coarser one; a finer one is an error that says what to do."""
+    check_format(asked)
+    allowed = FORMATS[FORMATS.index(stored):]
+    if asked not in allowed:
+        only = " only" if len(allowed) == 1 else ""
+        raise CheckpointError(f"checkpoint stores {stored}; a stage can run {', '.join(allowed)}{only} "
+                              f"(asked for {asked}): re-convert with --weights {asked}")
+
+
+def restore_stage(model_dir: Path, cfg: ModelConfig, start: int = 0, end: int | None = None) -> dict[str, Any]:
+    """The stored arrays of the items a stage [start, end) owns: its layers, the embedding when
+    first (or last with a tied head), norm and an untied head when last. Nothing else is read."""
+    params = Path(model_dir).absolute() / "params"
+    manifest = _manifest(params)
+    if manifest is None:
+        raise CheckpointError(f"{params}: no {MANIFEST} (an older single-PyTree checkpoint: use weights.restore_params)")
+    want = weights.param_shapes(cfg, start, end)
+    ckpt = ocp.PyTreeCheckpointer()
+    tree: dict[str, Any] = {"layers": {i: ckpt.restore(params / f"layer_{int(i):05d}") for i in want["layers"]}}
+    if "norm" in want:
+        tree["norm"] = ckpt.restore(params / "top")["norm"]
+    for key in ("embed", "head"):
+        if key in want:
+            tree[key] = _restore_rows(ckpt, params / key, cfg.vocab_size)
+    return tree
+
+
+def _restore_rows(ckpt: Any, directory: Path, n_rows: int) -> dict[str, np.ndarray]:
+    """Row blocks -> one [V, ...] array per leaf, filled in place (no second full copy)."""
+    out: dict[str, np.ndarray] = {}
+    row = 0
+    for block_dir in sorted(p for p in directory.iterdir() if p.is_dir()):
+        block = ckpt.restore(block_dir)
+        for leaf, a in block.items():
+            if leaf not in out:
+                out[leaf] = np.empty((n_rows, *a.shape[1:]), a.dtype)
+            out[leaf][row:row + a.shape[0]] = a
+        row += next(iter(block.values())).shape[0]
+        del block
+    if row != n_rows:
+        raise CheckpointError(f"{directory}: {row} rows stored, expected {n_rows}")
+    return out
+
+
+def _manifest(params: Path) -> dict[str, Any] | None:
+    path = params / MANIFEST
+    if not path.is_file():
+        return None
+    manifest = json.loads(path.read_text())
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path}: checkpoint version {manifest.get('version')}, this runtime reads "
+                              f"{VERSION}: re-convert the model")
+    return manifest
+
+
+# ---------------------------------------------------------------- runtime
+
+
+def to_runtime(tree: dict[str, Any], asked: str, dtype: Any, device: Any = None) -> dict[str, Any]:
+    """Stored stage arrays -> runtime params (as weights.to_runtime makes them), tensor by tensor.
+
+    Float formats: [in, out] arrays in `dtype`. int8 / q4: QTensors, built from the
+    stored levels when their grid matches (an int8 head under q4, as weights.to_runtime
+    does), else quantised (or requantised) from the dequantised tensor. The embedding
+    stays float for row lookup; a tied last stage's head is the embedding's levels.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    def put(a: Any) -> Any:
+        return jax.device_put(jnp.asarray(a, dtype), device) if device else jnp.asarray(a, dtype)
+
+    def put_q(qt: quant.QTensor) -> Any:
+        return jax.device_put(qt, device) if device else jax.tree.map(jnp.asarray, qt)
+
+    def matrix(key: str, stored: dict[str, np.ndarray]) -> Any:
+        if asked in ("f32", "bf16"):
+            return put(np.ascontiguousarray(to_float(stored).T))
+        return put_q(runtime_qtensor(stored, 4 if asked == "q4" and key != "head" else 8))
+
+    out: dict[str, Any] = {}
+    if "embed" in tree:
+        out["embed"] = put(to_float(tree["embed"]))
+    if "norm" in tree:
+        out["norm"] = put(tree["norm"])
+    if "head" in tree:
+        out["head"] = matrix("head", tree["head"])
+    elif "norm" in tree and asked in ("int8", "q4"):
+        out["head"] = matrix("head", tree["embed"])
+    out["layers"] = tuple({k: matrix(k, v) if isinstance(v, dict) else put(v) for k, v in tree["layers"][i].items()}
+                          for i in sorted(tree["layers"], key=int))
+    return out
+
+
+def runtime_qtensor(stored: dict[str, np.ndarray], bits: int) -> quant.QTensor:
+    """A stored [out, in] matrix -> the kernel's packed [in, out] QTensor of `bits`."""
+    if "q" not in stored:
+        return quant.to_qtensor(np.ascontiguousarray(to_float(stored).T), bits=bits)
+    e = grid(stored)
+    if e.fmt == "q4" and bits == 8:
+        e = Encoded("int8", e.q.astype(np.int8), e.d, e.m)        # 0..15 are int8 levels: exact
+    if (e.fmt == "q4") != (bits == 4):
+        return quant.to_qtensor(np.ascontiguousarray(dequantize_grid(e).T), bits=bits)
+    return quant.pack(e.q.T, e.d.T.astype(np.float32), e.m.T.astype(np.float32), bits=bits)
+
+
+def load_stage(model_dir: Path, cfg: ModelConfig, start: int, end: int, asked: str, dtype: Any,
+               device: Any = None) -> dict[str, Any]:
+    """Runtime params of a stage [start, end) in format `asked`."""
+    stored = stored_weights(model_dir)
+    check_runnable(stored, asked)
+    if _manifest(Path(model_dir) / "params") is None:     # older single f32 PyTree
+        tree = weights.restore_params(Path(model_dir) / "params", cfg, start, end)
+        return weights.to_runtime(tree, dtype, device, None if asked in ("f32", "bf16") else asked)
+    return to_runtime(restore_stage(model_dir, cfg, start, end), asked, dtype, device)

@@ -1,10 +1,14 @@
 """Import a GGUF file or an HF safetensors directory into our layout:
 
     OUT/model.json           frozen ModelConfig
-    OUT/params/              orbax checkpoint (layers keyed by index; partial restore)
+    OUT/params/              orbax items, one per layer and per row block of the embedding /
+                             head, in the --weights format (checkpoint.py); stages restore their own
     OUT/tokenizer.json       `tokenizers` tokenizer
     OUT/tokenizer_meta.json  chat template, special ids
     OUT/source.json          what it came from and the model digest
+
+Conversion streams: one tensor in, one tensor out (the embedding and head in
+blocks of rows), so peak memory is about one layer, whatever the model size.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 from loguru import logger
@@ -20,7 +24,8 @@ from tqdm import tqdm
 
 from skippy_zmq.config import ModelConfig
 from skippy_zmq.fetch import sha256_file
-from skippy_zmq.model import weights
+from skippy_zmq.model import sources, weights
+from skippy_zmq.model.checkpoint import CheckpointError, CheckpointWriter, Encoded
 # The families and their config reading live in model/families.py; imported here for callers of convert.
 from skippy_zmq.model.families import (ConvertError, GGUF_ARCHS, SUPPORTED_HF_TYPES,  # noqa: F401
                                        gguf_model_config, hf_model_config)
@@ -56,53 +61,50 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def to_checkpoint_tree(cfg: ModelConfig, get: Callable[[str, str], np.ndarray | None],
-                       unpermute: bool) -> dict[str, Any]:
-    """Assemble our tree from a lookup `get(kind, our_key)`; kind is 'top' or a layer index.
+def _unpermuted(w: np.ndarray | Encoded, n_heads: int) -> np.ndarray | Encoded:
+    """unpermute_rows for a float tensor or an exact grid (levels and scales: it moves whole rows)."""
+    if isinstance(w, Encoded):
+        return Encoded(w.fmt, *(unpermute_rows(a, n_heads) for a in (w.q, w.d, w.m)))
+    return unpermute_rows(w, n_heads)
 
-    Linear weights arrive as [out, in] (PyTorch / GGUF numpy order) and are stored [in, out].
+
+def stream_checkpoint(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, str], str],
+                      writer: CheckpointWriter, unpermute: bool) -> None:
+    """Read tensor by tensor (the embedding and head in row blocks) from `src` into `writer`.
+
+    `src` is a sources.SafetensorsSource or GGUFSource; `name_of(where, key)` names our key
+    there (where: "top" or a layer index). Tensors arrive [out, in] and go in that way.
     """
-    shapes = weights.param_shapes(cfg)
-    tree: dict[str, Any] = {"layers": {}}
-    for key in shapes:
-        if key == "layers":
-            continue
-        w = get("top", key)
-        if w is None:
-            raise ConvertError(f"missing tensor {TOP_NAMES[key][0]!r} / {TOP_NAMES[key][1]!r}")
-        tree[key] = w.T if key == "head" else w
-    for i, layer_shapes in shapes["layers"].items():
+    def need(where: str | int, key: str) -> str:
+        name = name_of(where, key)
+        if src.shape(name) is None:
+            raise ConvertError(f"missing tensor {name!r} (our {key}{'' if where == 'top' else f' of layer {where}'})")
+        return name
+
+    heads = {"wq": cfg.n_heads, "bq": cfg.n_heads, "wk": cfg.n_kv_heads, "bk": cfg.n_kv_heads}
+    progress = tqdm(total=cfg.n_layers + 2, desc=f"convert {cfg.name}", unit="item")
+    writer.add_top("norm", src.read(need("top", "norm")))
+    for key in ("embed",) + (() if cfg.tied_embeddings else ("head",)):
+        name = need("top", key)
+        for r in range(0, cfg.vocab_size, writer.rows_per_block):
+            writer.add_rows(key, r, src.read(name, r, r + writer.rows_per_block))
+        progress.update(1)
+    for i in range(cfg.n_layers):
         layer = {}
-        for key in layer_shapes:
-            w = get(i, key)
-            if w is None:
-                raise ConvertError(f"missing tensor for layer {i}: {key} "
-                                   f"(GGUF blk.{i}.{LAYER_NAMES[key][0]}, HF model.layers.{i}.{LAYER_NAMES[key][1]})")
-            if unpermute and key in ("wq", "bq"):
-                w = unpermute_rows(w, cfg.n_heads)
-            elif unpermute and key in ("wk", "bk"):
-                w = unpermute_rows(w, cfg.n_kv_heads)
-            layer[key] = np.ascontiguousarray(w.T) if w.ndim == 2 else w
-        tree["layers"][i] = layer
-    _check_shapes(tree, shapes)
-    return tree
-
-
-def _check_shapes(tree: dict[str, Any], shapes: dict[str, Any], path: str = "") -> None:
-    for key, want in shapes.items():
-        got = tree[key]
-        if isinstance(want, dict):
-            _check_shapes(got, want, f"{path}{key}.")
-        elif tuple(got.shape) != tuple(want):
-            raise ConvertError(f"tensor {path}{key} has shape {tuple(got.shape)}, expected {tuple(want)}")
+        for key in weights.layer_shapes(cfg):
+            w = src.read(need(i, key))
+            layer[key] = _unpermuted(w, heads[key]) if unpermute and key in heads else w
+        writer.add_layer(i, layer)
+        progress.update(1)
+    progress.close()
 
 
 # ---------------------------------------------------------------- GGUF
 
 
-def convert_gguf(path: Path, out: Path) -> ModelConfig:
+def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
+    """GGUF -> our checkpoint in `fmt`; Q4_0 / Q4_1 / Q8_0 blocks keep their levels when `fmt` holds them."""
     import gguf
-    from gguf import quants
 
     from skippy_zmq.model.tokenizer import TextTokenizer, tokenizer_from_gguf
 
@@ -117,73 +119,53 @@ def convert_gguf(path: Path, out: Path) -> ModelConfig:
     except Exception as exc:  # the reader raises assorted errors on truncated files
         raise ConvertError(f"{path}: cannot read GGUF: {exc}") from exc
     cfg = gguf_model_config(reader, name=path.stem)
-    tensors = {t.name: t for t in reader.tensors}
-    progress = tqdm(total=len(tensors), desc=f"convert {path.name}", unit="tensor")
 
-    def get(where: str, key: str) -> np.ndarray | None:
-        name = TOP_NAMES[key][0] if where == "top" else f"blk.{where}.{LAYER_NAMES[key][0]}"
-        t = tensors.get(name)
-        if t is None:
-            return None
-        try:
-            w = quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError as exc:
-            raise ConvertError(f"tensor {name}: cannot dequantise type {t.tensor_type.name}") from exc
-        progress.update(1)
-        return np.asarray(w, np.float32)
+    def name_of(where: str | int, key: str) -> str:
+        return TOP_NAMES[key][0] if where == "top" else f"blk.{where}.{LAYER_NAMES[key][0]}"
 
-    tree = to_checkpoint_tree(cfg, get, unpermute=cfg.arch == "llama")
-    progress.close()
-    TextTokenizer(*tokenizer_from_gguf(reader)).save(out)
-    _write(out, cfg, tree, {"format": "gguf", "file": path.name, "sha256": sha256_file(path)})
+    source = {"format": "gguf", "file": path.name, "weights": fmt, "sha256": sha256_file(path)}
+    _convert(cfg, sources.GGUFSource(path, reader), name_of, out, fmt, cfg.arch == "llama", source,
+             lambda: TextTokenizer(*tokenizer_from_gguf(reader)).save(out))
     return cfg
 
 
 # ---------------------------------------------------------------- HF safetensors
 
 
-def _hf_tensors(directory: Path) -> Iterator[tuple[str, np.ndarray]]:
-    from safetensors import safe_open
-
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ConvertError(f"{directory}: no *.safetensors files")
-    for file in files:
-        # The flax framework reads bf16, which numpy alone cannot.
-        with safe_open(str(file), framework="flax") as f:
-            for name in f.keys():
-                yield name, np.asarray(f.get_tensor(name), np.float32)
-
-
-def convert_hf(directory: Path, out: Path) -> ModelConfig:
+def convert_hf(directory: Path, out: Path, fmt: str = "f32") -> ModelConfig:
+    """HF safetensors directory (f32, f16 or bf16) -> our checkpoint in `fmt`."""
     from skippy_zmq.model.tokenizer import TextTokenizer
 
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise ConvertError(f"{directory}: no config.json (expected an HF model directory)")
     cfg = hf_model_config(json.loads((directory / "config.json").read_text()), name=directory.name)
-    tensors = dict(tqdm(_hf_tensors(directory), desc=f"read {directory.name}", unit="tensor"))
+    try:
+        src = sources.SafetensorsSource(directory)
+    except sources.SourceError as exc:
+        raise ConvertError(str(exc)) from exc
 
-    def get(where: str, key: str) -> np.ndarray | None:
-        name = TOP_NAMES[key][1] if where == "top" else f"model.layers.{where}.{LAYER_NAMES[key][1]}"
-        return tensors.get(name)
+    def name_of(where: str | int, key: str) -> str:
+        return TOP_NAMES[key][1] if where == "top" else f"model.layers.{where}.{LAYER_NAMES[key][1]}"
 
-    tree = to_checkpoint_tree(cfg, get, unpermute=False)
     digest = hashlib.sha256()
-    for file in sorted(directory.glob("*.safetensors")):
+    for file in src.files:
         digest.update(sha256_file(file).encode())
-    TextTokenizer.from_hf_dir(directory).save(out)
-    _write(out, cfg, tree, {"format": "hf", "dir": str(directory), "sha256": digest.hexdigest()})
+    source = {"format": "hf", "dir": str(directory), "weights": fmt, "sha256": digest.hexdigest()}
+    _convert(cfg, src, name_of, out, fmt, False, source, lambda: TextTokenizer.from_hf_dir(directory).save(out))
     return cfg
 
 
-def _write(out: Path, cfg: ModelConfig, tree: dict[str, Any], source: dict[str, Any]) -> None:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    logger.info("writing orbax checkpoint to {}", out / "params")
-    weights.save_params(out / "params", tree)
-    (out / "source.json").write_text(json.dumps(source, indent=2) + "\n")
-    cfg.save(out / "model.json")   # written last: its presence means the conversion finished
+def _convert(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, str], str], out: Path, fmt: str,
+             unpermute: bool, source: dict[str, Any], save_tokenizer: Callable[[], None]) -> None:
+    try:
+        writer = CheckpointWriter(out, cfg, fmt)
+        logger.info("writing a {} orbax checkpoint to {}, item by item", fmt, Path(out) / "params")
+        stream_checkpoint(cfg, src, name_of, writer, unpermute)
+        save_tokenizer()
+        writer.finish(source)   # model.json last: its presence means the conversion finished
+    except (CheckpointError, sources.SourceError) as exc:
+        raise ConvertError(str(exc)) from exc
 
 
 def model_digest(model_dir: Path) -> str:
