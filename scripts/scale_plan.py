@@ -127,8 +127,13 @@ def total_weights(s: Shape) -> int:
             + (0 if s.tied else emb))
 
 
-def _placement_fn(name: str) -> Any:
-    return getattr(_placement, name, None) if _placement is not None else None
+def model_config(s: Shape) -> Any:
+    """The shape as the runtime's ModelConfig (for skippy_zmq.placement)."""
+    from skippy_zmq.config import ModelConfig
+
+    return ModelConfig(arch="llama", n_layers=s.n_layers, d_model=s.d_model, n_heads=s.n_heads,
+                       n_kv_heads=s.n_kv_heads, head_dim=s.head_dim, ffn_dim=s.ffn_dim, vocab_size=s.vocab_size,
+                       rope_theta=500000.0, norm_eps=1e-5, tied_embeddings=s.tied, max_seq_len=131072)
 
 
 def kv_bytes_per_token_per_layer(s: Shape, kv_bytes: int) -> int:
@@ -136,13 +141,10 @@ def kv_bytes_per_token_per_layer(s: Shape, kv_bytes: int) -> int:
     return 2 * s.kv_width * kv_bytes
 
 
-def kv_bytes(s: Shape, layers: int, tokens: int, kv_bytes_per_value: int) -> int:
-    fn = _placement_fn("kv_bytes")
-    if fn is not None:
-        try:
-            return int(fn(s, layers, tokens, kv_bytes_per_value))
-        except TypeError:
-            pass
+def kv_bytes(s: Shape, layers: int, tokens: int, kv_bytes_per_value: int, own: bool = False) -> int:
+    """KV of `tokens` positions over `layers` layers (placement.kv_bytes when it is there)."""
+    if _placement is not None and not own:
+        return int(_placement.kv_bytes(model_config(s), layers, tokens, 1, {4: "f32", 2: "bf16"}[kv_bytes_per_value]))
     return layers * tokens * kv_bytes_per_token_per_layer(s, kv_bytes_per_value)
 
 
@@ -155,34 +157,51 @@ class Mode:
     head_bpw: float
     embed_bpw: float
     note: str
+    runtime: tuple[str, str] | None = None   # (placement format, dtype) for a mode today's runtime runs
 
 
 MODES = {
     "gguf_q4_1": Mode("Q4_1 GGUF on disk", BPW["gguf_q4_1"], BPW["gguf_q4_1"], BPW["gguf_q4_1"],
                       "every matrix in Q4_1 blocks (0.625 B/weight); norms f32"),
+    "q4_ckpt": Mode("q4 checkpoint on disk (model/checkpoint.py v2)", BPW["q4_f16_scales"], BPW["int8_f16_scales"],
+                    BPW["int8_f16_scales"], "layers q4 + f16 d, m (0.625 B/w); embedding and head int8 + f16 d, m "
+                    "(1.125 B/w)"),
     "q4_now": Mode("q4 runtime, f32 scales (current)", BPW["q4_f32_scales"], BPW["int8_f32_scales"], BPW["f32"],
-                   "layers q4 0.75 B/w, head int8 1.25 B/w, embedding f32 (a float32 stage keeps it float)"),
+                   "layers q4 0.75 B/w, head int8 1.25 B/w, embedding f32 (a float32 stage keeps it float)",
+                   ("q4", "float32")),
     "q4_f16": Mode("q4 runtime, f16 scales (in progress)", BPW["q4_f16_scales"], BPW["int8_f16_scales"],
                    BPW["f32"], "layers q4 0.625 B/w, head int8 1.125 B/w, embedding f32"),
-    "bf16": Mode("bf16 runtime", BPW["bf16"], BPW["bf16"], BPW["bf16"], "every matrix bf16 (2 B/w); norms f32"),
+    "bf16": Mode("bf16 runtime", BPW["bf16"], BPW["bf16"], BPW["bf16"], "every matrix bf16 (2 B/w); norms bf16",
+                 ("f32", "bfloat16")),
 }
 
 
-def layer_bytes(s: Shape, mode: Mode) -> float:
-    fn = _placement_fn("layer_bytes")
-    if fn is not None:
-        try:
-            return float(fn(s, mode.name))
-        except (TypeError, ValueError, KeyError):
-            pass
-    return layer_weights(s) * mode.layer_bpw + norm_weights_per_layer(s) * 4
+def _runtime(mode: Mode, own: bool) -> tuple[str, str] | None:
+    return mode.runtime if (_placement is not None and mode.runtime and not own) else None
 
 
-def head_bytes(s: Shape, mode: Mode) -> float:
+def norm_bpw(mode: Mode) -> float:
+    return 2.0 if mode.runtime == ("f32", "bfloat16") else 4.0   # norms take a bf16 stage's dtype
+
+
+def layer_bytes(s: Shape, mode: Mode, own: bool = False) -> float:
+    rt = _runtime(mode, own)
+    if rt:
+        return float(_placement.layer_bytes(model_config(s), *rt))
+    return layer_weights(s) * mode.layer_bpw + norm_weights_per_layer(s) * norm_bpw(mode)
+
+
+def head_bytes(s: Shape, mode: Mode, own: bool = False) -> float:
+    rt = _runtime(mode, own)
+    if rt:
+        return float(_placement.tensor_nbytes("head", (s.d_model, s.vocab_size), *rt))
     return s.vocab_size * s.d_model * mode.head_bpw
 
 
-def embed_bytes(s: Shape, mode: Mode) -> float:
+def embed_bytes(s: Shape, mode: Mode, own: bool = False) -> float:
+    rt = _runtime(mode, own)
+    if rt:
+        return float(_placement.tensor_nbytes("embed", (s.vocab_size, s.d_model), *rt))
     return s.vocab_size * s.d_model * mode.embed_bpw
 
 
@@ -190,7 +209,7 @@ def model_bytes(s: Shape, mode: Mode) -> float:
     """Resident weight bytes of the whole model (a tied model's runtime head is a second, quantised copy
     under q4; on disk and in bf16 it is the embedding itself)."""
     head = head_bytes(s, mode) if (not s.tied or mode.head_bpw != mode.embed_bpw) else 0.0
-    return s.n_layers * layer_bytes(s, mode) + s.d_model * 4 + embed_bytes(s, mode) + head
+    return s.n_layers * layer_bytes(s, mode) + s.d_model * norm_bpw(mode) + embed_bytes(s, mode) + head
 
 
 # ------------------------------------------------------------------ the split
@@ -210,8 +229,8 @@ def stage_layout(s: Shape, mode: Mode, layers: list[int]) -> list[dict[str, Any]
         if i == 0:
             resident += embed_bytes(s, mode)
         if i == n - 1:
-            resident += head_bytes(s, mode) + s.d_model * 4
-            read += head_bytes(s, mode) + s.d_model * 4
+            resident += head_bytes(s, mode) + s.d_model * norm_bpw(mode)
+            read += head_bytes(s, mode) + s.d_model * norm_bpw(mode)
         rows.append({"stage": f"s{i}", "layers": f"[{start}, {end})", "n_layers": count,
                      "resident_bytes": resident, "read_bytes_per_token": read})
         start = end
@@ -289,6 +308,10 @@ def plan(s: Shape = LLAMA_70B, n_stages: int = 8) -> dict[str, Any]:
                   "per_stage_per_1k_tokens": kv_bytes(s, per_stage_layers, 1024, b),
                   "whole_model_per_1k_tokens": kv_bytes(s, s.n_layers, 1024, b)}
                  for name, b in (("f32", 4), ("bf16", 2))]
+    out["kv_arenas"] = [{"kv_dtype": name, "lanes": lanes, "capacity": cap,
+                         "per_stage_bytes": kv_bytes(s, per_stage_layers, lanes * cap, b)}
+                        for lanes, cap in ((1, 8192), (8, 8192), (32, 2048), (1, 131072)) for name, b in
+                        (("f32", 4), ("bf16", 2))]
     out["timing"] = timing(s, n_stages)
     return out
 
@@ -375,15 +398,14 @@ def markdown(p: dict[str, Any]) -> str:
                       [[t["mode"], f"{m.layer_bpw:g} / {m.head_bpw:g} / {m.embed_bpw:g}", _gb(t["layer_bytes"]),
                         _gb(t["model_bytes"]), t["note"]] for t, m in zip(p["totals"], MODES.values())]))
     out.append("")
-    out.append(f"### Per host, even split {p['split_even']} (GB)")
+    out.append(f"### Per host, even split {p['split_even']}: GB held / GB read per decoded token")
     lay = p["layouts"]
-    hdr = ["stage", "layers"] + [f"{MODES[k].name}: resident / read per token" for k in ("gguf_q4_1", "q4_now",
-                                                                                         "q4_f16", "bf16")]
+    cols = ("gguf_q4_1", "q4_ckpt", "q4_now", "q4_f16", "bf16")
+    hdr = ["stage", "layers"] + [f"{MODES[k].name}" for k in cols]
     rows = []
     for i, r in enumerate(lay["q4_now"]):
         rows.append([r["stage"], r["layers"]] + [f"{_gb(lay[k][i]['resident_bytes'])} / "
-                                                 f"{_gb(lay[k][i]['read_bytes_per_token'])}"
-                                                 for k in ("gguf_q4_1", "q4_now", "q4_f16", "bf16")])
+                                                 f"{_gb(lay[k][i]['read_bytes_per_token'])}" for k in cols])
     out.append(_table(hdr, rows))
     out.append("")
     bal = p["layout_balanced_q4_now"]
@@ -404,6 +426,13 @@ def markdown(p: dict[str, Any]) -> str:
                         f"{r['per_stage_per_1k_tokens']:,} ({r['per_stage_per_1k_tokens'] / 2**20:g} MiB)",
                         f"{r['whole_model_per_1k_tokens']:,} ({r['whole_model_per_1k_tokens'] / 2**30:g} GiB)"]
                        for r in p["kv"]]))
+    out.append("")
+    out.append("KV arena per stage (preallocated: lanes × capacity positions, 10 layers):")
+    out.append("")
+    out.append(_table(["lanes × capacity", "f32 (GiB)", "bf16 (GiB)"],
+                      [[f"{a['lanes']} × {a['capacity']:,}", f"{a['per_stage_bytes'] / 2**30:g}",
+                        f"{b['per_stage_bytes'] / 2**30:g}"]
+                       for a, b in zip(p["kv_arenas"][::2], p["kv_arenas"][1::2])]))
     out.append("")
     out.append(f"### Time per token (hop model; bf16 wire; KV read at {CONTEXT} tokens of context; "
                "byte-balanced split)")

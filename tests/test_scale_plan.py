@@ -26,7 +26,22 @@ def test_70b_weights_and_bytes(sp):
     q4 = sp.model_bytes(s, sp.MODES["gguf_q4_1"])
     assert q4 == pytest.approx((70_553_706_496 - 1_318_912) * 0.625 + 1_318_912 * 4)
     assert sp.BPW["q4_f32_scales"] == 0.75 and sp.BPW["q4_f16_scales"] == 0.625
-    assert sp.model_bytes(s, sp.MODES["bf16"]) == pytest.approx((70_553_706_496 - 1_318_912) * 2 + 1_318_912 * 4)
+    assert sp.model_bytes(s, sp.MODES["bf16"]) == pytest.approx(70_553_706_496 * 2)
+    # today's runtime q4: 16 B of levels + f32 scale and offset per 32 weights; head int8; norms f32
+    assert sp.layer_bytes(s, sp.MODES["q4_now"]) == 855_638_016 * 0.75 + 2 * 8192 * 4
+
+
+def test_own_formulas_match_placement(sp):
+    """Where skippy_zmq/placement.py exists the script uses it; its own fallback must give the same bytes."""
+    if sp._placement is None:
+        pytest.skip("skippy_zmq/placement.py not in this tree")
+    s = sp.LLAMA_70B
+    for key in ("q4_now", "bf16"):
+        m = sp.MODES[key]
+        assert sp.layer_bytes(s, m) == sp.layer_bytes(s, m, own=True)
+        assert sp.head_bytes(s, m) == sp.head_bytes(s, m, own=True)
+        assert sp.embed_bytes(s, m) == sp.embed_bytes(s, m, own=True)
+    assert sp.kv_bytes(s, 10, 1024, 4) == sp.kv_bytes(s, 10, 1024, 4, own=True)
 
 
 def test_wire_and_kv(sp):
