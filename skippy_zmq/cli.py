@@ -75,13 +75,40 @@ def sampling_from_args(args: argparse.Namespace) -> Any:
                           min_p=args.min_p, seed=args.seed)
 
 
+def token_ids(text: str) -> list[int]:
+    """'1,2,3' -> [1, 2, 3] (token ids; 0 allowed); an argparse type."""
+    try:
+        ids = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative token ids, got {text!r}")
+    return ids
+
+
+def check_prompt_args(args: argparse.Namespace) -> None:
+    """Exactly one prompt: the TEXT argument or --prompt-ids."""
+    if (args.text is None) == (args.prompt_ids is None):
+        raise SystemExit("generate: give the prompt as TEXT or as --prompt-ids 1,2,3 (one of the two)")
+
+
 def prompt_ids_from_args(tokenizer: Any, args: argparse.Namespace) -> list[int]:
+    """--prompt-ids as given (no template, no BOS); TEXT raw, or in the model's chat template."""
+    if args.prompt_ids is not None:
+        bad = [t for t in args.prompt_ids if t >= tokenizer.vocab_size]
+        if bad:
+            raise SystemExit(f"--prompt-ids: {bad[0]} is not a token id (vocabulary of {tokenizer.vocab_size})")
+        return list(args.prompt_ids)
     if args.raw:
         return tokenizer.encode(args.text, add_bos=False)
+    if not tokenizer.meta.get("chat_template"):
+        raise SystemExit("this model has no chat template (a random-weight model, for one): "
+                         "use --raw TEXT or --prompt-ids")
     return tokenizer.encode_chat([{"role": "user", "content": args.text}])
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    check_prompt_args(args)
     sampling = sampling_from_args(args)
     if args.topology:
         from skippy_zmq.driver.main import generate_with_pipeline
@@ -203,7 +230,9 @@ def add_convert_parser(sub: Any) -> None:
 
 def add_generate_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text (single process, or --topology T --spawn)")
-    p.add_argument("text")
+    p.add_argument("text", nargs="?", default=None, help="the prompt (or give --prompt-ids)")
+    p.add_argument("--prompt-ids", type=token_ids, default=None,
+                   help="the prompt as token ids, e.g. 1,2,3 (used as given: no chat template, no BOS)")
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--topology", default=None, help="run through a pipeline topology")
     p.add_argument("--spawn", action="store_true", help="start the topology's stages, then stop them")
@@ -293,6 +322,38 @@ def add_bench_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+def cmd_random_model(args: argparse.Namespace) -> int:
+    import resource
+
+    from skippy_zmq.model.random_model import RandomModelError, RandomSpec, write_random_model
+
+    t0 = time.perf_counter()
+    try:
+        spec = RandomSpec(args.shape, args.seed, args.weights, args.layers)
+        cfg = write_random_model(spec, Path(args.out), args.gguf)
+    except RandomModelError as exc:
+        logger.error("random-model failed: {}", exc)
+        return 1
+    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    logger.info("wrote {} ({} layers, {} weights{}) into {} in {:.1f} s, peak RSS {:.2f} GiB", spec.name,
+                cfg.n_layers, args.weights, ", model.gguf" if args.gguf else "", args.out,
+                time.perf_counter() - t0, peak_gib)
+    return 0
+
+
+def add_random_model_parser(sub: Any) -> None:
+    from skippy_zmq.model.random_model import SHAPES, WEIGHT_FORMATS   # numpy only: the parser stays quick
+
+    p = sub.add_parser("random-model", help="a model of a real shape with random weights (and its GGUF)")
+    p.add_argument("--shape", required=True, choices=list(SHAPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weights", default="q4", choices=WEIGHT_FORMATS, help="checkpoint format (default q4)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--gguf", default=None, choices=["q4_1"], help="also write OUT/model.gguf, the same weights")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (fast tests)")
+    p.set_defaults(func=cmd_random_model)
+
+
 # One function a subcommand, so each command's flags live beside each other and nothing else.
 SUBCOMMAND_PARSERS = (
     add_fetch_model_parser,
@@ -306,6 +367,7 @@ SUBCOMMAND_PARSERS = (
     add_restart_stage_parser,
     add_chaos_parser,
     add_bench_parser,
+    add_random_model_parser,
 )
 
 

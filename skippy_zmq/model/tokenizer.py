@@ -85,8 +85,12 @@ def _build_bpe(tokens: list[str], merges: list[str], pre: str) -> Tokenizer:
 def tokenizer_from_gguf(reader: gguf.GGUFReader) -> tuple[Tokenizer, dict[str, Any]]:
     """Build the `tokenizers` pipeline and the metadata dict from a GGUF reader."""
     model = _field(reader, "tokenizer.ggml.model")
+    if model == "no_vocab":
+        # A GGUF without a vocabulary (random-weight models): the words <t0> ... <tV-1>.
+        arch = _field(reader, "general.architecture")
+        return word_level_tokenizer(int(_field(reader, f"{arch}.vocab_size")))
     if model != "gpt2":
-        raise ValueError(f"unsupported tokenizer.ggml.model {model!r} (supported: gpt2)")
+        raise ValueError(f"unsupported tokenizer.ggml.model {model!r} (supported: gpt2, no_vocab)")
     pre = _field(reader, "tokenizer.ggml.pre", "default")
     _pre_tokenizer(pre)  # fail on an unknown pre-tokenizer before the heavy work
     tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
@@ -109,6 +113,21 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> tuple[Tokenizer, dict[str, A
         "chat_template": str(_field(reader, "tokenizer.chat_template", "")),
         "pre": pre,
     }
+    return tokenizer, meta
+
+
+def word_level_tokenizer(vocab_size: int) -> tuple[Tokenizer, dict[str, Any]]:
+    """The words `<t0> ... <tV-1>`, split on whitespace, each its own id; each decodes to its word
+    and a space (so streamed tokens stay apart; encode(decode(ids)) == ids).
+
+    An unknown word is an error (there is no unknown token). No BOS, no EOS, no chat template.
+    """
+    vocab = {f"<t{i}>": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.Replace(">", "> ")
+    meta = {"bos_id": -1, "eos_id": -1, "eos_ids": [], "pad_id": -1, "unk_id": -1, "add_bos": False,
+            "chat_template": "", "pre": "words"}
     return tokenizer, meta
 
 

@@ -1,0 +1,286 @@
+"""Random-weight models of real shapes, written straight into our layout (and, on request, a GGUF).
+
+    skippy-zmq random-model --shape llama-3.1-8b --seed 0 --weights q4 --out DIR [--gguf q4_1] [--layers N]
+
+Speed and memory at scale need models of the real sizes, not their knowledge: a
+Llama-3.1-8B-shaped model with random weights runs every matmul an 8B model runs.
+No HF checkpoint is made on the way; tensors are generated one at a time (seeded
+by the tensor's name, so order does not matter) and written to our checkpoint
+and, with `--gguf q4_1`, to DIR/model.gguf as they come, so an 8B model is made in
+a few GiB of memory.
+
+The 2-D weights are generated as GGUF Q4_1 blocks (32 weights: levels 0..15, an
+f16 scale d and an f16 offset m), so the checkpoint and the GGUF hold the very
+same weights and llama.cpp runs exactly what we run. Every block uses both level
+0 and level 15, so its min/max grid is its own: any requantisation (q4 or int8
+min/max grids) reproduces it. Statistics: weights ~ N(0, 0.02)-like (std
+INIT_STD), norms 1 + small noise, biases small; activations stay O(1) through
+the layers.
+
+Tokenizer: a word-level vocabulary `<t0> ... <tV-1>` (whitespace-separated
+words -> their ids; decode gives the words back). No chat template, no BOS or
+EOS: generation runs to max tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+BLOCK = 32            # weights per Q4_1 block
+INIT_STD = 0.02       # std of the 2-D weights (levels uniform in 0..15 have std 4.61)
+LEVEL_STD = float(np.sqrt((16 ** 2 - 1) / 12))
+WEIGHT_FORMATS = ("f32", "bf16", "int8", "q4")   # checkpoint.FORMATS (not imported: the CLI parser stays light)
+GENERATOR_VERSION = 1  # part of the digest: bump when the weights a (shape, seed) gives change
+
+_LLAMA3 = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+
+
+def _llama(hidden: int, layers: int, heads: int, ffn: int, tied: bool, factor: float | None,
+           theta: float = 500000.0, vocab: int = 128256, max_pos: int = 131072, head_dim: int | None = None,
+           eps: float = 1e-5) -> dict[str, Any]:
+    cfg = {"model_type": "llama", "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": 8, "head_dim": head_dim or hidden // heads, "intermediate_size": ffn,
+           "vocab_size": vocab, "tie_word_embeddings": tied, "rope_theta": theta, "rms_norm_eps": eps,
+           "max_position_embeddings": max_pos, "hidden_act": "silu"}
+    if factor is not None:
+        cfg["rope_scaling"] = dict(_LLAMA3, factor=factor)
+    return cfg
+
+
+def _qwen(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, tied: bool,
+          vocab: int = 151936) -> dict[str, Any]:
+    return {"model_type": "qwen2", "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": hidden // heads, "intermediate_size": ffn,
+            "vocab_size": vocab, "tie_word_embeddings": tied, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 32768, "hidden_act": "silu"}
+
+
+# The real models' config.json values (HF layout), less their vocabularies' contents.
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": _llama(2048, 16, 32, 8192, tied=True, factor=32.0),
+    "llama-3.2-3b": _llama(3072, 28, 24, 8192, tied=True, factor=32.0),
+    "llama-3.1-8b": _llama(4096, 32, 32, 14336, tied=False, factor=8.0),
+    "qwen2.5-0.5b": _qwen(896, 24, 14, 2, 4864, tied=True),
+    "qwen2.5-1.5b": _qwen(1536, 28, 12, 2, 8960, tied=True),
+    "qwen2.5-7b": _qwen(3584, 28, 28, 4, 18944, tied=False, vocab=152064),
+    # Mistral-7B-v0.3: the llama architecture, 32768 tokens, no rope scaling.
+    "mistral-7b": _llama(4096, 32, 32, 14336, tied=False, factor=None, theta=1000000.0, vocab=32768,
+                         max_pos=32768) | {"model_type": "mistral"},
+}
+
+
+class RandomModelError(ValueError):
+    """A random model cannot be made as asked; the message says why."""
+
+
+@dataclass(frozen=True)
+class RandomSpec:
+    """What a random model is: the shape's config (layers possibly cut), the seed and the weight format."""
+
+    shape: str
+    seed: int = 0
+    weights: str = "q4"
+    layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.shape not in SHAPES:
+            raise RandomModelError(f"unknown shape {self.shape!r} (known: {', '.join(SHAPES)})")
+        full = SHAPES[self.shape]["num_hidden_layers"]
+        if self.layers is not None and not 1 <= self.layers <= full:
+            raise RandomModelError(f"--layers must be in 1..{full} for {self.shape}, got {self.layers}")
+
+    @property
+    def hf_config(self) -> dict[str, Any]:
+        cfg = dict(SHAPES[self.shape])
+        if self.layers is not None:
+            cfg["num_hidden_layers"] = self.layers
+        return cfg
+
+    @property
+    def name(self) -> str:
+        return f"random-{self.shape}-L{self.hf_config['num_hidden_layers']}-s{self.seed}-{self.weights}"
+
+    def digest(self) -> str:
+        """The model's identity (prefix-cache keys): shape, layers, seed, format and generator version."""
+        ident = {"shape": self.shape, "config": self.hf_config, "seed": self.seed, "weights": self.weights,
+                 "generator": GENERATOR_VERSION}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- tensors
+
+
+@dataclass
+class Q4Blocks:
+    """A [rows, cols] weight as Q4_1 blocks along cols: W[r, c] = levels[r, c] * d[r, c // 32] + m[r, c // 32]."""
+
+    levels: np.ndarray   # uint8 [rows, cols], 0..15
+    d: np.ndarray        # float16 [rows, cols // 32]
+    m: np.ndarray        # float16 [rows, cols // 32]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.levels.shape   # type: ignore[return-value]
+
+    def dequantize(self) -> np.ndarray:
+        rows, cols = self.shape
+        w = self.levels.reshape(rows, cols // BLOCK, BLOCK).astype(np.float32)
+        w = w * self.d.astype(np.float32)[..., None] + self.m.astype(np.float32)[..., None]
+        return w.reshape(rows, cols)
+
+    def permute_rows(self, order: np.ndarray) -> "Q4Blocks":
+        return Q4Blocks(self.levels[order], self.d[order], self.m[order])
+
+
+def model_config(spec: RandomSpec) -> Any:
+    """The ModelConfig of a spec, read from its HF config the way `convert --hf` reads one."""
+    from skippy_zmq.model.families import hf_model_config
+
+    return hf_model_config(spec.hf_config, name=spec.name)
+
+
+def tensor_rng(seed: int, name: str) -> np.random.Generator:
+    """One generator per (seed, tensor name): a tensor's values do not depend on what was made before it."""
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def random_q4_blocks(rng: np.random.Generator, rows: int, cols: int, std: float = INIT_STD) -> Q4Blocks:
+    """Uniform levels with 0 and 15 in every block; d jittered around std / 4.61; m centres the block near 0."""
+    if cols % BLOCK:
+        raise RandomModelError(f"a q4 weight needs its input width to be a multiple of {BLOCK}, got {cols}")
+    nb = cols // BLOCK
+    levels = rng.integers(0, 16, size=(rows, nb, BLOCK), dtype=np.uint8)
+    low = rng.integers(0, BLOCK, size=(rows, nb, 1))
+    high = (low + rng.integers(1, BLOCK, size=(rows, nb, 1))) % BLOCK     # a different position
+    np.put_along_axis(levels, low, np.uint8(0), axis=2)
+    np.put_along_axis(levels, high, np.uint8(15), axis=2)
+    d = (std / LEVEL_STD) * np.exp(0.1 * rng.standard_normal((rows, nb), dtype=np.float32))
+    d16 = d.astype(np.float16)
+    m = -7.5 * d16.astype(np.float32) + 0.1 * std * rng.standard_normal((rows, nb), dtype=np.float32)
+    return Q4Blocks(levels.reshape(rows, cols), d16, m.astype(np.float16))
+
+
+def random_vector(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
+    """Norm weights 1 + N(0, 0.05); biases N(0, 0.05); float32."""
+    noise = 0.05 * rng.standard_normal(n, dtype=np.float32)
+    return (1.0 + noise) if kind == "norm" else noise
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor to make: where it goes in our tree ("top" or a layer index, key) and its GGUF name/shape."""
+
+    where: str
+    key: str
+    gguf_name: str
+    shape: tuple[int, ...]     # numpy / GGUF order: [out, in] for 2-D
+
+    @property
+    def is_matrix(self) -> bool:
+        return len(self.shape) == 2
+
+
+def tensor_specs(cfg: Any) -> list[TensorSpec]:
+    """Every tensor of a ModelConfig in GGUF order: embedding, the layers, final norm, head (untied)."""
+    from skippy_zmq.model.convert import LAYER_NAMES, TOP_NAMES
+    from skippy_zmq.model.weights import layer_shapes
+
+    specs = [TensorSpec("top", "embed", TOP_NAMES["embed"][0], (cfg.vocab_size, cfg.d_model))]
+    for i in range(cfg.n_layers):
+        for key, ours in layer_shapes(cfg).items():   # ours: [in, out] for 2-D
+            specs.append(TensorSpec(str(i), key, f"blk.{i}.{LAYER_NAMES[key][0]}", tuple(reversed(ours))))
+    specs.append(TensorSpec("top", "norm", TOP_NAMES["norm"][0], (cfg.d_model,)))
+    if not cfg.tied_embeddings:
+        specs.append(TensorSpec("top", "head", TOP_NAMES["head"][0], (cfg.vocab_size, cfg.d_model)))
+    return specs
+
+
+def make_tensor(spec: TensorSpec, seed: int) -> Q4Blocks | np.ndarray:
+    rng = tensor_rng(seed, spec.gguf_name)
+    if spec.is_matrix:
+        return random_q4_blocks(rng, *spec.shape)
+    return random_vector(rng, spec.shape[0], "norm" if spec.key.endswith("norm") else "bias")
+
+
+def random_tensors(cfg: Any, seed: int) -> Iterator[tuple[TensorSpec, Q4Blocks | np.ndarray]]:
+    """(spec, tensor) one at a time, in HF row order (GGUF's Q/K permutation is the GGUF writer's business)."""
+    for spec in tensor_specs(cfg):
+        yield spec, make_tensor(spec, seed)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def word_tokenizer(vocab_size: int) -> Any:
+    """TextTokenizer over `<t0> ... <tV-1>` (tokenizer.word_level_tokenizer)."""
+    from skippy_zmq.model.tokenizer import TextTokenizer, word_level_tokenizer
+
+    return TextTokenizer(*word_level_tokenizer(vocab_size))
+
+
+def token_text(token_id: int) -> str:
+    return f"<t{token_id}>"
+
+
+def ids_text(ids: list[int]) -> str:
+    """The text whose tokens are exactly `ids`."""
+    return " ".join(token_text(i) for i in ids)
+
+
+# ---------------------------------------------------------------- writing
+
+
+def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> Any:
+    """Write OUT/{model.json, params/, tokenizer files, source.json} and, with gguf="q4_1", OUT/model.gguf.
+
+    Tensors are made one at a time and go to both files before the next is made.
+    """
+    from skippy_zmq.model.checkpoint import CheckpointWriter, q4_blocks
+
+    if gguf not in (None, "q4_1"):
+        raise RandomModelError(f"--gguf must be q4_1, got {gguf!r}")
+    out = Path(out)
+    cfg = model_config(spec)
+    specs = tensor_specs(cfg)
+    writer = CheckpointWriter(out, cfg, spec.weights)
+    stream = None
+    if gguf:
+        from skippy_zmq.model.gguf_writer import GGUFStream
+
+        stream = GGUFStream(out / "model.gguf", cfg, specs, spec.name)
+    layer: dict[str, Any] = {}
+    for ts, tensor in random_tensors(cfg, spec.seed):
+        if stream is not None:
+            stream.write(ts, tensor)
+        value = q4_blocks(tensor.levels, tensor.d, tensor.m) if isinstance(tensor, Q4Blocks) else tensor
+        if ts.where != "top":
+            layer[ts.key] = value
+            if len(layer) == len(specs_of_layer(specs, ts.where)):
+                writer.add_layer(int(ts.where), layer)
+                layer = {}
+        elif ts.key == "norm":
+            writer.add_top("norm", value)
+        else:
+            writer.add_top(ts.key, value)   # embed / head: split into row blocks by the writer
+        del tensor, value
+    if stream is not None:
+        stream.close()
+    word_tokenizer(cfg.vocab_size).save(out)
+    source = {"format": "random", "shape": spec.shape, "layers": cfg.n_layers, "seed": spec.seed,
+              "weights": spec.weights, "generator": GENERATOR_VERSION, "sha256": spec.digest()}
+    if gguf:
+        source["file"] = "model.gguf"
+    writer.finish(source)
+    return cfg
+
+
+def specs_of_layer(specs: list[TensorSpec], where: str) -> list[TensorSpec]:
+    return [s for s in specs if s.where == where]
