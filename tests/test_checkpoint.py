@@ -1,0 +1,242 @@
+"""Checkpoints in their serving format: round trips, stage-only restore, exact GGUF levels,
+format errors, the older layout, and conversion memory."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import REPO, TINY
+
+from skippy_zmq.model import checkpoint, quant, sources, weights
+from skippy_zmq.model.checkpoint import CheckpointError, CheckpointWriter
+from skippy_zmq.model.convert import LAYER_NAMES, TOP_NAMES, stream_checkpoint, unpermute_rows
+
+
+def write_tree(out: Path, tree: dict, fmt: str, rows_per_block: int = 40) -> Path:
+    """A checkpoint-layout tree ([in, out] floats) through the writer; 97 rows = blocks of 40, 40, 17."""
+    w = CheckpointWriter(out, TINY, fmt, rows_per_block=rows_per_block)
+    w.add_top("norm", tree["norm"])
+    w.add_top("embed", tree["embed"])
+    for i in range(TINY.n_layers):
+        w.add_layer(i, {k: (v.T if v.ndim == 2 else v) for k, v in tree["layers"][str(i)].items()})
+    w.finish({"format": "test", "sha256": "0" * 64})
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, tiny_tree):
+    """fmt -> a tiny checkpoint stored in fmt (written once per module)."""
+    made = {}
+
+    def get(fmt: str) -> Path:
+        if fmt not in made:
+            made[fmt] = write_tree(tmp_path_factory.mktemp(fmt) / "m", tiny_tree, fmt)
+        return made[fmt]
+    return get
+
+
+def test_stored_formats_cost_what_gguf_blocks_cost():
+    assert checkpoint.stored_nbytes((4096, 4096), "q4") / 4096**2 == 0.625      # Q4_1's 5 bits per weight
+    assert checkpoint.stored_nbytes((4096, 4096), "int8") / 4096**2 == 1.125    # 1 + 4/32
+    assert checkpoint.stored_nbytes((4096, 4096), "bf16") == 2 * 4096**2
+    # runtime: 64-column panels, f32 scale and offset per 32 (0.75 B/weight for q4)
+    assert checkpoint.runtime_nbytes((100, 64), "q4") == 128 * 64 // 2 + 8 * 128 * 2
+    assert checkpoint.runtime_nbytes((100, 64), "q4", "head") == 128 * 64 + 8 * 128 * 2
+    assert checkpoint.runtime_nbytes((97, 64), "int8", "embed") == 97 * 64 * 4
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+def test_float_round_trip(converted, fmt, tiny_tree):
+    path = converted(fmt)
+    _, got = weights.load_slice(path, fmt=fmt)
+    cast = (lambda a: a) if fmt == "f32" else (lambda a: np.asarray(a, ml_dtypes.bfloat16).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(got["embed"]), cast(tiny_tree["embed"]))
+    np.testing.assert_array_equal(np.asarray(got["layers"][2]["w_down"]), cast(tiny_tree["layers"]["2"]["w_down"]))
+    np.testing.assert_array_equal(np.asarray(got["norm"]), tiny_tree["norm"])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4"])
+def test_quantised_checkpoint_keeps_the_levels_quantising_at_load_makes(converted, fmt, tiny_tree):
+    """Same levels as weights.to_runtime's quantisation; scales and offsets differ only by f16 rounding."""
+    path = converted(fmt)
+    _, got = weights.load_slice(path, fmt=fmt)
+    want = weights.to_runtime(tiny_tree, np.float32, quantize=fmt)
+    for g, w in [(got["layers"][1]["wq"], want["layers"][1]["wq"]), (got["head"], want["head"])]:
+        assert (g.bits, g.n) == (w.bits, w.n) and g.bits == (8 if w is want["head"] else {"q4": 4, "int8": 8}[fmt])
+        np.testing.assert_array_equal(quant.levels(g), quant.levels(w))
+        for a, b in [(g.s, w.s), (g.z, w.z)]:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(np.float16).astype(np.float32))
+    assert np.abs(np.asarray(got["embed"]) - tiny_tree["embed"]).max() < 0.01   # int8 rows, dequantised for lookup
+
+
+def test_stage_restores_only_its_items(tmp_path, tiny_tree):
+    path = write_tree(tmp_path / "m", tiny_tree, "q4")
+    for item in ("layer_00000", "layer_00003", "embed", "top"):   # what a middle stage must never read
+        shutil.rmtree(path / "params" / item)
+    middle = checkpoint.restore_stage(path, TINY, 1, 3)
+    assert sorted(middle) == ["layers"] and sorted(middle["layers"]) == ["1", "2"]
+    assert middle["layers"]["2"]["wq"]["q"].dtype == np.uint8 and middle["layers"]["2"]["wq"]["q"].shape == (64, 32)
+    assert middle["layers"]["2"]["wq"]["d"].dtype == np.float16 and middle["layers"]["2"]["wq"]["d"].shape == (64, 2)
+    with pytest.raises(FileNotFoundError):
+        checkpoint.restore_stage(path, TINY, 3, 4)
+
+
+def test_last_stage_gets_the_tied_embedding_as_its_int8_head(tmp_path, tiny_tree):
+    path = write_tree(tmp_path / "m", tiny_tree, "q4")
+    last = checkpoint.restore_stage(path, TINY, 3, 4)
+    assert sorted(last) == ["embed", "layers", "norm"] and last["embed"]["q"].dtype == np.int8
+    assert last["embed"]["q"].shape == (97, 64)     # three row blocks put back together
+    _, params = weights.load_slice(path, 3, 4, fmt="q4")
+    assert params["head"].bits == 8 and params["layers"][0]["w_up"].bits == 4
+    np.testing.assert_array_equal(quant.levels(params["head"]), last["embed"]["q"].T)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "q4"])
+def test_a_finer_format_than_stored_is_refused(converted, fmt):
+    path = converted(fmt)
+    finer = checkpoint.FORMATS[:checkpoint.FORMATS.index(fmt)]
+    for asked in finer:
+        with pytest.raises(CheckpointError) as err:
+            weights.load_slice(path, 0, 1, fmt=asked)
+        allowed = ", ".join(checkpoint.FORMATS[checkpoint.FORMATS.index(fmt):])
+        only = " only" if fmt == "q4" else ""
+        assert str(err.value) == (f"checkpoint stores {fmt}; a stage can run {allowed}{only} (asked for {asked}): "
+                                  f"re-convert with --weights {asked}")
+    if fmt == "q4":
+        with pytest.raises(CheckpointError, match=r"^checkpoint stores q4; a stage can run q4 only \(asked for f32\)"):
+            weights.load_slice(path, 0, 1)          # the default (quantize=None) means f32
+
+
+def test_coarser_formats_requantise_at_load(tmp_path, tiny_tree):
+    path = write_tree(tmp_path / "m", tiny_tree, "int8")
+    _, got = weights.load_slice(path, 0, 1, fmt="q4")
+    stored = checkpoint.restore_stage(path, TINY, 0, 1)["layers"]["0"]["w_gate"]
+    want = quant.to_qtensor(checkpoint.to_float(stored).T, bits=4)
+    assert got["layers"][0]["w_gate"].bits == 4
+    np.testing.assert_array_equal(quant.levels(got["layers"][0]["w_gate"]), quant.levels(want))
+
+
+def test_older_single_pytree_checkpoint_still_loads_as_f32(tmp_path, tiny_tree):
+    weights.save_params(tmp_path / "params", tiny_tree)
+    TINY.save(tmp_path / "model.json")
+    assert checkpoint.stored_weights(tmp_path) == "f32"
+    _, got = weights.load_slice(tmp_path, 1, 2)
+    np.testing.assert_array_equal(np.asarray(got["layers"][0]["wk"]), tiny_tree["layers"]["1"]["wk"])
+    _, q4 = weights.load_slice(tmp_path, 3, 4, fmt="q4")
+    assert q4["layers"][0]["wq"].bits == 4 and q4["head"].bits == 8
+
+
+# ---------------------------------------------------------------- GGUF blocks
+
+
+def tiny_gguf(path: Path, tree: dict, qtypes: dict[str, gguf.GGMLQuantizationType]) -> dict[str, np.ndarray]:
+    """Tensors only (no metadata): each layer matrix in the qtype given for its key, stored
+    llama.cpp-permuted like a real llama GGUF. Returns what each name holds, as gguf dequantises it."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    held = {}
+
+    def add(name: str, w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> None:
+        data = gguf.quants.quantize(np.ascontiguousarray(w, np.float32), qtype)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+        held[name] = gguf.quants.dequantize(data, qtype)
+
+    F32 = gguf.GGMLQuantizationType.F32
+    add("token_embd.weight", tree["embed"], qtypes.get("embed", F32))
+    add("output_norm.weight", tree["norm"], F32)
+    for i in range(TINY.n_layers):
+        for key, w in tree["layers"][str(i)].items():
+            w = w.T if w.ndim == 2 else w
+            heads = {"wq": TINY.n_heads, "wk": TINY.n_kv_heads}.get(key)
+            if heads:   # convert_hf_to_gguf's permute, which unpermute_rows inverts
+                w = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+            add(f"blk.{i}.{LAYER_NAMES[key][0]}", w, qtypes.get(key, F32) if w.ndim == 2 else F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held
+
+
+def gguf_checkpoint(tmp_path: Path, tree: dict, qtypes: dict, fmt: str) -> tuple[Path, dict]:
+    held = tiny_gguf(tmp_path / "t.gguf", tree, qtypes)
+    src = sources.GGUFSource(tmp_path / "t.gguf", gguf.GGUFReader(tmp_path / "t.gguf"))
+    w = CheckpointWriter(tmp_path / "m", TINY, fmt, rows_per_block=40)
+
+    def name_of(where, key):
+        return TOP_NAMES[key][0] if where == "top" else f"blk.{where}.{LAYER_NAMES[key][0]}"
+
+    stream_checkpoint(TINY, src, name_of, w, unpermute=True)
+    w.finish({"format": "gguf", "sha256": "1" * 64})
+    return tmp_path / "m", held
+
+
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_gguf_blocks_come_through_exactly(tmp_path, tiny_tree, qtype):
+    fmt = "int8" if qtype == Q.Q8_0 else "q4"
+    path, held = gguf_checkpoint(tmp_path, tiny_tree, {"wq": qtype, "w_up": qtype, "embed": Q.Q8_0}, fmt)
+    layer = checkpoint.restore_stage(path, TINY, 0, 1)["layers"]["0"]
+    e = checkpoint.grid(layer["w_up"])
+    assert e.fmt == fmt and e.d.dtype == np.float16
+    # the levels and scales the file holds: exactly gguf's dequantisation, no f32 round trip
+    np.testing.assert_array_equal(checkpoint.dequantize_grid(e), held["blk.0.ffn_up.weight"])
+    # Q rows permuted back: levels and scales alike
+    np.testing.assert_array_equal(checkpoint.to_float(layer["wq"]), unpermute_rows(held["blk.0.attn_q.weight"], 4))
+    assert layer["wk"]["q"].dtype == (np.int8 if fmt == "int8" else np.uint8)   # F32 in the file, quantised
+
+
+def test_gguf_q4_levels_reach_the_runtime_unchanged(tmp_path, tiny_tree):
+    path, held = gguf_checkpoint(tmp_path, tiny_tree, {"w_up": Q.Q4_1, "embed": Q.Q8_0}, "q4")
+    raw = gguf.GGUFReader(tmp_path / "t.gguf").tensors
+    t = next(t for t in raw if t.name == "blk.0.ffn_up.weight")
+    blocks = np.asarray(t.data).reshape(128, 2, 20)              # [out, blocks, d m + 16 bytes]
+    levels = np.concatenate([blocks[..., 4:] & 15, blocks[..., 4:] >> 4], axis=-1).reshape(128, 64)
+    _, params = weights.load_slice(path, 0, 1, fmt="q4")
+    np.testing.assert_array_equal(quant.levels(params["layers"][0]["w_up"]), levels.T)
+    np.testing.assert_array_equal(np.asarray(params["embed"]), held["token_embd.weight"])
+
+
+def test_gguf_finer_format_dequantises_and_other_types_requantise(tmp_path, tiny_tree):
+    path, held = gguf_checkpoint(tmp_path, tiny_tree, {"w_up": Q.Q4_1, "w_down": Q.Q8_0, "wo": Q.F16}, "f32")
+    layer = checkpoint.restore_stage(path, TINY, 0, 1)["layers"]["0"]
+    np.testing.assert_array_equal(layer["w_up"]["w"], held["blk.0.ffn_up.weight"])
+    (tmp_path / "q4").mkdir()
+    path, held = gguf_checkpoint(tmp_path / "q4", tiny_tree, {"w_down": Q.Q8_0, "wo": Q.F16}, "q4")
+    layer = checkpoint.restore_stage(path, TINY, 0, 1)["layers"]["0"]
+    for key, name in [("w_down", "blk.0.ffn_down.weight"), ("wo", "blk.0.attn_output.weight")]:
+        assert layer[key]["q"].dtype == np.uint8        # Q8_0 / F16 requantised to 4 bits
+        want = checkpoint.encode(held[name], "q4")
+        np.testing.assert_array_equal(layer[key]["q"], want["q"])
+
+
+# ---------------------------------------------------------------- memory
+
+
+@pytest.mark.slow
+def test_conversion_memory_is_bounded(tmp_path):
+    """~400 MB of f32 safetensors (6 layers, vocab 32000, untied) converts to q4 in bounded memory."""
+    src = tmp_path / "src"
+    run = [sys.executable, str(REPO / "scripts" / "random_hf_model.py"), str(src), "--hidden", "768",
+           "--layers", "6", "--heads", "12", "--kv-heads", "4", "--ffn", "3072", "--vocab", "32000", "--untied"]
+    subprocess.run(run, check=True, capture_output=True, timeout=120)
+    source_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    assert 380e6 < source_bytes < 420e6
+    out = subprocess.run([str(Path(sys.executable).parent / "skippy-zmq"), "convert", "--hf", str(src), "--out",
+                          str(tmp_path / "out"), "--weights", "q4"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    peak = float(re.search(r"peak RSS ([0-9.]+) GiB", out.stderr).group(1)) * 2**30
+    # the old reader held every tensor as f32 (plus the tree it built): well over 2x the source
+    assert peak < 0.6 * 2**30, f"peak RSS {peak / 2**30:.2f} GiB"
+    manifest = json.loads((tmp_path / "out" / "params" / "format.json").read_text())
+    assert manifest["weights"] == "q4" and manifest["stored"]["head"] == "int8"
