@@ -1,0 +1,177 @@
+"""Build the small random checkpoints of tests/fixtures/families/ with transformers.
+
+Needs the parity extra (torch + transformers, see setup.cfg); `make test` never
+runs it, the tests read what it committed. Each family gets small widths but its
+real head structure (GQA ratio, head_dim, biases, norms, rope scaling), is saved
+with `save_pretrained` (safetensors, float32) and gets an `expected.npz`:
+transformers' fp32 logits at the last LAST positions of each prompt and its
+greedy ids (a cached greedy loop, checked against an uncached argmax).
+
+    .venv/bin/python scripts/make_family_fixtures.py [--out tests/fixtures/families]
+
+Where a feature only matters past some length (llama3 scaling, a sliding
+window), the script also runs transformers without it and fails unless the
+logits differ: otherwise the fixture would prove nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from tokenizers import Tokenizer, models
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB, LAST, NEW = 512, 4, 16
+PROMPT_LENS = (9, 40, 300)
+SMALL = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             rms_norm_eps=1e-5, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
+
+FAMILIES = {
+    # Llama 2 style: default rope, GQA 2:1, untied head.
+    "llama": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # Llama 3.2 style: GQA 4:1, tied, llama3 scaling with a short original context so 300 tokens feel it.
+    "llama3": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 64}),
+    # Linear scaling, attention_bias (q/k/v and o biases), multi-head (no GQA).
+    "llama-linear": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4, attention_bias=True,
+                         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    # Qwen2.5 style: q/k/v bias, tied, theta 1e6, GQA 2:1.
+    "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Qwen3 style: per-head q/k RMSNorm, head_dim 128 with heads * head_dim = 2 * hidden, GQA 2:1.
+    "qwen3": dict(model_type="qwen3", num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                  tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Mistral 7B v0.1 style: GQA 4:1 and a sliding window (64 here) shorter than the long prompt.
+    "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=1, sliding_window=64,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+# Same model run without the feature: its logits must differ on the long prompt.
+WITHOUT = {"llama3": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+           "mistral": {"sliding_window": None}}
+
+
+def prompts() -> list[np.ndarray]:
+    rng = np.random.default_rng(1234)
+    return [rng.integers(3, VOCAB, size=n).astype(np.int64) for n in PROMPT_LENS]
+
+
+def build(spec: dict, seed: int) -> torch.nn.Module:
+    spec = dict(spec)
+    config = AutoConfig.for_model(spec.pop("model_type"), **SMALL, **spec)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomise(model, seed)
+    return model.eval()
+
+
+def randomise(model: torch.nn.Module, seed: int) -> None:
+    """O(1) activations and well-separated logits (transformers' init is near zero and its biases zero)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            elif p.ndim == 1:
+                p.copy_(0.2 * noise)
+            elif "embed_tokens" in name:   # small, so a tied head does not just echo the input token
+                p.copy_(0.05 * noise)
+            else:
+                p.copy_(noise / p.shape[1] ** 0.5)
+
+
+@torch.no_grad()
+def last_logits(model: torch.nn.Module, ids: np.ndarray) -> np.ndarray:
+    return model(input_ids=torch.from_numpy(ids)[None]).logits[0, -LAST:].numpy()
+
+
+@torch.no_grad()
+def greedy(model: torch.nn.Module, ids: np.ndarray) -> np.ndarray:
+    """NEW greedy ids with the KV cache, checked against an uncached argmax over the whole sequence."""
+    out = model(input_ids=torch.from_numpy(ids)[None], use_cache=True)
+    past, tokens = out.past_key_values, [int(out.logits[0, -1].argmax())]
+    for _ in range(NEW - 1):
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        tokens.append(int(out.logits[0, -1].argmax()))
+    full = np.concatenate([ids, tokens[:-1]])
+    uncached = model(input_ids=torch.from_numpy(full)[None]).logits[0, len(ids) - 1:].argmax(-1).tolist()
+    assert uncached == tokens, (uncached, tokens)
+    return np.asarray(tokens, np.int32)
+
+
+def write_tokenizer(directory: Path) -> None:
+    """Word-level ids <0>..<511>: the tests feed ids, convert_hf wants a tokenizer.json."""
+    vocab = {f"<{i}>": i for i in range(VOCAB)}
+    Tokenizer(models.WordLevel(vocab, unk_token="<0>")).save(str(directory / "tokenizer.json"))
+
+
+def make(name: str, spec: dict, out: Path, seed: int) -> dict:
+    model = build(spec, seed)
+    directory = out / name
+    shutil.rmtree(directory, ignore_errors=True)
+    model.save_pretrained(directory)
+    write_tokenizer(directory)
+    arrays, meta = {}, {"family": name, "transformers": transformers.__version__, "torch": torch.__version__}
+    for i, ids in enumerate(prompts()):
+        arrays[f"prompt_{i}"] = ids.astype(np.int32)
+        arrays[f"logits_{i}"] = last_logits(model, ids)
+        arrays[f"greedy_{i}"] = greedy(model, ids)
+    if name in WITHOUT:
+        plain = build({**spec, **WITHOUT[name]}, seed)
+        plain.load_state_dict(model.state_dict())
+        long_ids = prompts()[-1]
+        delta = np.abs(last_logits(plain, long_ids) - arrays[f"logits_{len(PROMPT_LENS) - 1}"]).max()
+        scale = np.abs(arrays[f"logits_{len(PROMPT_LENS) - 1}"]).max()
+        assert delta > 1e-2 * scale, f"{name}: the feature does not change the logits ({delta} vs {scale})"
+        meta["without_feature_max_delta_over_max_logit"] = float(delta / scale)
+        meta["without_feature_greedy_differs"] = bool((greedy(plain, long_ids) != arrays["greedy_2"]).any())
+    np.savez_compressed(directory / "expected.npz", **arrays)
+    (directory / "expected.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def tf4_layout(out: Path) -> None:
+    """llama3-tf4/config.json: the llama3 fixture's config as transformers 4 wrote it (top-level rope_theta,
+    rope_scaling); checked here to load into the very same model under transformers 5."""
+    config = json.loads((out / "llama3" / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    (out / "llama3-tf4").mkdir(exist_ok=True)
+    (out / "llama3-tf4" / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in (out / "llama3").glob("*.safetensors"):
+            shutil.copy(f, tmp)
+        shutil.copy(out / "llama3-tf4" / "config.json", tmp)
+        a = AutoModelForCausalLM.from_pretrained(out / "llama3", dtype=torch.float32).eval()
+        b = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        ids = prompts()[-1]
+        assert np.array_equal(last_logits(a, ids), last_logits(b, ids)), "tf4 layout loads a different model"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "tests/fixtures/families")
+    parser.add_argument("--only", nargs="*", help="family names (default: all)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    for seed, (name, spec) in enumerate(FAMILIES.items()):
+        if not args.only or name in args.only:
+            print(json.dumps(make(name, spec, args.out, seed)))
+    tf4_layout(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""Each family's small random checkpoint, saved by transformers 5, converts into the model
+transformers runs: the same fp32 logits and greedy ids, in one process and over two stages.
+
+Fixtures: tests/fixtures/families/ (scripts/make_family_fixtures.py wrote them; expected.npz
+holds transformers' logits at the last 4 positions of 3 prompts of 9, 40 and 300 tokens and
+16 greedy ids after each). Plus config reading: both HF layouts give one ModelConfig, and
+every field that changes the math and is not implemented is refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import MODEL_DIR
+from skippy_zmq.config import Buckets, KVConfig, ModelConfig
+from skippy_zmq.model import weights
+from skippy_zmq.model.convert import ConvertError, convert_hf, hf_model_config
+from skippy_zmq.model.runner import SliceRunner
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "families"
+FAMILIES = ("llama", "llama3", "llama-linear", "qwen2", "qwen3", "mistral")
+KV = KVConfig(lanes=1, capacity=512)
+BUCKETS = Buckets(prefill_chunks=(64,), decode_rows=(1,), attn_lens=(512,))   # one shape per step kind
+RTOL = 1e-4          # max|Δ| ≤ RTOL · max|logit|
+
+
+def expected(name: str) -> list[dict[str, np.ndarray]]:
+    data = np.load(FIXTURES / name / "expected.npz")
+    n = len([k for k in data if k.startswith("prompt_")])
+    return [{"prompt": data[f"prompt_{i}"], "logits": data[f"logits_{i}"], "greedy": data[f"greedy_{i}"]}
+            for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """family -> converted model dir, converted once per module on first use."""
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            done[name] = tmp_path_factory.mktemp(name) / "model"
+            convert_hf(FIXTURES / name, done[name])
+        return done[name]
+    return get
+
+
+def stage_runners(model_dir: Path, cuts: tuple[int, ...] = ()) -> list[SliceRunner]:
+    cfg = ModelConfig.load(model_dir / "model.json")
+    bounds = [0, *cuts, cfg.n_layers]
+    runners = []
+    for start, end in zip(bounds, bounds[1:]):
+        cfg, params = weights.load_slice(model_dir, start, end)
+        runners.append(SliceRunner(cfg, params, start, end, KV, BUCKETS))
+    return runners
+
+
+def prefill(runners: list[SliceRunner], ids: np.ndarray) -> None:
+    x: np.ndarray | None = ids
+    for r in runners:
+        x = r.prefill(0, x, 0, output="none" if r.last else "hidden")
+
+
+def step(runners: list[SliceRunner], token: int, pos: int) -> np.ndarray:
+    """One decode through every stage: the last stage's logits [V]."""
+    x = np.array([token])
+    for r in runners:
+        x = r.decode(np.array([0]), x, np.array([pos]))
+    return x[0]
+
+
+def last_logits(runners: list[SliceRunner], ids: np.ndarray, n: int) -> np.ndarray:
+    """Logits of the last n positions: prefill the rest, then decode them one by one (the cached path)."""
+    prefill(runners, ids[:-n])
+    return np.stack([step(runners, int(ids[i]), i) for i in range(len(ids) - n, len(ids))])
+
+
+def greedy(runners: list[SliceRunner], ids: np.ndarray, n: int) -> list[int]:
+    """Prefill covers prompt[:-1]; the first decode carries the last prompt token (the pipeline's protocol)."""
+    prefill(runners, ids[:-1])
+    out, token = [], int(ids[-1])
+    for pos in range(len(ids) - 1, len(ids) - 1 + n):
+        token = int(np.argmax(step(runners, token, pos)))
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_match_transformers(name, converted):
+    runners = stage_runners(converted(name))
+    for case in expected(name):
+        want = case["logits"]
+        got = last_logits(runners, case["prompt"], len(want))
+        rel = np.abs(got - want).max() / np.abs(want).max()
+        assert rel <= RTOL, (name, len(case["prompt"]), rel)
+
+
+@pytest.mark.slow    # each case compiles six steps (~3-7 s on a shared 2-core machine)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_ids_match_transformers_in_one_process_and_over_two_stages(name, converted):
+    one, two = stage_runners(converted(name)), stage_runners(converted(name), cuts=(1,))
+    for case in expected(name):
+        want = case["greedy"].tolist()
+        assert greedy(one, case["prompt"], len(want)) == want, (name, len(case["prompt"]))
+        assert greedy(two, case["prompt"], len(want)) == want, (name, len(case["prompt"]))
+
+
+def test_families_switch_on_their_features(converted):
+    cfgs = {name: ModelConfig.load(converted(name) / "model.json") for name in FAMILIES}
+    assert (cfgs["llama3"].rope_type, cfgs["llama3"].rope_factor, cfgs["llama3"].rope_original_max_pos) == \
+        ("llama3", 32.0, 64)
+    assert (cfgs["llama-linear"].rope_type, cfgs["llama-linear"].rope_factor) == ("linear", 4.0)
+    assert cfgs["llama-linear"].attn_bias and cfgs["llama-linear"].attn_out_bias
+    assert cfgs["qwen2"].attn_bias and not cfgs["qwen2"].attn_out_bias and cfgs["qwen2"].rope_theta == 1e6
+    q3 = cfgs["qwen3"]
+    assert q3.qk_norm and not q3.attn_bias and (q3.head_dim, q3.n_heads, q3.d_model) == (128, 2, 128)
+    assert cfgs["mistral"].sliding_window == 64
+    assert weights.layer_shapes(q3)["q_norm"] == (128,)
+
+
+def test_transformers4_layout_converts_to_the_same_model(tmp_path, converted):
+    """llama3-tf4: the llama3 config as transformers 4 wrote it (top-level rope_theta, rope_scaling)."""
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "llama3", hf)
+    shutil.copy(FIXTURES / "llama3-tf4" / "config.json", hf / "config.json")
+    cfg = convert_hf(hf, tmp_path / "model")
+    assert dataclasses.replace(cfg, name="llama3") == ModelConfig.load(converted("llama3") / "model.json")
+
+
+# ---------------------------------------------------------------- config reading
+
+
+def fixture_config(name: str) -> dict:
+    return json.loads((FIXTURES / name / "config.json").read_text())
+
+
+def test_v4_and_v5_layouts_give_one_model_config():
+    v5, v4 = fixture_config("llama3"), fixture_config("llama3-tf4")
+    assert "rope_parameters" in v5 and "rope_theta" not in v5
+    assert "rope_scaling" in v4 and "rope_parameters" not in v4
+    assert hf_model_config(v4) == hf_model_config(v5)
+    assert hf_model_config(v5).rope_theta == 500000.0
+
+
+def test_v5_rope_theta_is_read_from_rope_parameters():
+    """The bug this closes: a v5 Qwen config's theta (1e6) used to fall back to 10000."""
+    assert hf_model_config(fixture_config("qwen2")).rope_theta == 1e6
+    assert hf_model_config(fixture_config("qwen3")).rope_theta == 1e6
+
+
+def test_v4_legacy_type_key_and_top_level_theta():
+    config = {**fixture_config("llama"), "rope_theta": 100000.0, "rope_scaling": {"type": "linear", "factor": 2}}
+    config.pop("rope_parameters")
+    cfg = hf_model_config(config)
+    assert (cfg.rope_theta, cfg.rope_type, cfg.rope_factor) == (100000.0, "linear", 2.0)
+
+
+def test_llama3_original_context_defaults_to_max_position_embeddings():
+    config = fixture_config("llama3")
+    config["rope_parameters"].pop("original_max_position_embeddings")
+    assert hf_model_config(config).rope_original_max_pos == 1024
+
+
+def test_qwen_window_on_every_layer_is_used():
+    config = {**fixture_config("qwen2"), "use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0}
+    config.pop("layer_types")
+    assert hf_model_config(config).sliding_window == 32
+    assert hf_model_config({**config, "use_sliding_window": False}).sliding_window == 0
+
+
+def test_old_model_json_loads_with_plain_llama_math():
+    data = {"arch": "llama", "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16,
+            "ffn_dim": 128, "vocab_size": 97, "rope_theta": 10000.0, "norm_eps": 1e-5, "tied_embeddings": True,
+            "max_seq_len": 512, "attn_bias": False, "dtype": "float32", "bos_id": 1, "eos_ids": [2], "name": "old"}
+    cfg = ModelConfig.from_dict(data)
+    assert (cfg.rope_type, cfg.rope_freq_factors, cfg.qk_norm, cfg.attn_out_bias, cfg.sliding_window) == \
+        ("default", (), False, False, 0)
+    if (MODEL_DIR / "model.json").is_file():
+        assert ModelConfig.load(MODEL_DIR / "model.json").rope_type == "default"
+
+
+def test_model_json_round_trips_new_fields(tmp_path):
+    cfg = dataclasses.replace(hf_model_config(fixture_config("qwen3")), rope_freq_factors=(1.0,) * 64)
+    cfg.save(tmp_path / "model.json")
+    assert ModelConfig.load(tmp_path / "model.json") == cfg
+
+
+def _with(name: str, **changes) -> dict:
+    config = fixture_config(name)
+    for key, value in changes.items():
+        if key.startswith("rope__"):
+            config["rope_parameters"][key[6:]] = value
+        else:
+            config[key] = value
+    return config
+
+
+REFUSED = [
+    (_with("llama", hidden_act="gelu"), "hidden_act"),
+    (_with("llama", mlp_bias=True), "mlp_bias"),
+    (_with("llama", rope__rope_type="yarn", rope__factor=4.0), "yarn"),
+    (_with("llama", rope__rope_type="dynamic", rope__factor=2.0), "dynamic"),
+    (_with("llama", rope__rope_type="longrope"), "longrope"),
+    (_with("llama", partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (_with("llama", rope__partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (_with("llama", rope__attention_factor=0.8), "attention_factor"),
+    (_with("llama", attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    (_with("llama", final_logit_softcapping=30.0), "final_logit_softcapping"),
+    (_with("llama", model_type="gemma2"), "model_type"),
+    (_with("llama3", rope_parameters={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}),
+     "low_freq_factor"),
+    (_with("llama", rope_parameters={"full_attention": {"rope_type": "default"},
+                                     "sliding_attention": {"rope_type": "default"}}), "rope_parameters"),
+    (_with("qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=1, layer_types=None),
+     "max_window_layers"),
+    (_with("qwen3", use_sliding_window=True, sliding_window=32,
+           layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+    (_with("qwen2", layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+]
+
+
+@pytest.mark.parametrize("config,field", REFUSED, ids=[f for _, f in REFUSED])
+def test_unimplemented_math_is_refused_by_name(config, field):
+    with pytest.raises(ConvertError, match=field):
+        hf_model_config(config)
