@@ -1,0 +1,132 @@
+"""Family features read from GGUF metadata: a fixture written as llama.cpp's converter writes
+it (f32 tensors; llama's Q/K rows permuted, qwen3's not; llama3 scaling as a `rope_freqs`
+tensor; linear scaling as rope.scaling.*) converts into the model transformers runs.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from skippy_zmq.config import ModelConfig
+from skippy_zmq.model.convert import LAYER_NAMES, TOP_NAMES, ConvertError, convert_gguf, gguf_model_config
+from skippy_zmq.model.families import hf_model_config
+from test_families import FIXTURES, RTOL, expected, fixture_config, last_logits, stage_runners
+
+gguf = pytest.importorskip("gguf")
+
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf's Q/K row order for llama (HF rotate-half -> interleaved pairs)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama_cpp_rope_factors(cfg: ModelConfig) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter stores as rope_freqs for llama3 scaling."""
+    freqs = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
+    low_wavelen = cfg.rope_original_max_pos / cfg.rope_low_freq_factor
+    high_wavelen = cfg.rope_original_max_pos / cfg.rope_high_freq_factor
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(cfg.rope_factor)
+        else:
+            smooth = (cfg.rope_original_max_pos / wavelen - cfg.rope_low_freq_factor) / (
+                cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+            factors.append(1.0 / ((1 - smooth) / cfg.rope_factor + smooth))
+    return np.asarray(factors, np.float32)
+
+
+def write_metadata(w, cfg: ModelConfig, rope_dims: int) -> None:
+    w.add_block_count(cfg.n_layers)
+    w.add_context_length(cfg.max_seq_len)
+    w.add_embedding_length(cfg.d_model)
+    w.add_feed_forward_length(cfg.ffn_dim)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_rope_dimension_count(rope_dims)
+    if cfg.rope_type == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_factor)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"<{i}>" for i in range(cfg.vocab_size)])
+    w.add_token_types([1] * cfg.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
+def write_gguf(name: str, path: Path, extra: dict | None = None, rope_dims: int | None = None) -> Path:
+    """Fixture `name` as a f32 GGUF; `extra` (more metadata) and `rope_dims` test refusals."""
+    from safetensors.numpy import load_file
+
+    cfg = hf_model_config(fixture_config(name))
+    arch = GGUF_ARCH[cfg.arch]
+    hf = load_file(str(FIXTURES / name / "model.safetensors"))
+    w = gguf.GGUFWriter(str(path), arch)
+    write_metadata(w, cfg, rope_dims or cfg.head_dim)
+    for key, value in (extra or {}).items():
+        w.add_key_value(key, value, gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.UINT32)
+    for key, (gguf_name, hf_name) in TOP_NAMES.items():
+        if hf_name in hf:
+            w.add_tensor(gguf_name, hf[hf_name])
+    if cfg.rope_type == "llama3":
+        w.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(cfg))
+    for i in range(cfg.n_layers):
+        for key, (gguf_suffix, hf_suffix) in LAYER_NAMES.items():
+            t = hf.get(f"model.layers.{i}.{hf_suffix}")
+            if t is None:
+                continue
+            if arch == "llama" and key in ("wq", "bq", "wk", "bk"):
+                t = llama_cpp_permute(t, cfg.n_heads if key in ("wq", "bq") else cfg.n_kv_heads)
+            w.add_tensor(f"blk.{i}.{gguf_suffix}", np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("name", ["llama3", "llama-linear", "qwen3"])
+def test_gguf_converts_into_the_model_transformers_runs(name, tmp_path):
+    out = tmp_path / "model"
+    cfg = convert_gguf(write_gguf(name, tmp_path / f"{name}.gguf"), out)
+    hf_cfg = hf_model_config(fixture_config(name))
+    assert (cfg.qk_norm, cfg.attn_bias, cfg.attn_out_bias, cfg.head_dim) == \
+        (hf_cfg.qk_norm, hf_cfg.attn_bias, hf_cfg.attn_out_bias, hf_cfg.head_dim)
+    if name == "llama3":     # scaling arrives as llama.cpp's divisors, not as parameters
+        assert cfg.rope_type == "default" and len(cfg.rope_freq_factors) == cfg.head_dim // 2
+        assert max(cfg.rope_freq_factors) == 32.0 and min(cfg.rope_freq_factors) == 1.0
+    else:
+        assert (cfg.rope_type, cfg.rope_factor) == (hf_cfg.rope_type, hf_cfg.rope_factor)
+    runners = stage_runners(out)
+    for case in expected(name):
+        want = case["logits"]
+        got = last_logits(runners, case["prompt"], len(want))
+        assert np.abs(got - want).max() <= RTOL * np.abs(want).max(), (name, len(case["prompt"]))
+
+
+@pytest.mark.parametrize("key,value", [("llama.rope.scaling.type", "yarn"),
+                                       ("llama.attention.sliding_window", 64)])
+def test_gguf_unimplemented_metadata_is_refused_by_name(key, value, tmp_path):
+    path = write_gguf("llama", tmp_path / "m.gguf", {key: value})
+    with pytest.raises(ConvertError, match=key.replace(".", r"\.")):
+        gguf_model_config(gguf.GGUFReader(path))
+
+
+def test_gguf_partial_rotary_is_refused(tmp_path):
+    path = write_gguf("llama", tmp_path / "m.gguf", rope_dims=16)
+    with pytest.raises(ConvertError, match="rope.dimension_count"):
+        gguf_model_config(gguf.GGUFReader(path))
