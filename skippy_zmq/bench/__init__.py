@@ -11,6 +11,8 @@ module each in this package:
 - hops      a simulated per-hop delay against the hop-count model
 - prefix    prefix cache: TTFT cold vs warm, cost at 0% hits
 - all       every suite above, in that order (later suites reuse earlier numbers)
+- scale     random models of real sizes (Llama-3.2-1B, Llama-3.1-8B shapes, q4) on 1-3 stages and
+            llama.cpp on the same weights: not part of `all` (about an hour on 2 cores)
 
 `--device cpu|gpu:N|tpu:N` and `--dtype float32|bfloat16` place every stage
 (and the single-process engine); `quant` (fp32 vs int8 weights) runs on its
@@ -27,7 +29,8 @@ from typing import Any, Callable
 
 from skippy_zmq.bench.common import machine
 
-SUITES = ("single", "peers", "pipeline", "hops", "prefix")
+ALL_SUITES = ("single", "peers", "pipeline", "hops", "prefix")   # what `bench all` runs
+SUITES = ALL_SUITES + ("scale",)
 
 Runner = Callable[[argparse.Namespace, list[str], dict[str, Any]], Any]
 
@@ -37,16 +40,17 @@ def suite_runners() -> dict[str, Runner]:
     from skippy_zmq.bench.peers import bench_peers
     from skippy_zmq.bench.pipeline import bench_pipeline
     from skippy_zmq.bench.prefix import bench_prefix
+    from skippy_zmq.bench.scale import bench_scale
     from skippy_zmq.bench.single import run_single
 
     return {"single": run_single, "peers": bench_peers, "pipeline": bench_pipeline, "hops": bench_hops,
-            "prefix": lambda args, tables, _result: bench_prefix(args, tables)}
+            "prefix": lambda args, tables, _result: bench_prefix(args, tables), "scale": bench_scale}
 
 
 def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    suites = SUITES if args.suite == "all" else (args.suite,)
+    suites = ALL_SUITES if args.suite == "all" else (args.suite,)
     result: dict[str, Any] = {"machine": {**machine(), "device": args.device, "dtype": args.dtype,
                                           "quick": bool(args.quick)}, "elapsed_s": {}}
     tables: list[str] = []

@@ -1,0 +1,273 @@
+"""Scale: models of real sizes (random weights, q4) over 1-3 stage processes, and llama.cpp on the
+very same weights (the random model's GGUF), in one run.
+
+    skippy-zmq bench scale [--quick] [--out bench-out]
+
+Cases: the Llama-3.2-1B shape on 1, 2 and 3 stages (512 tokens of context, 128 new) and the
+Llama-3.1-8B shape on 1 and 2 stages (256 of context, 32 new); `--quick`: 2 layers of the 1B shape
+on 1 and 2 stages, a few tokens. Models come from `skippy-zmq random-model --gguf q4_1` and are
+cached under models/random/<shape>-L<layers>-s<seed>-q4/ (gitignored) between runs.
+
+Per case and stage count: prefill tok/s (prompt / time to first token), single-stream decode tok/s
+(1000 / median inter-token ms) at that context, the aggregate of 8 concurrent streams (window where
+all decode), each stage's start (restore and compile, from its log line, and the wall clock to
+READY), each stage's peak RSS (VmHWM of its process) beside placement.py's prediction, and the
+greedy tokens against llama.cpp's. llama.cpp (llama-cpp-python, as many threads as this machine has
+cores, which is what every stage's XLA pool uses) runs one sequence: its 8-stream column is n/a and
+our aggregate is compared with its single-stream decode. Conversion: the peak RSS and time of
+`skippy-zmq convert --gguf <the case's GGUF> --weights q4` in a subprocess.
+
+Memory: one thing at a time (one pipeline, or llama.cpp, or the conversion), never two, so an 8B q4
+model is resident once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from skippy_zmq.bench import greedy
+from skippy_zmq.bench.common import print_table
+from skippy_zmq.bench.peers import llama_cpp_available
+from skippy_zmq.bench.pipeline import measure, stream_prompts
+from skippy_zmq.bench.scale_procs import peak_rss_bytes, run_measured, stage_start_times
+
+GiB = 1 << 30
+SEED = 0
+RANDOM_ROOT = Path("models/random")
+
+
+@dataclass(frozen=True)
+class ScaleCase:
+    shape: str
+    stages: tuple[int, ...]
+    context: int            # prompt tokens
+    new_tokens: int
+    layers: int | None = None
+    streams: int = 8
+
+    @property
+    def label(self) -> str:
+        return self.shape + (f" (first {self.layers} layers)" if self.layers else "")
+
+
+FULL = (ScaleCase("llama-3.2-1b", (1, 2, 3), 512, 128), ScaleCase("llama-3.1-8b", (1, 2), 256, 32))
+QUICK = (ScaleCase("llama-3.2-1b", (1, 2), 48, 8, layers=2, streams=2),)
+
+
+def model_dir(case: ScaleCase, root: Path = RANDOM_ROOT) -> Path:
+    from skippy_zmq.model.random_model import SHAPES
+
+    layers = case.layers or SHAPES[case.shape]["num_hidden_layers"]
+    return root / f"{case.shape}-L{layers}-s{SEED}-q4"
+
+
+def ensure_model(case: ScaleCase, root: Path = RANDOM_ROOT) -> tuple[Path, dict[str, Any] | None]:
+    """The case's random model and GGUF, made (in a subprocess, measured) unless cached."""
+    out = model_dir(case, root)
+    if (out / "model.json").is_file() and (out / "model.gguf").is_file():
+        return out, None
+    cmd = [sys.executable, "-m", "skippy_zmq.cli", "random-model", "--shape", case.shape, "--seed", str(SEED),
+           "--weights", "q4", "--gguf", "q4_1", "--out", str(out)]
+    if case.layers:
+        cmd += ["--layers", str(case.layers)]
+    print(f"[bench] scale: making {out} (random weights, checkpoint + GGUF)", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    made = run_measured(cmd, out / "random-model.log")
+    if made["rc"] != 0:
+        raise RuntimeError(f"random-model failed (exit {made['rc']}); see {out / 'random-model.log'}")
+    return out, made
+
+
+def prompt_ids(vocab: int, n: int, seed: int = 1) -> list[int]:
+    """n token ids drawn uniformly from the vocabulary (a random model has no text to encode)."""
+    return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, n)]
+
+
+def topology_for(tmp: Path, model: Path, n: int, case: ScaleCase) -> Path:
+    """q4 stages, a lane per stream, context for the case. At least 256 positions: a stage whose KV
+    capacity is below its prefill chunk (256) fails compiling that chunk at start."""
+    from skippy_zmq.harness import write_topology
+
+    return write_topology(tmp, model.absolute(), n, name=f"scale-{n}", weights="q4", kv_lanes=case.streams,
+                          driver__max_sessions=case.streams, driver__max_context=max(256, case.context + case.new_tokens + 16),
+                          driver__dead_after_s=120.0, driver__request_timeout_s=3600.0)
+
+
+def predicted_bytes(topology: Any, stage: Any) -> int | None:
+    """placement.py's prediction of a stage's resident bytes (None where placement.py is not there)."""
+    try:
+        from skippy_zmq.config import ModelConfig
+        from skippy_zmq.placement import StageSettings, stage_need
+    except ImportError:
+        return None
+    cfg = ModelConfig.load(Path(topology.model_path) / "model.json")
+    settings = StageSettings(weights=stage.weights, dtype=stage.dtype, kv_dtype=stage.kv_dtype,
+                             context=min(topology.driver.max_context, cfg.max_seq_len), lanes=stage.kv_lanes,
+                             cache_bytes=0 if stage.cache.mode == "disabled" else stage.cache.max_bytes)
+    return stage_need(cfg, stage.start, stage.end, settings).total
+
+
+def one_stream(engine: Any, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """Greedy tokens, prefill tok/s and decode tok/s of one request through the pipeline."""
+    got = measure(engine, [prompt], new_tokens)
+    tokens = greedy.pipeline_tokens(engine, [prompt], min(new_tokens, 16))[0]
+    return {"prefill_tok_s": round(len(prompt) / (got["ttft_ms"] / 1000), 1),
+            "decode_tok_s": round(1000 / got["itl_p50_ms"], 2), "tokens": tokens}
+
+
+def warm_up(engine: Any, vocab: int, case: ScaleCase) -> None:
+    """Compile outside the timing: this prompt length, the longest context, the concurrent row buckets.
+    Other prompts than the measured ones, so the prefix store has nothing to hit."""
+    measure(engine, [prompt_ids(vocab, case.context, seed=2)], 2, strict=False)
+    measure(engine, [prompt_ids(vocab, case.context + case.new_tokens - 2, seed=3)], 2, strict=False)
+    measure(engine, stream_prompts(prompt_ids(vocab, 16, seed=4), case.streams, salt=100), 4, strict=False)
+
+
+def pipeline_run(model: Path, case: ScaleCase, n: int, tmp: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    from skippy_zmq.harness import running_pipeline
+
+    path = topology_for(tmp, model, n, case)
+    run_dir = tmp / f"run-{case.shape}-{n}"
+    prompt = prompt_ids(_vocab(model), case.context)
+    t0 = time.perf_counter()
+    with running_pipeline(path, run_dir, timeout=1800.0) as (engine, _tok, topology, procs):
+        ready_s = time.perf_counter() - t0
+        warm_up(engine, _vocab(model), case)
+        single = one_stream(engine, prompt, case.new_tokens)
+        many = measure(engine, stream_prompts(prompt, case.streams, salt=1), case.new_tokens)   # none is `prompt`
+        pids = {s.id: p.pid for s, p in zip(reversed(topology.stages), procs)}
+        stages = [_stage_row(topology, s, pids[s.id], run_dir) for s in topology.stages]
+    row = {"model": case.label, "engine": "skippy_zmq (q4)", "stages": n, "context": case.context,
+           "new_tokens": case.new_tokens, "prefill_tok_s": single["prefill_tok_s"],
+           "decode_tok_s": single["decode_tok_s"], f"agg_{case.streams}_streams_tok_s": many["agg_tok_s"],
+           "ready_s": round(ready_s, 1), "tokens": single["tokens"]}
+    return row, [dict(st, model=case.label, stages=n) for st in stages]
+
+
+def _stage_row(topology: Any, stage: Any, pid: int, run_dir: Path) -> dict[str, Any]:
+    times = stage_start_times(run_dir / f"{stage.id}.log").get(stage.id, {})
+    peak, want = peak_rss_bytes(pid), predicted_bytes(topology, stage)
+    return {"stage": stage.id, "layers": f"[{stage.start}, {stage.end})", "restored_s": times.get("restored_s"),
+            "compiled_s": times.get("compiled_s"), "peak_rss_gib": _gib(peak), "predicted_gib": _gib(want),
+            "peak_over_predicted": round(peak / want, 2) if peak and want else None}
+
+
+def llama_cpp_run(gguf: Path, case: ScaleCase, prompt: list[int]) -> dict[str, Any]:
+    from llama_cpp import Llama
+
+    threads = os.cpu_count() or 1
+    llm = Llama(model_path=str(gguf), n_ctx=case.context + case.new_tokens + 16, n_batch=512,
+                n_threads=threads, n_threads_batch=threads, verbose=False)
+    try:
+        llama_generate(llm, prompt[:8], 2)   # warm up
+        prefill, decode, tokens = llama_generate(llm, prompt, case.new_tokens)
+    finally:
+        llm.close()
+    return {"model": case.label, "engine": f"llama.cpp ({threads} threads, same GGUF)", "stages": None,
+            "context": case.context, "new_tokens": case.new_tokens, "prefill_tok_s": round(prefill, 1),
+            "decode_tok_s": round(decode, 2), f"agg_{case.streams}_streams_tok_s": "n/a (one sequence)",
+            "ready_s": None, "tokens": tokens[:16]}
+
+
+def llama_generate(llm: Any, prompt: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+    """(prefill tok/s, decode tok/s, greedy tokens), timed as ours: prompt to first token, then the rest."""
+    llm.reset()
+    tokens: list[int] = []
+    t0 = time.perf_counter()
+    t_first = t0
+    for token in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, repeat_penalty=1.0):
+        tokens.append(int(token))
+        if len(tokens) == 1:
+            t_first = time.perf_counter()
+        if len(tokens) >= new_tokens:
+            break
+    t_end = time.perf_counter()
+    return len(prompt) / max(t_first - t0, 1e-9), (len(tokens) - 1) / max(t_end - t_first, 1e-9), tokens
+
+
+def conversion_run(case: ScaleCase, gguf: Path, tmp: Path) -> dict[str, Any]:
+    out = tmp / f"converted-{case.shape}"
+    cmd = [sys.executable, "-m", "skippy_zmq.cli", "convert", "--gguf", str(gguf), "--weights", "q4",
+           "--out", str(out)]
+    got = run_measured(cmd, tmp / f"convert-{case.shape}.log")
+    shutil.rmtree(out, ignore_errors=True)
+    return {"model": case.label, "step": "convert --gguf --weights q4", "gguf_gib": _gib(gguf.stat().st_size),
+            "wall_s": got["wall_s"], "peak_rss_gib": _gib(got["peak_rss"]), "ok": got["rc"] == 0}
+
+
+def run_case(case: ScaleCase, tmp: Path, root: Path = RANDOM_ROOT) -> dict[str, Any]:
+    """Every measurement of one case, one process tree at a time."""
+    model, made = ensure_model(case, root)
+    rows, stages = [], []
+    for n in case.stages:
+        row, st = pipeline_run(model, case, n, tmp)
+        rows.append(row)
+        stages += st
+    prompt = prompt_ids(_vocab(model), case.context)
+    if llama_cpp_available():
+        theirs = llama_cpp_run(model / "model.gguf", case, prompt)
+        for row in rows:
+            row["greedy_vs_llama_cpp"] = f"{greedy.first_mismatch(row['tokens'], theirs['tokens'])}/{len(theirs['tokens'])}"
+            row[f"agg_over_llama_cpp_1_stream"] = round(row[f"agg_{case.streams}_streams_tok_s"] / theirs["decode_tok_s"], 2)
+        rows.append(theirs)
+    steps = [conversion_run(case, model / "model.gguf", tmp)]
+    if made:
+        steps.insert(0, {"model": case.label, "step": "random-model --gguf q4_1", "gguf_gib": None,
+                         "wall_s": made["wall_s"], "peak_rss_gib": _gib(made["peak_rss"]), "ok": made["rc"] == 0})
+    return {"case": asdict(case), "model_dir": str(model), "rows": rows, "stages": stages, "steps": steps}
+
+
+def bench_scale(args: argparse.Namespace, tables: list[str], _prior: dict[str, Any] | None = None) -> dict[str, Any]:
+    cases = QUICK if args.quick else FULL
+    tmp = Path(tempfile.mkdtemp(prefix="skippy-scale-"))
+    results = []
+    for case in cases:
+        results.append(run_case(case, tmp))
+        print(f"[bench] scale: {case.label} done", flush=True)
+    result = {"cases": results, "llama_cpp": llama_cpp_available(), "threads": os.cpu_count()}
+    text = scale_tables(results)
+    tables.extend(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scale.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "scale.md").write_text("# skippy_zmq at scale (random weights, q4)\n\n" + "\n".join(text))
+    return result
+
+
+def scale_tables(results: list[dict[str, Any]]) -> list[str]:
+    rows = [{k: v for k, v in r.items() if k != "tokens"} for res in results for r in res["rows"]]
+    stages = [st for res in results for st in res["stages"]]
+    steps = [st for res in results for st in res["steps"]]
+    return [
+        print_table("at scale: speed (random weights of the real shape, q4; llama.cpp on the same weights)", rows,
+                    "prefill = prompt / time to first token; decode = 1000 / median inter-token ms, one stream; "
+                    "agg = tokens per second while all streams decode. llama.cpp runs one sequence: its "
+                    "aggregate is n/a, and ours is set against its single-stream decode. greedy_vs_llama_cpp = "
+                    "leading greedy tokens equal to llama.cpp's (its Q8 activation arithmetic may part a near tie)."),
+        print_table("at scale: stage start and memory", stages,
+                    "restored / compiled: the stage's own log line (restore of its items, then compiling its "
+                    "buckets) before READY; peak RSS = VmHWM of the stage process at the end of its run; "
+                    "predicted = placement.py (weights + KV + prefix-store budget + overhead)."),
+        print_table("at scale: making and converting the model", steps,
+                    "peak RSS of the subprocess (wait4 ru_maxrss); random-model appears when the model was not cached."),
+    ]
+
+
+def _vocab(model: Path) -> int:
+    return int(json.loads((model / "model.json").read_text())["vocab_size"])
+
+
+def _gib(n: int | None) -> float | None:
+    return round(n / GiB, 2) if n else None
