@@ -75,7 +75,13 @@ def test_quantised_checkpoint_keeps_the_levels_quantising_at_load_makes(converte
         np.testing.assert_array_equal(quant.levels(g), quant.levels(w))
         for a, b in [(g.s, w.s), (g.z, w.z)]:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(np.float16).astype(np.float32))
-    assert np.abs(np.asarray(got["embed"]) - tiny_tree["embed"]).max() < 0.01   # int8 rows, dequantised for lookup
+    rows = got["embed"]     # int8 rows + f16 scales, widened per looked-up row
+    assert isinstance(rows, quant.QRows) and rows.q.dtype == np.int8 and rows.s.dtype == np.float16
+    ids = np.array([[3, 96, 50]])
+    looked_up = np.asarray(quant.embed_rows(rows, ids))
+    np.testing.assert_array_equal(looked_up[0], checkpoint.to_float(
+        checkpoint.restore_stage(path, TINY, 0, 1)["embed"])[ids[0]])
+    assert np.abs(looked_up[0] - tiny_tree["embed"][ids[0]]).max() < 0.01
 
 
 def test_stage_restores_only_its_items(tmp_path, tiny_tree):
@@ -97,6 +103,7 @@ def test_last_stage_gets_the_tied_embedding_as_its_int8_head(tmp_path, tiny_tree
     assert last["embed"]["q"].shape == (97, 64)     # three row blocks put back together
     _, params = weights.load_slice(path, 3, 4, fmt="q4")
     assert params["head"].bits == 8 and params["layers"][0]["w_up"].bits == 4
+    assert "embed" not in params      # not first: the int8 head is all it needs of the embedding
     np.testing.assert_array_equal(quant.levels(params["head"]), last["embed"]["q"].T)
 
 
@@ -204,7 +211,8 @@ def test_gguf_q4_levels_reach_the_runtime_unchanged(tmp_path, tiny_tree):
     levels = np.concatenate([blocks[..., 4:] & 15, blocks[..., 4:] >> 4], axis=-1).reshape(128, 64)
     _, params = weights.load_slice(path, 0, 1, fmt="q4")
     np.testing.assert_array_equal(quant.levels(params["layers"][0]["w_up"]), levels.T)
-    np.testing.assert_array_equal(np.asarray(params["embed"]), held["token_embd.weight"])
+    np.testing.assert_array_equal(np.asarray(quant.embed_rows(params["embed"], np.arange(97))),
+                                  held["token_embd.weight"])   # Q8_0 rows, exactly
 
 
 def test_gguf_finer_format_dequantises_and_other_types_requantise(tmp_path, tiny_tree):
@@ -240,3 +248,43 @@ def test_conversion_memory_is_bounded(tmp_path):
     assert peak < 0.6 * 2**30, f"peak RSS {peak / 2**30:.2f} GiB"
     manifest = json.loads((tmp_path / "out" / "params" / "format.json").read_text())
     assert manifest["weights"] == "q4" and manifest["stored"]["head"] == "int8"
+
+
+# ---------------------------------------------------------------- running what was stored
+
+
+def test_q4_checkpoint_runs_cached_decode_like_its_full_forward(tmp_path, tiny_tree):
+    import jax.numpy as jnp
+
+    from skippy_zmq.config import KVConfig
+    from skippy_zmq.model.llama import forward_reference
+    from skippy_zmq.model.runner import SliceRunner
+
+    _, params = weights.load_slice(write_tree(tmp_path / "m", tiny_tree, "q4"), fmt="q4")
+    ids = np.random.default_rng(3).integers(3, 97, size=24).astype(np.int32)
+    want = np.asarray(forward_reference(params, jnp.asarray(ids)[None], TINY))[0]
+    r = SliceRunner(TINY, params, 0, TINY.n_layers, KVConfig(lanes=2, capacity=256))
+    r.prefill(1, ids[:-2], 0, output="none")
+    for i in (len(ids) - 2, len(ids) - 1):
+        np.testing.assert_allclose(r.decode(np.array([1]), ids[i:i + 1], np.array([i]))[0], want[i],
+                                   rtol=2e-4, atol=2e-4)
+    at_load = weights.to_runtime(tiny_tree, jnp.float32, quantize="q4")   # same levels, f32 scales, float embed
+    np.testing.assert_allclose(want, np.asarray(forward_reference(at_load, jnp.asarray(ids)[None], TINY))[0],
+                               atol=0.02)
+
+
+@pytest.mark.slow
+def test_real_model_q4_checkpoint_greedy_matches_transformers(model_dir, parity, tmp_path):
+    """The shipped Q4_1 GGUF converted --weights q4 (its exact levels, Q8_0 embedding as int8 rows)."""
+    from skippy_zmq.generate import LocalEngine
+    from skippy_zmq.model.convert import convert_gguf
+
+    convert_gguf(REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf", tmp_path / "q4", "q4")
+    engine = LocalEngine(tmp_path / "q4", weights="q4", capacity=256)
+    assert isinstance(engine.runner.params["embed"], quant.QRows)
+    for case in parity["prompts"]:
+        want = case["transformers_fp32_ids"]
+        got = engine.generate(case["prompt_ids"], max_tokens=len(want), ignore_eos=True).token_ids
+        assert got == want
+    with pytest.raises(CheckpointError, match="checkpoint stores q4; a stage can run q4 only"):
+        LocalEngine(tmp_path / "q4", capacity=256)

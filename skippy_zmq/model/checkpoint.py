@@ -348,13 +348,16 @@ def _manifest(params: Path) -> dict[str, Any] | None:
 # ---------------------------------------------------------------- runtime
 
 
-def to_runtime(tree: dict[str, Any], asked: str, dtype: Any, device: Any = None) -> dict[str, Any]:
+def to_runtime(tree: dict[str, Any], asked: str, dtype: Any, device: Any = None,
+               first: bool = True) -> dict[str, Any]:
     """Stored stage arrays -> runtime params (as weights.to_runtime makes them), tensor by tensor.
 
     Float formats: [in, out] arrays in `dtype`. int8 / q4: QTensors, built from the
     stored levels when their grid matches (an int8 head under q4, as weights.to_runtime
-    does), else quantised (or requantised) from the dequantised tensor. The embedding
-    stays float for row lookup; a tied last stage's head is the embedding's levels.
+    does), else quantised (or requantised) from the dequantised tensor. A quantised
+    embedding stays int8 rows (quant.QRows, widened per looked-up row); a float one stays
+    float. A tied last stage's head is the embedding's levels (and, unless it is also
+    first, int8 / q4 drop the embedding itself: only the float head reads it).
     """
     import jax
     import jax.numpy as jnp
@@ -371,7 +374,11 @@ def to_runtime(tree: dict[str, Any], asked: str, dtype: Any, device: Any = None)
         return put_q(runtime_qtensor(stored, 4 if asked == "q4" and key != "head" else 8))
 
     out: dict[str, Any] = {}
-    if "embed" in tree:
+    if "embed" in tree and asked in ("int8", "q4") and "q" in tree["embed"]:
+        e = grid(tree["embed"])   # int8 rows, widened per looked-up row
+        rows = quant.QRows(e.q.astype(np.int8), e.d, e.m)
+        out["embed"] = jax.device_put(rows, device) if device else jax.tree.map(jnp.asarray, rows)
+    elif "embed" in tree:
         out["embed"] = put(to_float(tree["embed"]))
     if "norm" in tree:
         out["norm"] = put(tree["norm"])
@@ -379,6 +386,8 @@ def to_runtime(tree: dict[str, Any], asked: str, dtype: Any, device: Any = None)
         out["head"] = matrix("head", tree["head"])
     elif "norm" in tree and asked in ("int8", "q4"):
         out["head"] = matrix("head", tree["embed"])
+    if not first and "head" in out:
+        out.pop("embed", None)
     out["layers"] = tuple({k: matrix(k, v) if isinstance(v, dict) else put(v) for k, v in tree["layers"][i].items()}
                           for i in sorted(tree["layers"], key=int))
     return out
@@ -404,4 +413,4 @@ def load_stage(model_dir: Path, cfg: ModelConfig, start: int, end: int, asked: s
     if _manifest(Path(model_dir) / "params") is None:     # older single f32 PyTree
         tree = weights.restore_params(Path(model_dir) / "params", cfg, start, end)
         return weights.to_runtime(tree, dtype, device, None if asked in ("f32", "bf16") else asked)
-    return to_runtime(restore_stage(model_dir, cfg, start, end), asked, dtype, device)
+    return to_runtime(restore_stage(model_dir, cfg, start, end), asked, dtype, device, first=start == 0)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from skippy_zmq.config import ModelConfig
 from skippy_zmq.model import rope as rope_freqs
-from skippy_zmq.model.quant import dense
+from skippy_zmq.model.quant import dense, embed_rows
 
 Params = dict[str, Any]
 
@@ -229,7 +229,7 @@ def forward_slice(params: Params, kv: KVCache, inputs: jax.Array, positions: jax
     of each row's last token (needs end == n_layers); "none" -> KV only.
     """
     dtype = jnp.dtype(cfg.dtype)
-    x = params["embed"][inputs].astype(dtype) if start == 0 else inputs.astype(dtype)
+    x = embed_rows(params["embed"], inputs).astype(dtype) if start == 0 else inputs.astype(dtype)
     rope = rope_tables(positions, rope_freqs.inv_freq(cfg))
     for i, p in enumerate(params["layers"]):
         a, kv = attention(p, rms_norm(x, p["attn_norm"], cfg.norm_eps), kv, i, positions, lanes, rope,

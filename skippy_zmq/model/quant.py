@@ -87,6 +87,28 @@ class QTensor:
         return self.q.nbytes + self.s.nbytes + self.z.nbytes
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QRows:
+    """An embedding kept as its int8 levels: row r = q[r] * s[r, g] + z[r, g] per `in / groups`
+    columns (s and z float16, as stored). A lookup widens only the rows it gathers, so a
+    first stage holds 1.125 B/weight of embedding instead of 4."""
+
+    q: Any   # int8 [V, D]
+    s: Any   # float16 [V, groups]
+    z: Any   # float16 [V, groups]
+
+
+def embed_rows(table: Any, ids: jax.Array) -> jax.Array:
+    """table[ids] as float32 rows, for a plain [V, D] array or a QRows."""
+    if not isinstance(table, QRows):
+        return table[ids]
+    groups = table.s.shape[-1]
+    q = table.q[ids].astype(jnp.float32).reshape(*ids.shape, groups, -1)
+    s, z = table.s[ids].astype(jnp.float32), table.z[ids].astype(jnp.float32)
+    return (q * s[..., None] + z[..., None]).reshape(*ids.shape, -1)
+
+
 def quantize_int8(w: np.ndarray, group_size: int | None = None,
                   offsets: bool = True) -> dict[str, np.ndarray]:
     """int8 weights: w[k, j] ~= q[k, j] * s[g, j] + z[g, j], g = k // group_size.
