@@ -68,7 +68,3 @@ def inv_freq(cfg: ModelConfig) -> np.ndarray:
         inv = inv / np.asarray(cfg.rope_freq_factors, np.float32)
     return inv.astype(np.float32)
 
-
-def llama3_freq_factors(cfg: ModelConfig) -> np.ndarray:
-    """The divisors a GGUF stores as rope_freqs for a llama3-scaled cfg: default / llama3 frequencies."""
-    return (default_inv_freq(cfg) / llama3_inv_freq(cfg)).astype(np.float32)
