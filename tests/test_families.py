@@ -132,6 +132,17 @@ def test_transformers4_layout_converts_to_the_same_model(tmp_path, converted):
     assert dataclasses.replace(cfg, name="llama3") == ModelConfig.load(converted("llama3") / "model.json")
 
 
+def test_sliding_window_mask_keeps_the_last_window_keys_and_spares_padding():
+    from skippy_zmq.model.llama import visible_keys
+
+    cfg = dataclasses.replace(hf_model_config(fixture_config("mistral")), sliding_window=3)
+    positions = np.array([[5, 1, 8]])                      # 8 == capacity: a padding token
+    got = np.asarray(visible_keys(positions, 8, 8, cfg))[0]
+    assert got[0].tolist() == [False, False, False, True, True, True, False, False]
+    assert got[1].tolist() == [True, True] + [False] * 6
+    assert got[2].all()
+
+
 # ---------------------------------------------------------------- config reading
 
 
