@@ -54,10 +54,14 @@ FAMILIES = {
     # Mistral 7B v0.1 style: GQA 4:1 and a sliding window (64 here) shorter than the long prompt.
     "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=1, sliding_window=64,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # Qwen2 with use_sliding_window: layers from max_window_layers (1) on see the last 64 keys, layer 0 all.
+    "qwen2-window": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         use_sliding_window=True, sliding_window=64, max_window_layers=1,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
 }
 # Same model run without the feature: its logits must differ on the long prompt.
 WITHOUT = {"llama3": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
-           "mistral": {"sliding_window": None}}
+           "mistral": {"sliding_window": None}, "qwen2-window": {"use_sliding_window": False}}
 
 
 def prompts() -> list[np.ndarray]:

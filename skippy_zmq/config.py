@@ -48,7 +48,8 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] = ()   # GGUF rope_freqs: inv_freq[i] is divided by it (head_dim / 2)
     attn_out_bias: bool = False             # a bias on the output projection (Llama attention_bias)
     qk_norm: bool = False                   # Qwen3: RMSNorm of each q and k head over head_dim, before rope
-    sliding_window: int = 0                 # 0: full causal; else every layer sees the last `sliding_window` keys
+    sliding_window: int = 0                 # 0: full causal; else a layer sees only the last `sliding_window` keys
+    full_attention_layers: tuple[int, ...] = ()   # layers (global indices) that attend fully despite the window
 
     def __post_init__(self) -> None:
         problems = []
@@ -77,6 +78,7 @@ class ModelConfig:
         out = dataclasses.asdict(self)
         out["eos_ids"] = list(self.eos_ids)
         out["rope_freq_factors"] = list(self.rope_freq_factors)
+        out["full_attention_layers"] = list(self.full_attention_layers)
         return out
 
     @classmethod
@@ -90,6 +92,8 @@ class ModelConfig:
             data["eos_ids"] = tuple(int(x) for x in data["eos_ids"])
         if "rope_freq_factors" in data:
             data["rope_freq_factors"] = tuple(float(x) for x in data["rope_freq_factors"])
+        if "full_attention_layers" in data:
+            data["full_attention_layers"] = tuple(int(x) for x in data["full_attention_layers"])
         return cls(**data)
 
     def save(self, path: Path) -> None:

@@ -24,7 +24,7 @@ from skippy_zmq.model.convert import ConvertError, convert_hf, hf_model_config
 from skippy_zmq.model.runner import SliceRunner
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "families"
-FAMILIES = ("llama", "llama3", "llama-linear", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "llama3", "llama-linear", "qwen2", "qwen3", "mistral", "qwen2-window")
 KV = KVConfig(lanes=1, capacity=512)
 BUCKETS = Buckets(prefill_chunks=(64,), decode_rows=(1,), attn_lens=(512,))   # one shape per step kind
 RTOL = 1e-4          # max|Δ| ≤ RTOL · max|logit|
@@ -119,7 +119,8 @@ def test_families_switch_on_their_features(converted):
     assert cfgs["qwen2"].attn_bias and not cfgs["qwen2"].attn_out_bias and cfgs["qwen2"].rope_theta == 1e6
     q3 = cfgs["qwen3"]
     assert q3.qk_norm and not q3.attn_bias and (q3.head_dim, q3.n_heads, q3.d_model) == (128, 2, 128)
-    assert cfgs["mistral"].sliding_window == 64
+    assert (cfgs["mistral"].sliding_window, cfgs["mistral"].full_attention_layers) == (64, ())
+    assert (cfgs["qwen2-window"].sliding_window, cfgs["qwen2-window"].full_attention_layers) == (64, (0,))
     assert weights.layer_shapes(q3)["q_norm"] == (128,)
 
 
@@ -135,9 +136,8 @@ def test_transformers4_layout_converts_to_the_same_model(tmp_path, converted):
 def test_sliding_window_mask_keeps_the_last_window_keys_and_spares_padding():
     from skippy_zmq.model.llama import visible_keys
 
-    cfg = dataclasses.replace(hf_model_config(fixture_config("mistral")), sliding_window=3)
     positions = np.array([[5, 1, 8]])                      # 8 == capacity: a padding token
-    got = np.asarray(visible_keys(positions, 8, 8, cfg))[0]
+    got = np.asarray(visible_keys(positions, 8, 8, window=3))[0]
     assert got[0].tolist() == [False, False, False, True, True, True, False, False]
     assert got[1].tolist() == [True, True] + [False] * 6
     assert got[2].all()
@@ -177,10 +177,13 @@ def test_llama3_original_context_defaults_to_max_position_embeddings():
     assert hf_model_config(config).rope_original_max_pos == 1024
 
 
-def test_qwen_window_on_every_layer_is_used():
+def test_qwen_window_layers_follow_max_window_layers_or_layer_types():
     config = {**fixture_config("qwen2"), "use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0}
     config.pop("layer_types")
-    assert hf_model_config(config).sliding_window == 32
+    assert (hf_model_config(config).sliding_window, hf_model_config(config).full_attention_layers) == (32, ())
+    assert hf_model_config({**config, "max_window_layers": 1}).full_attention_layers == (0,)
+    explicit = {**config, "layer_types": ["sliding_attention", "full_attention"]}
+    assert hf_model_config(explicit).full_attention_layers == (1,)
     assert hf_model_config({**config, "use_sliding_window": False}).sliding_window == 0
 
 
@@ -227,10 +230,9 @@ REFUSED = [
      "low_freq_factor"),
     (_with("llama", rope_parameters={"full_attention": {"rope_type": "default"},
                                      "sliding_attention": {"rope_type": "default"}}), "rope_parameters"),
-    (_with("qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=1, layer_types=None),
-     "max_window_layers"),
     (_with("qwen3", use_sliding_window=True, sliding_window=32,
-           layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+           layer_types=["full_attention", "chunked_attention"]), "layer_types"),
+    (_with("qwen3", use_sliding_window=True, sliding_window=32, layer_types=["sliding_attention"]), "layer_types"),
     (_with("qwen2", layer_types=["full_attention", "sliding_attention"]), "layer_types"),
 ]
 

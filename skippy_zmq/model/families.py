@@ -6,8 +6,8 @@ Families (HF model_type / GGUF architecture) and what they switch on:
     family    q/k/v bias         o bias            q/k norm  head_dim default  sliding window
     llama     attention_bias     attention_bias    no        hidden / heads    none
     mistral   no                 no                no        hidden / heads    sliding_window, every layer
-    qwen2     yes                no                no        hidden / heads    use_sliding_window (all layers or none)
-    qwen3     attention_bias     attention_bias    yes       128               use_sliding_window (all layers or none)
+    qwen2     yes                no                no        hidden / heads    use_sliding_window, layers per layer_types
+    qwen3     attention_bias     attention_bias    yes       128               use_sliding_window, layers per layer_types
 
 Rope, either layout: transformers 4 keeps `rope_theta` (and `partial_rotary_factor`)
 at the top level and the scaling in `rope_scaling`; transformers 5 keeps all of
@@ -16,7 +16,7 @@ it in `rope_parameters`. Both are merged (v5 winning) and read once. Rope types
 
 Any field that would change the math and is not implemented is refused with a
 ConvertError naming it (other activations, MLP biases, yarn/dynamic/longrope
-rope, partial rotary, logit softcapping, per-layer attention patterns), never
+rope, partial rotary, logit softcapping, per-layer rope), never
 converted into a silently different model.
 """
 
@@ -98,7 +98,7 @@ def hf_model_config(config: dict[str, Any], name: str = "") -> ModelConfig:
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), max_seq_len=max_pos,
         attn_bias=bias if family.qkv_bias is None else family.qkv_bias,
         attn_out_bias=bias if family.out_bias is None else family.out_bias, qk_norm=family.qk_norm,
-        sliding_window=_hf_sliding_window(config, family, n_layers),
+        **_hf_sliding_window(config, family, n_layers),
         bos_id=int(config.get("bos_token_id") or -1), eos_ids=eos_ids, name=name,
         **hf_rope(config, max_pos))
 
@@ -144,31 +144,28 @@ def _rope_need(params: dict[str, Any], key: str) -> Any:
     return params[key]
 
 
-def _hf_sliding_window(config: dict[str, Any], family: Family, n_layers: int) -> int:
-    """The window every layer uses (0: none); a window on only some layers is refused."""
+def _hf_sliding_window(config: dict[str, Any], family: Family, n_layers: int) -> dict[str, Any]:
+    """sliding_window and full_attention_layers, as transformers reads them for the family."""
     window = config.get("sliding_window")
-    if family.window == "mistral":
-        return int(window or 0)
-    layer_types = config.get("layer_types")
     if family.window == "none":        # as transformers: Llama has no window, whatever the file says
-        return 0
-    if not config.get("use_sliding_window", False):
+        return {}
+    if family.window == "mistral":     # every layer (transformers' Mistral ignores layer_types)
+        return {"sliding_window": int(window or 0)}
+    layer_types = config.get("layer_types")
+    if not config.get("use_sliding_window", False) or window is None:
         if layer_types and any(t != "full_attention" for t in layer_types):
-            raise ConvertError(f"config.json layer_types {sorted(set(layer_types))} with use_sliding_window "
-                               "false is not implemented")
-        return 0
-    if window is None:
-        return 0
-    field = "layer_types" if layer_types else "max_window_layers"
-    if not layer_types:
+            raise ConvertError(f"config.json layer_types {sorted(set(layer_types))} without a sliding window "
+                               "(use_sliding_window false or sliding_window null) is not implemented")
+        return {}
+    if not layer_types:                # transformers' default: the layers from max_window_layers on slide
         first = int(config.get("max_window_layers", 28))
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-    if all(t == "full_attention" for t in layer_types):
-        return 0
-    if all(t == "sliding_attention" for t in layer_types):
-        return int(window)
-    raise ConvertError(f"config.json {field}: a sliding window on only some layers is not implemented "
-                       f"(use_sliding_window with {field}={config.get(field)!r})")
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown or len(layer_types) != n_layers:
+        raise ConvertError(f"config.json layer_types {layer_types!r} is not implemented "
+                           "(one of full_attention / sliding_attention per layer)")
+    return {"sliding_window": int(window),
+            "full_attention_layers": tuple(i for i, t in enumerate(layer_types) if t == "full_attention")}
 
 
 # ---------------------------------------------------------------- GGUF metadata

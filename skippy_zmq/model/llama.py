@@ -24,7 +24,8 @@ padding never touches a real lane.
 Families differ only in what the config switches on: q/k/v biases (Qwen2,
 Llama attention_bias) and an output bias (Llama attention_bias), a per-head
 RMSNorm of q and k before rope (Qwen3), the rope type (model/rope.py) and a
-sliding attention window on every layer (Mistral).
+sliding attention window (Mistral: every layer; Qwen: the layers not in
+`full_attention_layers`).
 """
 
 from __future__ import annotations
@@ -173,7 +174,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def attention(p: Params, x: jax.Array, kv: KVCache, layer: int, positions: jax.Array,
               lanes: jax.Array, rope: tuple[jax.Array, jax.Array], attn_len: int,
-              cfg: ModelConfig) -> tuple[jax.Array, KVCache]:
+              cfg: ModelConfig, window: int = 0) -> tuple[jax.Array, KVCache]:
+    """One layer's attention; `layer` indexes this stage's KV, `window` > 0 limits each query to its last keys."""
     b, t, _ = x.shape
     h, kvh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q, k, v = dense(x, p["wq"]), dense(x, p["wk"]), dense(x, p["wv"])
@@ -188,7 +190,7 @@ def attention(p: Params, x: jax.Array, kv: KVCache, layer: int, positions: jax.A
     qg = q.reshape(b, t, kvh, h // kvh, hd)
     scores = jnp.einsum("btkgd,bkld->bkgtl", qg, keys.astype(x.dtype), preferred_element_type=jnp.float32)
     scores = scores * (1.0 / (hd ** 0.5))
-    scores = jnp.where(visible_keys(positions, attn_len, kv.capacity, cfg)[:, None, None], scores, -jnp.inf)
+    scores = jnp.where(visible_keys(positions, attn_len, kv.capacity, window)[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     # probs on the left, so the value slice feeds the dot as it lies (no transpose copy)
     out = jnp.einsum("bkgtl,bkld->bkgtd", probs, vals.astype(x.dtype))
@@ -196,16 +198,21 @@ def attention(p: Params, x: jax.Array, kv: KVCache, layer: int, positions: jax.A
     return (out + p["bo"] if "bo" in p else out), kv
 
 
-def visible_keys(positions: jax.Array, attn_len: int, capacity: int, cfg: ModelConfig) -> jax.Array:
-    """[B, T, L]: which keys each query sees: causal, and within the sliding window if there is one.
+def layer_window(cfg: ModelConfig, layer: int) -> int:
+    """The sliding window of global layer `layer` (0: it attends to every earlier key)."""
+    return 0 if layer in cfg.full_attention_layers else cfg.sliding_window
+
+
+def visible_keys(positions: jax.Array, attn_len: int, capacity: int, window: int) -> jax.Array:
+    """[B, T, L]: which keys each query sees: causal, and within the last `window` keys if window > 0.
 
     Padding queries (position == capacity) keep the plain causal mask, so a window
     never leaves them with no key at all (a softmax over nothing is NaN).
     """
     keys, pos = jnp.arange(attn_len)[None, None, :], positions[:, :, None]
     visible = keys <= pos
-    if cfg.sliding_window:
-        visible &= (keys > pos - cfg.sliding_window) | (pos >= capacity)
+    if window:
+        visible &= (keys > pos - window) | (pos >= capacity)
     return visible
 
 
@@ -233,7 +240,7 @@ def forward_slice(params: Params, kv: KVCache, inputs: jax.Array, positions: jax
     rope = rope_tables(positions, rope_freqs.inv_freq(cfg))
     for i, p in enumerate(params["layers"]):
         a, kv = attention(p, rms_norm(x, p["attn_norm"], cfg.norm_eps), kv, i, positions, lanes, rope,
-                          attn_len, cfg)
+                          attn_len, cfg, layer_window(cfg, start + i))
         x = x + a
         x = x + mlp(p, rms_norm(x, p["ffn_norm"], cfg.norm_eps))
     if output == "none":
