@@ -14,6 +14,12 @@ at the top level and the scaling in `rope_scaling`; transformers 5 keeps all of
 it in `rope_parameters`. Both are merged (v5 winning) and read once. Rope types
 `default`, `linear` and `llama3` are implemented (model/rope.py).
 
+GGUF: architectures llama (llama.cpp files Mistral under it too; its Q/K rows
+come permuted and convert.py undoes that), qwen2 and qwen3 (rows as they are).
+Biases and q/k norms are found by tensor name; `{arch}.rope.scaling.type` may be
+none or linear; Llama 3 scaling comes as the `rope_freqs.weight` tensor, kept
+verbatim as ModelConfig.rope_freq_factors (see model/rope.py).
+
 Any field that would change the math and is not implemented is refused with a
 ConvertError naming it (other activations, MLP biases, yarn/dynamic/longrope
 rope, partial rotary, logit softcapping, per-layer rope), never
