@@ -181,4 +181,6 @@ def test_llama_cpp_runs_the_same_weights(tmp_path, shape):
     assert np.corrcoef(f32_logits, their_logits)[0, 1] > 0.999
     assert np.abs(f32_logits - their_logits).max() < 0.3
     np.testing.assert_allclose(q4_logits, f32_logits, atol=2e-3)
-    assert f32[:8] == theirs[:8] and q4[:8] == theirs[:8]
+    # All 16 agree for both shapes on this prompt (2026-12-01, AVX-512 CPU); another prompt parted the
+    # Llama shape at token 12, on a top-2 gap of 0.005: the slack is for such ties on other CPUs.
+    assert f32 == q4 and f32[:8] == theirs[:8]
