@@ -295,7 +295,7 @@ def test_scale_quick_path_end_to_end(tmp_path):
     assert ours["stages"] == 2 and ours["prefill_tok_s"] > 0 and ours["decode_tok_s"] > 0
     assert ours["agg_2_streams_tok_s"] > 0 and len(ours["tokens"]) == 4
     assert [s["stage"] for s in out["stages"]] == ["s0", "s1"]
-    assert all(s["peak_rss_gib"] > 0.1 and s["restored_s"] is not None for s in out["stages"])
+    assert all(s["peak_rss_gib"] > 0.1 and s["restored_s"] is not None and s["ready_s"] > 0 for s in out["stages"])
     assert [s["step"] for s in out["steps"]] == ["random-model --gguf q4_1", "convert --gguf --weights q4"]
     assert all(s["ok"] and s["peak_rss_gib"] > 0.1 for s in out["steps"])
     if llama_cpp_available():

@@ -11,7 +11,7 @@ cached under models/random/<shape>-L<layers>-s<seed>-q4/ (gitignored) between ru
 Per case and stage count: prefill tok/s (prompt / time to first token), single-stream decode tok/s
 (1000 / median inter-token ms) at that context, the aggregate of 8 concurrent streams (window where
 all decode), each stage's start (restore and compile, from its log line, and the wall clock to
-READY), each stage's peak RSS (VmHWM of its process) beside placement.py's prediction, and the
+READY; stages start one after another, so restores never overlap), each stage's peak RSS (VmHWM of its process) beside placement.py's prediction, and the
 greedy tokens against llama.cpp's. llama.cpp (llama-cpp-python, as many threads as this machine has
 cores, which is what every stage's XLA pool uses) runs one sequence: its 8-stream column is n/a and
 our aggregate is compared with its single-stream decode. Conversion: the peak RSS and time of
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from skippy_zmq.bench import greedy
 from skippy_zmq.bench.common import print_table
 from skippy_zmq.bench.peers import llama_cpp_available
 from skippy_zmq.bench.pipeline import measure, stream_prompts
-from skippy_zmq.bench.scale_procs import peak_rss_bytes, run_measured, stage_start_times
+from skippy_zmq.bench.scale_procs import peak_rss_bytes, run_measured, stage_start_times, staggered_pipeline
 
 GiB = 1 << 30
 SEED = 0
@@ -136,31 +135,26 @@ def warm_up(engine: Any, vocab: int, case: ScaleCase) -> None:
 
 
 def pipeline_run(model: Path, case: ScaleCase, n: int, tmp: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    from skippy_zmq.harness import running_pipeline
-
     path = topology_for(tmp, model, n, case)
     run_dir = tmp / f"run-{case.shape}-{n}"
     prompt = prompt_ids(_vocab(model), case.context)
-    t0 = time.perf_counter()
-    with running_pipeline(path, run_dir, timeout=1800.0) as (engine, _tok, topology, procs):
-        ready_s = time.perf_counter() - t0
+    with staggered_pipeline(path, run_dir) as (engine, topology, procs, ready_s):
         warm_up(engine, _vocab(model), case)
         single = one_stream(engine, prompt, case.new_tokens)
         many = measure(engine, stream_prompts(prompt, case.streams, salt=1), case.new_tokens)   # none is `prompt`
-        pids = {s.id: p.pid for s, p in zip(reversed(topology.stages), procs)}
-        stages = [_stage_row(topology, s, pids[s.id], run_dir) for s in topology.stages]
+        stages = [_stage_row(topology, s, procs[s.id].pid, run_dir, ready_s[s.id]) for s in topology.stages]
     row = {"model": case.label, "engine": "skippy_zmq (q4)", "stages": n, "context": case.context,
            "new_tokens": case.new_tokens, "prefill_tok_s": single["prefill_tok_s"],
            "decode_tok_s": single["decode_tok_s"], f"agg_{case.streams}_streams_tok_s": many["agg_tok_s"],
-           "ready_s": round(ready_s, 1), "tokens": single["tokens"]}
+           "ready_s": round(sum(ready_s.values()), 1), "tokens": single["tokens"]}
     return row, [dict(st, model=case.label, stages=n) for st in stages]
 
 
-def _stage_row(topology: Any, stage: Any, pid: int, run_dir: Path) -> dict[str, Any]:
+def _stage_row(topology: Any, stage: Any, pid: int, run_dir: Path, ready_s: float) -> dict[str, Any]:
     times = stage_start_times(run_dir / f"{stage.id}.log").get(stage.id, {})
     peak, want = peak_rss_bytes(pid), predicted_bytes(topology, stage)
     return {"stage": stage.id, "layers": f"[{stage.start}, {stage.end})", "restored_s": times.get("restored_s"),
-            "compiled_s": times.get("compiled_s"), "peak_rss_gib": _gib(peak), "predicted_gib": _gib(want),
+            "compiled_s": times.get("compiled_s"), "ready_s": ready_s, "peak_rss_gib": _gib(peak), "predicted_gib": _gib(want),
             "peak_over_predicted": round(peak / want, 2) if peak and want else None}
 
 
@@ -258,7 +252,8 @@ def scale_tables(results: list[dict[str, Any]]) -> list[str]:
                     "leading greedy tokens equal to llama.cpp's (its Q8 activation arithmetic may part a near tie)."),
         print_table("at scale: stage start and memory", stages,
                     "restored / compiled: the stage's own log line (restore of its items, then compiling its "
-                    "buckets) before READY; peak RSS = VmHWM of the stage process at the end of its run; "
+                    "buckets); ready_s: spawn to READY. Stages start one at a time, downstream first, each "
+                    "once the one before is READY (restores never overlap); peak RSS = VmHWM of the stage process at the end of its run; "
                     "predicted = placement.py (weights + KV + prefix-store budget + overhead)."),
         print_table("at scale: making and converting the model", steps,
                     "peak RSS of the subprocess (wait4 ru_maxrss); random-model appears when the model was not cached."),

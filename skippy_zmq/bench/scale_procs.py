@@ -1,5 +1,6 @@
-"""Process measurements for the scale bench: a subprocess's wall time and peak RSS, a live
-process's peak RSS, and a stage's start times from its log. Linux (/proc, wait4)."""
+"""Process measurements for the scale bench: a pipeline whose stages start one after another, a
+subprocess's wall time and peak RSS, a live process's peak RSS, and a stage's start times from its
+log. Linux (/proc, wait4)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import os
 import re
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 # stage/factory.py: "stage s0 layers [0, 16) on cpu: restored in 3.2s, compiled in 11.0s"
 START_LINE = re.compile(r"stage (\S+) layers \[(\d+), (\d+)\) on \S+: restored in ([\d.]+)s, compiled in ([\d.]+)s")
@@ -47,3 +49,42 @@ def stage_start_times(log: Path) -> dict[str, dict[str, float]]:
     for m in START_LINE.finditer(text):
         found[m.group(1)] = {"restored_s": float(m.group(4)), "compiled_s": float(m.group(5))}
     return found
+
+
+@contextmanager
+def staggered_pipeline(topology_path: Path, run_dir: Path, timeout: float = 1800.0) -> Iterator:
+    """Like harness.running_pipeline, but each stage (downstream first) starts only once the one
+    before it is READY: restores never overlap, so a big model's restore transients are paid once,
+    not once per stage at the same time, and each stage's start time is its own. Yields (engine,
+    topology, procs by stage id, seconds from spawn to READY by stage id)."""
+    from skippy_zmq.driver.main import open_engine
+    from skippy_zmq.launch import spawn_stage, stop_processes
+    from skippy_zmq.topology import load_topology
+
+    topology = load_topology(topology_path)
+    engine, _ = open_engine(topology)
+    procs: dict[str, subprocess.Popen] = {}
+    ready_s: dict[str, float] = {}
+    try:
+        for stage in reversed(topology.stages):
+            t0 = time.perf_counter()
+            procs[stage.id] = spawn_stage(topology_path, stage, run_dir, ["--log-level", "INFO"])
+            _wait_stage_ready(engine, stage.id, procs[stage.id], run_dir, timeout)
+            ready_s[stage.id] = round(time.perf_counter() - t0, 1)
+        if not engine.wait_ready(timeout):
+            raise TimeoutError(engine.not_ready_reason())
+        yield engine, topology, procs, ready_s
+    finally:
+        engine.close()
+        stop_processes(list(procs.values()))
+
+
+def _wait_stage_ready(engine: Any, stage_id: str, proc: subprocess.Popen, run_dir: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not engine.stages[stage_id].ready:   # set by the stage's READY (the driver thread)
+        if proc.poll() is not None:
+            raise RuntimeError(f"stage {stage_id} exited with code {proc.returncode} during startup; "
+                               f"see {run_dir / (stage_id + '.log')}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"stage {stage_id} not READY after {timeout:g} s")
+        engine.wait_ready(0.25)   # a bounded wait on the driver's ready event (set only when all are)
