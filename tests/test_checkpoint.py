@@ -51,7 +51,18 @@ def test_stored_formats_cost_what_gguf_blocks_cost():
     # runtime: 64-column panels, f32 scale and offset per 32 (0.75 B/weight for q4)
     assert checkpoint.runtime_nbytes((100, 64), "q4") == 128 * 64 // 2 + 8 * 128 * 2
     assert checkpoint.runtime_nbytes((100, 64), "q4", "head") == 128 * 64 + 8 * 128 * 2
-    assert checkpoint.runtime_nbytes((97, 64), "int8", "embed") == 97 * 64 * 4
+    assert checkpoint.runtime_nbytes((97, 64), "int8", "embed") == 97 * 64 + 4 * 97 * 2   # int8 rows, f16 s, z
+    assert checkpoint.runtime_nbytes((97, 64), "int8", "embed", stored="f32") == 97 * 64 * 4
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8", "q4"])
+def test_stage_nbytes_is_what_a_stage_holds(converted, fmt):
+    import jax
+
+    for start, end in [(0, 1), (1, 3), (3, 4), (0, 4)]:
+        _, params = weights.load_slice(converted(fmt), start, end, fmt=fmt)
+        held = sum(np.asarray(a).nbytes for a in jax.tree.leaves(params))
+        assert checkpoint.stage_nbytes(TINY, start, end, fmt) == held, (start, end)
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16"])

@@ -21,7 +21,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from skippy_zmq.model.checkpoint import Encoded, int8_blocks, q4_blocks
+from skippy_zmq.model.formats import Encoded, int8_blocks, q4_blocks
 
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 BLOCK = 32   # elements per Q4_0 / Q4_1 / Q8_0 block, along the input dim
