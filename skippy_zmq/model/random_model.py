@@ -226,15 +226,6 @@ def word_tokenizer(vocab_size: int) -> Any:
     return TextTokenizer(*word_level_tokenizer(vocab_size))
 
 
-def token_text(token_id: int) -> str:
-    return f"<t{token_id}>"
-
-
-def ids_text(ids: list[int]) -> str:
-    """The text whose tokens are exactly `ids`."""
-    return " ".join(token_text(i) for i in ids)
-
-
 # ---------------------------------------------------------------- writing
 
 
@@ -256,21 +247,20 @@ def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> 
         from skippy_zmq.model.gguf_writer import GGUFStream
 
         stream = GGUFStream(out / "model.gguf", cfg, specs, spec.name)
+    per_layer = sum(s.where == "0" for s in specs)
     layer: dict[str, Any] = {}
     for ts, tensor in random_tensors(cfg, spec.seed):
         if stream is not None:
             stream.write(ts, tensor)
         value = q4_blocks(tensor.levels, tensor.d, tensor.m) if isinstance(tensor, Q4Blocks) else tensor
-        if ts.where != "top":
+        if ts.where == "top":
+            writer.add_top(ts.key, value)   # norm; embed / head are split into row blocks by the writer
+        else:
             layer[ts.key] = value
-            if len(layer) == len(specs_of_layer(specs, ts.where)):
+            if len(layer) == per_layer:     # a layer's tensors come together (tensor_specs)
                 writer.add_layer(int(ts.where), layer)
                 layer = {}
-        elif ts.key == "norm":
-            writer.add_top("norm", value)
-        else:
-            writer.add_top(ts.key, value)   # embed / head: split into row blocks by the writer
-        del tensor, value
+        del tensor, value                   # before the next is made: one big tensor in memory at a time
     if stream is not None:
         stream.close()
     word_tokenizer(cfg.vocab_size).save(out)
@@ -281,6 +271,3 @@ def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> 
     writer.finish(source)
     return cfg
 
-
-def specs_of_layer(specs: list[TensorSpec], where: str) -> list[TensorSpec]:
-    return [s for s in specs if s.where == where]
