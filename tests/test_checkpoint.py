@@ -299,3 +299,17 @@ def test_real_model_q4_checkpoint_greedy_matches_transformers(model_dir, parity,
         assert got == want
     with pytest.raises(CheckpointError, match="checkpoint stores q4; a stage can run q4 only"):
         LocalEngine(tmp_path / "q4", capacity=256)
+
+
+@pytest.mark.parametrize("bits, n, k", [(4, 130, 64), (8, 100, 96), (4, 64, 40)])
+def test_pack_rows_packs_what_pack_packs(bits, n, k):
+    """The [out, in] packer a stage loads with makes pack()'s panels bit for bit (padding included)."""
+    rng = np.random.default_rng(bits)
+    q = rng.integers(0, 16, (n, k)).astype(np.uint8 if bits == 4 else np.int8)
+    groups = k // 32 if k % 32 == 0 else 1
+    s, z = (rng.standard_normal((n, groups)).astype(np.float16) for _ in range(2))
+    a = quant.pack(q.T, s.T.astype(np.float32), z.T.astype(np.float32), bits=bits)
+    b = quant.pack_rows(q, s, z, bits=bits)
+    for x, y in [(a.q, b.q), (a.s, b.s), (a.z, b.z)]:
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x, y)

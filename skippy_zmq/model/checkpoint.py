@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -193,19 +193,30 @@ def check_runnable(stored: str, asked: str) -> None:
 def restore_stage(model_dir: Path, cfg: ModelConfig, start: int = 0, end: int | None = None) -> dict[str, Any]:
     """The stored arrays of the items a stage [start, end) owns: its layers, the embedding when
     first (or last with a tied head), norm and an untied head when last. Nothing else is read."""
+    tree: dict[str, Any] = {"layers": {}}
+    for key, stored in stage_items(model_dir, cfg, start, end):
+        if isinstance(key, int):
+            tree["layers"][str(key)] = stored
+        else:
+            tree[key] = stored
+    return tree
+
+
+def stage_items(model_dir: Path, cfg: ModelConfig, start: int = 0,
+                end: int | None = None) -> Iterator[tuple[str | int, Any]]:
+    """restore_stage's items one at a time: ("norm", v), ("head", rows), ("embed", rows), then
+    (i, layer) for each of its layers, so a caller can convert each and let it go."""
     params = Path(model_dir).absolute() / "params"
-    manifest = _manifest(params)
-    if manifest is None:
+    if _manifest(params) is None:
         raise CheckpointError(f"{params}: no {MANIFEST} (an older single-PyTree checkpoint: use weights.restore_params)")
     want = weights.param_shapes(cfg, start, end)
     ckpt = ocp.PyTreeCheckpointer()
-    tree: dict[str, Any] = {"layers": {i: ckpt.restore(params / f"layer_{int(i):05d}") for i in want["layers"]}}
-    if "norm" in want:
-        tree["norm"] = ckpt.restore(params / "top")["norm"]
-    for key in ("embed", "head"):
+    for key in ("norm", "head", "embed"):
         if key in want:
-            tree[key] = _restore_rows(ckpt, params / key, cfg.vocab_size)
-    return tree
+            yield key, ckpt.restore(params / "top")["norm"] if key == "norm" else \
+                _restore_rows(ckpt, params / key, cfg.vocab_size)
+    for i in sorted(want["layers"], key=int):
+        yield int(i), ckpt.restore(params / f"layer_{int(i):05d}")
 
 
 def _restore_rows(ckpt: Any, directory: Path, n_rows: int) -> dict[str, np.ndarray]:
@@ -239,9 +250,10 @@ def _manifest(params: Path) -> dict[str, Any] | None:
 # ---------------------------------------------------------------- runtime
 
 
-def to_runtime(tree: dict[str, Any], asked: str, dtype: Any, device: Any = None,
+def to_runtime(items: Iterable[tuple[str | int, Any]], asked: str, dtype: Any, device: Any = None,
                first: bool = True) -> dict[str, Any]:
-    """Stored stage arrays -> runtime params (as weights.to_runtime makes them), tensor by tensor.
+    """Stored stage items (stage_items, or a restore_stage tree's .items()) -> runtime params
+    (as weights.to_runtime makes them), converting each item as it comes.
 
     Float formats: [in, out] arrays in `dtype`. int8 / q4: QTensors, built from the
     stored levels when their grid matches (an int8 head under q4, as weights.to_runtime
@@ -250,38 +262,57 @@ def to_runtime(tree: dict[str, Any], asked: str, dtype: Any, device: Any = None,
     float. A tied last stage's head is the embedding's levels (and, unless it is also
     first, int8 / q4 drop the embedding itself: only the float head reads it).
     """
-    import jax
-    import jax.numpy as jnp
-
-    def put(a: Any) -> Any:
-        return jax.device_put(jnp.asarray(a, dtype), device) if device else jnp.asarray(a, dtype)
-
-    def put_q(qt: quant.QTensor) -> Any:
-        return jax.device_put(qt, device) if device else jax.tree.map(jnp.asarray, qt)
-
-    def matrix(key: str, stored: dict[str, np.ndarray]) -> Any:
-        if asked in ("f32", "bf16"):
-            return put(np.ascontiguousarray(to_float(stored).T))
-        return put_q(runtime_qtensor(stored, 4 if asked == "q4" and key != "head" else 8))
-
+    put = _Put(asked, dtype, device)
     out: dict[str, Any] = {}
-    if "embed" in tree and asked in ("int8", "q4") and "q" in tree["embed"]:
-        e = grid(tree["embed"])   # int8 rows, widened per looked-up row
-        rows = quant.QRows(e.q.astype(np.int8), e.d, e.m)
-        out["embed"] = jax.device_put(rows, device) if device else jax.tree.map(jnp.asarray, rows)
-    elif "embed" in tree:
-        out["embed"] = put(to_float(tree["embed"]))
-    if "norm" in tree:
-        out["norm"] = put(tree["norm"])
-    if "head" in tree:
-        out["head"] = matrix("head", tree["head"])
-    elif "norm" in tree and asked in ("int8", "q4"):
-        out["head"] = matrix("head", tree["embed"])
-    if not first and "head" in out:
-        out.pop("embed", None)
-    out["layers"] = tuple({k: matrix(k, v) if isinstance(v, dict) else put(v) for k, v in tree["layers"][i].items()}
-                          for i in sorted(tree["layers"], key=int))
+    layers: dict[int, dict[str, Any]] = {}
+    for key, stored in items:
+        if key == "layers":       # a restore_stage tree
+            layers.update((int(i), put.layer(v)) for i, v in stored.items())
+        elif isinstance(key, int):
+            layers[key] = put.layer(stored)
+        elif key == "embed":      # after norm and head: a last stage knows by now whether its head is tied
+            if "norm" in out and "head" not in out and asked in ("int8", "q4"):
+                out["head"] = put.matrix("head", stored)      # tied: the embedding's levels, packed
+            if first or "head" not in out:
+                out["embed"] = put.embed(stored)
+        else:
+            out[key] = put.matrix(key, stored) if key == "head" else put.array(stored)
+    out["layers"] = tuple(layers[i] for i in sorted(layers))
     return out
+
+
+class _Put:
+    """Stored arrays -> device arrays of one stage's runtime format and dtype."""
+
+    def __init__(self, asked: str, dtype: Any, device: Any):
+        self.asked, self.dtype, self.device = asked, dtype, device
+
+    def array(self, a: Any) -> Any:
+        import jax
+        import jax.numpy as jnp
+
+        a = jnp.asarray(a, self.dtype)
+        return jax.device_put(a, self.device) if self.device else a
+
+    def tree(self, t: Any) -> Any:
+        import jax
+        import jax.numpy as jnp
+
+        return jax.device_put(t, self.device) if self.device else jax.tree.map(jnp.asarray, t)
+
+    def matrix(self, key: str, stored: dict[str, np.ndarray]) -> Any:
+        if self.asked in ("f32", "bf16"):
+            return self.array(np.ascontiguousarray(to_float(stored).T))
+        return self.tree(runtime_qtensor(stored, 4 if self.asked == "q4" and key != "head" else 8))
+
+    def embed(self, stored: dict[str, np.ndarray]) -> Any:
+        if self.asked in ("int8", "q4") and "q" in stored:
+            e = grid(stored)   # int8 rows, widened per looked-up row
+            return self.tree(quant.QRows(e.q.astype(np.int8, copy=False), e.d, e.m))
+        return self.array(to_float(stored))
+
+    def layer(self, item: dict[str, Any]) -> dict[str, Any]:
+        return {k: self.matrix(k, v) if isinstance(v, dict) else self.array(v) for k, v in item.items()}
 
 
 def runtime_qtensor(stored: dict[str, np.ndarray], bits: int) -> quant.QTensor:
@@ -293,7 +324,7 @@ def runtime_qtensor(stored: dict[str, np.ndarray], bits: int) -> quant.QTensor:
         e = Encoded("int8", e.q.astype(np.int8), e.d, e.m)        # 0..15 are int8 levels: exact
     if (e.fmt == "q4") != (bits == 4):
         return quant.to_qtensor(np.ascontiguousarray(dequantize_grid(e).T), bits=bits)
-    return quant.pack(e.q.T, e.d.T.astype(np.float32), e.m.T.astype(np.float32), bits=bits)
+    return quant.pack_rows(e.q, e.d, e.m, bits=bits)
 
 
 def load_stage(model_dir: Path, cfg: ModelConfig, start: int, end: int, asked: str, dtype: Any,
@@ -304,4 +335,4 @@ def load_stage(model_dir: Path, cfg: ModelConfig, start: int, end: int, asked: s
     if _manifest(Path(model_dir) / "params") is None:     # older single f32 PyTree
         tree = weights.restore_params(Path(model_dir) / "params", cfg, start, end)
         return weights.to_runtime(tree, dtype, device, None if asked in ("f32", "bf16") else asked)
-    return to_runtime(restore_stage(model_dir, cfg, start, end), asked, dtype, device, first=start == 0)
+    return to_runtime(stage_items(model_dir, cfg, start, end), asked, dtype, device, first=start == 0)

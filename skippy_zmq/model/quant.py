@@ -196,6 +196,30 @@ def pack(q: np.ndarray, s: np.ndarray, z: np.ndarray | None = None, impl: str = 
     return QTensor(q=np.ascontiguousarray(panels), s=pack_scales(s), z=pack_scales(z), n=n, impl=impl, bits=bits)
 
 
+def pack_rows(q: np.ndarray, s: np.ndarray, z: np.ndarray, impl: str = "kernel", bits: int = 8) -> QTensor:
+    """pack() from [out, in] levels and [out, groups] scales and offsets (a checkpoint's
+    order): each 64-row block of outputs becomes a panel with one transpose, nibbles
+    paired before it, so loading a stage moves each byte about twice instead of four times."""
+    n, k = q.shape
+    np_ = -(-n // PANEL) * PANEL
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 8 or 4, got {bits}")
+    rows = np.zeros((np_, k), np.int8 if bits == 8 else np.uint8)
+    rows[:n] = q
+    rows = rows.reshape(np_ // PANEL, PANEL, k)
+    if bits == 4:
+        if rows.max(initial=0) > 15:
+            raise ValueError("4-bit levels must lie in 0..15")
+        rows = rows[:, :PANEL // 2] | (rows[:, PANEL // 2:] << 4)
+
+    def panels(a: np.ndarray) -> np.ndarray:   # [out, g] -> [Np / 64, g, 64]
+        a = np.pad(np.asarray(a, np.float32), ((0, np_ - n), (0, 0)))
+        return np.ascontiguousarray(a.reshape(np_ // PANEL, PANEL, -1).transpose(0, 2, 1))
+
+    return QTensor(q=np.ascontiguousarray(rows.transpose(0, 2, 1)), s=panels(s), z=panels(z), n=n, impl=impl,
+                   bits=bits)
+
+
 def to_qtensor(w: np.ndarray, impl: str = "kernel", bits: int = 8) -> QTensor:
     """Quantise (GROUP_SIZE groups when they divide the input width, else one) and pack."""
     group = GROUP_SIZE if w.shape[0] % GROUP_SIZE == 0 else None
