@@ -29,6 +29,7 @@ class GenerationResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     ttft_s: float = 0.0
+    warmup_s: float = 0.0   # compiling the shapes this request needed, before its clock started
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -75,8 +76,20 @@ class LocalEngine:
         self.runner = SliceRunner(self.cfg, params, 0, self.cfg.n_layers,
                                   KVConfig(lanes=1, capacity=capacity, dtype=dtype), device=dev)
 
-    def warmup(self) -> float:
-        return self.runner.warmup(chunks=self.runner.buckets.prefill_chunks)
+    def warmup(self, prompt_tokens: int | None = None, max_tokens: int = 0) -> float:
+        """Compile ahead of requests; returns the seconds spent (0 when nothing was left to compile).
+
+        No arguments: every shape any request can need, i.e. every prefill chunk and the one-row decode
+        step at every attention-length bucket up to the capacity (a server or a benchmark calls this
+        once at start). With `prompt_tokens`: only what a request of that many prompt tokens and up
+        to `max_tokens` new ones will use; `generate` does this itself before its clock starts, so a
+        fresh process's first request runs no compile inside its prefill or decode timing and
+        reports the compile time apart (`GenerationResult.warmup_s`).
+        """
+        if prompt_tokens is None:
+            return self.runner.warmup(rows=(1,))
+        pairs, decode = self.runner.request_shapes(0, max(prompt_tokens - 1, 0), max_tokens)
+        return self.runner.warmup(rows=(1,), attn_lens=tuple(sorted(decode)), pairs=pairs)
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams = SamplingParams(),
                  max_tokens: int = 64, ignore_eos: bool = False,
@@ -91,6 +104,7 @@ class LocalEngine:
         result = GenerationResult(prompt_ids=list(prompt_ids))
         sampler = Sampler(sampling, prompt_ids)
         eos = set(self.tokenizer.eos_ids)
+        result.warmup_s = self.warmup(len(prompt_ids), max_tokens)
         t0 = time.perf_counter()
         if len(prompt_ids) > 1:
             self.runner.prefill(0, np.asarray(prompt_ids[:-1], np.int32), 0, output="none")

@@ -128,23 +128,62 @@ class SliceRunner:
         out = self._step(x, pos, lane_arr, attn_len, output)
         return out[:b, 0] if output == "hidden" else out[:b]
 
+    def attn_buckets(self, upto: int | None = None) -> tuple[int, ...]:
+        """The attention lengths a step can use for sequences of up to `upto` positions (default:
+        the capacity), smallest first: every bucket attn_for can return on the way there."""
+        upto = self.capacity if upto is None else max(1, min(upto, self.capacity))
+        sizes = sorted({b for b in self.buckets.attn_lens if b <= self.capacity} | {self.capacity})
+        out = []
+        for size in sizes:
+            out.append(size)
+            if size >= upto:
+                break
+        return tuple(out)
+
+    def request_shapes(self, start_pos: int, n_prefill: int, n_decode: int,
+                       rows: int = 1) -> tuple[set[tuple[int, int]], set[int]]:
+        """What one request compiles: ({(prefill chunk, attention length)}, {decode attention length})
+        for a prefill of n_prefill tokens from start_pos (chunked as `prefill` chunks it) followed by
+        n_decode one-token steps (positions start_pos + n_prefill, ...), `rows` rows a step."""
+        chunks, done = set(), 0
+        while done < n_prefill:
+            take = min(n_prefill - done, self.buckets.prefill_chunks[-1])
+            chunks.add((self.buckets.chunk_for(take), self.buckets.attn_for(start_pos + done + take, self.capacity)))
+            done += take
+        first = start_pos + n_prefill
+        last = min(first + n_decode, self.capacity)
+        decode = {a for a in self.attn_buckets(last) if n_decode > 0 and a >= self.buckets.attn_for(first + 1,
+                                                                                                 self.capacity)}
+        return chunks, decode
+
     def warmup(self, rows: tuple[int, ...] = (1,), chunks: tuple[int, ...] | None = None,
-               attn_lens: tuple[int, ...] | None = None) -> float:
-        """Compile the common buckets ahead of traffic; writes only dropped padding."""
+               attn_lens: tuple[int, ...] | None = None,
+               pairs: set[tuple[int, int]] | None = None) -> float:
+        """Compile the step for the shapes traffic can bring, ahead of it; writes only dropped padding.
+
+        Defaults cover everything: the decode step for every row bucket in `rows` and every prefill
+        chunk, each at every attention-length bucket up to the capacity (`attn_buckets()`), so no
+        request compiles. `pairs` ({(chunk, attention length)}) replaces the chunks x attn_lens grid
+        for prefill (see `request_shapes`). Shapes this runner has already run are skipped, so a
+        second call, or one after traffic, costs nothing. Returns the seconds spent.
+        """
         t0 = time.perf_counter()
         chunks = chunks if chunks is not None else self.buckets.prefill_chunks
-        attn_lens = attn_lens or (self.buckets.attn_for(1, self.capacity),)
+        attn_lens = attn_lens if attn_lens is not None else self.attn_buckets()
+        pairs = pairs if pairs is not None else {(c, a) for c in chunks for a in attn_lens}
         width = () if self.first else (self.cfg.d_model,)
         dtype = np.int32 if self.first else np.float32
-        for attn in attn_lens:
+        decode_out = "logits" if self.last else "hidden"
+        prefill_out = "none" if self.last else "hidden"
+        for attn in sorted(attn_lens):
             for r in rows:
-                x = np.zeros((r, 1) + width, dtype)
-                self._step(x, np.full((r, 1), self.capacity, np.int32), np.zeros(r, np.int32), attn,
-                           "logits" if self.last else "hidden")
-            for c in chunks:
+                if (((r, 1) + width), attn, decode_out) not in self.stats.shapes:
+                    x = np.zeros((r, 1) + width, dtype)
+                    self._step(x, np.full((r, 1), self.capacity, np.int32), np.zeros(r, np.int32), attn, decode_out)
+        for c, attn in sorted(pairs, key=lambda p: (p[1], p[0])):
+            if (((1, c) + width), attn, prefill_out) not in self.stats.shapes:
                 x = np.zeros((1, c) + width, dtype)
-                self._step(x, np.full((1, c), self.capacity, np.int32), np.zeros(1, np.int32), attn,
-                           "none" if self.last else "hidden")
+                self._step(x, np.full((1, c), self.capacity, np.int32), np.zeros(1, np.int32), attn, prefill_out)
         return time.perf_counter() - t0
 
     def _span(self, length: int) -> int:
