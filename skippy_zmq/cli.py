@@ -25,9 +25,17 @@ def configure_logging(level: str = "INFO", json_lines: bool = False) -> None:
 
 
 def configure_jax(cache_dir: str | None = None) -> None:
-    """Persistent compilation cache: a restarted stage skips XLA compiles."""
+    """Persistent compilation cache: a restarted stage skips XLA compiles.
+
+    CPU async dispatch: `JAX_CPU_ENABLE_ASYNC_DISPATCH=true|false` (JAX 0.10 reads no environment
+    variable for this flag, so it is applied here, before JAX creates its CPU client; stage processes
+    inherit the variable). Unset: JAX's default.
+    """
     import jax
 
+    flag = os.environ.get("JAX_CPU_ENABLE_ASYNC_DISPATCH", "").strip().lower()
+    if flag:
+        jax.config.update("jax_cpu_enable_async_dispatch", flag not in ("0", "false", "no", "off"))
     cache = cache_dir or os.environ.get("SKIPPY_JAX_CACHE", str(Path.home() / ".cache" / "skippy_zmq" / "jax"))
     if cache and cache != "off":
         jax.config.update("jax_compilation_cache_dir", cache)
