@@ -87,7 +87,7 @@ class LocalEngine:
         reports the compile time apart (`GenerationResult.warmup_s`).
         """
         if prompt_tokens is None:
-            return self.runner.warmup(rows=(1,))
+            return self.runner.warmup(rows=(1,), attn_lens=self.runner.attn_buckets())
         pairs, decode = self.runner.request_shapes(0, max(prompt_tokens - 1, 0), max_tokens)
         return self.runner.warmup(rows=(1,), attn_lens=tuple(sorted(decode)), pairs=pairs)
 

@@ -26,9 +26,9 @@ def test_attn_buckets_run_up_to_the_capacity(tiny_tree):
     assert r.attn_buckets(1) == (128,)
 
 
-def test_default_warmup_leaves_nothing_to_compile(tiny_tree):
+def test_full_warmup_leaves_nothing_to_compile(tiny_tree):
     r = runner(tiny_tree)
-    r.warmup(rows=(1, 2))
+    r.warmup(rows=(1, 2), attn_lens=r.attn_buckets())
     compiled = forward_jit._cache_size()
     ids = random_ids(300, TINY.vocab_size, seed=5)
     r.prefill(0, ids[:-1], 0, output="none")          # chunks of 64 across the 128/256/384 buckets
@@ -36,7 +36,10 @@ def test_default_warmup_leaves_nothing_to_compile(tiny_tree):
         r.decode(np.array([0, 1]), ids[:2], np.array([pos, 3]))
         r.decode(np.array([0]), ids[:1], np.array([pos]))
     assert forward_jit._cache_size() == compiled
-    assert r.warmup(rows=(1, 2)) < 0.5               # a second call finds every shape done
+    calls = r.stats.calls
+    n = len(r.stats.shapes)
+    r.warmup(rows=(1, 2), attn_lens=r.attn_buckets())  # a second call finds every shape done
+    assert len(r.stats.shapes) == n and r.stats.calls == calls
 
 
 def test_request_warmup_covers_that_request(tiny_tree):
@@ -51,3 +54,11 @@ def test_request_warmup_covers_that_request(tiny_tree):
     for pos in range(140, 170):
         r.decode(np.array([1]), ids[-1:], np.array([pos]))
     assert forward_jit._cache_size() == compiled
+
+
+def test_default_warmup_is_the_first_attention_bucket(tiny_tree):
+    """The stage factory's call keeps its start time: only sequences up to the first bucket are covered."""
+    r = runner(tiny_tree)
+    r.warmup(rows=(1,))
+    assert {attn for _shape, attn, _out in r.stats.shapes} == {128}
+    assert len(r.stats.shapes) == 1 + len(BUCKETS.prefill_chunks)
