@@ -76,18 +76,19 @@ class LocalEngine:
         self.runner = SliceRunner(self.cfg, params, 0, self.cfg.n_layers,
                                   KVConfig(lanes=1, capacity=capacity, dtype=dtype), device=dev)
 
-    def warmup(self, prompt_tokens: int | None = None, max_tokens: int = 0) -> float:
-        """Compile ahead of requests; returns the seconds spent (0 when nothing was left to compile).
+    def warmup(self, prompt_tokens: int | None = None, max_tokens: int = 0, everything: bool = False) -> float:
+        """Compile ahead of requests; returns the seconds spent (about 0 when nothing was left to compile).
 
-        No arguments: every shape any request can need, i.e. every prefill chunk and the one-row decode
-        step at every attention-length bucket up to the capacity (a server or a benchmark calls this
-        once at start). With `prompt_tokens`: only what a request of that many prompt tokens and up
-        to `max_tokens` new ones will use; `generate` does this itself before its clock starts, so a
-        fresh process's first request runs no compile inside its prefill or decode timing and
+        No arguments: every prefill chunk and the one-row decode step at the first attention bucket
+        (sequences up to 256 positions). `everything=True`: those at every attention bucket up to
+        the capacity, so no request compiles (a server calls this once at start; it costs about 4x
+        the default). With `prompt_tokens`: only what a request of that many prompt tokens and up
+        to `max_tokens` new ones will use; `generate` does this itself before its clock starts, so
+        a fresh process's first request runs no compile inside its prefill or decode timing and
         reports the compile time apart (`GenerationResult.warmup_s`).
         """
         if prompt_tokens is None:
-            return self.runner.warmup(rows=(1,), attn_lens=self.runner.attn_buckets())
+            return self.runner.warmup(rows=(1,), attn_lens=self.runner.attn_buckets() if everything else None)
         pairs, decode = self.runner.request_shapes(0, max(prompt_tokens - 1, 0), max_tokens)
         return self.runner.warmup(rows=(1,), attn_lens=tuple(sorted(decode)), pairs=pairs)
 
