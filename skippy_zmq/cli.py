@@ -70,7 +70,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     except ConvertError as exc:
         logger.error("convert failed: {}", exc)
         return 1
-    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux
+    # Peak RSS of this process: VmHWM where Linux has it, since ru_maxrss also keeps the RSS a
+    # parent had when it forked us (a test's subprocess would report the test runner's size).
+    status = Path("/proc/self/status")
+    hwm = [ln for ln in status.read_text().splitlines() if ln.startswith("VmHWM:")] if status.exists() else []
+    peak_kib = int(hwm[0].split()[1]) if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_gib = peak_kib / 2**20
     logger.info("converted {} layers ({} arch) into {} as {} weights in {:.1f}s, peak RSS {:.2f} GiB",
                 cfg.n_layers, cfg.arch, args.out, args.weights, time.perf_counter() - t0, peak_gib)
     return 0
