@@ -96,12 +96,15 @@ def prompt_ids(vocab: int, n: int, seed: int = 1) -> list[int]:
 
 def topology_for(tmp: Path, model: Path, n: int, case: ScaleCase) -> Path:
     """q4 stages, a lane per stream, context for the case. At least 256 positions: a stage whose KV
-    capacity is below its prefill chunk (256) fails compiling that chunk at start."""
+    capacity is below its prefill chunk (256) fails compiling that chunk at start. Timeouts are long:
+    an 8B stage on 2 shared cores compiling a new bucket (8 rows at the long attention length)
+    stays silent for minutes, past the default 30 s reply timeout."""
     from skippy_zmq.harness import write_topology
 
     return write_topology(tmp, model.absolute(), n, name=f"scale-{n}", weights="q4", kv_lanes=case.streams,
                           driver__max_sessions=case.streams, driver__max_context=max(256, case.context + case.new_tokens + 16),
-                          driver__dead_after_s=120.0, driver__request_timeout_s=3600.0)
+                          driver__dead_after_s=120.0, driver__request_timeout_s=3600.0,
+                          driver__reply_timeout_s=900.0)
 
 
 def predicted_bytes(topology: Any, stage: Any) -> int | None:
@@ -252,7 +255,7 @@ def scale_tables(results: list[dict[str, Any]]) -> list[str]:
                     "leading greedy tokens equal to llama.cpp's (its Q8 activation arithmetic may part a near tie)."),
         print_table("at scale: stage start and memory", stages,
                     "restored / compiled: the stage's own log line (restore of its items, then compiling its "
-                    "buckets); ready_s: spawn to READY. Stages start one at a time, downstream first, each "
+                    "buckets; from the persistent JAX cache when warm: SKIPPY_JAX_CACHE=off for a cold start); ready_s: spawn to READY. Stages start one at a time, downstream first, each "
                     "once the one before is READY (restores never overlap); peak RSS = VmHWM of the stage process at the end of its run; "
                     "predicted = placement.py (weights + KV + prefix-store budget + overhead)."),
         print_table("at scale: making and converting the model", steps,
