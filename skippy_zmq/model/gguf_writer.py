@@ -1,4 +1,5 @@
-"""Stream a random model into a GGUF file that llama.cpp runs: the same Q4_1 blocks our checkpoint holds.
+"""Q4_1 blocks (`Q4Blocks`) and a GGUF file streamed from them that llama.cpp runs: the same blocks
+our checkpoint holds (random_model.py makes both).
 
 Tensor infos are written up front (shapes are known from the config), then each
 tensor's data as it is generated, so nothing but the current tensor is in memory.
@@ -16,15 +17,51 @@ What llama.cpp expects, and this writes:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from skippy_zmq.model.random_model import BLOCK, Q4Blocks, TensorSpec
-
+BLOCK = 32        # weights per Q4_1 block
 Q4_1_BYTES = 20   # per block of 32: f16 d, f16 m, 16 bytes of nibbles
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+
+
+@dataclass
+class Q4Blocks:
+    """A [rows, cols] weight as Q4_1 blocks along cols: W[r, c] = levels[r, c] * d[r, c // 32] + m[r, c // 32]."""
+
+    levels: np.ndarray   # uint8 [rows, cols], 0..15
+    d: np.ndarray        # float16 [rows, cols // 32]
+    m: np.ndarray        # float16 [rows, cols // 32]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.levels.shape   # type: ignore[return-value]
+
+    def dequantize(self) -> np.ndarray:
+        rows, cols = self.shape
+        w = self.levels.reshape(rows, cols // BLOCK, BLOCK).astype(np.float32)
+        w = w * self.d.astype(np.float32)[..., None] + self.m.astype(np.float32)[..., None]
+        return w.reshape(rows, cols)
+
+    def permute_rows(self, order: np.ndarray) -> "Q4Blocks":
+        return Q4Blocks(self.levels[order], self.d[order], self.m[order])
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor to make: where it goes in our tree ("top" or a layer index, key) and its GGUF name/shape."""
+
+    where: str
+    key: str
+    gguf_name: str
+    shape: tuple[int, ...]     # numpy / GGUF order: [out, in] for 2-D
+
+    @property
+    def is_matrix(self) -> bool:
+        return len(self.shape) == 2
 
 
 def q4_1_bytes(t: Q4Blocks) -> np.ndarray:

@@ -33,7 +33,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-BLOCK = 32            # weights per Q4_1 block
+from skippy_zmq.model.gguf_writer import BLOCK, GGUFStream, Q4Blocks, TensorSpec
+
 INIT_STD = 0.02       # std of the 2-D weights (levels uniform in 0..15 have std 4.61)
 LEVEL_STD = float(np.sqrt((16 ** 2 - 1) / 12))
 WEIGHT_FORMATS = ("f32", "bf16", "int8", "q4")   # checkpoint.FORMATS (not imported: the CLI parser stays light)
@@ -118,28 +119,6 @@ class RandomSpec:
 # ---------------------------------------------------------------- tensors
 
 
-@dataclass
-class Q4Blocks:
-    """A [rows, cols] weight as Q4_1 blocks along cols: W[r, c] = levels[r, c] * d[r, c // 32] + m[r, c // 32]."""
-
-    levels: np.ndarray   # uint8 [rows, cols], 0..15
-    d: np.ndarray        # float16 [rows, cols // 32]
-    m: np.ndarray        # float16 [rows, cols // 32]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.levels.shape   # type: ignore[return-value]
-
-    def dequantize(self) -> np.ndarray:
-        rows, cols = self.shape
-        w = self.levels.reshape(rows, cols // BLOCK, BLOCK).astype(np.float32)
-        w = w * self.d.astype(np.float32)[..., None] + self.m.astype(np.float32)[..., None]
-        return w.reshape(rows, cols)
-
-    def permute_rows(self, order: np.ndarray) -> "Q4Blocks":
-        return Q4Blocks(self.levels[order], self.d[order], self.m[order])
-
-
 def model_config(spec: RandomSpec) -> Any:
     """The ModelConfig of a spec, read from its HF config the way `convert --hf` reads one."""
     from skippy_zmq.model.families import hf_model_config
@@ -172,20 +151,6 @@ def random_vector(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
     """Norm weights 1 + N(0, 0.05); biases N(0, 0.05); float32."""
     noise = 0.05 * rng.standard_normal(n, dtype=np.float32)
     return (1.0 + noise) if kind == "norm" else noise
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor to make: where it goes in our tree ("top" or a layer index, key) and its GGUF name/shape."""
-
-    where: str
-    key: str
-    gguf_name: str
-    shape: tuple[int, ...]     # numpy / GGUF order: [out, in] for 2-D
-
-    @property
-    def is_matrix(self) -> bool:
-        return len(self.shape) == 2
 
 
 def tensor_specs(cfg: Any) -> list[TensorSpec]:
@@ -242,11 +207,7 @@ def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> 
     cfg = model_config(spec)
     specs = tensor_specs(cfg)
     writer = CheckpointWriter(out, cfg, spec.weights)
-    stream = None
-    if gguf:
-        from skippy_zmq.model.gguf_writer import GGUFStream
-
-        stream = GGUFStream(out / "model.gguf", cfg, specs, spec.name)
+    stream = GGUFStream(out / "model.gguf", cfg, specs, spec.name) if gguf else None
     per_layer = sum(s.where == "0" for s in specs)
     layer: dict[str, Any] = {}
     for ts, tensor in random_tensors(cfg, spec.seed):
