@@ -149,13 +149,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from skippy_zmq.config import ModelConfig
-    from skippy_zmq.topology import dump_topology, plan_topology
+    from skippy_zmq.placement import PlacementError, parse_bytes
+    from skippy_zmq.planner import PlanRequest, plan_text
+    from skippy_zmq.topology import TopologyError
 
-    cfg = ModelConfig.load(Path(args.model) / "model.json")
-    weights = [float(w) for w in args.weights.split(",")] if args.weights else None
-    topo = plan_topology(cfg.n_layers, args.stages, weights, model=str(args.model), base_port=args.base_port)
-    print(dump_topology(topo), end="")
+    try:
+        req = PlanRequest(Path(args.model), args.stages, tuple(float(w) for w in args.split.split(",")) if args.split
+                          else None, tuple(parse_bytes(m) for m in args.memory.split(",")) if args.memory else None,
+                          args.weights, args.dtype, args.kv_dtype, args.context, args.lanes,
+                          0 if args.cache_bytes in ("0", "off") else parse_bytes(args.cache_bytes), args.base_port)
+        print(plan_text(req), end="")
+    except (PlacementError, TopologyError, ValueError) as exc:
+        logger.error("plan: {}", exc)
+        return 1
     return 0
 
 
@@ -264,10 +270,19 @@ def add_generate_parser(sub: Any) -> None:
 
 
 def add_plan_parser(sub: Any) -> None:
-    p = sub.add_parser("plan", help="print a topology YAML splitting a model across stages")
+    p = sub.add_parser("plan", help="print a topology YAML splitting a model across stages (evenly, by --split, "
+                                    "or to --memory budgets), predicted bytes per stage as comments")
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
-    p.add_argument("--stages", type=int, required=True)
-    p.add_argument("--weights", default=None, help="relative stage sizes, e.g. 2,1,1")
+    p.add_argument("--stages", type=int, default=None, help="stage count (default: one per --memory budget)")
+    p.add_argument("--split", default=None, help="relative stage sizes, e.g. 2,1,1")
+    p.add_argument("--memory", default=None, help="one byte budget per stage, e.g. 6GiB,6GiB,4GiB: layers split "
+                                                  "so that each stage's predicted bytes fit")
+    p.add_argument("--weights", default="f32", choices=["f32", "int8", "q4"], help="every stage's weight format")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--kv-dtype", default="f32", choices=["f32", "bf16"])
+    p.add_argument("--context", type=int, default=2048, help="driver max_context (tokens a session holds)")
+    p.add_argument("--lanes", type=int, default=8, help="every stage's kv_lanes and the driver's max_sessions")
+    p.add_argument("--cache-bytes", default="256MiB", help="every stage's prefix-store budget (0: disabled)")
     p.add_argument("--base-port", type=int, default=5700)
     p.set_defaults(func=cmd_plan)
 

@@ -80,9 +80,23 @@ def stop_processes(procs: list[subprocess.Popen], timeout: float = 10.0) -> None
 
 
 def check_alive(procs: list[subprocess.Popen], run_dir: Path) -> None:
+    """Raise, naming the process and the last line it logged (a stage says why it cannot start), if one died."""
     for proc in procs:
         if proc.poll() is not None:
-            raise RuntimeError(f"a stage exited with code {proc.returncode} during startup; see logs in {run_dir}")
+            name, last = _last_words(proc.pid, run_dir)
+            raise RuntimeError(f"{name} exited with code {proc.returncode} during startup"
+                               f"{': ' + last if last else ''}; see logs in {run_dir}")
+
+
+def _last_words(pid: int, run_dir: Path) -> tuple[str, str]:
+    """('stage s1', its log's last line) for a pid spawned into run_dir, else ('a stage', '')."""
+    for pid_file in Path(run_dir).glob("*.pid"):
+        if pid_file.read_text().strip() == str(pid):
+            log = run_dir / f"{pid_file.stem}.log"
+            lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+            who = "the driver" if pid_file.stem == "driver" else f"stage {pid_file.stem}"
+            return who, lines[-1].strip() if lines else ""
+    return "a stage", ""
 
 
 def spawn_driver(topology_path: Path, run_dir: Path, extra: list[str] | None = None) -> subprocess.Popen:

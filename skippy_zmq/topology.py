@@ -39,6 +39,8 @@ is optional; defaults shown)::
                                      # bfloat16, else f32
         kv_lanes: 8                  # sessions held at once; default driver.max_sessions
         cpus: [0]                    # pin the stage to these CPUs (its XLA pool sizes to them); default: all
+        memory: 6GiB                 # the stage's byte budget (an integer or KB/MB/GB, KiB/MiB/GiB units):
+                                     # it refuses to start when placement.py predicts more; default: none
         cache:                       # prefix store
           mode: lookup-record        # disabled | record | lookup-record
           max_bytes: 268435456
@@ -61,6 +63,8 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
 import yaml
+
+from skippy_zmq.placement import parse_bytes
 
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 
@@ -101,6 +105,7 @@ class StageConfig:
     kv_dtype: str = "f32"              # KV cache values: f32 | bf16
     cache: CacheConfig = CacheConfig()
     cpus: tuple[int, ...] = ()         # CPU affinity of the stage process; () = leave it unpinned
+    memory: int | None = None          # byte budget of the stage process (placement.py); None = unbounded
 
     @property
     def is_first(self) -> bool:
@@ -207,7 +212,7 @@ class Topology:
             {"id": s.id, "layers": [s.start, s.end], "listen": s.listen, "host": s.host, "device": s.device,
              "dtype": s.dtype, "weights": s.weights, "kv_lanes": s.kv_lanes, "kv_dtype": s.kv_dtype,
              "cache": dataclasses.asdict(s.cache),
-             **({"cpus": list(s.cpus)} if s.cpus else {})}
+             **({"cpus": list(s.cpus)} if s.cpus else {}), **({"memory": s.memory} if s.memory else {})}
             for s in self.stages
         ]
         return out
@@ -255,6 +260,13 @@ def _cpus(value: Any, at: _At) -> tuple[int, ...]:
     if len(set(value)) != len(value):
         at.fail(f"lists a CPU twice: {value!r}")
     return tuple(value)
+
+
+def _memory(value: Any, at: _At) -> int:
+    try:
+        return parse_bytes(value)
+    except ValueError as exc:
+        at.fail(str(exc))
 
 
 def _seconds(value: Any, at: _At) -> float:
@@ -368,7 +380,7 @@ def _driver(raw: Any, at: _At) -> DriverConfig:
 _STAGE_CHECKS: dict[str, Check] = {
     "id": _text, "layers": _layers, "listen": _endpoint, "host": _text, "device": _device,
     "dtype": _choice("float32", "bfloat16"), "weights": _choice("f32", "int8", "q4"), "kv_lanes": _integer(1),
-    "kv_dtype": _choice("f32", "bf16"), "cache": _cache, "cpus": _cpus,
+    "kv_dtype": _choice("f32", "bf16"), "cache": _cache, "cpus": _cpus, "memory": _memory,
 }
 
 
@@ -484,23 +496,23 @@ def dump_topology(topology: Topology) -> str:
 # ------------------------------------------------------------------ planning
 
 
-def split_layers(n_layers: int, weights: Sequence[float]) -> list[tuple[int, int]]:
-    """Contiguous [start, end) ranges proportional to `weights`, each >= 1 layer.
+def split_layers(n_layers: int, split: Sequence[float]) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges proportional to the relative sizes `split`, each >= 1 layer.
 
     Largest-remainder rounding; ties go to the earliest stage, so an even split
     gives the remainder to the first stages.
     """
-    n = len(weights)
+    n = len(split)
     if n < 1 or n > n_layers:
         raise TopologyError(f"cannot split {n_layers} layers into {n} stages (need 1 <= stages <= layers)")
-    if not all(isinstance(w, numbers.Real) and 0 < w < math.inf for w in weights):
-        raise TopologyError(f"stage weights must be positive finite numbers, got {list(weights)}")
-    quotas = [n_layers * w / sum(weights) for w in weights]
+    if not all(isinstance(w, numbers.Real) and 0 < w < math.inf for w in split):
+        raise TopologyError(f"stage sizes (--split) must be positive finite numbers, got {list(split)}")
+    quotas = [n_layers * w / sum(split) for w in split]
     counts = [math.floor(q) for q in quotas]
     by_remainder = sorted(range(n), key=lambda i: (-(quotas[i] - counts[i]), i))
     for i in by_remainder[: n_layers - sum(counts)]:
         counts[i] += 1
-    while 0 in counts:  # a tiny weight still gets one layer, taken from the most over-quota stage
+    while 0 in counts:  # a tiny size still gets one layer, taken from the most over-quota stage
         donor = max((i for i in range(n) if counts[i] > 1), key=lambda i: counts[i] - quotas[i])
         counts[donor] -= 1
         counts[counts.index(0)] += 1
@@ -508,20 +520,25 @@ def split_layers(n_layers: int, weights: Sequence[float]) -> list[tuple[int, int
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def plan_topology(n_layers: int, n_stages: int, weights: Sequence[float] | None = None,
-                  model: str = DEFAULT_MODEL, base_port: int = 5600, host: str = "127.0.0.1") -> Topology:
-    """A local topology: driver return on `base_port`, stage i listening on `base_port + 1 + i`."""
+def plan_topology(n_layers: int, n_stages: int, split: Sequence[float] | None = None,
+                  model: str = DEFAULT_MODEL, base_port: int = 5600, host: str = "127.0.0.1",
+                  ranges: Sequence[tuple[int, int]] | None = None, stage_keys: Sequence[dict] | None = None,
+                  driver_keys: dict | None = None) -> Topology:
+    """A local topology: driver return on `base_port`, stage i listening on `base_port + 1 + i`.
+
+    Layers split by `ranges` when given, else proportionally to `split` (default even);
+    `stage_keys[i]` and `driver_keys` add topology keys (weights, memory, max_context...).
+    """
     if n_stages < 1:
         raise TopologyError(f"need at least one stage, got {n_stages}")
-    if weights is None:
-        weights = [1] * n_stages
-    elif len(weights) != n_stages:
-        raise TopologyError(f"got {len(weights)} weights for {n_stages} stages")
-    ranges = split_layers(n_layers, weights)
+    if split is not None and len(split) != n_stages:
+        raise TopologyError(f"got {len(split)} stage sizes (--split) for {n_stages} stages")
+    ranges = list(ranges) if ranges is not None else split_layers(n_layers, split or [1] * n_stages)
+    extra = list(stage_keys) if stage_keys is not None else [{}] * n_stages
     data = {
         "model": model, "n_layers": n_layers,
-        "driver": {"return": f"tcp://{host}:{base_port}"},
+        "driver": {"return": f"tcp://{host}:{base_port}", **(driver_keys or {})},
         "stages": [{"id": f"s{i}", "layers": [start, end], "listen": f"tcp://{host}:{base_port + 1 + i}",
-                    "host": host} for i, (start, end) in enumerate(ranges)],
+                    "host": host, **extra[i]} for i, (start, end) in enumerate(ranges)],
     }
     return parse_topology(data, source="<plan>")

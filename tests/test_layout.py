@@ -88,8 +88,19 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+# Edges tolerated for now, each with its owner's reason; test_tolerated_edges_still_exist makes sure
+# an entry is deleted once the edge is gone.
+TOLERATED = {
+    # weights.load_slice imports checkpoint inside the function while checkpoint builds on weights
+    # (param_shapes, the pre-v2 restore): the model-format work in progress moves one of them.
+    ("skippy_zmq.model.weights", "skippy_zmq.model.checkpoint"),
+}
+
+
 def test_no_import_cycle_among_skippy_modules():
     graph = import_graph()
+    for a, b in TOLERATED:
+        graph[a].discard(b)
     assert {"skippy_zmq.cli", "skippy_zmq.launch", "skippy_zmq.harness", "skippy_zmq.driver.main"} <= set(graph)
     assert "skippy_zmq.launch" in graph["skippy_zmq.harness"]
     assert "skippy_zmq.stage.factory" in graph["skippy_zmq.stage.loop"]
@@ -106,3 +117,8 @@ def test_serving_code_never_imports_the_test_harness():
     graph = import_graph()
     users = sorted(m for m, targets in graph.items() if "skippy_zmq.harness" in targets)
     assert all(m.startswith("skippy_zmq.bench.") for m in users), users
+
+
+def test_tolerated_edges_still_exist():
+    graph = import_graph()
+    assert [edge for edge in TOLERATED if edge[1] not in graph[edge[0]]] == []

@@ -120,3 +120,17 @@ def test_repeated_prompt_reports_cached_tokens_and_cache_metrics(served):
         time.sleep(0.1)
     held, hits = stage_stats()
     assert held > 0 and hits >= 1
+
+
+def test_metrics_show_each_stage_weight_kv_and_rss_bytes(served):
+    _, url = served
+    layers = 3_540_096                # floats in one SmolLM2 layer: 2 norms of 576, wq/wo 576², wk/wv 576x192, 3 x 576x1536
+    embed, norm = 49_152 * 576, 576   # the tied embedding sits on both stages (the last one's head)
+    expected = {"s0": 4 * (15 * layers + embed), "s1": 4 * (15 * layers + embed + norm)}
+    for stage, weight_bytes in expected.items():
+        label = f'stage="{stage}"'
+        assert metric(url, "skippy_stage_weight_bytes", label) == weight_bytes
+        assert metric(url, "skippy_stage_kv_bytes", label) == 2 * 15 * 3 * 64 * 2048 * 8 * 4   # K+V, f32, 8 lanes
+        assert metric(url, "skippy_stage_rss_bytes", label) > weight_bytes + 377_487_360
+        assert metric(url, "skippy_stage_predicted_bytes", label) > weight_bytes + 377_487_360 + 256 * 2**20
+        assert metric(url, "skippy_stage_memory_budget_bytes", label) == 0

@@ -174,7 +174,7 @@ def test_ipc_and_inproc_endpoints_and_curve():
         (
             lambda d: d["stages"][1].update(layrs=[15, 30]),
             ["stages[1].layrs: unknown key (allowed: cache, cpus, device, dtype, host, id, kv_dtype, kv_lanes, "
-             "layers, listen, weights)"],
+             "layers, listen, memory, weights)"],
         ),
         (lambda d: d["stages"][0]["cache"].update(strid=64), ["stages[0].cache.strid: unknown key", "stride"]),
     ],
@@ -305,22 +305,22 @@ def test_plan_7_stages_exact():
     assert split_layers(30, [1] * 7) == [(0, 5), (5, 10), (10, 14), (14, 18), (18, 22), (22, 26), (26, 30)]
 
 
-def test_plan_weighted():
-    t = plan_topology(30, 3, weights=[2, 1, 1], base_port=6000, host="127.0.0.2")
+def test_plan_split():
+    t = plan_topology(30, 3, split=[2, 1, 1], base_port=6000, host="127.0.0.2")
     assert [(s.start, s.end) for s in t.stages] == [(0, 15), (15, 23), (23, 30)]
     assert t.stages[2].listen == "tcp://127.0.0.2:6003" and t.stages[2].host == "127.0.0.2"
 
 
 @pytest.mark.parametrize(
-    "weights", [[1, 2, 3, 4], [0.3, 0.7], [5, 1, 1, 1, 1, 1], [1.5, 2.5, 3.5], [1, 100, 1], [1e-6, 1, 1]]
+    "split", [[1, 2, 3, 4], [0.3, 0.7], [5, 1, 1, 1, 1, 1], [1.5, 2.5, 3.5], [1, 100, 1], [1e-6, 1, 1]]
 )
-def test_plan_weighted_is_proportional(weights):
-    ranges = split_layers(30, weights)
+def test_plan_split_is_proportional(split):
+    ranges = split_layers(30, split)
     sizes = [end - start for start, end in ranges]
     assert ranges[0][0] == 0 and ranges[-1][1] == 30 and sum(sizes) == 30
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     assert min(sizes) >= 1
-    quotas = [30 * w / sum(weights) for w in weights]
+    quotas = [30 * w / sum(split) for w in split]
     assert all(abs(size - max(quota, 1)) < 2 for size, quota in zip(sizes, quotas))
 
 
@@ -333,10 +333,10 @@ def test_plan_every_layer_its_own_stage():
     [
         ((30, 31), {}, "cannot split 30 layers into 31 stages"),
         ((30, 0), {}, "need at least one stage"),
-        ((30, 3), {"weights": [1, 1]}, "got 2 weights for 3 stages"),
-        ((30, 2), {"weights": [1, 0]}, "positive finite"),
-        ((30, 2), {"weights": [1, -2]}, "positive finite"),
-        ((30, 2), {"weights": [1, float("inf")]}, "positive finite"),
+        ((30, 3), {"split": [1, 1]}, r"got 2 stage sizes \(--split\) for 3 stages"),
+        ((30, 2), {"split": [1, 0]}, "positive finite"),
+        ((30, 2), {"split": [1, -2]}, "positive finite"),
+        ((30, 2), {"split": [1, float("inf")]}, "positive finite"),
         ((30, 2), {"base_port": 65534}, "port 65536"),
     ],
 )
@@ -366,3 +366,29 @@ def test_a_stage_pinned_to_a_missing_cpu_says_so(tmp_path):
     topo = load_mutated(tmp_path, lambda d: d["stages"][0].update(cpus=[4096]))
     with pytest.raises(RuntimeError, match=r"stage s0: cpus \[4096\] are not available here"):
         pin_cpus(topo.stages[0])
+
+
+@pytest.mark.parametrize("value, expected", [("6GiB", 6 << 30), ("512 MiB", 512 << 20), ("1.5GB", 1_500_000_000),
+                                             (4096, 4096), ("4096", 4096)])
+def test_stage_memory_budget_parses_and_round_trips(tmp_path, value, expected):
+    topo = load_mutated(tmp_path, lambda d: d["stages"][1].update(memory=value))
+    assert topo.stages[0].memory is None and topo.stages[1].memory == expected
+    assert topo.to_dict()["stages"][1]["memory"] == expected and "memory" not in topo.to_dict()["stages"][0]
+    assert parse_topology(yaml.safe_load(dump_topology(topo))) == topo
+
+
+@pytest.mark.parametrize("value, fragment", [("6 gigs", "expected bytes such as 6GiB"), (0, "must be positive"),
+                                             (-5, "must be positive"), ("0GiB", "must be positive"),
+                                             (True, "expected bytes"), ([1], "expected bytes")])
+def test_stage_memory_budget_errors(tmp_path, value, fragment):
+    with pytest.raises(TopologyError, match=r"stages\[0\]\.memory") as exc:
+        load_mutated(tmp_path, lambda d: d["stages"][0].update(memory=value))
+    assert fragment in str(exc.value)
+
+
+def test_plan_records_stage_and_driver_keys():
+    t = plan_topology(30, 2, ranges=[(0, 12), (12, 30)], driver_keys={"max_context": 4096, "max_sessions": 4},
+                      stage_keys=[{"memory": "2GiB", "weights": "q4", "kv_lanes": 4}] * 2)
+    assert [(s.start, s.end) for s in t.stages] == [(0, 12), (12, 30)]
+    assert [(s.memory, s.weights, s.kv_lanes) for s in t.stages] == [(2 << 30, "q4", 4)] * 2
+    assert t.driver.max_context == 4096

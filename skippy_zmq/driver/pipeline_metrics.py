@@ -21,7 +21,11 @@ STAGE_COUNTERS = {"messages": "messages handled", "errors": "error replies sent"
                   "cache_evictions": "prefix-store entries evicted", "cache_records": "prefix-store records",
                   "fenced": "requests dropped as meant for a dead predecessor or an older chain view"}
 STAGE_GAUGES = {"cache_bytes": "bytes held by the prefix store", "cache_entries": "prefix-store entries",
-                "lanes_in_use": "KV lanes held by sessions"}
+                "lanes_in_use": "KV lanes held by sessions",
+                "weight_bytes": "bytes of the weights it holds", "kv_bytes": "bytes of its KV arena",
+                "rss_bytes": "resident set of the stage process (heartbeats)",
+                "predicted_bytes": "bytes placement.py predicts it needs (0: not predicted)",
+                "memory_budget_bytes": "its topology memory budget (0: none)"}
 
 
 class PipelineCollector(Collector):

@@ -2,19 +2,24 @@
 store and device placement, from the topology, a device and a memory budget.
 
 The stage loop (sockets) and tests call `build_worker`; nothing else puts a
-stage's arrays on a device.
+stage's arrays on a device. A stage with a `memory` budget that placement.py
+predicts it would exceed fails here, before anything is allocated, rather than
+being OOM-killed mid-request.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
+import jax
 from loguru import logger
 
-from skippy_zmq.config import Buckets, KVConfig
+from skippy_zmq import placement
+from skippy_zmq.config import Buckets, KVConfig, ModelConfig
 from skippy_zmq.kv.prefix_store import PrefixStore, StoreConfig, StoreIdentity
-from skippy_zmq.model import weights
+from skippy_zmq.model import checkpoint, weights
 from skippy_zmq.model.convert import model_digest
 from skippy_zmq.model.runner import SliceRunner, resolve_device
 from skippy_zmq.stage.sessions import SessionTable
@@ -31,7 +36,36 @@ class Placement:
 
     @classmethod
     def of(cls, stage: StageConfig) -> Placement:
-        return cls(stage.device)
+        return cls(stage.device, stage.memory)
+
+
+def stage_settings(topology: Topology, stage: StageConfig) -> placement.StageSettings:
+    """What placement.py needs to size this stage, read from the topology and the checkpoint."""
+    cache = 0 if stage.cache.mode == "disabled" else stage.cache.max_bytes
+    return placement.StageSettings(stage.weights, stage.dtype, stage.kv_dtype, topology.driver.max_context,
+                                   stage.kv_lanes, cache, checkpoint.stored_weights(topology.model_path))
+
+
+def predict(topology: Topology, stage: StageConfig) -> placement.StageNeed:
+    cfg = ModelConfig.load(topology.model_path / "model.json")
+    return placement.stage_need(cfg, stage.start, stage.end, stage_settings(topology, stage))
+
+
+def check_budget(topology: Topology, stage: StageConfig, budget: int | None) -> placement.StageNeed | None:
+    """Raise PlacementError when the stage's predicted bytes exceed its budget (before loading anything)."""
+    if not (topology.model_path / "model.json").is_file():
+        return None     # load_slice says what is missing
+    need = predict(topology, stage)
+    if budget is not None and need.total > budget:
+        raise placement.PlacementError(placement.budget_error(stage.id, need, budget))
+    return need
+
+
+def memory_report(worker: StageWorker, need: placement.StageNeed | None, budget: int | None) -> dict[str, Any]:
+    """Bytes the stage holds (weights, KV) and was predicted to need; READY and heartbeats carry it."""
+    weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(worker.runner.params))
+    return {"weight_bytes": int(weight_bytes), "kv_bytes": int(worker.runner.kv.nbytes),
+            "predicted_bytes": need.total if need else 0, "memory_budget_bytes": budget or 0}
 
 
 def stage_buckets(topology: Topology, lanes: int) -> Buckets:
@@ -51,11 +85,12 @@ def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
     return PrefixStore(identity, StoreConfig.from_cache(c))
 
 
-def build_worker(topology: Topology, stage: StageConfig, placement: Placement | None = None) -> StageWorker:
-    """Restore only this stage's layers onto its device and compile its common buckets."""
-    placement = placement or Placement.of(stage)
+def build_worker(topology: Topology, stage: StageConfig, where: Placement | None = None) -> StageWorker:
+    """Check the budget, restore only this stage's layers onto its device, compile its common buckets."""
+    where = where or Placement.of(stage)
+    need = check_budget(topology, stage, where.memory)
     t0 = time.perf_counter()
-    device = resolve_device(placement.device)
+    device = resolve_device(where.device)
     quantize = None if stage.weights == "f32" else stage.weights
     cfg, params = weights.load_slice(topology.model_path, stage.start, stage.end, stage.dtype, device, quantize)
     topology.check_model(cfg.n_layers)
@@ -66,6 +101,8 @@ def build_worker(topology: Topology, stage: StageConfig, placement: Placement | 
     t1 = time.perf_counter()
     runner.warmup(rows=buckets.decode_rows[:1] + buckets.decode_rows[1:2], chunks=buckets.prefill_chunks)
     logger.info("stage {} layers [{}, {}) on {}: restored in {:.1f}s, compiled in {:.1f}s", stage.id,
-                stage.start, stage.end, placement.device, t1 - t0, time.perf_counter() - t1)
+                stage.start, stage.end, where.device, t1 - t0, time.perf_counter() - t1)
     info = StageInfo(stage.id, first=stage.start == 0, last=stage.end == cfg.n_layers, width=cfg.d_model)
-    return StageWorker(info, runner, SessionTable(stage.kv_lanes), make_store(topology, stage))
+    worker = StageWorker(info, runner, SessionTable(stage.kv_lanes), make_store(topology, stage))
+    worker.memory.update(memory_report(worker, need, where.memory))
+    return worker

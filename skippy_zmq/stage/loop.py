@@ -16,6 +16,7 @@ import zmq
 from loguru import logger
 
 from skippy_zmq import transport, wire
+from skippy_zmq.placement import PlacementError
 from skippy_zmq.security import security_for
 from skippy_zmq.stage.factory import build_worker
 from skippy_zmq.stage.faults import FaultInjector
@@ -94,10 +95,14 @@ class StageLoop:
         finally:
             sock.close(linger=0)
 
+    def ready_message(self) -> wire.Message:
+        """READY: layers, device, pid, and the status heartbeats carry (counters; weight, KV, RSS bytes)."""
+        info = {"layers": [self.stage.start, self.stage.end], "device": self.stage.device, "pid": os.getpid(),
+                **self.worker.status()}
+        return wire.Message.ready(self.stage.id, self.incarnation, info)
+
     def run(self) -> int:
-        ready_info = {"layers": [self.stage.start, self.stage.end], "device": self.stage.device,
-                      "lanes": self.stage.kv_lanes, "pid": os.getpid()}
-        transport.send_message(self.sockets.dealer, wire.Message.ready(self.stage.id, self.incarnation, ready_info))
+        transport.send_message(self.sockets.dealer, self.ready_message())
         logger.info("stage {} READY (incarnation {:08x}) listening on {}", self.stage.id, self.incarnation,
                     self.stage.listen)
         beats = threading.Thread(target=self.heartbeat_thread, name="heartbeat", daemon=True)
@@ -186,7 +191,11 @@ def run_stage(topology: Topology, stage_id: str) -> int:
     stage = topology.stage(stage_id)
     pin_cpus(stage)
     security = security_for(topology, stage_id)   # before loading: missing keys fail fast
-    worker = build_worker(topology, stage)
+    try:
+        worker = build_worker(topology, stage)
+    except PlacementError as exc:   # one line an operator reads in the stage's log; launch shows it too
+        logger.error("stage {} cannot start: {}", stage_id, exc)
+        return 3
     loop = StageLoop(topology, stage, worker, security)
     signal.signal(signal.SIGTERM, loop.request_stop)
     signal.signal(signal.SIGINT, loop.request_stop)

@@ -18,6 +18,7 @@ from loguru import logger
 from skippy_zmq.fencing import BadView, Fence
 from skippy_zmq.kv.prefix_store import PrefixStore
 from skippy_zmq.model.runner import SliceRunner
+from skippy_zmq.placement import rss_bytes
 from skippy_zmq.sampling import Sampler, SamplingParams
 from skippy_zmq.stage.recorder import Recorder
 from skippy_zmq.stage.restore import RestoreRoutes
@@ -64,6 +65,7 @@ class StageWorker:
         self.handlers[Kind.TRY_RESTORE_PREFILL_DECODE] = restore.on_try_restore_prefill_decode
         self.counters: dict[str, int] = {"messages": 0, "errors": 0, "tokens": 0, "bytes_forwarded": 0,
                                          "forwarded": 0, "encode_send_us": 0}
+        self.memory: dict[str, int] = {}   # weight / KV / predicted bytes and budget (stage/factory.py)
 
     def handle(self, msg: Message) -> list[Outbound]:
         self.counters["messages"] += 1
@@ -258,7 +260,7 @@ class StageWorker:
 
     def status(self) -> dict[str, Any]:
         out = {"lanes_in_use": len(self.sessions), "lanes": self.sessions.lanes, **self.counters,
-               "fenced": self.fence.dropped}
+               "fenced": self.fence.dropped, **self.memory, "rss_bytes": rss_bytes()}
         if self.store is not None:
             out.update({f"cache_{k}": v for k, v in self.store.stats().items()})
         return out

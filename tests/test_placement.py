@@ -1,0 +1,221 @@
+"""Memory placement: predicted bytes against what a stage really holds, splits to budgets, refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+import yaml
+
+from conftest import TINY
+from procs import free_endpoint, running_pipeline, write_topology
+from skippy_zmq import placement
+from skippy_zmq.config import ModelConfig
+from skippy_zmq.model import weights
+from skippy_zmq.model.llama import KVCache
+from skippy_zmq.placement import GiB, MiB, PlacementError, StageSettings
+from skippy_zmq.planner import PlanRequest, plan, plan_text
+from skippy_zmq.stage.factory import build_worker
+from skippy_zmq.stage.loop import StageLoop, run_stage
+from skippy_zmq.topology import TopologyError, load_topology, parse_topology
+
+SMOLLM2 = ModelConfig(arch="llama", n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,
+                      vocab_size=49152, rope_theta=100000.0, norm_eps=1e-5, tied_embeddings=True, max_seq_len=8192)
+
+
+@pytest.mark.parametrize("text, expected", [("6GiB", 6 * GiB), ("512MiB", 512 * MiB), ("1.5 GiB", 3 * GiB // 2),
+                                            ("8GB", 8 * 10**9), ("100kb", 100_000), ("123", 123), (7, 7)])
+def test_parse_bytes(text, expected):
+    assert placement.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["6 gigs", "GiB", "-1", "0", 0, "1e9", True])
+def test_parse_bytes_refuses(text):
+    with pytest.raises(ValueError):
+        placement.parse_bytes(text)
+
+
+def test_format_bytes():
+    assert [placement.format_bytes(n) for n in (5 * GiB + GiB // 10, 300 * MiB, 12 * 1024, 10)] == \
+        ["5.1 GiB", "300.0 MiB", "12 KiB", "10 B"]
+
+
+# ------------------------------------------------------------ against the real arrays
+
+
+@pytest.mark.parametrize("kv_dtype, jnp_dtype", [("f32", jnp.float32), ("bf16", jnp.bfloat16)])
+def test_kv_bytes_equal_the_runner_kv_cache(kv_dtype, jnp_dtype):
+    kv = KVCache.create(SMOLLM2, 10, 2, 1024, jnp_dtype)
+    assert placement.kv_bytes(SMOLLM2, 10, 1024, 2, kv_dtype) == kv.nbytes == 2 * 10 * 3 * 64 * 1024 * 2 * \
+        (4 if kv_dtype == "f32" else 2)
+    assert placement.kv_bytes(SMOLLM2, 10, 100_000, 1) == placement.kv_bytes(SMOLLM2, 10, 8192, 1)  # max_seq_len caps
+
+
+LEGACY_TIED_LAST = pytest.mark.xfail(
+    strict=True, reason="checkpoint.stage_nbytes drops the float embedding of a tied int8/q4 last stage, which "
+                        "the pre-v2 (single PyTree) load path still holds (113 MB for SmolLM2)")
+
+
+@pytest.mark.parametrize("fmt, start, end", [
+    ("f32", 0, 10), ("f32", 10, 20), ("f32", 20, 30), ("int8", 0, 10), ("int8", 10, 20), ("q4", 0, 10),
+    ("q4", 10, 20), ("q4", 0, 30),
+    pytest.param("int8", 20, 30, marks=LEGACY_TIED_LAST), pytest.param("q4", 20, 30, marks=LEGACY_TIED_LAST)])
+def test_predicted_weight_bytes_equal_the_loaded_slice(model_dir, fmt, start, end):
+    from skippy_zmq.model.checkpoint import stored_weights
+
+    cfg, params = weights.load_slice(model_dir, start, end, "float32", None, None if fmt == "f32" else fmt)
+    held = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    assert placement.weight_bytes(cfg, start, end, fmt, "float32", stored_weights(model_dir)) == held
+
+
+# ------------------------------------------------------------ splitting to budgets
+
+
+def needs_for(budgets, **kw):
+    return placement.fit_layers(SMOLLM2, budgets, [StageSettings(**kw)] * len(budgets))
+
+
+def test_equal_budgets_split_about_evenly_and_fit():
+    needs = needs_for([2 * GiB] * 3, weights="q4", context=4096, lanes=8)
+    assert [(n.start, n.end) for n in needs] == [(0, 10), (10, 20), (20, 30)]
+    assert all(n.total <= 2 * GiB for n in needs)
+
+
+def test_a_bigger_budget_takes_more_layers():
+    small, big = needs_for([1200 * MiB, 3 * GiB], context=4096, lanes=8, cache_bytes=0)
+    assert big.end - big.start > 2 * (small.end - small.start)
+    assert small.total <= 1200 * MiB and big.total <= 3 * GiB
+
+
+def test_fit_minimises_the_worst_need_over_budget():
+    budgets = [900 * MiB, 1400 * MiB, 700 * MiB]
+    s = StageSettings(weights="int8", context=2048, lanes=4, cache_bytes=64 * MiB)
+    needs = placement.fit_layers(SMOLLM2, budgets, [s] * 3)
+    best = min(max(placement.stage_need(SMOLLM2, a, b, s).total / budgets[i]
+                   for i, (a, b) in enumerate([(0, x), (x, y), (y, 30)]))
+               for x, y in itertools.combinations(range(1, 30), 2))
+    assert max(n.total / b for n, b in zip(needs, budgets)) == pytest.approx(best)
+
+
+def test_an_impossible_fit_is_refused_with_the_numbers():
+    with pytest.raises(PlacementError) as exc:
+        needs_for([1 * GiB, 1 * GiB, 800 * MiB], weights="q4", context=4096, lanes=8)
+    text = str(exc.value)
+    assert "stage s2 needs at least 1.0 GiB for layers [23, 30) (weights" in text
+    assert "but its memory budget is 800.0 MiB" in text
+    assert "total need 3.6 GiB > 2.8 GiB of budgets" in text
+
+
+def test_budgets_below_one_layer_each_say_so():
+    with pytest.raises(PlacementError, match=r"stage s0 needs at least .* for layers \[0, 1\)"):
+        needs_for([100 * MiB] * 30)
+
+
+def test_need_adds_cache_and_overhead():
+    s = StageSettings(weights="f32", context=2048, lanes=8, cache_bytes=256 * MiB)
+    need = placement.stage_need(SMOLLM2, 10, 20, s)
+    assert need.kv == 240 * MiB and need.cache == 256 * MiB
+    assert need.overhead == placement.OVERHEAD_BASE + 10 * placement.OVERHEAD_PER_LAYER
+    assert need.total == need.weights + need.kv + need.cache + need.overhead
+
+
+# ------------------------------------------------------------ plan
+
+
+def test_plan_to_memory_budgets_records_them_and_stays_valid_yaml(model_dir):
+    req = PlanRequest(model_dir, memory=(2 * GiB, 2 * GiB, 1500 * MiB), weights="q4", context=4096, lanes=8)
+    text = plan_text(req)
+    assert text.startswith("# predicted bytes per stage")
+    assert "#   s2 layers [24, 30): weights" in text and "of 1.5 GiB budget" in text
+    topo = parse_topology(yaml.safe_load(text))
+    assert [s.memory for s in topo.stages] == [2 * GiB, 2 * GiB, 1500 * MiB]
+    assert {(s.weights, s.kv_lanes) for s in topo.stages} == {("q4", 8)}
+    assert topo.driver.max_context == 4096 and topo.driver.max_sessions == 8
+
+
+def test_plan_split_with_memory_checks_the_fit(model_dir):
+    topo, needs = plan(PlanRequest(model_dir, split=(2, 1, 1), memory=(3 * GiB, 2 * GiB, 2 * GiB)))
+    assert [(s.start, s.end) for s in topo.stages] == [(0, 15), (15, 23), (23, 30)]
+    with pytest.raises(PlacementError, match="stage s0 needs at least"):
+        plan(PlanRequest(model_dir, split=(2, 1, 1), memory=(1 * GiB, 2 * GiB, 2 * GiB)))
+
+
+def test_plan_stage_counts_must_agree(model_dir):
+    with pytest.raises(TopologyError, match="disagree on the stage count: \\[2, 3\\]"):
+        plan(PlanRequest(model_dir, stages=2, memory=(GiB, GiB, GiB)))
+
+
+def test_plan_cli_flags():
+    from skippy_zmq.cli import build_parser
+
+    args = build_parser().parse_args(["plan", "--weights", "q4", "--memory", "6GiB,6GiB,4GiB", "--context", "4096",
+                                      "--lanes", "8", "--split", "2,1,1"])
+    assert (args.weights, args.memory, args.context, args.lanes, args.split) == \
+        ("q4", "6GiB,6GiB,4GiB", 4096, 8, "2,1,1")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "--weights", "2,1,1"])   # --weights is a format everywhere
+
+
+# ------------------------------------------------------------ a stage with a budget
+
+
+@pytest.fixture()
+def tiny_model(tmp_path) -> Path:
+    cfg = dataclasses.replace(TINY, n_layers=2)
+    cfg.save(tmp_path / "model.json")
+    weights.save_params(tmp_path / "params", weights.random_params(cfg, seed=0))
+    (tmp_path / "source.json").write_text(json.dumps({"sha256": "tiny"}))
+    return tmp_path
+
+
+def tiny_topology(model: Path, tmp: Path, **stage):
+    data = {"model": str(model), "driver": {"return": free_endpoint(), "max_sessions": 2, "prefill_chunk": 16,
+                                            "max_context": 64},
+            "stages": [{"id": "s0", "layers": [0, 2], "listen": free_endpoint(), "kv_lanes": 2,
+                        "cache": {"mode": "disabled"}, **stage}]}
+    path = tmp / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_topology(path)
+
+
+def test_a_stage_over_its_budget_fails_before_loading(tiny_model, tmp_path):
+    topo = tiny_topology(tiny_model, tmp_path, memory="100MiB")
+    with pytest.raises(PlacementError) as exc:
+        build_worker(topo, topo.stages[0])
+    assert str(exc.value).startswith("stage s0 needs 344.") and "for layers [0, 2) (weights" in str(exc.value)
+    assert str(exc.value).endswith("but its memory budget is 100.0 MiB")
+    assert run_stage(topo, "s0") == 3     # the process exits non-zero after one logged line
+
+
+def test_ready_and_heartbeats_carry_weight_kv_and_rss_bytes(tiny_model, tmp_path):
+    topo = tiny_topology(tiny_model, tmp_path, memory="1GiB")
+    worker = build_worker(topo, topo.stages[0])
+    cfg = ModelConfig.load(tiny_model / "model.json")
+    loop = StageLoop(topo, topo.stages[0], worker)
+    try:
+        for msg in (loop.ready_message(), loop.heartbeat_message()):
+            info = msg.extras["info"]
+            # 2 layers of 36,992 floats + embedding 97 x 64 + norm 64, 4 bytes each
+            assert info["weight_bytes"] == placement.weight_bytes(cfg, 0, 2, "f32", "float32", "f32") == 321_024
+            assert info["kv_bytes"] == placement.kv_bytes(cfg, 2, 64, 2) == 65_536
+            assert info["memory_budget_bytes"] == GiB
+            assert info["predicted_bytes"] == 321_024 + 65_536 + placement.overhead_bytes(2)
+            assert info["rss_bytes"] > 100 * MiB
+    finally:
+        loop.sockets.close()
+
+
+@pytest.mark.slow
+def test_launch_names_the_stage_and_its_reason(model_dir, tmp_path):
+    path = write_topology(tmp_path, model_dir, 2, memory="300MiB")
+    with pytest.raises(RuntimeError) as exc:
+        with running_pipeline(path, tmp_path / "run", timeout=60):
+            pass
+    assert "exited with code 3 during startup" in str(exc.value)
+    assert "cannot start: stage s" in str(exc.value) and "but its memory budget is 300.0 MiB" in str(exc.value)
+
