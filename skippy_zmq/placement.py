@@ -34,6 +34,10 @@ MiB, GiB = 1 << 20, 1 << 30
 # MiB a layer. With the constants below RSS / predicted total was 0.94-1.05 for all 18. A stage
 # that compiles cold (an empty cache) held ~30 MiB a layer more after startup (1-stage f32: 2.6 GiB
 # against 1.8 GiB warm); MALLOC_ARENA_MAX=2 did not change that.
+# Growth while serving (the soak's 1294 -> 1474 MB over 3 minutes, then flat) is the prefix store
+# filling to cache.max_bytes (the `cache` term) plus first-use compiles of decode-row buckets the
+# warmup skips: 2 stages, 16 lanes, 16 streams for 150 s rose ~340 MiB per stage, ~230 of it with
+# cache_bytes (0 -> 256 MiB in 45 s), flat afterwards; RSS / predicted total was then 1.03 and 1.05.
 OVERHEAD_BASE = 320 * MiB
 OVERHEAD_PER_LAYER = 12 * MiB
 
