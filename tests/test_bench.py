@@ -265,6 +265,10 @@ def test_scale_process_measurements(tmp_path):
                    "x | INFO | stage s1 layers [8, 16) on cpu: restored in 2.5s, compiled in 1.0s\n")
     assert stage_start_times(log) == {"s1": {"restored_s": 2.5, "compiled_s": 1.0}}
     assert stage_start_times(tmp_path / "none.log") == {}
+    from skippy_zmq.bench.scale_procs import logged_peak_gib
+
+    (tmp_path / "c.log").write_text("x - converted 2 layers in 1.0s, peak RSS 0.50 GiB\n... peak RSS 5.03 GiB\n")
+    assert logged_peak_gib(tmp_path / "c.log") == 5.03 and logged_peak_gib(log) is None
 
 
 def test_scale_cases_and_tables():

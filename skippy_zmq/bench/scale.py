@@ -40,7 +40,8 @@ from skippy_zmq.bench import greedy
 from skippy_zmq.bench.common import print_table
 from skippy_zmq.bench.peers import llama_cpp_available
 from skippy_zmq.bench.pipeline import measure, stream_prompts
-from skippy_zmq.bench.scale_procs import peak_rss_bytes, run_measured, stage_start_times, staggered_pipeline
+from skippy_zmq.bench.scale_procs import (logged_peak_gib, peak_rss_bytes, run_measured, stage_start_times,
+                                           staggered_pipeline)
 
 GiB = 1 << 30
 SEED = 0
@@ -198,10 +199,12 @@ def conversion_run(case: ScaleCase, gguf: Path, tmp: Path) -> dict[str, Any]:
     out = tmp / f"converted-{case.shape}"
     cmd = [sys.executable, "-m", "skippy_zmq.cli", "convert", "--gguf", str(gguf), "--weights", "q4",
            "--out", str(out)]
-    got = run_measured(cmd, tmp / f"convert-{case.shape}.log")
+    log = tmp / f"convert-{case.shape}.log"
+    got = run_measured(cmd, log)
     shutil.rmtree(out, ignore_errors=True)
     return {"model": case.label, "step": "convert --gguf --weights q4", "gguf_gib": _gib(gguf.stat().st_size),
-            "wall_s": got["wall_s"], "peak_rss_gib": _gib(got["peak_rss"]), "ok": got["rc"] == 0}
+            "wall_s": got["wall_s"], "peak_rss_gib": _gib(got["peak_rss"]), "logged_peak_gib": logged_peak_gib(log),
+            "ok": got["rc"] == 0}
 
 
 def run_case(case: ScaleCase, tmp: Path, root: Path = RANDOM_ROOT) -> dict[str, Any]:
@@ -223,7 +226,8 @@ def run_case(case: ScaleCase, tmp: Path, root: Path = RANDOM_ROOT) -> dict[str, 
     if made:
         steps.insert(0, {"model": case.label, "step": "random-model --gguf q4_1",
                          "gguf_gib": _gib((model / "model.gguf").stat().st_size),
-                         "wall_s": made["wall_s"], "peak_rss_gib": _gib(made["peak_rss"]), "ok": made["rc"] == 0})
+                         "wall_s": made["wall_s"], "peak_rss_gib": _gib(made["peak_rss"]),
+                         "logged_peak_gib": logged_peak_gib(model / "random-model.log"), "ok": made["rc"] == 0})
     return {"case": asdict(case), "model_dir": str(model), "rows": rows, "stages": stages, "steps": steps}
 
 
@@ -262,7 +266,8 @@ def scale_tables(results: list[dict[str, Any]]) -> list[str]:
                     "once the one before is READY (restores never overlap); peak RSS = VmHWM of the stage process at the end of its run; "
                     "predicted = placement.py (weights + KV + prefix-store budget + overhead)."),
         print_table("at scale: making and converting the model", steps,
-                    "peak RSS of the subprocess (wait4 ru_maxrss); random-model appears when the model was not cached."),
+                    "peak RSS of the subprocess (wait4 ru_maxrss: the child and anything it forked and waited for); "
+                    "logged = the peak the command reports of itself; random-model appears when the model was not cached."),
     ]
 
 

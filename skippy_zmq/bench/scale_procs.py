@@ -28,6 +28,15 @@ def run_measured(cmd: list[str], log: Path) -> dict[str, Any]:
     return {"rc": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1), "peak_rss": usage.ru_maxrss * 1024}
 
 
+def logged_peak_gib(log: Path) -> float | None:
+    """The last "peak RSS X GiB" a command logged of itself (convert and random-model do), or None."""
+    try:
+        found = re.findall(r"peak RSS ([\d.]+) GiB", log.read_text(errors="replace"))
+    except OSError:
+        return None
+    return float(found[-1]) if found else None
+
+
 def peak_rss_bytes(pid: int) -> int | None:
     """VmHWM (the process's peak resident set) from /proc/<pid>/status; None if it is gone."""
     try:
