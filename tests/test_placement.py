@@ -56,15 +56,10 @@ def test_kv_bytes_equal_the_runner_kv_cache(kv_dtype, jnp_dtype):
     assert placement.kv_bytes(SMOLLM2, 10, 100_000, 1) == placement.kv_bytes(SMOLLM2, 10, 8192, 1)  # max_seq_len caps
 
 
-LEGACY_TIED_LAST = pytest.mark.xfail(
-    strict=True, reason="checkpoint.stage_nbytes drops the float embedding of a tied int8/q4 last stage, which "
-                        "the pre-v2 (single PyTree) load path still holds (113 MB for SmolLM2)")
-
-
 @pytest.mark.parametrize("fmt, start, end", [
     ("f32", 0, 10), ("f32", 10, 20), ("f32", 20, 30), ("int8", 0, 10), ("int8", 10, 20), ("q4", 0, 10),
     ("q4", 10, 20), ("q4", 0, 30),
-    pytest.param("int8", 20, 30, marks=LEGACY_TIED_LAST), pytest.param("q4", 20, 30, marks=LEGACY_TIED_LAST)])
+    ("int8", 20, 30), ("q4", 20, 30)])
 def test_predicted_weight_bytes_equal_the_loaded_slice(model_dir, fmt, start, end):
     from skippy_zmq.model.checkpoint import stored_weights
 

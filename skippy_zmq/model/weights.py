@@ -83,6 +83,8 @@ def to_runtime(tree: dict[str, Any], dtype: Any, device: Any = None,
                           for i in sorted(tree["layers"], key=int))
     if quantize and "norm" in tree and "head" not in tree:
         out["head"] = convert("head", np.asarray(tree["embed"]).T)
+        if "0" not in tree["layers"] and 0 not in tree["layers"]:
+            del out["embed"]   # a tied last stage that is not first needs only its int8 head (as checkpoint v2)
     return out
 
 
