@@ -48,9 +48,9 @@ def test_stored_formats_cost_what_gguf_blocks_cost():
     assert checkpoint.stored_nbytes((4096, 4096), "q4") / 4096**2 == 0.625      # Q4_1's 5 bits per weight
     assert checkpoint.stored_nbytes((4096, 4096), "int8") / 4096**2 == 1.125    # 1 + 4/32
     assert checkpoint.stored_nbytes((4096, 4096), "bf16") == 2 * 4096**2
-    # runtime: 64-column panels, f32 scale and offset per 32 (0.75 B/weight for q4)
-    assert checkpoint.runtime_nbytes((100, 64), "q4") == 128 * 64 // 2 + 8 * 128 * 2
-    assert checkpoint.runtime_nbytes((100, 64), "q4", "head") == 128 * 64 + 8 * 128 * 2
+    # runtime: 64-column panels, f16 scale and offset per 32 (0.625 B/weight for q4)
+    assert checkpoint.runtime_nbytes((100, 64), "q4") == 128 * 64 // 2 + 4 * 128 * 2
+    assert checkpoint.runtime_nbytes((100, 64), "q4", "head") == 128 * 64 + 4 * 128 * 2
     assert checkpoint.runtime_nbytes((97, 64), "int8", "embed") == 97 * 64 + 4 * 97 * 2   # int8 rows, f16 s, z
     assert checkpoint.runtime_nbytes((97, 64), "int8", "embed", stored="f32") == 97 * 64 * 4
 

@@ -42,11 +42,16 @@ def test_grouped_roundtrip_within_half_a_step():
     assert np.all(np.abs(back - w.reshape(4, 32, 24)) <= d["s"][:, None] / 2 * (1 + 1e-5) + 1e-7)
 
 
+def f16(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a).astype(np.float16).astype(np.float32)
+
+
 def test_gguf_block_formats_survive_exactly():
-    """The converted model is dequantised Q4_1 (linears) and Q8_0 (embedding):
-    the min/max grid holds Q4_1's 16 levels, the symmetric grid Q8_0's 255."""
+    """The converted model is dequantised Q4_1 (linears) and Q8_0 (embedding), f16 d and m
+    as GGUF blocks store them: the min/max grid holds Q4_1's 16 levels, the symmetric grid
+    Q8_0's 255, and the f16 scales hold d and m themselves."""
     rng = np.random.default_rng(2)
-    d, m = rng.uniform(0.01, 0.1, (2, 8)), rng.uniform(-0.5, 0.0, (2, 8))
+    d, m = f16(rng.uniform(0.01, 0.1, (2, 8))), f16(rng.uniform(-0.5, 0.0, (2, 8)))
     q4_1 = (rng.integers(0, 16, (2, 32, 8)) * d[:, None] + m[:, None]).astype(np.float32)
     q4_1[:, 0], q4_1[:, 1] = m, 15 * d + m                      # blocks use their full range
     q8_0 = (rng.integers(-127, 128, (2, 32, 8)) * d[:, None]).astype(np.float32)
@@ -91,10 +96,11 @@ def test_kernel_equals_xla_fallback(bits):
 def test_q4_pack_unpack_round_trip():
     rng = np.random.default_rng(5)
     q = rng.integers(0, 16, (96, 100)).astype(np.uint8)            # 100 columns: one padded panel
-    s, z = rng.uniform(0.01, 0.1, (3, 100)), rng.uniform(-1, 0, (3, 100))
+    s, z = f16(rng.uniform(0.01, 0.1, (3, 100))), f16(rng.uniform(-1, 0, (3, 100)))
     t = quant.pack(q, s, z, bits=4)
     assert t.bits == 4 and t.q.dtype == np.uint8 and t.q.shape == (2, 96, 32) and t.shape == (96, 100)
-    assert t.nbytes == 2 * 96 * 32 + 2 * 2 * 3 * 64 * 4           # half a byte a weight, plus the scales
+    assert t.s.dtype == t.z.dtype == np.float16
+    assert t.nbytes == 2 * 96 * 32 + 2 * 2 * 3 * 64 * 2           # half a byte a weight, plus f16 scales
     np.testing.assert_array_equal(quant.levels(t), q)
     want = q.reshape(3, 32, 100) * s[:, None] + z[:, None]
     np.testing.assert_allclose(np.asarray(quant.dequantize(device_tree(t))), want.reshape(96, 100), rtol=1e-6,

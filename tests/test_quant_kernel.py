@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parent.parent
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 # Compares the kernel (whatever the environment selects) with the XLA fallback
-# and the dequantised matmul, for int8 and q4, on decode rows and a prefill chunk.
+# and the dequantised matmul, for int8 and q4, on decode rows, small row tiles
+# (M up to 16), one group, out not a multiple of 64, a shape big enough to run
+# on the thread pool, and a prefill chunk; scales and offsets are float16.
 CHILD = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
@@ -32,10 +34,12 @@ from skippy_zmq.model import quant
 rng = np.random.default_rng(0)
 worst = 0.0
 for bits in (8, 4):
-    for m, k, n in [(1, 576, 192), (2, 64, 97), (3, 1536, 64), (5, 96, 130), (33, 128, 64)]:
+    for m, k, n in [(1, 576, 192), (2, 64, 97), (3, 1536, 64), (5, 96, 130), (33, 128, 64), (1, 32, 65),
+                    (4, 32, 200), (7, 160, 127), (16, 96, 70), (1, 2048, 2100), (2, 2048, 2100)]:
         w = rng.standard_normal((k, n)).astype(np.float32)
         x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
         kernel, xla = (jax.tree.map(jnp.asarray, quant.to_qtensor(w, impl, bits)) for impl in ("kernel", "xla"))
+        assert kernel.s.dtype == kernel.z.dtype == jnp.float16
         got = np.asarray(jax.jit(quant.dense)(x, kernel))
         want = np.asarray(x) @ np.asarray(quant.dequantize(kernel), np.float64)
         for other in (np.asarray(jax.jit(quant.dense)(x, xla)), want):
@@ -65,7 +69,7 @@ def test_forced_isa_runs_and_matches_the_xla_fallback(tmp_path, isa):
     """SKIPPY_KERNEL_ISA=avx2 runs the AVX2 loops even on an AVX-512 CPU (as CI's is)."""
     if not shutil.which(os.environ.get("CXX") or "g++"):
         pytest.skip("no C++ compiler")
-    if isa == "avx2" and not (X86 and {"avx2", "fma"} <= cpu_flags()):
+    if isa == "avx2" and not (X86 and {"avx2", "fma", "f16c"} <= cpu_flags()):
         pytest.skip("this CPU has no AVX2")
     got, _ = run_child(tmp_path, SKIPPY_KERNEL_ISA=isa)
     assert got["available"] and got["isa"] == isa
@@ -76,9 +80,9 @@ def test_auto_picks_the_best_isa_this_cpu_supports(tmp_path):
     if not shutil.which(os.environ.get("CXX") or "g++"):
         pytest.skip("no C++ compiler")
     flags = cpu_flags()
-    if X86 and {"avx512f", "avx512bw", "avx512vl", "avx2", "fma"} <= flags:
+    if X86 and {"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"} <= flags:
         best = "avx512"
-    elif X86 and {"avx2", "fma"} <= flags:
+    elif X86 and {"avx2", "fma", "f16c"} <= flags:
         best = "avx2"
     else:
         best = "generic"

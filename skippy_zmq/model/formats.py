@@ -147,7 +147,7 @@ def runtime_nbytes(shape: tuple[int, int], fmt: str, key: str = "", stored: str 
 
     key: a layer key, "head" (int8 under q4, as GGUF Q4 files keep it) or "embed"
     (the first stage's lookup table: int8 rows + f16 scales when stored quantised).
-    QTensors count their 64-column panel padding and f32 scale and offset per 32.
+    QTensors count their 64-column panel padding and f16 scale and offset per 32.
     """
     out, n = shape
     stored = check_format(stored or fmt)
@@ -158,4 +158,4 @@ def runtime_nbytes(shape: tuple[int, int], fmt: str, key: str = "", stored: str 
         return out * n + 2 * 2 * out * groups                     # quant.QRows
     padded = -(-out // quant.PANEL) * quant.PANEL
     bits = 4 if fmt == "q4" and key != "head" else 8
-    return padded * n * bits // 8 + 2 * 4 * padded * groups      # levels + f32 s and z
+    return padded * n * bits // 8 + 2 * 2 * padded * groups      # levels + f16 s and z

@@ -1,4 +1,4 @@
-"""Weight-only int8 and 4-bit weights: levels in memory, float32 scale and
+"""Weight-only int8 and 4-bit weights: levels in memory, float16 scale and
 offset per group of 32 inputs.
 
 Decode on CPU is memory-bound (every weight is read once per token), so
@@ -20,12 +20,19 @@ Why: a per-column scale moved logits by up to ~2 (mean 0.23), far above the
 ~0.04 top-1/top-2 margins of the parity prompts; groups of 32 match how GGUF
 files quantise, and the grids contain those blocks' levels exactly (int8:
 Q4_1 and Q8_0; q4: Q4_1 and Q4_0), so weights converted from such a file are
-reproduced to float rounding (q4: the very same levels).
+reproduced exactly (q4: the very same levels).
+
+Scales and offsets are float16, as GGUF blocks store d and m: 2 bytes each per
+32 weights (q4: 0.625 B/weight, int8: 1.125), where float32 cost 0.75 / 1.25,
+and decode reads every byte once per token. A grid's s and z are rounded to
+float16 before its levels are chosen, so the levels are the best ones for the
+scales actually held; GGUF's f16 d and m (Q4_0: s = d, z = -8 d, a power-of-two
+multiple) are float16 values already and come through unchanged.
 
 Weights are packed for the kernel as 64-column panels (Np = out rounded up to
 64, padding columns are zero): q int8 [Np / 64, K, 64] or, for q4, uint8
 [Np / 64, K, 32] with column j in the low nibble of byte j and column j + 32
-in the high nibble; s and z [Np / 64, groups, 64].
+in the high nibble; s and z float16 [Np / 64, groups, 64].
 """
 
 from __future__ import annotations
@@ -53,8 +60,8 @@ KERNEL_TARGETS = {8: "skippy_int8_dense", 4: "skippy_q4_dense"}   # bits -> FFI 
 KERNEL_DIR = Path(__file__).parent
 KERNEL_SOURCES = ("quant_kernel.cc", "quant_kernel_isa.cc", "quant_kernel.h")
 # Instruction sets quant_kernel_isa.cc is compiled for (x86-64), best first; other CPUs get "generic".
-ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"),
-             "avx2": ("-mavx2", "-mfma"),
+ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
+             "avx2": ("-mavx2", "-mfma", "-mf16c"),
              "generic": ()}
 ISA_ENV = "SKIPPY_KERNEL_ISA"        # auto (default) | avx512 | avx2 | generic
 CACHE_ENV = "SKIPPY_KERNEL_CACHE"    # where built kernels go; default $XDG_CACHE_HOME/skippy_zmq
@@ -72,8 +79,8 @@ class QTensor:
     """
 
     q: Any   # int8 [Np / 64, in, 64] (bits 8) or uint8 [Np / 64, in, 32] (bits 4, two levels a byte)
-    s: Any   # float32 [Np / 64, groups, 64]
-    z: Any   # float32 [Np / 64, groups, 64]
+    s: Any   # float16 [Np / 64, groups, 64]
+    z: Any   # float16 [Np / 64, groups, 64]
     n: int = dataclasses.field(metadata=dict(static=True))
     impl: str = dataclasses.field(default="kernel", metadata=dict(static=True))
     bits: int = dataclasses.field(default=8, metadata=dict(static=True))
@@ -115,13 +122,17 @@ def quantize_int8(w: np.ndarray, group_size: int | None = None,
 
     group_size None: one group (per output channel; s and z are then [out]).
     offsets False: symmetric only (z = 0). Otherwise each (group, column)
-    takes whichever of the symmetric or min/max grid has the smaller max error.
+    takes whichever of the symmetric, min/max or Q4_1 (16-level min/max) grid
+    has the smaller max error.
     """
     w3, lo, hi = _groups(w, group_size)
     best = _grid(w3, np.maximum(-lo, hi) / 127.0, np.zeros_like(lo), -128, 127)   # symmetric (Q8_0)
     if offsets:
         step = (hi - lo) / 255.0                                                    # q = -128 at the min
         best = _pick(best, _grid(w3, step, lo + 128.0 * step, -128, 127))
+        # Q4_1's grid in levels 0..15: lo + 128 * step is no float16 value, so without it
+        # a Q4_1 block would come through only to a step's rounding, not exactly.
+        best = _pick(best, _grid(w3, (hi - lo) / 15.0, lo, 0, 15))
     return _result(best, w.shape, group_size, np.int8)
 
 
@@ -151,11 +162,29 @@ def _groups(w: np.ndarray, group_size: int | None) -> tuple[np.ndarray, np.ndarr
 
 
 def _grid(w3: np.ndarray, s: np.ndarray, z: np.ndarray, qmin: int, qmax: int) -> tuple[np.ndarray, ...]:
-    """Round onto q * s + z; returns (q, s, z, max error per group and column)."""
+    """Round onto q * s + z, s and z rounded to float16 first (what is held);
+    returns (q, s, z, max error per group and column)."""
+    s, z = _f16_step(s), _f16(z)
     safe = np.where(s != 0, s, 1.0)                                                 # constant groups: q = 0
     q = np.clip(np.rint((w3 - z[:, None]) / safe[:, None]), qmin, qmax)
     err = np.abs(q * s[:, None] + z[:, None] - w3).max(axis=1)
     return q, s, z, err
+
+
+def _f16(a: np.ndarray) -> np.ndarray:
+    """float32 values float16 can hold (overflow to +-inf is left to the caller's data)."""
+    return np.asarray(a, np.float32).astype(np.float16).astype(np.float32)
+
+
+def _f16_step(s: np.ndarray) -> np.ndarray:
+    """A grid step as float16: the nearest, or one ulp larger where the nearest is
+    smaller by more than float32 rounding (the grid must still span its group; a
+    step that is already a float16 value, as GGUF's d, stays exactly itself)."""
+    s = np.asarray(s, np.float32)
+    near = s.astype(np.float16)
+    short = np.abs(near.astype(np.float32)) < np.abs(s) * (1 - 2.0 ** -20)
+    bumped = np.nextafter(near, np.copysign(np.float16(np.inf), near))
+    return np.where(short, bumped, near).astype(np.float32)
 
 
 def _pick(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
@@ -190,7 +219,7 @@ def pack(q: np.ndarray, s: np.ndarray, z: np.ndarray | None = None, impl: str = 
     z = np.zeros_like(s) if z is None else z
 
     def pack_scales(a: np.ndarray) -> np.ndarray:   # [groups, out] -> [Np / 64, groups, 64]
-        a = np.pad(np.asarray(a, np.float32).reshape(-1, n), ((0, 0), (0, np_ - n)))
+        a = np.pad(np.asarray(a, np.float16).reshape(-1, n), ((0, 0), (0, np_ - n)))
         return np.ascontiguousarray(a.reshape(-1, np_ // PANEL, PANEL).transpose(1, 0, 2))
 
     return QTensor(q=np.ascontiguousarray(panels), s=pack_scales(s), z=pack_scales(z), n=n, impl=impl, bits=bits)
@@ -213,7 +242,7 @@ def pack_rows(q: np.ndarray, s: np.ndarray, z: np.ndarray, impl: str = "kernel",
         rows = rows[:, :PANEL // 2] | (rows[:, PANEL // 2:] << 4)
 
     def panels(a: np.ndarray) -> np.ndarray:   # [out, g] -> [Np / 64, g, 64]
-        a = np.pad(np.asarray(a, np.float32), ((0, np_ - n), (0, 0)))
+        a = np.pad(np.asarray(a, np.float16), ((0, np_ - n), (0, 0)))
         return np.ascontiguousarray(a.reshape(np_ // PANEL, PANEL, -1).transpose(0, 2, 1))
 
     return QTensor(q=np.ascontiguousarray(rows.transpose(0, 2, 1)), s=panels(s), z=panels(z), n=n, impl=impl,
@@ -245,23 +274,35 @@ def _panel_levels(q: jax.Array, bits: int) -> jax.Array:
 def _dequantize_panels(q: jax.Array, s: jax.Array, z: jax.Array) -> jax.Array:
     p, k, _ = q.shape
     groups = s.shape[1]
+    s, z = s.astype(jnp.float32), z.astype(jnp.float32)
     w = q.reshape(p, groups, k // groups, PANEL).astype(jnp.float32) * s[:, :, None] + z[:, :, None]
     return w.reshape(p, k, PANEL).transpose(1, 0, 2).reshape(k, p * PANEL)
 
 
 def dense(x: jax.Array, w: Any) -> jax.Array:
-    """x @ w over the last axis, for a plain [in, out] array or a QTensor."""
+    """x @ w over the last axis, for a plain [in, out] array or a QTensor.
+
+    The path is chosen while tracing, from the static `impl` (and whether the kernel is built),
+    so a trace holds one matmul: jax.lax.platform_dependent traced both the kernel and the
+    fallback for every matmul, ~90% of a stage's trace time. The kernel runs on CPU only;
+    `for_device` sets `impl` to "xla" for weights on any other device.
+    """
     if not isinstance(w, QTensor):
         return x @ w
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    xla = functools.partial(_xla_dense, bits=w.bits)
-    if w.impl == "kernel" and kernel_available():
-        kernel = functools.partial(_kernel_dense, bits=w.bits)
-        y = jax.lax.platform_dependent(x2, w.q, w.s, w.z, cpu=kernel, default=xla)
-    else:
-        y = xla(x2, w.q, w.s, w.z)
+    matmul = _kernel_dense if w.impl == "kernel" and kernel_available() else _xla_dense
+    y = matmul(x2, w.q, w.s, w.z, bits=w.bits)
     return y[:, :w.n].reshape(*lead, w.n).astype(x.dtype)
+
+
+def for_device(params: Any, device: Any = None) -> Any:
+    """`params` with each QTensor that asks for the kernel set to the XLA path when `device`
+    (None: JAX's default) is not a CPU; no array moves. SliceRunner applies it to its weights."""
+    if (device or jax.devices()[0]).platform == "cpu":
+        return params
+    return jax.tree.map(lambda t: dataclasses.replace(t, impl="xla") if isinstance(t, QTensor) else t,
+                        params, is_leaf=lambda t: isinstance(t, QTensor))
 
 
 def _kernel_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array, *, bits: int) -> jax.Array:

@@ -51,7 +51,7 @@ bool always() { return true; }
 #if defined(__x86_64__)
 bool has_avx2() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 bool has_avx512() {
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -78,7 +78,7 @@ struct Progress {
 
 // Shared by both formats; `row_bytes` is 64 (int8) or 32 (4-bit) per panel row.
 ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const void* q, ffi::Span<const int64_t> qd,
-                 int64_t row_bytes, ffi::Buffer<ffi::F32> s, ffi::Buffer<ffi::F32> z,
+                 int64_t row_bytes, ffi::Buffer<ffi::F16> s, ffi::Buffer<ffi::F16> z,
                  ffi::ResultBuffer<ffi::F32> y, bool q4) {
   if (qd.size() != 3 || qd[2] != row_bytes) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "q must be packed as [Np/64, K, 64 or 32 bytes]");
@@ -89,7 +89,8 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const void* q, f
       z.element_count() != s.element_count()) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "s and z must be [Np/64, groups dividing K, 64]");
   }
-  SkippyDenseArgs args{x.typed_data(), q, s.typed_data(), z.typed_data(), y->typed_data(),
+  SkippyDenseArgs args{x.typed_data(), q, reinterpret_cast<const uint16_t*>(s.untyped_data()),
+                       reinterpret_cast<const uint16_t*>(z.untyped_data()), y->typed_data(),
                        K ? static_cast<int64_t>(x.element_count()) / K : 0, K, panels * SKIPPY_PANEL, K / sd[1]};
   const Isa* isa = g_isa.load(std::memory_order_relaxed);
   const SkippyPanelFn fn = q4 ? isa->q4 : isa->int8;
@@ -117,12 +118,12 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const void* q, f
 }
 
 ffi::Error Int8Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                     ffi::Buffer<ffi::F32> s, ffi::Buffer<ffi::F32> z, ffi::ResultBuffer<ffi::F32> y) {
+                     ffi::Buffer<ffi::F16> s, ffi::Buffer<ffi::F16> z, ffi::ResultBuffer<ffi::F32> y) {
   return Dense(pool, x, q.typed_data(), q.dimensions(), SKIPPY_PANEL, s, z, y, false);
 }
 
 ffi::Error Q4Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
-                   ffi::Buffer<ffi::F32> s, ffi::Buffer<ffi::F32> z, ffi::ResultBuffer<ffi::F32> y) {
+                   ffi::Buffer<ffi::F16> s, ffi::Buffer<ffi::F16> z, ffi::ResultBuffer<ffi::F32> y) {
   return Dense(pool, x, q.typed_data(), q.dimensions(), SKIPPY_PANEL / 2, s, z, y, true);
 }
 
@@ -147,8 +148,8 @@ extern "C" const char* skippy_kernel_select(const char* want) {
       .Ctx<ffi::ThreadPool>()                   \
       .Arg<ffi::Buffer<ffi::F32>>()             \
       .Arg<ffi::Buffer<T>>()                    \
-      .Arg<ffi::Buffer<ffi::F32>>()             \
-      .Arg<ffi::Buffer<ffi::F32>>()             \
+      .Arg<ffi::Buffer<ffi::F16>>()             \
+      .Arg<ffi::Buffer<ffi::F16>>()             \
       .Ret<ffi::Buffer<ffi::F32>>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_int8_dense, Int8Dense, SKIPPY_BIND(ffi::S8));

@@ -11,12 +11,12 @@
 // One dense call, y[M, Np] = x[M, K] @ W, W[k, n] = level(k, n) * s[g, n] + z[g, n], g = k / group.
 // Levels are packed in 64-column panels: int8 [Np / 64][K][64], or 4-bit
 // [Np / 64][K][32] (byte j: column j in the low nibble, column j + 32 in the high one).
-// s and z are float32 [Np / 64][K / group][64].
+// s and z are float16 (IEEE binary16 bits) [Np / 64][K / group][64], widened once per group.
 typedef struct {
   const float* x;
   const void* q;
-  const float* s;
-  const float* z;
+  const uint16_t* s;
+  const uint16_t* z;
   float* y;
   int64_t M, K, Np, group;
 } SkippyDenseArgs;

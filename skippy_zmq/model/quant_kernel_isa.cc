@@ -50,10 +50,35 @@ constexpr int kRows = 4;
 constexpr int kRows = 2;
 #endif
 
-inline vf loadv(const float* p) {
-  vf v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
+// IEEE binary16 bits -> float, portably (the generic path; x86 uses F16C below).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);                 // inf, nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);         // normal: rebias 15 -> 127
+  } else {
+    float f = (float)man * (1.0f / 16777216.0f);             // zero, subnormal: man * 2^-24
+    __builtin_memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float out;
+  __builtin_memcpy(&out, &bits, 4);
+  return out;
+}
+
+// kLanes float16 scales -> float (one conversion per group and column vector).
+inline vf loadh(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+  vf out;
+  for (int i = 0; i < kLanes; ++i) out[i] = half_to_float(p[i]);
+  return out;
+#endif
 }
 
 // kLanes int8 -> kLanes float in registers (GCC's generic vector convert goes scalar).
@@ -101,14 +126,14 @@ struct Q4 {  // byte i holds column i (low nibble) and column i + 32 (high nibbl
 // R rows x the kVecs column blocks of pass h, over the whole K. Each weight
 // vector is scaled once in registers (one FMA) and shared by the R rows.
 template <class F, int R>
-void tile_rows(const SkippyDenseArgs& a, const uint8_t* panel, const float* s, const float* z,
+void tile_rows(const SkippyDenseArgs& a, const uint8_t* panel, const uint16_t* s, const uint16_t* z,
                int64_t m0, int64_t n0, int h) {
   vf acc[R][kVecs] = {};
   const uint8_t* row = panel;
   for (int64_t g0 = 0; g0 < a.K; g0 += a.group) {
     const int64_t at = (g0 / a.group) * kPanel + kLanes * kVecs * h;
     vf sc[kVecs], zc[kVecs];
-    for (int c = 0; c < kVecs; ++c) sc[c] = loadv(s + at + kLanes * c), zc[c] = loadv(z + at + kLanes * c);
+    for (int c = 0; c < kVecs; ++c) sc[c] = loadh(s + at + kLanes * c), zc[c] = loadh(z + at + kLanes * c);
     for (int64_t k = g0; k < g0 + a.group; ++k, row += F::kRowBytes) {
       vf w[kVecs];
       for (int c = 0; c < kVecs; ++c) w[c] = F::block(row, h * kVecs + c) * sc[c] + zc[c];
@@ -126,7 +151,7 @@ void tile_rows(const SkippyDenseArgs& a, const uint8_t* panel, const float* s, c
 // One row (decode). Scales are applied per group, not per weight:
 // y += s * sum(x * level) + z * sum(x), one FMA per weight vector instead of two.
 template <class F>
-void tile_one(const SkippyDenseArgs& a, const uint8_t* panel, const float* s, const float* z,
+void tile_one(const SkippyDenseArgs& a, const uint8_t* panel, const uint16_t* s, const uint16_t* z,
               int64_t m, int64_t n0, int h) {
   vf acc[kVecs] = {};
   const float* x = a.x + m * a.K;
@@ -140,7 +165,7 @@ void tile_one(const SkippyDenseArgs& a, const uint8_t* panel, const float* s, co
       for (int c = 0; c < kVecs; ++c) part[c] += xv * F::block(row, h * kVecs + c);
     }
     const int64_t at = (g0 / a.group) * kPanel + kLanes * kVecs * h;
-    for (int c = 0; c < kVecs; ++c) acc[c] += part[c] * loadv(s + at + kLanes * c) + xsum * loadv(z + at + kLanes * c);
+    for (int c = 0; c < kVecs; ++c) acc[c] += part[c] * loadh(s + at + kLanes * c) + xsum * loadh(z + at + kLanes * c);
   }
   for (int c = 0; c < kVecs; ++c) __builtin_memcpy(a.y + m * a.Np + n0 + kLanes * (h * kVecs + c), &acc[c], sizeof(vf));
 }
@@ -150,7 +175,7 @@ template <class F>
 void panel_rows(const SkippyDenseArgs* a, int64_t p) {
   const uint8_t* panel = (const uint8_t*)a->q + p * a->K * F::kRowBytes;
   const int64_t at = p * (a->K / a->group) * kPanel, n0 = p * kPanel;
-  const float *s = a->s + at, *z = a->z + at;
+  const uint16_t *s = a->s + at, *z = a->z + at;
   for (int h = 0; h < kPasses; ++h) {
     int64_t m = 0;
     for (; m + kRows <= a->M; m += kRows) tile_rows<F, kRows>(*a, panel, s, z, m, n0, h);
