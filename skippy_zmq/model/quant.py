@@ -284,7 +284,7 @@ def dense(x: jax.Array, w: Any) -> jax.Array:
 
     The path is chosen while tracing, from the static `impl` (and whether the kernel is built),
     so a trace holds one matmul: jax.lax.platform_dependent traced both the kernel and the
-    fallback for every matmul, ~90% of a stage's trace time. The kernel runs on CPU only;
+    fallback for every matmul (a third of a q4 stage's trace, measured). The kernel runs on CPU only;
     `for_device` sets `impl` to "xla" for weights on any other device.
     """
     if not isinstance(w, QTensor):
