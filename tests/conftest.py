@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -14,6 +17,23 @@ from skippy_zmq.model import weights
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
 PARITY = REPO.parent / "shared" / "parity" / "smollm2_reference.json"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"   # one per XLA compile (or cache read)
+
+
+@contextlib.contextmanager
+def counting_compiles() -> Iterator[list[float]]:
+    """The seconds of each compile that happens inside the block (empty: nothing compiled)."""
+    seen: list[float] = []
+
+    def listener(name: str, secs: float, **_: object) -> None:
+        if name == COMPILE_EVENT:
+            seen.append(secs)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 TINY = ModelConfig(arch="llama", n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
                    vocab_size=97, rope_theta=10000.0, norm_eps=1e-5, tied_embeddings=True, max_seq_len=512,

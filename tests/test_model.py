@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TINY, random_ids
+from conftest import TINY, counting_compiles, random_ids
 from skippy_zmq.config import Buckets, KVConfig
 from skippy_zmq.model import weights
 from skippy_zmq.model.convert import convert_hf, unpermute_rows
@@ -125,12 +125,12 @@ def test_bf16_kv_is_stored_as_bits_and_restores_bit_for_bit(tiny_tree):
 def test_no_recompiles_after_warmup(tiny_tree):
     r = runner(tiny_tree)
     r.warmup(rows=(1, 2), chunks=(16,), attn_lens=(256,))
-    compiled = forward_jit._cache_size()
     ids = random_ids(12, TINY.vocab_size, seed=4)
-    r.prefill(0, ids[:-1], 0, output="none")
-    r.decode(np.array([0, 1]), ids[:2], np.array([11, 0]))
-    r.decode(np.array([0]), ids[-1:], np.array([12]))
-    assert forward_jit._cache_size() == compiled
+    with counting_compiles() as compiles:
+        r.prefill(0, ids[:-1], 0, output="none")
+        r.decode(np.array([0, 1]), ids[:2], np.array([11, 0]))
+        r.decode(np.array([0]), ids[-1:], np.array([12]))
+    assert compiles == []
 
 
 def test_capacity_overflow_is_a_clear_error(tiny_tree):

@@ -1,15 +1,20 @@
-"""Warm-up covers what traffic needs: after it, prefill and decode compile nothing (no timing here)."""
+"""Warm-up covers what traffic needs: after it, prefill and decode compile nothing, and a
+quantised matmul traces one path (no timing here)."""
 
 from __future__ import annotations
 
+import types
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from conftest import TINY, random_ids
+from conftest import TINY, counting_compiles, random_ids
 from skippy_zmq.config import Buckets, KVConfig
-from skippy_zmq.model import weights
-from skippy_zmq.model.llama import forward_jit
+from skippy_zmq.model import quant, weights
 from skippy_zmq.model.runner import SliceRunner
+from skippy_zmq.stage.factory import warm_before_ready
 
 BUCKETS = Buckets(prefill_chunks=(16, 64), decode_rows=(1, 2), attn_lens=(128, 256, 1024))
 
@@ -29,13 +34,13 @@ def test_attn_buckets_run_up_to_the_capacity(tiny_tree):
 def test_full_warmup_leaves_nothing_to_compile(tiny_tree):
     r = runner(tiny_tree)
     r.warmup(rows=(1, 2), attn_lens=r.attn_buckets())
-    compiled = forward_jit._cache_size()
     ids = random_ids(300, TINY.vocab_size, seed=5)
-    r.prefill(0, ids[:-1], 0, output="none")          # chunks of 64 across the 128/256/384 buckets
-    for pos in range(299, 383, 7):                   # decode through the last buckets
-        r.decode(np.array([0, 1]), ids[:2], np.array([pos, 3]))
-        r.decode(np.array([0]), ids[:1], np.array([pos]))
-    assert forward_jit._cache_size() == compiled
+    with counting_compiles() as compiles:
+        r.prefill(0, ids[:-1], 0, output="none")          # chunks of 64 across the 128/256/384 buckets
+        for pos in range(299, 383, 7):                   # decode through the last buckets
+            r.decode(np.array([0, 1]), ids[:2], np.array([pos, 3]))
+            r.decode(np.array([0]), ids[:1], np.array([pos]))
+    assert compiles == []
     calls = r.stats.calls
     n = len(r.stats.shapes)
     r.warmup(rows=(1, 2), attn_lens=r.attn_buckets())  # a second call finds every shape done
@@ -48,12 +53,12 @@ def test_request_warmup_covers_that_request(tiny_tree):
     assert pairs == {(64, 128), (16, 256)}   # 64 + 64 (both end by 128) + 12 (ends at 140)
     assert decode == {256}
     r.warmup(rows=(1,), attn_lens=tuple(decode), pairs=pairs)
-    compiled = forward_jit._cache_size()
     ids = random_ids(141, TINY.vocab_size, seed=6)
-    r.prefill(1, ids[:-1], 0, output="none")
-    for pos in range(140, 170):
-        r.decode(np.array([1]), ids[-1:], np.array([pos]))
-    assert forward_jit._cache_size() == compiled
+    with counting_compiles() as compiles:
+        r.prefill(1, ids[:-1], 0, output="none")
+        for pos in range(140, 170):
+            r.decode(np.array([1]), ids[-1:], np.array([pos]))
+    assert compiles == []
 
 
 def test_default_warmup_is_the_first_attention_bucket(tiny_tree):
@@ -62,3 +67,50 @@ def test_default_warmup_is_the_first_attention_bucket(tiny_tree):
     r.warmup(rows=(1,))
     assert {attn for _shape, attn, _out in r.stats.shapes} == {128}
     assert len(r.stats.shapes) == 1 + len(BUCKETS.prefill_chunks)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "q4"])
+def test_stage_warmup_leaves_no_shape_it_serves_to_compile(tiny_tree, quantize):
+    """What the factory compiles before READY: every prefill chunk and 1- and 2-row decode at every
+    attention length up to the capacity, first and last stage, quantised weights."""
+    params = weights.to_runtime(tiny_tree, jnp.float32, quantize=quantize)
+    for start, end in ((0, 2), (2, TINY.n_layers)):
+        part = {**params, "layers": params["layers"][start:end]}
+        r = SliceRunner(TINY, part, start, end, KVConfig(lanes=2, capacity=384), BUCKETS)
+        warm_before_ready(r)
+        assert r.stats.calls == 0                    # compiled ahead of time, nothing run
+        x = random_ids(300, TINY.vocab_size, seed=7) if start == 0 else \
+            np.random.default_rng(7).standard_normal((300, TINY.d_model)).astype(np.float32)
+        prefill_out = "hidden" if end < TINY.n_layers else "none"
+        with counting_compiles() as compiles:
+            for n in (10, 40, 300):                  # chunks 16, 64 and 64 + ... across 128/256/384
+                r.prefill(0, x[:n], 0, output=prefill_out)
+            for pos in (5, 130, 260, 383):           # decode at every attention bucket, 1 and 2 rows
+                r.decode(np.array([0]), x[:1], np.array([pos]))
+                r.decode(np.array([0, 1]), x[:2], np.array([pos, 1]))
+        assert compiles == [], f"layers [{start}, {end}) compiled {len(compiles)} shape(s) after warm-up"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantised_matmul_traces_one_path(bits):
+    """dense chooses kernel or fallback while tracing (not jax.lax.platform_dependent, which traced
+    both for every matmul): the kernel's trace holds the FFI call and no dot, the fallback's the
+    reverse, and neither a cond."""
+    w = np.random.default_rng(bits).standard_normal((64, 96)).astype(np.float32)
+    x = jnp.ones((2, 64), jnp.float32)
+    impls = ("kernel", "xla") if quant.kernel_available() else ("xla",)
+    for impl in impls:
+        t = jax.tree.map(jnp.asarray, quant.to_qtensor(w, impl, bits))
+        text = str(jax.make_jaxpr(quant.dense)(x, t))
+        kernel_calls = text.count(quant.KERNEL_TARGETS[bits])
+        assert (kernel_calls, text.count("dot_general")) == ((1, 0) if impl == "kernel" else (0, 1)), text
+        assert "cond[" not in text and "platform_index" not in text
+
+
+def test_weights_on_another_device_take_the_xla_path():
+    t = quant.to_qtensor(np.ones((64, 64), np.float32), "kernel", 4)
+    params = {"layers": ({"wq": t, "attn_norm": np.ones(64, np.float32)},)}
+    assert quant.for_device(params, jax.devices("cpu")[0]) is params
+    moved = quant.for_device(params, types.SimpleNamespace(platform="gpu"))
+    assert moved["layers"][0]["wq"].impl == "xla" and moved["layers"][0]["wq"].bits == 4
+    assert moved["layers"][0]["attn_norm"] is params["layers"][0]["attn_norm"]

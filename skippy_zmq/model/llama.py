@@ -127,8 +127,8 @@ def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, lanes: ja
         first = jnp.minimum(positions[i, 0], cap)
         start = jnp.clip(first, 0, cap - t)
         shift = first - start                                     # 0 unless the window is clamped
-        keep = jnp.roll(positions[i] < cap, shift)                # [T]: which window slots are real
-        block = jnp.roll(new[i], shift, axis=1)[None]
+        keep = roll(positions[i] < cap, shift, 0)                 # [T]: which window slots are real
+        block = roll(new[i], shift, 1)[None]
         index = (lanes[i], 0, start, 0)
         old = jax.lax.dynamic_slice(cache, index, block.shape)
         return jax.lax.dynamic_update_slice(cache, jnp.where(keep[:, None], block, old), index)
@@ -137,6 +137,13 @@ def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, lanes: ja
         return row(0, cache)
     # A loop, not a Python unroll: 16 unrolled rows took XLA ~250 s to compile the model.
     return jax.lax.fori_loop(0, new.shape[0], row, cache)
+
+
+def roll(a: jax.Array, shift: jax.Array, axis: int) -> jax.Array:
+    """jnp.roll by a traced shift. jnp.roll first tries the shift as a constant and, to word
+    the error it then catches, walks the trace so far: that was ~40% of a stage's trace time."""
+    n = a.shape[axis]
+    return jax.lax.dynamic_slice_in_dim(jnp.concatenate([a, a], axis), (-shift) % n, n, axis)
 
 
 def read_lanes(cache: jax.Array, lanes: jax.Array, length: int) -> jax.Array:

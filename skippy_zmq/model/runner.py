@@ -15,6 +15,7 @@ import numpy as np
 
 from skippy_zmq.config import Buckets, KVConfig, ModelConfig
 from skippy_zmq.model.llama import KVCache, forward_jit
+from skippy_zmq.model.quant import for_device
 
 
 def resolve_device(spec: str = "cpu") -> Any:
@@ -34,7 +35,7 @@ def resolve_device(spec: str = "cpu") -> Any:
 class StepStats:
     calls: int = 0
     compute_s: float = 0.0
-    shapes: set = field(default_factory=set)
+    shapes: set = field(default_factory=set)   # (inputs shape, attn_len, output) compiled: run or warmed
 
 
 class SliceRunner:
@@ -42,7 +43,10 @@ class SliceRunner:
 
     def __init__(self, cfg: ModelConfig, params: dict[str, Any], start: int, end: int,
                  kv_cfg: KVConfig = KVConfig(), buckets: Buckets = Buckets(), device: Any = None):
-        self.cfg, self.params, self.start, self.end = cfg, params, start, end
+        # One committed device (None: JAX's default), so warm-up, KV and every step's inputs share
+        # one placement and so one compiled step per shape.
+        device = device if device is not None else jax.devices()[0]
+        self.cfg, self.params, self.start, self.end = cfg, for_device(params, device), start, end
         self.kv_cfg, self.buckets, self.device = kv_cfg, buckets, device
         self.kv = KVCache.create(cfg, end - start, kv_cfg.lanes, kv_cfg.capacity,
                                  jnp.dtype(kv_cfg.dtype), device)
@@ -61,7 +65,7 @@ class SliceRunner:
         return self.kv_cfg.capacity
 
     def _put(self, a: np.ndarray) -> jax.Array:
-        return jax.device_put(a, self.device) if self.device is not None else jnp.asarray(a)
+        return jax.device_put(a, self.device)
 
     def _step(self, inputs: np.ndarray, positions: np.ndarray, lanes: np.ndarray, attn_len: int,
               output: str) -> jax.Array | None:
@@ -159,16 +163,16 @@ class SliceRunner:
     def warmup(self, rows: tuple[int, ...] = (1,), chunks: tuple[int, ...] | None = None,
                attn_lens: tuple[int, ...] | None = None,
                pairs: set[tuple[int, int]] | None = None) -> float:
-        """Compile the step for the shapes traffic can bring, ahead of it; writes only dropped padding.
+        """Compile the step for the shapes traffic can bring, ahead of it; runs nothing.
 
         The decode step for every row bucket in `rows` and every prefill chunk in `chunks` (default:
         all), each at every attention length in `attn_lens`. Default: the first bucket only, which
-        covers sequences up to 256 positions. `attn_lens=self.attn_buckets()` covers every length up
-        to the capacity, so no request compiles; it costs about 4x the start time at capacity 2048
-        (each shape is traced and lowered even when the persistent cache then has it). `pairs`
-        ({(chunk, attention length)}) replaces the chunks x attn_lens grid for prefill (see
-        `request_shapes`). Shapes this runner has already run are skipped, so a second call, or one
-        after traffic, costs nothing. Returns the seconds spent.
+        covers sequences up to 256 positions; `attn_lens=self.attn_buckets()` covers every length up
+        to the capacity, so no request compiles. `pairs` ({(chunk, attention length)}) replaces the
+        chunks x attn_lens grid for prefill (see `request_shapes`). Each shape is traced, lowered and
+        compiled (or read from the persistent cache) but not executed: an 8B stage's 256-token
+        prefill alone computes for seconds. Shapes this runner has already compiled are skipped, so
+        a second call, or one after traffic, costs nothing. Returns the seconds spent.
         """
         t0 = time.perf_counter()
         chunks = chunks if chunks is not None else self.buckets.prefill_chunks
@@ -180,14 +184,22 @@ class SliceRunner:
         prefill_out = "none" if self.last else "hidden"
         for attn in sorted(attn_lens):
             for r in rows:
-                if (((r, 1) + width), attn, decode_out) not in self.stats.shapes:
-                    x = np.zeros((r, 1) + width, dtype)
-                    self._step(x, np.full((r, 1), self.capacity, np.int32), np.zeros(r, np.int32), attn, decode_out)
+                self._compile(np.zeros((r, 1) + width, dtype), attn, decode_out)
         for c, attn in sorted(pairs, key=lambda p: (p[1], p[0])):
-            if (((1, c) + width), attn, prefill_out) not in self.stats.shapes:
-                x = np.zeros((1, c) + width, dtype)
-                self._step(x, np.full((1, c), self.capacity, np.int32), np.zeros(1, np.int32), attn, prefill_out)
+            self._compile(np.zeros((1, c) + width, dtype), attn, prefill_out)
         return time.perf_counter() - t0
+
+    def _compile(self, inputs: np.ndarray, attn_len: int, output: str) -> None:
+        """Compile the step `_step` would run for inputs of this shape (same placements, so the
+        later call finds it compiled), without running it."""
+        shape = (inputs.shape, attn_len, output)
+        if shape in self.stats.shapes:
+            return
+        rows, length = inputs.shape[:2]
+        positions, lanes = np.full((rows, length), self.capacity, np.int32), np.zeros(rows, np.int32)
+        forward_jit.lower(self.params, self.kv, self._put(inputs), self._put(positions), self._put(lanes),
+                          cfg=self.cfg, start=self.start, end=self.end, attn_len=attn_len, output=output).compile()
+        self.stats.shapes.add(shape)
 
     def _span(self, length: int) -> int:
         """Length bucket (a multiple of 128) for KV copies, so they compile once per bucket, not per length."""

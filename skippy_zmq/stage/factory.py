@@ -76,6 +76,16 @@ def stage_buckets(topology: Topology, lanes: int) -> Buckets:
     return Buckets(prefill_chunks=tuple(sorted(set(chunks))), decode_rows=tuple(sorted(set(rows))))
 
 
+def warm_before_ready(runner: SliceRunner) -> float:
+    """Compile what a stage serves before it says READY, so no request pays a compile: decode
+    with 1 and 2 rows and every prefill chunk, each at every attention length up to the capacity.
+    Compiled ahead of time and not run, each shape costs its trace and lowering plus XLA's compile
+    or a persistent-cache read (scripts/stage_start.py splits them): about 0.3 s a shape with the
+    cache warm, so 1- and 2-row decode at every length is cheap enough to do before READY."""
+    rows = runner.buckets.decode_rows[:2]
+    return runner.warmup(rows=rows, chunks=runner.buckets.prefill_chunks, attn_lens=runner.attn_buckets())
+
+
 def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
     """This stage's prefix store; identity ties entries to the model, layer range and KV dtype."""
     c = stage.cache
@@ -86,7 +96,7 @@ def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
 
 
 def build_worker(topology: Topology, stage: StageConfig, where: Placement | None = None) -> StageWorker:
-    """Check the budget, restore only this stage's layers onto its device, compile its common buckets."""
+    """Check the budget, restore only this stage's layers onto its device, compile what it serves."""
     where = where or Placement.of(stage)
     need = check_budget(topology, stage, where.memory)
     t0 = time.perf_counter()
@@ -99,7 +109,7 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     runner = SliceRunner(cfg, params, stage.start, stage.end,
                          KVConfig(lanes=stage.kv_lanes, capacity=capacity, dtype=stage.kv_dtype), buckets, device)
     t1 = time.perf_counter()
-    runner.warmup(rows=buckets.decode_rows[:1] + buckets.decode_rows[1:2], chunks=buckets.prefill_chunks)
+    warm_before_ready(runner)
     logger.info("stage {} layers [{}, {}) on {}: restored in {:.1f}s, compiled in {:.1f}s", stage.id,
                 stage.start, stage.end, where.device, t1 - t0, time.perf_counter() - t1)
     info = StageInfo(stage.id, first=stage.start == 0, last=stage.end == cfg.n_layers, width=cfg.d_model)
