@@ -3,8 +3,9 @@
 
 For each stage count and weights format: start real stage processes (harness.running_pipeline,
 prefix cache off so the cache term is 0), run a few greedy requests, read every stage's VmRSS
-from /proc, and print RSS, the predicted weight and KV bytes, the runtime overhead this implies
-(RSS - weights - KV) and RSS / predicted total. placement.OVERHEAD_BASE and OVERHEAD_PER_LAYER come from this script.
+from /proc, and print RSS now and at its peak (VmHWM: the load, compiles and requests included), the
+predicted weight and KV bytes, the runtime overhead this implies (peak - weights - KV) and RSS and peak
+over the predicted total. placement.OVERHEAD_BASE and OVERHEAD_PER_LAYER come from this script.
 
     .venv/bin/python scripts/stage_rss.py --stages 1,2,3 --weights f32,int8,q4 --requests 4
 """
@@ -27,9 +28,10 @@ from skippy_zmq.model.checkpoint import stored_weights  # noqa: E402
 from skippy_zmq.sampling import SamplingParams  # noqa: E402
 
 
-def proc_rss(pid: int) -> int:
+def proc_rss(pid: int, field: str = "VmRSS") -> int:
+    """VmRSS (resident now) or VmHWM (the process's peak resident set) of a live process."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -47,13 +49,15 @@ def measure(model: Path, n_stages: int, fmt: str, requests: int, tmp: Path) -> l
             s = placement.StageSettings(fmt, stage.dtype, stage.kv_dtype, topology.driver.max_context,
                                         stage.kv_lanes, cache_bytes=0, stored=stored_weights(model))
             need = placement.stage_need(cfg, stage.start, stage.end, s)
-            rss = proc_rss(proc.pid)
+            rss, peak = proc_rss(proc.pid), proc_rss(proc.pid, "VmHWM")
             rows.append({"stages": n_stages, "weights": fmt, "stage": stage.id, "layers": [stage.start, stage.end],
                          "rss_ready_mib": round(ready[stage.id] / placement.MiB, 1),
                          "rss_mib": round(rss / placement.MiB, 1),
                          "weight_mib": round(need.weights / placement.MiB, 1), "kv_mib": round(need.kv / placement.MiB, 1),
-                         "overhead_mib": round((rss - need.weights - need.kv) / placement.MiB, 1),
-                         "rss_over_predicted": round(rss / need.total, 3)})
+                         "peak_mib": round(peak / placement.MiB, 1),
+                         "overhead_mib": round((peak - need.weights - need.kv) / placement.MiB, 1),
+                         "rss_over_predicted": round(rss / need.total, 3),
+                         "peak_over_predicted": round(peak / need.total, 3)})
         return rows[::-1]
 
 

@@ -1,14 +1,22 @@
 """How many bytes a stage needs, and a layer split that fits memory budgets. Pure arithmetic: no JAX.
 
-A stage process holds (README "Memory"):
+A stage process's peak resident set (VmHWM over restore, compile and serving; README "Memory"):
 
-    total = weights + KV + cache + overhead
+    total    = max(serving, loading)
+    serving  = weights + KV + cache + overhead
+    loading  = weights + OVERHEAD_BASE + load transient
     weights  = Σ its layers' tensors in their runtime format (below), the embedding on stage 0 (and
                on the last stage when tied), the final norm and the head on the last stage
     KV       = 2 · layers · kv_heads · head_dim · capacity · lanes · KV dtype bytes,
                capacity = min(driver.max_context, the model's max_seq_len)
     cache    = the prefix store's budget, cache.max_bytes (0 when the cache is disabled)
     overhead = OVERHEAD_BASE + OVERHEAD_PER_LAYER · layers: Python, JAX and XLA, compiled buckets
+    load transient (what restoring holds beyond the weights for a moment):
+               checkpoint levels packed as they are (int8 / q4 stored, run int8 / q4):
+                   LOAD_ITEMS · one layer's runtime bytes
+               a float checkpoint quantised at load (run int8 / q4):
+                   the stage's float bytes (4 B a parameter) + LOAD_QUANTISE · the largest matrix in f32
+               a float checkpoint run float: the stage's float bytes
 
 Weight bytes per format come from model/checkpoint.py `stage_nbytes` (exact: the arrays a stage
 holds, panel padding and scales included); everything else here is arithmetic and needs no JAX.
@@ -26,20 +34,32 @@ from skippy_zmq.config import ModelConfig
 
 MiB, GiB = 1 << 20, 1 << 30
 
-# Resident bytes of a stage beyond its weights, KV and prefix store: Python, JAX and XLA, the
-# compiled buckets (the jitted step unrolls its layers, so code grows with them) and allocator slack.
-# Measured with scripts/stage_rss.py on SmolLM2-135M (CPU, 2026-12-01): real stage processes with a
-# warm JAX compilation cache, prefix cache off, 3 greedy requests each, VmRSS - weight bytes - KV
-# bytes, over 1/2/3 stages x f32/int8/q4 (18 stages): 389-732 MiB, least squares 307 MiB + 12.3
-# MiB a layer. With the constants below RSS / predicted total was 0.94-1.05 for all 18. A stage
-# that compiles cold (an empty cache) held ~30 MiB a layer more after startup (1-stage f32: 2.6 GiB
-# against 1.8 GiB warm); MALLOC_ARENA_MAX=2 did not change that.
-# Growth while serving (the soak's 1294 -> 1474 MB over 3 minutes, then flat) is the prefix store
-# filling to cache.max_bytes (the `cache` term) plus first-use compiles of decode-row buckets the
-# warmup skips: 2 stages, 16 lanes, 16 streams for 150 s rose ~340 MiB per stage, ~230 of it with
-# cache_bytes (0 -> 256 MiB in 45 s), flat afterwards; RSS / predicted total was then 1.03 and 1.05.
-OVERHEAD_BASE = 320 * MiB
-OVERHEAD_PER_LAYER = 12 * MiB
+# Peak resident bytes of a stage beyond its weights, KV and prefix store: Python, JAX and XLA, the
+# compiled buckets (the jitted step unrolls its layers, so code grows with them; factory.py compiles
+# every prefill chunk and 1- and 2-row decode at every attention length before READY) and allocator
+# slack. Measured 2026-12-01 on this CPU as VmHWM (the peak: restore, compiles and requests included)
+# minus weight and KV bytes, prefix cache off, warm JAX compilation cache:
+#   scripts/stage_rss.py, SmolLM2-135M (30 layers of width 576, 2048 context), 1 and 3 stages x f32/q4:
+#     30 layers 982 (f32) / 1204 (q4) MiB, 10 layers 541-588 MiB;
+#   /proc/self/status sampled every 0.2 s through build_worker and 2 requests (scripts/stage_rss.py
+#   --timeline), random Llama shapes, q4: Llama-3.2-1B at 528 context, 16 layers 902 MiB, 8 layers
+#   (last stage) 626 MiB; Llama-3.1-8B at 304 context, 16 layers 898 (s0) and 913 (s1) MiB.
+# Of that, ~310-350 MiB is there once the weights are in (Python, JAX, orbax, XLA's CPU client); the
+# rest comes with the compiles: +0.3 GiB compiling 16 layers, +0.2 GiB more on first requests. Per
+# layer it is ~21 MiB at SmolLM2's width and ~35 MiB at the 1B and 8B's; 28 MiB a layer over a
+# 360 MiB base keeps peak / predicted within 0.91-1.04 for all of them (SmolLM2 f32 lowest, the 1B
+# highest). Not separated: how much of the per-layer part scales with width or with the count of
+# compiled shapes (the 1B compiled 15 shapes, the 8B 10, SmolLM2 20).
+OVERHEAD_BASE = 360 * MiB
+OVERHEAD_PER_LAYER = 28 * MiB
+# The load transient, measured by the same timeline (restore's VmHWM minus RSS at its end):
+# q4 checkpoints of the 1B and 8B: 0.08-0.38 GiB, 2.2-2.7x one layer's runtime bytes (a layer's
+# stored levels, unpacked levels, panels and the JAX copy at once; the embedding and head come
+# first, while little else is held). SmolLM2's float checkpoint (the older single-tree layout,
+# restored whole) run q4, last stage: the peak is the restore (1.09 GiB against 0.94 once serving):
+# the f32 tree plus ~4x the f32 head being quantised (min/max grid candidates side by side).
+LOAD_ITEMS = 3
+LOAD_QUANTISE = 4
 
 _DTYPE_BYTES = {"float32": 4, "f32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "f16": 2}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -134,6 +154,31 @@ def overhead_bytes(layers: int) -> int:
     return OVERHEAD_BASE + OVERHEAD_PER_LAYER * layers
 
 
+def load_transient_bytes(cfg: ModelConfig, start: int, end: int, s: StageSettings) -> int:
+    """What restoring a stage holds beyond its weights at its peak (module docstring, LOAD_*)."""
+    from skippy_zmq.model import formats, weights   # JAX, as weight_bytes
+
+    stored, last = s.stored or s.weights, end == cfg.n_layers
+    shapes = weights.param_shapes(cfg, start, end)
+    if stored in ("int8", "q4"):
+        return LOAD_ITEMS * sum(formats.runtime_nbytes(shape[::-1], s.weights, key, stored, s.dtype)
+                                for key, shape in weights.layer_shapes(cfg).items() if len(shape) == 2)
+    params = sum(_count(shape) for shape in shapes.values() if isinstance(shape, tuple))
+    params += (end - start) * sum(_count(shape) for shape in weights.layer_shapes(cfg).values())
+    if s.weights not in ("int8", "q4"):
+        return 4 * params
+    matrices = [_count(shape) for shape in weights.layer_shapes(cfg).values() if len(shape) == 2]
+    largest = max(matrices + ([cfg.vocab_size * cfg.d_model] if last else []))
+    return 4 * params + LOAD_QUANTISE * 4 * largest
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 @dataclass(frozen=True)
 class StageNeed:
     start: int
@@ -142,20 +187,33 @@ class StageNeed:
     kv: int
     cache: int
     overhead: int
+    load: int = 0        # the load transient; it matters only where it exceeds KV + cache + the per-layer part
+
+    @property
+    def serving(self) -> int:
+        return self.weights + self.kv + self.cache + self.overhead
+
+    @property
+    def loading(self) -> int:
+        return self.weights + OVERHEAD_BASE + self.load
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.cache + self.overhead
+        return max(self.serving, self.loading)
 
     def breakdown(self) -> str:
-        return (f"weights {format_bytes(self.weights)} + KV {format_bytes(self.kv)} + cache "
-                f"{format_bytes(self.cache)} + overhead {format_bytes(self.overhead)} = {format_bytes(self.total)}")
+        text = (f"weights {format_bytes(self.weights)} + KV {format_bytes(self.kv)} + cache "
+                f"{format_bytes(self.cache)} + overhead {format_bytes(self.overhead)} = {format_bytes(self.serving)}")
+        if self.loading > self.serving:
+            text += (f"; loading it peaks higher: weights + base {format_bytes(OVERHEAD_BASE)} + load transient "
+                     f"{format_bytes(self.load)} = {format_bytes(self.loading)}")
+        return text
 
 
 def stage_need(cfg: ModelConfig, start: int, end: int, s: StageSettings) -> StageNeed:
     return StageNeed(start, end, weight_bytes(cfg, start, end, s.weights, s.dtype, s.stored),
                      kv_bytes(cfg, end - start, s.context, s.lanes, s.kv_dtype), s.cache_bytes,
-                     overhead_bytes(end - start))
+                     overhead_bytes(end - start), load_transient_bytes(cfg, start, end, s))
 
 
 def budget_error(stage_id: str, need: StageNeed, budget: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -101,9 +102,9 @@ def test_an_impossible_fit_is_refused_with_the_numbers():
     with pytest.raises(PlacementError) as exc:
         needs_for([1 * GiB, 1 * GiB, 800 * MiB], weights="q4", context=4096, lanes=8)
     text = str(exc.value)
-    assert "stage s2 needs at least 1.0 GiB for layers [23, 30) (weights" in text
+    assert "stage s2 needs at least 1.2 GiB for layers [23, 30) (weights" in text
     assert "but its memory budget is 800.0 MiB" in text
-    assert "total need 3.6 GiB > 2.8 GiB of budgets" in text
+    assert "total need 4.2 GiB > 2.8 GiB of budgets" in text
 
 
 def test_budgets_below_one_layer_each_say_so():
@@ -116,7 +117,19 @@ def test_need_adds_cache_and_overhead():
     need = placement.stage_need(SMOLLM2, 10, 20, s)
     assert need.kv == 240 * MiB and need.cache == 256 * MiB
     assert need.overhead == placement.OVERHEAD_BASE + 10 * placement.OVERHEAD_PER_LAYER
-    assert need.total == need.weights + need.kv + need.cache + need.overhead
+    assert need.total == need.serving == need.weights + need.kv + need.cache + need.overhead
+
+
+def test_a_float_checkpoint_quantised_at_load_can_peak_while_loading():
+    """Last stage, run q4 from f32: the f32 tree plus LOAD_QUANTISE f32 heads in flight (module docstring)."""
+    s = StageSettings(weights="q4", context=256, lanes=1, cache_bytes=0, stored="f32")
+    need = placement.stage_need(SMOLLM2, 29, 30, s)
+    head = SMOLLM2.vocab_size * SMOLLM2.d_model
+    layer = sum(math.prod(shape) for shape in weights.layer_shapes(SMOLLM2).values())
+    assert need.load == 4 * (head + SMOLLM2.d_model + layer) + placement.LOAD_QUANTISE * 4 * head
+    assert need.total == need.loading > need.serving and "loading it peaks higher" in need.breakdown()
+    stored_q4 = placement.stage_need(SMOLLM2, 29, 30, dataclasses.replace(s, stored="q4"))
+    assert stored_q4.total == stored_q4.serving and stored_q4.load < need.load
 
 
 # ------------------------------------------------------------ plan
@@ -126,7 +139,7 @@ def test_plan_to_memory_budgets_records_them_and_stays_valid_yaml(model_dir):
     req = PlanRequest(model_dir, memory=(2 * GiB, 2 * GiB, 1500 * MiB), weights="q4", context=4096, lanes=8)
     text = plan_text(req)
     assert text.startswith("# predicted bytes per stage")
-    assert "#   s2 layers [24, 30): weights" in text and "of 1.5 GiB budget" in text
+    assert "#   s2 layers [23, 30): weights" in text and "of 1.5 GiB budget" in text
     topo = parse_topology(yaml.safe_load(text))
     assert [s.memory for s in topo.stages] == [2 * GiB, 2 * GiB, 1500 * MiB]
     assert {(s.weights, s.kv_lanes) for s in topo.stages} == {("q4", 8)}
@@ -182,7 +195,7 @@ def test_a_stage_over_its_budget_fails_before_loading(tiny_model, tmp_path):
     topo = tiny_topology(tiny_model, tmp_path, memory="100MiB")
     with pytest.raises(PlacementError) as exc:
         build_worker(topo, topo.stages[0])
-    assert str(exc.value).startswith("stage s0 needs 344.") and "for layers [0, 2) (weights" in str(exc.value)
+    assert str(exc.value).startswith("stage s0 needs 416.4 MiB") and "for layers [0, 2) (weights" in str(exc.value)
     assert str(exc.value).endswith("but its memory budget is 100.0 MiB")
     assert run_stage(topo, "s0") == 3     # the process exits non-zero after one logged line
 
@@ -214,3 +227,13 @@ def test_launch_names_the_stage_and_its_reason(model_dir, tmp_path):
     assert "exited with code 3 during startup" in str(exc.value)
     assert "cannot start: stage s" in str(exc.value) and "but its memory budget is 300.0 MiB" in str(exc.value)
 
+
+
+def test_prefill_chunks_are_capped_to_a_small_kv_capacity(tiny_model, tmp_path):
+    """A 32-position cache under the default 256 chunk: the stage's chunks stop at 32, so it starts
+    (a 256 chunk's KV write cannot compile against 32 positions) and a prompt that fits runs."""
+    topo = tiny_topology(tiny_model, tmp_path)
+    topo = dataclasses.replace(topo, driver=dataclasses.replace(topo.driver, prefill_chunk=256, max_context=32))
+    worker = build_worker(topo, topo.stages[0])
+    assert worker.runner.buckets.prefill_chunks == (16, 32)
+    worker.runner.prefill(0, jnp.arange(30, dtype=jnp.int32), 0, "none")
