@@ -68,9 +68,11 @@ def memory_report(worker: StageWorker, need: placement.StageNeed | None, budget:
             "predicted_bytes": need.total if need else 0, "memory_budget_bytes": budget or 0}
 
 
-def stage_buckets(topology: Topology, lanes: int) -> Buckets:
-    """Prefill chunks up to the driver's chunk, decode rows up to the stage's lanes."""
-    chunk = topology.driver.prefill_chunk
+def stage_buckets(topology: Topology, lanes: int, capacity: int | None = None) -> Buckets:
+    """Prefill chunks up to the driver's chunk, decode rows up to the stage's lanes. A chunk never
+    exceeds the stage's KV capacity: a 256 chunk over a 128-position cache cannot compile (its KV
+    write is a dynamic_update_slice larger than the cache), and no prompt that fits needs it."""
+    chunk = min(topology.driver.prefill_chunk, capacity or topology.driver.prefill_chunk)
     chunks = tuple(c for c in (16, 64, 256, 512, 1024) if c < chunk) + (chunk,)
     rows = tuple(r for r in (1, 2, 4, 8, 16, 32, 64) if r < lanes) + (lanes,)
     return Buckets(prefill_chunks=tuple(sorted(set(chunks))), decode_rows=tuple(sorted(set(rows))))
@@ -105,7 +107,7 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     cfg, params = weights.load_slice(topology.model_path, stage.start, stage.end, stage.dtype, device, quantize)
     topology.check_model(cfg.n_layers)
     capacity = min(topology.driver.max_context, cfg.max_seq_len)
-    buckets = stage_buckets(topology, stage.kv_lanes)
+    buckets = stage_buckets(topology, stage.kv_lanes, capacity)
     runner = SliceRunner(cfg, params, stage.start, stage.end,
                          KVConfig(lanes=stage.kv_lanes, capacity=capacity, dtype=stage.kv_dtype), buckets, device)
     t1 = time.perf_counter()
