@@ -167,11 +167,12 @@ MODES = {
     "q4_ckpt": Mode("q4 checkpoint on disk (model/checkpoint.py v2)", BPW["q4_f16_scales"], BPW["int8_f16_scales"],
                     BPW["int8_f16_scales"], "layers q4 + f16 d, m (0.625 B/w); embedding and head int8 + f16 d, m "
                     "(1.125 B/w)"),
-    "q4_now": Mode("q4 runtime, f32 scales (current)", BPW["q4_f32_scales"], BPW["int8_f32_scales"],
+    "q4_now": Mode("q4 runtime, f32 scales (before f16 scales)", BPW["q4_f32_scales"], BPW["int8_f32_scales"],
                    BPW["int8_f16_scales"], "layers q4 and head int8 with f32 s and z; embedding int8 as the q4 "
-                   "checkpoint stores it (f16 d, m)", ("q4", "float32")),
-    "q4_f16": Mode("q4 runtime, f16 scales (in progress)", BPW["q4_f16_scales"], BPW["int8_f16_scales"],
-                   BPW["int8_f16_scales"], "layers q4 and head int8 with f16 s and z; embedding int8 (f16 d, m)"),
+                   "checkpoint stores it (f16 d, m)"),
+    "q4_f16": Mode("q4 runtime, f16 scales (current)", BPW["q4_f16_scales"], BPW["int8_f16_scales"],
+                   BPW["int8_f16_scales"], "layers q4 and head int8 with f16 s and z; embedding int8 (f16 d, m)",
+                   ("q4", "float32")),
     "bf16": Mode("bf16 runtime", BPW["bf16"], BPW["bf16"], BPW["bf16"], "every matrix bf16 (2 B/w); norms bf16",
                  ("f32", "bfloat16")),
 }

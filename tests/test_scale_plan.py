@@ -36,7 +36,7 @@ def test_own_formulas_match_placement(sp):
     if sp._placement is None:
         pytest.skip("skippy_zmq/placement.py not in this tree")
     s = sp.LLAMA_70B
-    for key in ("q4_now", "bf16"):
+    for key in ("q4_f16", "bf16"):
         m = sp.MODES[key]
         assert sp.layer_bytes(s, m) == sp.layer_bytes(s, m, own=True)
         assert sp.head_bytes(s, m) == sp.head_bytes(s, m, own=True)
