@@ -10,7 +10,7 @@ from skippy_zmq import wire
 from skippy_zmq.config import ModelConfig
 from skippy_zmq.driver.engine import GenRequest
 from skippy_zmq.inproc import run_requests, tokens_of
-from skippy_zmq.model import weights
+from skippy_zmq.model import checkpoint
 
 # Measured on this machine with 32 greedy tokens per reference prompt (see the
 # closing note of the pipeline issue): agreement = tokens equal to transformers'
@@ -22,7 +22,7 @@ MIN_AGREEMENT = {"f32": 96, "f16": 90, "bf16": 90, "q8": 16}
 @pytest.fixture(scope="module")
 def real(model_dir):
     cfg = ModelConfig.load(model_dir / "model.json")
-    return cfg, weights.restore_params(model_dir / "params", cfg)
+    return cfg, checkpoint.float_tree(model_dir, cfg)
 
 
 @pytest.mark.parametrize("label", ["f32", "f16", "bf16", "q8"])

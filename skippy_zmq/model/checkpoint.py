@@ -203,6 +203,25 @@ def restore_stage(model_dir: Path, cfg: ModelConfig, start: int = 0, end: int | 
     return tree
 
 
+def float_tree(model_dir: Path, cfg: ModelConfig, start: int = 0, end: int | None = None) -> dict[str, Any]:
+    """A stage's weights as a checkpoint-layout float32 tree (matrices [in, out], layers keyed by
+    index), from either layout: for tools and tests that want plain arrays, never for serving."""
+    params = Path(model_dir) / "params"
+    if _manifest(params) is None:
+        return weights.restore_params(params, cfg, start, end)
+
+    def plain(key: str, v: Any) -> np.ndarray:
+        if not isinstance(v, dict):
+            return np.asarray(v, np.float32)
+        w = to_float(v)                                  # [out, in]; the embedding is stored as its rows
+        return w if key == "embed" else np.ascontiguousarray(w.T)
+
+    tree = restore_stage(model_dir, cfg, start, end)
+    out = {k: plain(k, v) for k, v in tree.items() if k != "layers"}
+    out["layers"] = {i: {k: plain(k, v) for k, v in layer.items()} for i, layer in tree["layers"].items()}
+    return out
+
+
 def stage_items(model_dir: Path, cfg: ModelConfig, start: int = 0,
                 end: int | None = None) -> Iterator[tuple[str | int, Any]]:
     """restore_stage's items one at a time: ("norm", v), ("head", rows), ("embed", rows), then
