@@ -8,12 +8,21 @@ predicted weight and KV bytes, the runtime overhead this implies (peak - weights
 over the predicted total. placement.OVERHEAD_BASE and OVERHEAD_PER_LAYER come from this script.
 
     .venv/bin/python scripts/stage_rss.py --stages 1,2,3 --weights f32,int8,q4 --requests 4
+
+--timeline STAGE_INDEX: build that one stage in this process instead (stage.factory.build_worker on
+the same topology), sample VmRSS and VmHWM from /proc/self/status every 0.2 s through restore,
+compile, READY and the requests (a prefill of up to 300 positions and 8 decode steps each), and print
+the phase marks and the samples: where a stage's peak comes from (placement.py's LOAD_* and overhead).
+
+    .venv/bin/python scripts/stage_rss.py --model models/scale-src/llama-8b-q4 --stages 2 --weights q4 \
+        --context 304 --timeline 0 --requests 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -61,13 +70,82 @@ def measure(model: Path, n_stages: int, fmt: str, requests: int, tmp: Path) -> l
         return rows[::-1]
 
 
+def timeline(model: Path, n_stages: int, fmt: str, index: int, context: int | None, requests: int,
+             tmp: Path) -> dict:
+    import threading
+    import time
+
+    import numpy as np
+
+    from skippy_zmq.model import runner as runner_module
+    from skippy_zmq.stage import factory
+    from skippy_zmq.topology import load_topology
+
+    from skippy_zmq.cli import configure_jax
+
+    configure_jax()   # the persistent compilation cache, as a stage process has it
+    extra = {"driver__max_context": context} if context else {}
+    topology = load_topology(write_topology(tmp, model.absolute(), n_stages, name="timeline", weights=fmt,
+                                            cache={"mode": "disabled"}, **extra))
+    stage = topology.stages[index]
+    need = factory.predict(topology, stage)
+    gib = lambda field: round(proc_rss(os.getpid(), field) / placement.GiB, 3)   # noqa: E731
+    t0, samples, marks, done = time.perf_counter(), [], [], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.2):
+            samples.append((round(time.perf_counter() - t0, 1), gib("VmRSS"), gib("VmHWM")))
+
+    def mark(name: str) -> None:
+        marks.append((round(time.perf_counter() - t0, 1), name, gib("VmRSS"), gib("VmHWM")))
+
+    def phased(fn, begin, end):
+        def wrapper(*a, **k):
+            mark(begin)
+            out = fn(*a, **k)
+            mark(end)
+            return out
+        return wrapper
+
+    threading.Thread(target=sample, daemon=True).start()
+    load, warm = factory.weights.load_slice, runner_module.SliceRunner.warmup
+    factory.weights.load_slice = phased(load, "restore", "restored")
+    runner_module.SliceRunner.warmup = phased(warm, "compile", "compiled")
+    try:
+        runner = factory.build_worker(topology, stage).runner
+    finally:
+        factory.weights.load_slice, runner_module.SliceRunner.warmup = load, warm
+    mark("ready")
+    width = () if runner.first else (runner.cfg.d_model,)
+    dtype = np.int32 if runner.first else np.float32
+    for i in range(requests):
+        n = min(300, runner.capacity - 10)
+        runner.prefill(i, np.zeros((n,) + width, dtype), 0, "none" if runner.last else "hidden")
+        for t in range(8):
+            runner.decode(np.array([i]), np.zeros((1,) + width, dtype), np.array([n + t]))
+        mark(f"request {i}")
+    done.set()
+    peak = max(h for _, _, h in samples + [(0, 0, gib("VmHWM"))])
+    return {"stage": stage.id, "layers": [stage.start, stage.end], "predicted": need.breakdown(),
+            "predicted_gib": round(need.total / placement.GiB, 3), "peak_gib": peak,
+            "peak_over_predicted": round(peak * placement.GiB / need.total, 3), "marks": marks, "samples": samples}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--stages", default="1,2,3")
     p.add_argument("--weights", default="f32,int8,q4")
     p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--context", type=int, default=None, help="driver.max_context (default: the topology's)")
+    p.add_argument("--timeline", type=int, default=None, metavar="STAGE_INDEX",
+                   help="one stage in process, RSS sampled every 0.2 s (see above)")
     args = p.parse_args()
+    if args.timeline is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(json.dumps(timeline(Path(args.model), int(args.stages.split(",")[0]), args.weights.split(",")[0],
+                                      args.timeline, args.context, args.requests, Path(tmp))))
+        return 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(v) for v in args.stages.split(",")):

@@ -13,7 +13,8 @@ A stage process's peak resident set (VmHWM over restore, compile and serving; RE
     overhead = OVERHEAD_BASE + OVERHEAD_PER_LAYER · layers: Python, JAX and XLA, compiled buckets
     load transient (what restoring holds beyond the weights for a moment):
                checkpoint levels packed as they are (int8 / q4 stored, run int8 / q4):
-                   LOAD_ITEMS · one layer's runtime bytes
+                   LOAD_ITEMS · one layer's runtime bytes, or on the last stage, where the head
+                   is packed first with nothing else held, LOAD_HEAD · head bytes - weights
                a float checkpoint quantised at load (run int8 / q4):
                    the stage's float bytes (4 B a parameter) + LOAD_QUANTISE · the largest matrix in f32
                a float checkpoint run float: the stage's float bytes
@@ -58,7 +59,12 @@ OVERHEAD_PER_LAYER = 28 * MiB
 # first, while little else is held). SmolLM2's float checkpoint (the older single-tree layout,
 # restored whole) run q4, last stage: the peak is the restore (1.09 GiB against 0.94 once serving):
 # the f32 tree plus ~4x the f32 head being quantised (min/max grid candidates side by side).
+# The last stage of the 1B on 3 stages (tied: the int8 head packed from the embedding's levels)
+# peaked while loading at 1.08 GiB, its restore ending at 0.73: the stored rows, the zeroed panel
+# rows, their transpose and JAX's copy of it, ~3x the head's 0.28 GiB over ~0.19 GiB of Python and
+# JAX; counted over OVERHEAD_BASE, LOAD_HEAD = 2.5 puts that stage at 1.04 of its prediction.
 LOAD_ITEMS = 3
+LOAD_HEAD = 2.5
 LOAD_QUANTISE = 4
 
 _DTYPE_BYTES = {"float32": 4, "f32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "f16": 2}
@@ -161,8 +167,11 @@ def load_transient_bytes(cfg: ModelConfig, start: int, end: int, s: StageSetting
     stored, last = s.stored or s.weights, end == cfg.n_layers
     shapes = weights.param_shapes(cfg, start, end)
     if stored in ("int8", "q4"):
-        return LOAD_ITEMS * sum(formats.runtime_nbytes(shape[::-1], s.weights, key, stored, s.dtype)
-                                for key, shape in weights.layer_shapes(cfg).items() if len(shape) == 2)
+        layer = sum(formats.runtime_nbytes(shape[::-1], s.weights, key, stored, s.dtype)
+                    for key, shape in weights.layer_shapes(cfg).items() if len(shape) == 2)
+        head = formats.runtime_nbytes((cfg.vocab_size, cfg.d_model), s.weights, "head", stored, s.dtype) if last else 0
+        # the head comes first, while nothing else is held: its peak, less the weights loading adds
+        return max(LOAD_ITEMS * layer, int(LOAD_HEAD * head) - weight_bytes(cfg, start, end, s.weights, s.dtype, s.stored))
     params = sum(_count(shape) for shape in shapes.values() if isinstance(shape, tuple))
     params += (end - start) * sum(_count(shape) for shape in weights.layer_shapes(cfg).values())
     if s.weights not in ("int8", "q4"):
