@@ -250,3 +250,16 @@ def test_prefill_chunks_are_capped_to_a_small_kv_capacity(tiny_model, tmp_path):
     worker = build_worker(topo, topo.stages[0])
     assert worker.runner.buckets.prefill_chunks == (16, 32)
     worker.runner.prefill(0, jnp.arange(30, dtype=jnp.int32), 0, "none")
+
+
+def test_restored_rows_are_aligned_so_jax_adopts_them_without_a_copy():
+    """checkpoint.aligned_empty: JAX's CPU client takes a 64-byte aligned numpy buffer as it is (the
+    embedding's rows are then held once while a stage loads, not twice)."""
+    from skippy_zmq.model.checkpoint import aligned_empty
+
+    rows = aligned_empty((1000, 64), jnp.int8)
+    rows[:] = 3
+    assert rows.ctypes.data % 64 == 0 and rows.flags.c_contiguous
+    on_device = jax.device_put(rows, jax.devices("cpu")[0])
+    assert on_device.unsafe_buffer_pointer() == rows.ctypes.data
+    assert int(on_device.sum()) == 3 * 64_000
