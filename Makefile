@@ -6,7 +6,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 TOPOLOGY ?= topologies/smollm2-2stage.yaml
 
-.PHONY: install model test serve bench bench-quick bench-peers gpu-check clean
+.PHONY: install model test test-quick serve bench bench-quick bench-peers bench-scale gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ $(MODEL_DIR)/model.json: | $(GGUF)
 test: install model
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
 
+# The fast part of the suite: no process spawning, no real-model runs (pytest -m "not slow").
+test-quick: install model
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
+
 serve: install model
 	$(BIN)/skippy-zmq up $(TOPOLOGY)
 
@@ -45,6 +49,12 @@ bench-quick: install model
 bench-peers: install model
 	$(BIN)/pip install -e '.[test,bench,peers]'
 	$(BIN)/skippy-zmq bench all --weights int8 --out bench-out
+
+# Random models of real shapes (Llama-3.2-1B, Llama-3.1-8B; q4) on 1-3 stages beside llama.cpp on the very
+# same weights: about 40 minutes on 2 cores; models are cached under models/random/ between runs.
+bench-scale: install model
+	$(BIN)/pip install -e '.[test,bench,peers]'
+	$(BIN)/skippy-zmq bench scale --out bench-out
 
 # One NVIDIA GPU: parity and benches on gpu:0 (installs the `gpu` extra if JAX sees no GPU).
 gpu-check: install model
