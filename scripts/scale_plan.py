@@ -70,10 +70,10 @@ GROUP = 32   # inputs per scale (quant.GROUP_SIZE; GGUF blocks hold 32 weights)
 
 # Bytes per weight, from the block layouts:
 #   GGUF Q4_1 block of 32: f16 d + f16 m + 16 bytes of nibbles = 20 B        -> 0.625
-#   runtime q4 (quant.py): 16 B of nibbles + f32 s + f32 z per 32 = 24 B     -> 0.75   (current)
-#                          with f16 s and z (in progress): 16 + 2 + 2 = 20 B -> 0.625
-#   runtime int8 (the head under q4): 32 B + f32 s + f32 z = 40 B            -> 1.25   (current)
-#                          with f16 s and z: 32 + 2 + 2 = 36 B               -> 1.125
+#   runtime q4 (quant.py): 16 B of nibbles + f16 s + f16 z per 32 = 20 B     -> 0.625  (current, 654ee80)
+#                          with f32 s and z (before 2026-12-01): 16 + 4 + 4 = 24 B -> 0.75
+#   runtime int8 (the head under q4): 32 B + f16 s + f16 z = 36 B            -> 1.125  (current)
+#                          with f32 s and z (before 2026-12-01): 32 + 4 + 4 = 40 B -> 1.25
 BPW = {
     "gguf_q4_1": (16 + 2 + 2) / GROUP,
     "q4_f32_scales": (16 + 4 + 4) / GROUP,
@@ -92,6 +92,10 @@ MSG_OVERHEAD_MS = 0.6   # README per-hop breakdown: encode 0.28 + send->recv 0.1
 BANDWIDTHS_GBS = (50.0, 20.0, 10.0)
 NETWORKS = ((1.0, 1000.0), (20.0, 100.0))            # (RTT ms, link Mbit/s)
 CONTEXT = 1024                                       # tokens of context in the per-token KV read
+# A deployment's per-host memory (placement.stage_need): driver max_context, kv_lanes, KV dtype, cache.max_bytes
+DEPLOY_CONTEXT, DEPLOY_LANES, DEPLOY_KV, DEPLOY_CACHE = 8192, 8, "bf16", 256 * 2**20
+# placement.py's overhead (its fallback here when the module is absent): 360 MiB + 28 MiB per layer
+OVERHEAD_BASE, OVERHEAD_PER_LAYER = 360 * 2**20, 28 * 2**20
 
 # Published single-stream figures for 70B-class models (see docs/scale.md for the sources).
 PUBLISHED = [
@@ -167,12 +171,12 @@ MODES = {
     "q4_ckpt": Mode("q4 checkpoint on disk (model/checkpoint.py v2)", BPW["q4_f16_scales"], BPW["int8_f16_scales"],
                     BPW["int8_f16_scales"], "layers q4 + f16 d, m (0.625 B/w); embedding and head int8 + f16 d, m "
                     "(1.125 B/w)"),
-    "q4_now": Mode("q4 runtime, f32 scales (before f16 scales)", BPW["q4_f32_scales"], BPW["int8_f32_scales"],
-                   BPW["int8_f16_scales"], "layers q4 and head int8 with f32 s and z; embedding int8 as the q4 "
-                   "checkpoint stores it (f16 d, m)"),
     "q4_f16": Mode("q4 runtime, f16 scales (current)", BPW["q4_f16_scales"], BPW["int8_f16_scales"],
                    BPW["int8_f16_scales"], "layers q4 and head int8 with f16 s and z; embedding int8 (f16 d, m)",
                    ("q4", "float32")),
+    "q4_f32scales": Mode("q4 runtime, f32 scales (before 2026-12-01)", BPW["q4_f32_scales"],
+                         BPW["int8_f32_scales"], BPW["int8_f16_scales"], "layers q4 and head int8 with f32 s and z; "
+                         "embedding int8 as the q4 checkpoint stores it (f16 d, m)"),
     "bf16": Mode("bf16 runtime", BPW["bf16"], BPW["bf16"], BPW["bf16"], "every matrix bf16 (2 B/w); norms bf16",
                  ("f32", "bfloat16")),
 }
@@ -285,6 +289,37 @@ def balanced_split(s: Shape, mode: Mode, n_stages: int) -> list[int]:
     return min(candidates)[1]
 
 
+def host_needs(s: Shape, layers: list[int], context: int = DEPLOY_CONTEXT, lanes: int = DEPLOY_LANES,
+               kv_dtype: str = DEPLOY_KV, cache: int = DEPLOY_CACHE, own: bool = False) -> list[dict[str, Any]]:
+    """Per stage under q4 (f16 scales, a q4 checkpoint): weights + KV + cache + overhead = serving, and the
+    peak max(serving, loading), from placement.stage_need (what `skippy-zmq plan --memory` fits to budgets);
+    without the module, or with own=True, serving from this script's formulas (loading not modelled)."""
+    rows, start = [], 0
+    kvb = {"f32": 4, "bf16": 2}[kv_dtype]
+    for i, count in enumerate(layers):
+        end = start + count
+        need = None
+        if _placement is not None and not own and getattr(_placement, "stage_need", None) is not None:
+            try:
+                st = _placement.StageSettings(weights="q4", dtype="float32", kv_dtype=kv_dtype, context=context,
+                                              lanes=lanes, cache_bytes=cache)
+                need = _placement.stage_need(model_config(s), start, end, st)
+            except Exception as exc:   # noqa: BLE001 - fall back to this script's formulas
+                _PLACEMENT_NOTE.append(f"placement.stage_need failed ({type(exc).__name__}: {exc})")
+        if need is not None:
+            row = {"weights": need.weights, "kv": need.kv, "cache": need.cache, "overhead": need.overhead,
+                   "serving": need.serving, "loading": need.loading, "peak": need.total}
+        else:
+            w = stage_layout(s, MODES["q4_f16"], layers)[i]["resident_bytes"]
+            kv = count * min(context, 131072) * lanes * kv_bytes_per_token_per_layer(s, kvb)
+            ov = OVERHEAD_BASE + OVERHEAD_PER_LAYER * count
+            row = {"weights": w, "kv": kv, "cache": cache, "overhead": ov, "serving": w + kv + cache + ov,
+                   "loading": None, "peak": w + kv + cache + ov}
+        rows.append({"stage": f"s{i}", "layers": f"[{start}, {end})", "n_layers": count, **row})
+        start = end
+    return rows
+
+
 # ------------------------------------------------------------------ the hop model
 
 
@@ -327,8 +362,8 @@ def plan(s: Shape = LLAMA_70B, n_stages: int = 8) -> dict[str, Any]:
     even = even_split(s.n_layers, n_stages)
     out["split_even"] = even
     out["layouts"] = {key: stage_layout(s, m, even) for key, m in MODES.items()}
-    out["split_balanced_q4_now"] = balanced_split(s, MODES["q4_now"], n_stages)
-    out["layout_balanced_q4_now"] = stage_layout(s, MODES["q4_now"], out["split_balanced_q4_now"])
+    out["split_balanced_q4"] = balanced_split(s, MODES["q4_f16"], n_stages)
+    out["layout_balanced_q4"] = stage_layout(s, MODES["q4_f16"], out["split_balanced_q4"])
     out["split_balanced"] = {k: balanced_split(s, m, n_stages) for k, m in MODES.items()}
     out["wire"] = [{"wire_dtype": d.label, "bytes_per_token_per_hop": wire.bytes_per_token(d, s.d_model),
                     "bytes_per_token_all_hops": wire.bytes_per_token(d, s.d_model) * (n_stages - 1)}
@@ -342,6 +377,9 @@ def plan(s: Shape = LLAMA_70B, n_stages: int = 8) -> dict[str, Any]:
                          "per_stage_bytes": kv_bytes(s, per_stage_layers, lanes * cap, b)}
                         for lanes, cap in ((1, 8192), (8, 8192), (32, 2048), (1, 131072)) for name, b in
                         (("f32", 4), ("bf16", 2))]
+    out["host_needs"] = {"context": DEPLOY_CONTEXT, "lanes": DEPLOY_LANES, "kv_dtype": DEPLOY_KV,
+                         "cache_bytes": DEPLOY_CACHE, "split": out["split_balanced_q4"],
+                         "stages": host_needs(s, out["split_balanced_q4"])}
     out["timing"] = timing(s, n_stages)
     return out
 
@@ -350,7 +388,7 @@ def timing(s: Shape, n_stages: int, context: int = CONTEXT) -> list[dict[str, An
     """ms/token and micro-batch throughput for each weight mode, bandwidth and network (bf16 wire)."""
     act = wire.bytes_per_token(wire.WireDType.BF16, s.d_model)
     rows = []
-    for key in ("q4_now", "q4_f16", "bf16"):
+    for key in ("q4_f16", "q4_f32scales", "bf16"):
         m = MODES[key]
         kv_b = 2 if key == "bf16" else 4   # a bf16 stage keeps a bf16 KV, a float32 (q4) stage f32
         layout = stage_layout(s, m, balanced_split(s, m, n_stages))
@@ -373,7 +411,8 @@ def timing(s: Shape, n_stages: int, context: int = CONTEXT) -> list[dict[str, An
 
 def calibration() -> list[dict[str, Any]]:
     """Effective GB/s of this repo's measured CPU decode steps: bytes a step reads / step time."""
-    q4, i8 = MODES["q4_now"], Mode("int8 runtime", BPW["int8_f32_scales"], BPW["int8_f32_scales"], 4.0, "")
+    # measured before 2026-12-01: the f32-scale kernel, so the f32-scale layouts
+    q4, i8 = MODES["q4_f32scales"], Mode("int8 runtime", BPW["int8_f32_scales"], BPW["int8_f32_scales"], 4.0, "")
     gguf = Mode("Q4_1 GGUF, Q8_0 head", BPW["gguf_q4_1"], BPW["gguf_q8_0"], BPW["gguf_q8_0"], "")
     cases = [
         # (what, shape, mode, ms per step, context, kv bytes, source)
@@ -434,19 +473,35 @@ def markdown(p: dict[str, Any]) -> str:
     out.append("")
     out.append(f"### Per host, even split {p['split_even']}: GB held / GB read per decoded token")
     lay = p["layouts"]
-    cols = ("gguf_q4_1", "q4_ckpt", "q4_now", "q4_f16", "bf16")
+    cols = ("gguf_q4_1", "q4_ckpt", "q4_f16", "q4_f32scales", "bf16")
     hdr = ["stage", "layers"] + [f"{MODES[k].name}" for k in cols]
     rows = []
-    for i, r in enumerate(lay["q4_now"]):
+    for i, r in enumerate(lay["q4_f16"]):
         rows.append([r["stage"], r["layers"]] + [f"{_gb(lay[k][i]['resident_bytes'])} / "
                                                  f"{_gb(lay[k][i]['read_bytes_per_token'])}" for k in cols])
     out.append(_table(hdr, rows))
     out.append("")
-    bal = p["layout_balanced_q4_now"]
-    out.append(f"Byte-balanced split for q4 (current): {p['split_balanced_q4_now']} layers (the head reads "
-               f"{head_bytes(s, MODES['q4_now']) / layer_bytes(s, MODES['q4_now']):.2f} layers' worth); "
+    bal = p["layout_balanced_q4"]
+    out.append(f"Byte-balanced split for q4 (current, f16 scales): {p['split_balanced_q4']} layers (the head reads "
+               f"{head_bytes(s, MODES['q4_f16']) / layer_bytes(s, MODES['q4_f16']):.2f} layers' worth); "
                "per-token reads "
                + ", ".join(f"{r['stage']} {_gb(r['read_bytes_per_token'])}" for r in bal) + " GB.")
+    out.append("")
+    hn = p["host_needs"]
+    out.append(f"### Per host memory, q4 (current), split {hn['split']}: {hn['lanes']} lanes × {hn['context']:,} "
+               f"tokens of {hn['kv_dtype']} KV, cache.max_bytes {hn['cache_bytes'] / 2**20:g} MiB (GiB)")
+    out.append("")
+    out.append("serving = weights + KV + cache + overhead (360 MiB + 28 MiB per layer); peak = max(serving, "
+               "loading) (skippy_zmq.placement.stage_need, what `skippy-zmq plan --memory` fits to budgets).")
+    out.append("")
+
+    def _gib(x: float | None) -> str:
+        return "" if x is None else f"{x / 2**30:.2f}"
+
+    out.append(_table(["stage", "layers", "weights", "KV", "cache", "overhead", "serving", "loading", "peak"],
+                      [[r["stage"], r["layers"], _gib(r["weights"]), _gib(r["kv"]), _gib(r["cache"]),
+                        _gib(r["overhead"]), _gib(r["serving"]), _gib(r["loading"]), _gib(r["peak"])]
+                       for r in hn["stages"]]))
     out.append("")
     out.append("### Activation bytes per token per hop (width 8192)")
     out.append(_table(["wire dtype", "bytes / token / hop", f"bytes / token over {p['stages'] - 1} hops"],
@@ -480,7 +535,8 @@ def markdown(p: dict[str, Any]) -> str:
                         f"{r['tok_s_n_micro_batches']:.2f}", f"{r['tok_s_cap']:.2f}",
                         r["micro_batches_for_cap"]] for r in p["timing"]]))
     out.append("")
-    out.append("### Calibration: effective bandwidth of measured CPU decode steps (this 2-core VM)")
+    out.append("### Calibration: effective bandwidth of measured CPU decode steps (this 2-core VM; measured "
+               "before 2026-12-01 with the f32-scale q4/int8 kernel, so bytes read use the f32-scale layouts)")
     out.append(_table(["model", "what", "ms / step", "MB read / step", "effective GB/s", "source"],
                       [[r["model"], r["what"], f"{r['ms_per_step']:.1f}", f"{r['read_mb']:.0f}",
                         f"{r['effective_gbs']:.1f}", r["source"]] for r in p["calibration"]]))

@@ -27,8 +27,8 @@ def test_70b_weights_and_bytes(sp):
     assert q4 == pytest.approx((70_553_706_496 - 1_318_912) * 0.625 + 1_318_912 * 4)
     assert sp.BPW["q4_f32_scales"] == 0.75 and sp.BPW["q4_f16_scales"] == 0.625
     assert sp.model_bytes(s, sp.MODES["bf16"]) == pytest.approx(70_553_706_496 * 2)
-    # today's runtime q4: 16 B of levels + f32 scale and offset per 32 weights; head int8; norms f32
-    assert sp.layer_bytes(s, sp.MODES["q4_now"]) == 855_638_016 * 0.75 + 2 * 8192 * 4
+    # the runtime q4 before 2026-12-01: 16 B of levels + f32 scale and offset per 32 weights; norms f32
+    assert sp.layer_bytes(s, sp.MODES["q4_f32scales"]) == 855_638_016 * 0.75 + 2 * 8192 * 4
 
 
 def test_own_formulas_match_placement(sp):
@@ -50,7 +50,7 @@ def test_wire_and_kv(sp):
     assert per_hop == {"f32": 32768, "f16": 16384, "bf16": 16384, "q8": 8196}
     kv = {r["kv_dtype"]: r["per_stage_per_1k_tokens"] for r in p["kv"]}
     assert kv == {"f32": 10 * 1024 * 2 * 8 * 128 * 4, "bf16": 10 * 1024 * 2 * 8 * 128 * 2}
-    assert p["split_even"] == [10] * 8 and sum(p["split_balanced_q4_now"]) == 80
+    assert p["split_even"] == [10] * 8 and sum(p["split_balanced_q4"]) == 80
 
 
 def test_hop_model(sp):
