@@ -259,7 +259,7 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--ready-timeout", type=float, default=180.0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--weights", default="f32", choices=["f32", "int8", "q4"],
+    p.add_argument("--weights", default="f32", choices=["f32", "bf16", "int8", "q4"],
                    help="int8 / q4: weight-only int8 / 4-bit matmuls")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--chat", action="store_true", default=True)
@@ -277,7 +277,7 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--split", default=None, help="relative stage sizes, e.g. 2,1,1")
     p.add_argument("--memory", default=None, help="one byte budget per stage, e.g. 6GiB,6GiB,4GiB: layers split "
                                                   "so that each stage's predicted bytes fit")
-    p.add_argument("--weights", default="f32", choices=["f32", "int8", "q4"], help="every stage's weight format")
+    p.add_argument("--weights", default="f32", choices=["f32", "bf16", "int8", "q4"], help="every stage's weight format")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--kv-dtype", default="f32", choices=["f32", "bf16"])
     p.add_argument("--context", type=int, default=2048, help="driver max_context (tokens a session holds)")
@@ -344,7 +344,7 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", help="every stage and the single engine: cpu | gpu:N | tpu:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--weights", default="f32", choices=["f32", "int8", "q4"],
+    p.add_argument("--weights", default="f32", choices=["f32", "bf16", "int8", "q4"],
                    help="stage weights for the pipeline, hops and prefix suites (single runs all three)")
     p.add_argument("--stages", type=int_list, default=(1, 2, 3), help="pipeline stage counts, e.g. 2 or 1,2,3")
     p.set_defaults(func=cmd_bench)

@@ -58,7 +58,7 @@ def stop_reason(token: int, n_generated: int, max_tokens: int, eos_ids: set[int]
     return None
 
 
-WEIGHT_FORMATS = {"f32": None, "int8": "int8", "q4": "q4"}   # LocalEngine(weights=...) -> load_slice(quantize=...)
+WEIGHT_FORMATS = ("f32", "bf16", "int8", "q4")   # LocalEngine(weights=...) -> load_slice(fmt=...)
 
 
 class LocalEngine:
@@ -66,12 +66,12 @@ class LocalEngine:
 
     def __init__(self, model_dir: Path, dtype: str = "float32", device: str = "cpu", capacity: int = 2048,
                  weights: str = "f32"):
-        """weights: "f32" (as stored), "int8" or "q4" (weight-only int8 / 4-bit, see model/quant.py)."""
+        """weights: "f32", "bf16", "int8" or "q4" (the checkpoint's format or a coarser one; see model/checkpoint.py)."""
         if weights not in WEIGHT_FORMATS:
-            raise ValueError(f"weights must be one of {sorted(WEIGHT_FORMATS)}, got {weights!r}")
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
         self.tokenizer = TextTokenizer.load(model_dir)
         dev = resolve_device(device)
-        self.cfg, params = load_slice(model_dir, dtype=dtype, device=dev, quantize=WEIGHT_FORMATS[weights])
+        self.cfg, params = load_slice(model_dir, dtype=dtype, device=dev, fmt=weights)
         capacity = min(capacity, self.cfg.max_seq_len)
         self.runner = SliceRunner(self.cfg, params, 0, self.cfg.n_layers,
                                   KVConfig(lanes=1, capacity=capacity, dtype=dtype), device=dev)

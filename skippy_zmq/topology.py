@@ -34,7 +34,8 @@ is optional; defaults shown)::
         host: 127.0.0.1              # where scripts spawn it; default: listen's host
         device: cpu                  # cpu | gpu:N | tpu:N
         dtype: float32               # float32 | bfloat16
-        weights: f32                 # f32 | int8 | q4 (weight-only int8 / 4-bit: ~1.5x decode on CPU)
+        weights: f32                 # f32 | bf16 | int8 | q4: the checkpoint's format or a coarser one
+                                     # (int8 / q4: weight-only, groups of 32, the native kernel on CPU)
         kv_dtype: f32                # f32 | bf16 KV cache (bf16: half the memory); default: bf16 if dtype is
                                      # bfloat16, else f32
         kv_lanes: 8                  # sessions held at once; default driver.max_sessions
@@ -100,7 +101,7 @@ class StageConfig:
     host: str = "127.0.0.1"
     device: str = "cpu"
     dtype: str = "float32"
-    weights: str = "f32"               # f32 (as converted) | int8 | q4 (weight-only, groups of 32)
+    weights: str = "f32"               # f32 | bf16 | int8 | q4 (the checkpoint's format or coarser)
     kv_lanes: int = 8
     kv_dtype: str = "f32"              # KV cache values: f32 | bf16
     cache: CacheConfig = CacheConfig()
@@ -379,7 +380,7 @@ def _driver(raw: Any, at: _At) -> DriverConfig:
 
 _STAGE_CHECKS: dict[str, Check] = {
     "id": _text, "layers": _layers, "listen": _endpoint, "host": _text, "device": _device,
-    "dtype": _choice("float32", "bfloat16"), "weights": _choice("f32", "int8", "q4"), "kv_lanes": _integer(1),
+    "dtype": _choice("float32", "bfloat16"), "weights": _choice("f32", "bf16", "int8", "q4"), "kv_lanes": _integer(1),
     "kv_dtype": _choice("f32", "bf16"), "cache": _cache, "cpus": _cpus, "memory": _memory,
 }
 

@@ -153,6 +153,33 @@ def test_older_single_pytree_checkpoint_still_loads_as_f32(tmp_path, tiny_tree):
     assert q4["layers"][0]["wq"].bits == 4 and q4["head"].bits == 8
 
 
+@pytest.mark.parametrize("layout", ["v2", "older"])
+def test_a_bf16_stage_holds_bf16_matrices_and_computes_like_f32(tmp_path, tiny_tree, converted, layout):
+    """weights: bf16 halves a float checkpoint's matrices (and embedding) in memory; norms stay in the
+    stage dtype; each matmul widens to the activations' dtype, so logits stay close to f32's."""
+    import jax
+    import jax.numpy as jnp
+
+    from skippy_zmq.model.llama import forward_reference
+
+    if layout == "older":
+        weights.save_params(tmp_path / "params", tiny_tree)
+        TINY.save(tmp_path / "model.json")
+        path = tmp_path
+    else:
+        path = converted("f32")
+    _, f32 = weights.load_slice(path, fmt="f32")
+    _, bf16 = weights.load_slice(path, fmt="bf16")
+    assert bf16["layers"][1]["w_up"].dtype == jnp.bfloat16 and bf16["embed"].dtype == jnp.bfloat16
+    assert bf16["layers"][1]["attn_norm"].dtype == jnp.float32 and bf16["norm"].dtype == jnp.float32
+    held = sum(np.asarray(a).nbytes for a in jax.tree.leaves(bf16))
+    assert held == checkpoint.stage_nbytes(TINY, 0, TINY.n_layers, "bf16", stored="f32")
+    tokens = jnp.asarray([[5, 17, 3, 88, 42, 9]], jnp.int32)
+    want, got = forward_reference(f32, tokens, TINY), forward_reference(bf16, tokens, TINY)
+    assert got.dtype == jnp.float32
+    assert float(jnp.abs(got - want).max()) <= 0.02 * float(jnp.abs(want).max())
+
+
 # ---------------------------------------------------------------- GGUF blocks
 
 

@@ -348,16 +348,25 @@ class _Put:
 
         return jax.device_put(t, self.device) if self.device else jax.tree.map(jnp.asarray, t)
 
+    def float_matrix(self, w: np.ndarray) -> Any:
+        """A float matrix (or embedding) in the stage's dtype, or in bf16 when the stage runs bf16
+        weights (half the bytes; each matmul widens them to the activations' dtype)."""
+        import jax.numpy as jnp
+
+        if self.asked != "bf16":
+            return self.array(w)
+        return _Put("bf16", jnp.bfloat16, self.device).array(w)
+
     def matrix(self, key: str, stored: dict[str, np.ndarray]) -> Any:
         if self.asked in ("f32", "bf16"):
-            return self.array(np.ascontiguousarray(to_float(stored).T))
+            return self.float_matrix(np.ascontiguousarray(to_float(stored).T))
         return self.tree(runtime_qtensor(stored, 4 if self.asked == "q4" and key != "head" else 8))
 
     def embed(self, stored: dict[str, np.ndarray]) -> Any:
         if self.asked in ("int8", "q4") and "q" in stored:
             e = grid(stored)   # int8 rows, widened per looked-up row
             return self.tree(quant.QRows(e.q.astype(np.int8, copy=False), e.d, e.m))
-        return self.array(to_float(stored))
+        return self.float_matrix(to_float(stored))
 
     def layer(self, item: dict[str, Any]) -> dict[str, Any]:
         return {k: self.matrix(k, v) if isinstance(v, dict) else self.array(v) for k, v in item.items()}
@@ -383,6 +392,11 @@ def load_stage(model_dir: Path, cfg: ModelConfig, start: int, end: int, asked: s
     if _manifest(Path(model_dir) / "params") is None:     # older single f32 PyTree
         tree = weights.restore_params(Path(model_dir) / "params", cfg, start, end)
         params = weights.to_runtime(tree, dtype, device, None if asked in ("f32", "bf16") else asked)
+        if asked == "bf16":       # as _Put.float_matrix: matrices and the embedding in bf16
+            import jax
+            import jax.numpy as jnp
+
+            params = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.ndim == 2 else a, params)
         del tree
         release_freed_memory()
         return params

@@ -152,7 +152,9 @@ def runtime_nbytes(shape: tuple[int, int], fmt: str, key: str = "", stored: str 
     out, n = shape
     stored = check_format(stored or fmt)
     groups = n // GROUP if n % GROUP == 0 else 1
-    if fmt in ("f32", "bf16") or (key == "embed" and stored in ("f32", "bf16")):
+    if fmt == "bf16":                                             # matrices and the embedding in bf16
+        return 2 * out * n
+    if fmt == "f32" or (key == "embed" and stored in ("f32", "bf16")):
         return np.dtype(dtype).itemsize * out * n
     if key == "embed":
         return out * n + 2 * 2 * out * groups                     # quant.QRows

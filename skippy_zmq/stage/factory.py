@@ -103,8 +103,8 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     need = check_budget(topology, stage, where.memory)
     t0 = time.perf_counter()
     device = resolve_device(where.device)
-    quantize = None if stage.weights == "f32" else stage.weights
-    cfg, params = weights.load_slice(topology.model_path, stage.start, stage.end, stage.dtype, device, quantize)
+    cfg, params = weights.load_slice(topology.model_path, stage.start, stage.end, stage.dtype, device,
+                                     fmt=stage.weights)
     topology.check_model(cfg.n_layers)
     capacity = min(topology.driver.max_context, cfg.max_seq_len)
     buckets = stage_buckets(topology, stage.kv_lanes, capacity)
