@@ -266,8 +266,11 @@ def scale_tables(results: list[dict[str, Any]]) -> list[str]:
                     "once the one before is READY (restores never overlap); peak RSS = VmHWM of the stage process at the end of its run; "
                     "predicted = placement.py (weights + KV + prefix-store budget + overhead)."),
         print_table("at scale: making and converting the model", steps,
-                    "peak RSS of the subprocess (wait4 ru_maxrss: the child and anything it forked and waited for); "
-                    "logged = the peak the command reports of itself; random-model appears when the model was not cached."),
+                    "peak_rss = wait4's ru_maxrss of the subprocess, an upper bound: at exec Linux records the high-water "
+                    "mark of the memory map it replaces, for a vforked child this bench process's (llama.cpp's model "
+                    "included); "
+                    "logged = the command's own VmHWM, what the conversion itself held (the figure the goal reads); "
+                    "random-model appears when the model was not cached."),
     ]
 
 
