@@ -51,7 +51,7 @@ bench-peers: install model
 	$(BIN)/skippy-zmq bench all --weights int8 --out bench-out
 
 # Random models of real shapes (Llama-3.2-1B, Llama-3.1-8B; q4) on 1-3 stages beside llama.cpp on the very
-# same weights: about 40 minutes on 2 cores; models are cached under models/random/ between runs.
+# same weights: about 12 minutes on 2 cores once models/random/ holds them (making the 8B adds 2.5).
 bench-scale: install model
 	$(BIN)/pip install -e '.[test,bench,peers]'
 	$(BIN)/skippy-zmq bench scale --out bench-out
