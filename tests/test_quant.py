@@ -220,8 +220,8 @@ def test_topology_stage_weights_choice():
                 "stages": [{"id": "s0", "layers": [0, 2], "listen": "tcp://127.0.0.1:5601", "weights": value}]}
         return parse_topology(data).stages[0].weights
 
-    assert [stage_weights(w) for w in ("f32", "int8", "q4")] == ["f32", "int8", "q4"]
-    with pytest.raises(TopologyError, match="expected one of f32, int8, q4, got 'q3'"):
+    assert [stage_weights(w) for w in ("f32", "bf16", "int8", "q4")] == ["f32", "bf16", "int8", "q4"]
+    with pytest.raises(TopologyError, match="expected one of f32, bf16, int8, q4, got 'q3'"):
         stage_weights("q3")
 
 
