@@ -5,7 +5,6 @@ tensor; linear scaling as rope.scaling.*) converts into the model transformers r
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -14,35 +13,12 @@ import pytest
 from skippy_zmq.config import ModelConfig
 from skippy_zmq.model.convert import LAYER_NAMES, TOP_NAMES, ConvertError, convert_gguf, gguf_model_config
 from skippy_zmq.model.families import hf_model_config
+from skippy_zmq.model.gguf_writer import llama3_rope_factors, rotary_row_order
 from test_families import FIXTURES, RTOL, expected, fixture_config, last_logits, stage_runners
 
 gguf = pytest.importorskip("gguf")
 
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
-
-
-def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """convert_hf_to_gguf's Q/K row order for llama (HF rotate-half -> interleaved pairs)."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def llama_cpp_rope_factors(cfg: ModelConfig) -> np.ndarray:
-    """The per-frequency divisors llama.cpp's converter stores as rope_freqs for llama3 scaling."""
-    freqs = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
-    low_wavelen = cfg.rope_original_max_pos / cfg.rope_low_freq_factor
-    high_wavelen = cfg.rope_original_max_pos / cfg.rope_high_freq_factor
-    factors = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_wavelen:
-            factors.append(1.0)
-        elif wavelen > low_wavelen:
-            factors.append(cfg.rope_factor)
-        else:
-            smooth = (cfg.rope_original_max_pos / wavelen - cfg.rope_low_freq_factor) / (
-                cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
-            factors.append(1.0 / ((1 - smooth) / cfg.rope_factor + smooth))
-    return np.asarray(factors, np.float32)
 
 
 def write_metadata(w, cfg: ModelConfig, rope_dims: int) -> None:
@@ -83,14 +59,14 @@ def write_gguf(name: str, path: Path, extra: dict | None = None, rope_dims: int 
         if hf_name in hf:
             w.add_tensor(gguf_name, hf[hf_name])
     if cfg.rope_type == "llama3":
-        w.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(cfg))
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
     for i in range(cfg.n_layers):
         for key, (gguf_suffix, hf_suffix) in LAYER_NAMES.items():
             t = hf.get(f"model.layers.{i}.{hf_suffix}")
             if t is None:
                 continue
             if arch == "llama" and key in ("wq", "bq", "wk", "bk"):
-                t = llama_cpp_permute(t, cfg.n_heads if key in ("wq", "bq") else cfg.n_kv_heads)
+                t = t[rotary_row_order(t.shape[0], cfg.n_heads if key in ("wq", "bq") else cfg.n_kv_heads)]
             w.add_tensor(f"blk.{i}.{gguf_suffix}", np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()

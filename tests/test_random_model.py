@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from skippy_zmq.model.formats import dequantize_grid
 from skippy_zmq.model.gguf_writer import llama3_rope_factors, q4_1_bytes, rotary_row_order
 from skippy_zmq.model.random_model import (INIT_STD, RandomModelError, RandomSpec, make_tensor, model_config,
                                            random_q4_blocks, tensor_rng, tensor_specs, word_tokenizer,
@@ -45,13 +46,13 @@ def test_digest_names_shape_seed_layers_and_format():
 
 def test_q4_blocks_use_the_full_grid_and_have_sane_statistics():
     t = random_q4_blocks(tensor_rng(0, "w"), 256, 2048)
-    blocks = t.levels.reshape(256, 64, 32)
+    blocks = t.q.reshape(256, 64, 32)
     assert (blocks.min(axis=2) == 0).all() and (blocks.max(axis=2) == 15).all()
-    w = t.dequantize()
+    w = dequantize_grid(t)
     assert abs(w.std() - INIT_STD) < 0.1 * INIT_STD and abs(w.mean()) < 0.05 * INIT_STD
     again = random_q4_blocks(tensor_rng(0, "w"), 256, 2048)
-    assert np.array_equal(t.levels, again.levels) and np.array_equal(t.d, again.d)
-    assert not np.array_equal(t.levels, random_q4_blocks(tensor_rng(0, "v"), 256, 2048).levels)
+    assert np.array_equal(t.q, again.q) and np.array_equal(t.d, again.d)
+    assert not np.array_equal(t.q, random_q4_blocks(tensor_rng(0, "v"), 256, 2048).q)
 
 
 def test_q4_1_bytes_are_what_gguf_dequantises():
@@ -59,7 +60,7 @@ def test_q4_1_bytes_are_what_gguf_dequantises():
 
     t = random_q4_blocks(tensor_rng(3, "x"), 8, 96)
     got = quants.dequantize(q4_1_bytes(t), GGMLQuantizationType.Q4_1)
-    assert got.shape == (8, 96) and np.array_equal(got, t.dequantize())
+    assert got.shape == (8, 96) and np.array_equal(got, dequantize_grid(t))
 
 
 def test_rotary_order_is_what_convert_undoes():
@@ -129,7 +130,7 @@ def test_checkpoint_and_gguf_hold_the_same_weights(tmp_path):
     assert np.array_equal(got["token_embd.weight"], checkpoint.to_float(stored["embed"]))
     # and the tensors are what the generator makes, by name, whatever the order
     spec_q = next(s for s in tensor_specs(cfg) if s.key == "wv")
-    assert np.array_equal(make_tensor(spec_q, 5).dequantize(), got["blk.0.attn_v.weight"])
+    assert np.array_equal(dequantize_grid(make_tensor(spec_q, 5)), got["blk.0.attn_v.weight"])
 
 
 LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None

@@ -1,5 +1,5 @@
-"""Q4_1 blocks (`Q4Blocks`) and a GGUF file streamed from them that llama.cpp runs: the same blocks
-our checkpoint holds (random_model.py makes both).
+"""A GGUF file streamed from Q4_1 blocks (formats.Encoded, fmt "q4") that llama.cpp runs: the same
+blocks our checkpoint holds (random_model.py makes both).
 
 Tensor infos are written up front (shapes are known from the config), then each
 tensor's data as it is generated, so nothing but the current tensor is in memory.
@@ -23,31 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from skippy_zmq.model.formats import Encoded
+
 BLOCK = 32        # weights per Q4_1 block
 Q4_1_BYTES = 20   # per block of 32: f16 d, f16 m, 16 bytes of nibbles
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
-
-
-@dataclass
-class Q4Blocks:
-    """A [rows, cols] weight as Q4_1 blocks along cols: W[r, c] = levels[r, c] * d[r, c // 32] + m[r, c // 32]."""
-
-    levels: np.ndarray   # uint8 [rows, cols], 0..15
-    d: np.ndarray        # float16 [rows, cols // 32]
-    m: np.ndarray        # float16 [rows, cols // 32]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.levels.shape   # type: ignore[return-value]
-
-    def dequantize(self) -> np.ndarray:
-        rows, cols = self.shape
-        w = self.levels.reshape(rows, cols // BLOCK, BLOCK).astype(np.float32)
-        w = w * self.d.astype(np.float32)[..., None] + self.m.astype(np.float32)[..., None]
-        return w.reshape(rows, cols)
-
-    def permute_rows(self, order: np.ndarray) -> "Q4Blocks":
-        return Q4Blocks(self.levels[order], self.d[order], self.m[order])
 
 
 @dataclass(frozen=True)
@@ -64,11 +44,11 @@ class TensorSpec:
         return len(self.shape) == 2
 
 
-def q4_1_bytes(t: Q4Blocks) -> np.ndarray:
+def q4_1_bytes(t: Encoded) -> np.ndarray:
     """GGUF Q4_1 data, uint8 [rows, cols / 32 * 20]: per block d, m, then byte j = level j | level j+16 << 4."""
     rows, cols = t.shape
     nb = cols // BLOCK
-    lv = t.levels.reshape(rows, nb, BLOCK)
+    lv = t.q.reshape(rows, nb, BLOCK)
     qs = lv[..., :BLOCK // 2] | (lv[..., BLOCK // 2:] << np.uint8(4))
     d = t.d.reshape(rows, nb, 1).view(np.uint8)
     m = t.m.reshape(rows, nb, 1).view(np.uint8)
@@ -153,15 +133,16 @@ class GGUFStream:
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         w.add_tokenizer_model("no_vocab")
 
-    def write(self, spec: TensorSpec, tensor: Q4Blocks | np.ndarray) -> None:
+    def write(self, spec: TensorSpec, tensor: Encoded | np.ndarray) -> None:
         if not self.pending or self.pending[0] != spec.gguf_name:
             raise ValueError(f"GGUF tensors must come in order: expected {self.pending[:1]}, got {spec.gguf_name}")
         self.pending.pop(0)
         if self.permute and spec.key in ("wq", "wk", "bq", "bk"):
             heads = self.cfg.n_heads if spec.key in ("wq", "bq") else self.cfg.n_kv_heads
             order = rotary_row_order(spec.shape[0], heads)
-            tensor = tensor.permute_rows(order) if isinstance(tensor, Q4Blocks) else tensor[order]
-        data = q4_1_bytes(tensor) if isinstance(tensor, Q4Blocks) else np.ascontiguousarray(tensor, np.float32)
+            tensor = Encoded(tensor.fmt, tensor.q[order], tensor.d[order], tensor.m[order]) \
+                if isinstance(tensor, Encoded) else tensor[order]
+        data = q4_1_bytes(tensor) if isinstance(tensor, Encoded) else np.ascontiguousarray(tensor, np.float32)
         self.writer.write_tensor_data(data)
 
     def close(self) -> None:

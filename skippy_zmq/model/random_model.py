@@ -33,7 +33,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from skippy_zmq.model.gguf_writer import BLOCK, GGUFStream, Q4Blocks, TensorSpec
+from skippy_zmq.model.formats import Encoded, q4_blocks
+from skippy_zmq.model.gguf_writer import BLOCK, GGUFStream, TensorSpec
 
 INIT_STD = 0.02       # std of the 2-D weights (levels uniform in 0..15 have std 4.61)
 LEVEL_STD = float(np.sqrt((16 ** 2 - 1) / 12))
@@ -131,7 +132,7 @@ def tensor_rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
-def random_q4_blocks(rng: np.random.Generator, rows: int, cols: int, std: float = INIT_STD) -> Q4Blocks:
+def random_q4_blocks(rng: np.random.Generator, rows: int, cols: int, std: float = INIT_STD) -> Encoded:
     """Uniform levels with 0 and 15 in every block; d jittered around std / 4.61; m centres the block near 0."""
     if cols % BLOCK:
         raise RandomModelError(f"a q4 weight needs its input width to be a multiple of {BLOCK}, got {cols}")
@@ -144,7 +145,7 @@ def random_q4_blocks(rng: np.random.Generator, rows: int, cols: int, std: float 
     d = (std / LEVEL_STD) * np.exp(0.1 * rng.standard_normal((rows, nb), dtype=np.float32))
     d16 = d.astype(np.float16)
     m = -7.5 * d16.astype(np.float32) + 0.1 * std * rng.standard_normal((rows, nb), dtype=np.float32)
-    return Q4Blocks(levels.reshape(rows, cols), d16, m.astype(np.float16))
+    return q4_blocks(levels.reshape(rows, cols), d16, m.astype(np.float16))
 
 
 def random_vector(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
@@ -168,14 +169,14 @@ def tensor_specs(cfg: Any) -> list[TensorSpec]:
     return specs
 
 
-def make_tensor(spec: TensorSpec, seed: int) -> Q4Blocks | np.ndarray:
+def make_tensor(spec: TensorSpec, seed: int) -> Encoded | np.ndarray:
     rng = tensor_rng(seed, spec.gguf_name)
     if spec.is_matrix:
         return random_q4_blocks(rng, *spec.shape)
     return random_vector(rng, spec.shape[0], "norm" if spec.key.endswith("norm") else "bias")
 
 
-def random_tensors(cfg: Any, seed: int) -> Iterator[tuple[TensorSpec, Q4Blocks | np.ndarray]]:
+def random_tensors(cfg: Any, seed: int) -> Iterator[tuple[TensorSpec, Encoded | np.ndarray]]:
     """(spec, tensor) one at a time, in HF row order (GGUF's Q/K permutation is the GGUF writer's business)."""
     for spec in tensor_specs(cfg):
         yield spec, make_tensor(spec, seed)
@@ -199,7 +200,7 @@ def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> 
 
     Tensors are made one at a time and go to both files before the next is made.
     """
-    from skippy_zmq.model.checkpoint import CheckpointWriter, q4_blocks
+    from skippy_zmq.model.checkpoint import CheckpointWriter
 
     if gguf not in (None, "q4_1"):
         raise RandomModelError(f"--gguf must be q4_1, got {gguf!r}")
@@ -213,7 +214,7 @@ def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> 
     for ts, tensor in random_tensors(cfg, spec.seed):
         if stream is not None:
             stream.write(ts, tensor)
-        value = q4_blocks(tensor.levels, tensor.d, tensor.m) if isinstance(tensor, Q4Blocks) else tensor
+        value = tensor
         if ts.where == "top":
             writer.add_top(ts.key, value)   # norm; embed / head are split into row blocks by the writer
         else:
