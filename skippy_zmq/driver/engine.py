@@ -29,6 +29,7 @@ class GenRequest:
     ignore_eos: bool = False
     cache_key: str | None = None       # prompt_cache_key: prefix-cache namespace
     timeout_s: float | None = None     # deadline for the whole request
+    speculative: bool | None = None    # False: never draft for this request (None: the driver's setting)
 
 
 @dataclass
