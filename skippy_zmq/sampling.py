@@ -1,4 +1,9 @@
-"""Host-side token sampling: numpy only, one token per call per sequence.
+"""Host-side token sampling: numpy only, one token per position per sequence.
+
+Randomness is keyed by (seed, choice index, absolute position) through
+uniform(), and the penalty history is addressed by position (truncate / put),
+so a verify window sampled in one go, a rejected tail re-sampled later, and a
+resumed session all give the tokens plain step-by-step decoding gives.
 
 Order of operations (as in OpenAI / vLLM): logit bias -> repetition penalty
 -> presence/frequency penalties -> greedy argmax or temperature -> top-k ->
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -109,33 +115,210 @@ def _check_range(name: str, value: object, low: float, high: float, low_open: bo
         raise ValueError(f"{name} must be in {bracket}{low:g}, {high:g}], got {value!r}")
 
 
-class TokenHistory:
-    """Tokens a sequence has seen, kept as index arrays ready for penalties.
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
 
-    Updated per token in O(distinct tokens) memcpy at worst, so sampling never
-    rebuilds arrays from Python containers.
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser: a bijective avalanche mix of a 64-bit int."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, choice: int, position: int) -> float:
+    """The uniform in [0, 1) that sampling uses at an absolute position.
+
+    A pure, counter-based function of (seed, choice index, position): the
+    draw at a position does not depend on how many draws came before or in
+    what order positions were sampled, so speculative windows, re-sampled
+    rejected tails and resumes all reproduce the plain decode. Each input is
+    folded in through splitmix64's mixer (seeds wider than 64 bits in 64-bit
+    chunks); the top 53 bits of the result become the float. About 1 us.
+    """
+    h = _mix64(_GOLDEN)
+    seed = int(seed)
+    while True:  # fold every 64-bit chunk of the seed (one chunk for seeds < 2**64)
+        h = _mix64((h ^ (seed & _MASK64)) + _GOLDEN & _MASK64)
+        seed >>= 64
+        if seed <= 0:
+            break
+    h = _mix64((h ^ (int(choice) & _MASK64)) + _GOLDEN & _MASK64)
+    h = _mix64((h ^ (int(position) & _MASK64)) + _GOLDEN & _MASK64)
+    return (h >> 11) * (1.0 / (1 << 53))
+
+
+class _Counts:
+    """token -> count, with index arrays for numpy built on first use.
+
+    The dict is the source of truth. The arrays (distinct ids, float32 counts
+    aligned with them) are only built when penalties first ask for them, so a
+    request that never applies penalties never builds them; after that they are
+    kept up to date in O(1) per token (append into a doubling buffer, count
+    increment, or swap-remove when a count reaches zero), never rebuilt.
+    """
+
+    __slots__ = ("counts", "_ids", "_vals", "_slot", "_n")
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self._slot: dict[int, int] | None = None  # None: arrays not built yet
+        self._ids = np.empty(0, np.int64)
+        self._vals = np.empty(0, np.float32)
+        self._n = 0
+
+    def add(self, token: int) -> None:
+        c = self.counts.get(token, 0)
+        self.counts[token] = c + 1
+        slot = self._slot
+        if slot is None:
+            return
+        if c:
+            self._vals[slot[token]] += 1.0
+            return
+        n = self._n
+        if n == self._ids.size:
+            size = max(16, 2 * n)
+            self._ids = np.resize(self._ids, size)
+            self._vals = np.resize(self._vals, size)
+        self._ids[n] = token
+        self._vals[n] = 1.0
+        slot[token] = n
+        self._n = n + 1
+
+    def remove(self, token: int) -> None:
+        c = self.counts[token] - 1
+        slot = self._slot
+        if c:
+            self.counts[token] = c
+            if slot is not None:
+                self._vals[slot[token]] -= 1.0
+            return
+        del self.counts[token]
+        if slot is None:
+            return
+        i, last = slot.pop(token), self._n - 1
+        if i != last:  # move the last entry into the hole
+            moved = int(self._ids[last])
+            self._ids[i] = moved
+            self._vals[i] = self._vals[last]
+            slot[moved] = i
+        self._n = last
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(distinct ids int64, counts float32): views valid until the next change."""
+        if self._slot is None:
+            n = len(self.counts)
+            self._ids = np.fromiter(self.counts.keys(), np.int64, n)
+            self._vals = np.fromiter(self.counts.values(), np.float32, n)
+            self._slot = {t: i for i, t in enumerate(self.counts)}
+            self._n = n
+        return self._ids[: self._n], self._vals[: self._n]
+
+
+class TokenHistory:
+    """A sequence's tokens by absolute position, ready for penalties.
+
+    The prompt occupies positions [0, P); tokens recorded at positions >= P
+    are "generated". Repetition penalty covers prompt + generated
+    (``seen_ids``); presence/frequency cover generated only
+    (``generated_ids`` / ``generated_counts``). Generated tokens can be
+    forgotten from any position on (``truncate``) or overwritten (``put``),
+    which is what a rejected speculative tail needs.
     """
 
     def __init__(self, prompt_ids: Sequence[int] = (), generated: Sequence[int] = ()) -> None:
-        self.seen_ids = np.unique(np.asarray(prompt_ids, dtype=np.int64))  # prompt + generated
-        self.generated_ids = np.empty(0, np.int64)  # distinct generated tokens
-        self.generated_counts = np.empty(0, np.float32)  # aligned with generated_ids
-        self._seen: set[int] = set(self.seen_ids.tolist())
-        self._slot: dict[int, int] = {}  # generated token -> index into the arrays
-        for token in generated:
-            self.add(token)
+        self.prompt: list[int] = _int_list(prompt_ids)
+        self.generated: list[int] = []  # tokens at positions P, P+1, ...
+        self._generated = _Counts()
+        self._seen = _Counts()
+        for token in self.prompt:
+            self._seen.add(token)
+        self.put(len(self.prompt), generated)
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def length(self) -> int:
+        """Positions held: the prompt plus the generated tokens held."""
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def seen_ids(self) -> np.ndarray:
+        """Distinct tokens in prompt + generated (int64, no particular order)."""
+        return self._seen.arrays()[0]
+
+    @property
+    def generated_ids(self) -> np.ndarray:
+        """Distinct generated tokens (int64), aligned with ``generated_counts``."""
+        return self._generated.arrays()[0]
+
+    @property
+    def generated_counts(self) -> np.ndarray:
+        return self._generated.arrays()[1]
+
+    def token_at(self, position: int) -> int:
+        p = len(self.prompt)
+        return self.prompt[position] if position < p else self.generated[position - p]
+
+    def truncate(self, length: int) -> None:
+        """Forget generated tokens at positions >= length (never the prompt)."""
+        keep = max(0, int(length) - len(self.prompt))
+        gen = self.generated
+        if keep >= len(gen):
+            return
+        for token in gen[keep:]:
+            self._generated.remove(token)
+            self._seen.remove(token)
+        del gen[keep:]
+
+    def put(self, position: int, tokens: Sequence[int]) -> None:
+        """truncate(position), then record tokens at position, position+1, ...
+
+        Tokens that land on the prompt's positions are ignored (the prompt is
+        already held). Tokens equal to those already held at the same
+        positions are kept rather than removed and re-added, so re-putting a
+        window's current token costs nothing.
+        """
+        position = int(position)
+        if position < 0 or position > self.length:
+            raise ValueError(f"put at position {position} needs 0 <= position <= {self.length}, "
+                             f"the positions the history holds (no gaps)")
+        tokens = _int_list(tokens)
+        p = len(self.prompt)
+        if position < p:
+            tokens = tokens[p - position :]
+            position = p
+        gen, off = self.generated, position - p
+        same, limit = 0, min(len(tokens), len(gen) - off)
+        while same < limit and gen[off + same] == tokens[same]:
+            same += 1
+        self.truncate(position + same)
+        for token in tokens[same:]:
+            gen.append(token)
+            self._generated.add(token)
+            self._seen.add(token)
 
     def add(self, token: int) -> None:
-        if token not in self._seen:
-            self._seen.add(token)
-            self.seen_ids = np.append(self.seen_ids, token)
-        slot = self._slot.get(token)
-        if slot is None:
-            self._slot[token] = self.generated_ids.size
-            self.generated_ids = np.append(self.generated_ids, token)
-            self.generated_counts = np.append(self.generated_counts, np.float32(1.0))
-        else:
-            self.generated_counts[slot] += 1.0
+        """Record a token at the next position (put(length, [token]), without the checks)."""
+        token = int(token)
+        self.generated.append(token)
+        self._generated.add(token)
+        self._seen.add(token)
+
+    def prefix(self, length: int) -> TokenHistory:
+        """A new history of positions [0, length) only (slow path; copies)."""
+        length = max(0, int(length))
+        p = len(self.prompt)
+        return TokenHistory(self.prompt[:length], self.generated[: max(0, length - p)])
+
+
+def _int_list(tokens: Sequence[int] | np.ndarray) -> list[int]:
+    if isinstance(tokens, np.ndarray):
+        return tokens.reshape(-1).tolist()
+    return [int(t) for t in tokens]
 
 
 def adjust_logits(logits: np.ndarray, params: SamplingParams, history: TokenHistory | None = None) -> np.ndarray:
@@ -156,7 +339,7 @@ def adjust_logits(logits: np.ndarray, params: SamplingParams, history: TokenHist
         vals = out[seen]
         # Always push away from being chosen again, whatever the logit's sign.
         out[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-    if history.generated_ids.size and (params.presence_penalty or params.frequency_penalty):
+    if (params.presence_penalty or params.frequency_penalty) and history.generated_ids.size:
         counts = history.generated_counts
         out[history.generated_ids] -= params.presence_penalty + params.frequency_penalty * counts
     return out
@@ -221,7 +404,7 @@ def _nucleus(ids: np.ndarray | None, weights: np.ndarray, top_p: float) -> tuple
 def _draw(weights: np.ndarray, u: float) -> int:
     """Inverse-CDF pick of an index for a uniform u in [0, 1).
 
-    One uniform per token keeps seeded streams reproducible. np.cumsum is
+    One uniform per token (see uniform()) keeps seeded sampling reproducible. np.cumsum is
     sequential and slow over a full vocabulary, so find the block first.
     """
     offset, target = 0, u * float(weights.sum(dtype=np.float64))
@@ -242,29 +425,65 @@ def _search(cdf: np.ndarray, mass: np.ndarray, target: float) -> int:
 
 
 class Sampler:
-    """Samples one sequence's tokens and remembers its history for penalties."""
+    """Samples one sequence's tokens; remembers its history for penalties.
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> None:
+    Randomness is keyed, not streamed: the token chosen from the logits at
+    absolute position p uses ``uniform(seed, choice, p)``, and penalties use
+    the history held through p. So a position gives the same token whether it
+    is sampled step by step, inside a speculative verify window, re-sampled
+    after a rejected tail, or after a resume.
+
+    ``seed`` is ``params.seed`` or, when that is None, a random 63-bit seed
+    drawn once here. A driver that wants resumes (or any re-run) to reproduce
+    should fill in ``params.seed`` before configuring the stage, since a
+    resumed stage builds a new Sampler. ``choice`` is the index of the
+    completion within a request (OpenAI's n): each gets its own stream.
+
+    Positions: ``history`` holds the input token at each position (prompt at
+    [0, P)); the logits at position p predict the token at p + 1.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), choice: int = 0) -> None:
         self.params = params
-        self.generated: list[int] = []
+        self.choice = int(choice)
+        self.seed = int(params.seed) if params.seed is not None else secrets.randbits(63)
         self.history = TokenHistory(prompt_ids)
         self._vocab_checked: int | None = None
-        # seed=None draws from OS entropy inside default_rng.
-        self._rng = np.random.default_rng(params.seed)
 
-    def sample(self, logits: np.ndarray) -> int:
-        """Choose the next token from logits [vocab] and record it."""
-        token = self._choose(logits)
-        self.accept(token)
-        return token
+    @property
+    def generated(self) -> list[int]:
+        """Tokens held at positions >= P (a copy)."""
+        return list(self.history.generated)
 
-    def accept(self, token: int) -> None:
-        """Record a token chosen elsewhere (forced, or from another sampler)."""
-        token = int(token)
-        self.generated.append(token)
-        self.history.add(token)
+    @property
+    def length(self) -> int:
+        """Positions the history holds: P + generated tokens held."""
+        return self.history.length
 
-    def _choose(self, logits: np.ndarray) -> int:
+    def truncate(self, length: int) -> None:
+        """Forget generated tokens at positions >= length (never the prompt)."""
+        self.history.truncate(length)
+
+    def put(self, position: int, tokens: Sequence[int]) -> None:
+        """truncate(position), then record tokens at position, position+1, ...
+
+        Tokens at positions < P are ignored (the prompt is already held).
+        Raises ValueError if position > length (a gap).
+        """
+        self.history.put(position, tokens)
+
+    def choose(self, logits: np.ndarray, position: int) -> int:
+        """The token for position + 1 from logits [vocab] at position; no state change.
+
+        Penalties use the history through position (which the history must
+        hold: -1 <= position < length; -1 means an empty history) and the draw
+        uses uniform(seed, choice, position).
+        """
+        history = self.history
+        length = len(history.prompt) + len(history.generated)
+        if not -1 <= position < length:
+            raise ValueError(f"choose at position {position} needs -1 <= position < {length}, "
+                             f"the positions the history holds")
         params = self.params
         if params.greedy:
             return int(np.argmax(logits))
@@ -272,12 +491,47 @@ class Sampler:
             if self._vocab_checked != logits.shape[-1]:
                 params.validate(logits.shape[-1])
                 self._vocab_checked = logits.shape[-1]
-            logits = adjust_logits(logits, params, self.history)
+            if position + 1 < length:
+                history = history.prefix(position + 1)
+            logits = adjust_logits(logits, params, history)
         if params.temperature == 0.0:
             return int(np.argmax(logits))
         ids, weights = _filtered_weights(logits, params)
-        pick = _draw(weights, self._rng.random())
+        pick = _draw(weights, uniform(self.seed, self.choice, position))
         return pick if ids is None else int(ids[pick])
+
+    def sample(self, logits: np.ndarray) -> int:
+        """Choose the next token from logits [vocab] at the last held position, and record it."""
+        history = self.history
+        token = self.choose(logits, len(history.prompt) + len(history.generated) - 1)
+        history.add(token)
+        return token
+
+    def accept(self, token: int) -> None:
+        """Record a token chosen elsewhere (forced, or from another sampler) at the next position."""
+        self.history.add(token)
+
+    def sample_window(self, logits: np.ndarray, start: int, tokens: Sequence[int]) -> list[int]:
+        """Sample every position of a verify window; returns the token after each.
+
+        logits [T, vocab] are the outputs at positions start .. start+T-1 and
+        tokens[j] is the input at start + j (the window's current token, then
+        the drafts). Position start + j is sampled with the history through
+        start + j, i.e. as if the drafts before it were accepted; the driver
+        keeps the longest prefix that matches. Afterwards the history holds
+        the window's tokens: length == max(P, start + T). A rejected tail is
+        overwritten by the next put / sample_window at its start position.
+        """
+        if logits.ndim != 2 or logits.shape[0] != len(tokens):
+            raise ValueError(f"logits shape {logits.shape} does not match a window of {len(tokens)} tokens")
+        tokens = _int_list(tokens)
+        start = int(start)
+        history = self.history
+        out = []
+        for j, row in enumerate(logits):
+            history.put(start + j, tokens[j : j + 1])
+            out.append(self.choose(row, start + j))
+        return out
 
 
 def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray) -> np.ndarray:

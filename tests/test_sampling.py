@@ -14,6 +14,7 @@ from skippy_zmq.sampling import (
     adjust_logits,
     candidate_probs,
     sample_rows,
+    uniform,
 )
 
 VOCAB = 1000
@@ -240,3 +241,223 @@ def test_dict_roundtrip_through_json() -> None:
 def test_from_dict_rejects_unknown_keys() -> None:
     with pytest.raises(ValueError, match="temprature"):
         SamplingParams.from_dict({"temprature": 0.5, "top_k": 3})
+
+
+# ------------------------------------------------ position-keyed randomness and history
+
+SPEC_PARAMS = [
+    SamplingParams(temperature=1.0, seed=11),
+    SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=12),
+    SamplingParams(temperature=1.2, top_p=0.8, min_p=0.01, repetition_penalty=1.3,
+                   presence_penalty=0.7, frequency_penalty=0.4, seed=13),
+    SamplingParams(repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5),  # greedy + penalties
+    SamplingParams(),  # plain greedy
+]
+
+
+def context_logits(history: list[int], vocab: int = 64) -> np.ndarray:
+    """Logits that depend on the whole context (hash of the token prefix) but peak on few tokens."""
+    rng = np.random.default_rng([len(history), *history[-4:], sum(history) % 9973])
+    return rng.normal(0.0, 2.5, vocab).astype(np.float32)
+
+
+def test_uniform_pure_keyed_and_in_range() -> None:
+    assert uniform(5, 0, 17) == uniform(5, 0, 17)
+    values = {uniform(5, 0, p) for p in range(100)}
+    assert len(values) == 100 and all(0.0 <= u < 1.0 for u in values)
+    assert uniform(5, 0, 17) != uniform(5, 1, 17) != uniform(6, 0, 17)
+    assert uniform(5, 0, -1) != uniform(5, 0, 0)  # an empty history samples at position -1
+    assert uniform(2**64 + 5, 0, 3) != uniform(5, 0, 3)  # seeds wider than 64 bits are folded, not cut
+
+
+def _ks(values: np.ndarray) -> float:
+    x = np.sort(values)
+    n = x.size
+    return float(max((np.arange(1, n + 1) / n - x).max(), (x - np.arange(n) / n).max()))
+
+
+def test_uniform_is_uniform_over_positions() -> None:
+    n = 20000
+    for seed, choice in [(0, 0), (1, 0), (0, 1), (2**62 + 3, 7)]:
+        u = np.array([uniform(seed, choice, p) for p in range(n)])
+        assert _ks(u) < 3.0 / np.sqrt(n)  # KS 99.9% critical value is ~1.95/sqrt(n)
+        assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.05  # neighbouring positions uncorrelated
+        assert abs(u.mean() - 0.5) < 0.01
+    a = np.array([uniform(0, 0, p) for p in range(2000)])
+    b = np.array([uniform(1, 0, p) for p in range(2000)])
+    c = np.array([uniform(0, 1, p) for p in range(2000)])
+    assert (a != b).all() and (a != c).all()
+    assert abs(np.corrcoef(a, b)[0, 1]) < 0.1 and abs(np.corrcoef(a, c)[0, 1]) < 0.1
+    across_seeds = np.array([uniform(s, 0, 0) for s in range(n)])  # same position, consecutive seeds
+    assert _ks(across_seeds) < 3.0 / np.sqrt(n)
+
+
+def test_same_position_same_token_regardless_of_draw_order(logits: np.ndarray) -> None:
+    params = SamplingParams(temperature=2.0, seed=77)
+    prompt = list(range(10))
+    a = Sampler(params, prompt)
+    forward = [a.choose(logits, p) for p in range(10)]
+    b = Sampler(params, prompt)
+    for _ in range(37):  # many unrelated draws first
+        b.choose(logits, 3)
+    backward = [b.choose(logits, p) for p in reversed(range(10))][::-1]
+    assert forward == backward
+    assert len(set(forward)) > 3
+    other = Sampler(params, prompt, choice=1)
+    assert other.seed == a.seed
+    assert [other.choose(logits, p) for p in range(10)] != forward  # another choice, another stream
+    assert a.length == 10  # choose never changes state
+
+
+def test_seed_none_picks_one_seed_per_sampler() -> None:
+    a, b = Sampler(SamplingParams(temperature=1.0)), Sampler(SamplingParams(temperature=1.0))
+    assert a.seed != b.seed and 0 <= a.seed < 2**63
+    assert Sampler(SamplingParams(seed=9)).seed == 9
+
+
+def step_by_step(params: SamplingParams, prompt: list[int], steps: int) -> list[int]:
+    sampler = Sampler(params, prompt)
+    out: list[int] = []
+    for _ in range(steps):
+        out.append(sampler.sample(context_logits(prompt + out)))
+    return out
+
+
+@pytest.mark.parametrize("params", SPEC_PARAMS)
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_sample_window_with_matching_drafts_equals_step_by_step(params: SamplingParams, k: int) -> None:
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    steps = 20
+    want = step_by_step(params, prompt, steps)
+    assert len(set(want)) > 2
+    sampler = Sampler(params, prompt)
+    seq = prompt[:]  # inputs so far; the last one is the window's current token
+    out: list[int] = []
+    while len(out) < steps:
+        start = len(seq) - 1
+        drafts = want[len(out) : len(out) + k]
+        window = [seq[-1], *drafts]
+        logits = np.stack([context_logits(seq + drafts[:j]) for j in range(len(window))])
+        got = sampler.sample_window(logits, start, window)
+        assert sampler.length == max(len(prompt), start + len(window))
+        # the driver accepts the matching prefix plus the target's next token
+        m = 0
+        while m < len(drafts) and drafts[m] == got[m]:
+            m += 1
+        accepted = got[: m + 1]
+        out.extend(accepted)
+        seq.extend(accepted)
+    assert out[:steps] == want
+
+
+@pytest.mark.parametrize("params", SPEC_PARAMS)
+def test_rejected_windows_reproduce_step_by_step(params: SamplingParams) -> None:
+    """Wrong drafts are rejected and re-sampled later; output equals plain decoding."""
+    prompt = [7, 7, 2, 8]
+    steps = 25
+    want = step_by_step(params, prompt, steps)
+    rng = np.random.default_rng(0)
+    sampler = Sampler(params, prompt)
+    seq, out = prompt[:], []
+    while len(out) < steps:
+        start = len(seq) - 1
+        # half right, then garbage: a mix of accepted and rejected drafts
+        good = want[len(out) : len(out) + int(rng.integers(0, 4))]
+        drafts = good + rng.integers(0, 64, int(rng.integers(0, 4))).tolist()
+        window = [seq[-1], *drafts]
+        logits = np.stack([context_logits(seq + drafts[:j]) for j in range(len(window))])
+        got = sampler.sample_window(logits, start, window)
+        m = 0
+        while m < len(drafts) and drafts[m] == got[m]:
+            m += 1
+        out.extend(got[: m + 1])
+        seq.extend(got[: m + 1])
+    assert out[:steps] == want
+    # once the last accepted token is put, the history is a plain decode's, penalties included
+    sampler.put(len(seq) - 1, [seq[-1]])
+    plain = Sampler(params, prompt)
+    for tok in out:
+        plain.accept(tok)
+    assert sampler.generated == plain.generated == out
+    x = context_logits(seq)
+    np.testing.assert_array_equal(adjust_logits(x, params, sampler.history), adjust_logits(x, params, plain.history))
+
+
+def test_truncate_and_put_forget_rejected_tokens() -> None:
+    params = SamplingParams(repetition_penalty=1.7, presence_penalty=0.6, frequency_penalty=0.3)
+    x = np.random.default_rng(3).normal(0.0, 2.0, 32).astype(np.float32)
+    prompt = [1, 2, 3, 2]
+    clean = Sampler(params, prompt)
+    clean.put(4, [5, 6, 5])
+    dirty = Sampler(params, prompt)
+    dirty.put(4, [5, 6, 5])
+    # make the penalty arrays exist before the rejection so removal updates them in place
+    adjust_logits(x, params, dirty.history)
+    dirty.put(7, [9, 9, 2, 30, 6])  # a window whose drafts all get rejected
+    adjust_logits(x, params, dirty.history)
+    dirty.truncate(7)
+    np.testing.assert_array_equal(adjust_logits(x, params, dirty.history), adjust_logits(x, params, clean.history))
+    assert dirty.length == clean.length == 7
+    # overwrite in place: put at 6 replaces the last 5
+    dirty.put(6, [11])
+    clean2 = Sampler(params, prompt)
+    clean2.put(4, [5, 6, 11])
+    np.testing.assert_array_equal(adjust_logits(x, params, dirty.history), adjust_logits(x, params, clean2.history))
+    assert dirty.generated == [5, 6, 11]
+    # truncating into the prompt never forgets the prompt
+    dirty.truncate(2)
+    assert dirty.length == 4 and dirty.generated == []
+    np.testing.assert_array_equal(adjust_logits(x, params, dirty.history),
+                                  adjust_logits(x, params, Sampler(params, prompt).history))
+    assert sorted(dirty.history.seen_ids.tolist()) == [1, 2, 3]
+    assert dirty.history.generated_ids.size == 0
+
+
+def test_put_ignores_prompt_positions_and_rejects_gaps() -> None:
+    sampler = Sampler(SamplingParams(presence_penalty=1.0), prompt_ids=[4, 5, 6])
+    sampler.put(1, [99, 98, 7, 8])  # positions 1, 2 are the prompt's: ignored
+    assert sampler.length == 5 and sampler.generated == [7, 8]
+    with pytest.raises(ValueError, match="6.*5"):
+        sampler.put(6, [1])
+    with pytest.raises(ValueError, match="7.*5"):
+        sampler.choose(np.zeros(10, np.float32), 7)
+    sampler.put(5, [1])  # exactly at the end is fine
+    assert sampler.length == 6
+
+
+def test_choose_uses_history_through_its_position() -> None:
+    # choose at an earlier position ignores tokens held after it (slow path)
+    params = SamplingParams(presence_penalty=2.0)
+    sampler = Sampler(params, prompt_ids=[2])
+    sampler.put(1, [0, 1])
+    x = np.array([1.0, 0.5, 0.0], np.float32)
+    assert sampler.choose(x, 2) == 2  # 0 and 1 both penalised
+    assert sampler.choose(x, 1) == 1  # only 0 held through position 1
+    assert sampler.choose(x, 0) == 0  # prompt only
+    assert sampler.length == 3
+
+
+def test_sample_window_on_fresh_prompt_window_at_last_prompt_token(logits: np.ndarray) -> None:
+    params = SamplingParams(temperature=1.0, seed=5, frequency_penalty=0.5)
+    prompt = [1, 2, 3]
+    first = Sampler(params, prompt).sample(logits)
+    sampler = Sampler(params, prompt)
+    got = sampler.sample_window(np.stack([logits, logits]), 2, [3, first])
+    assert got[0] == first and sampler.length == 4
+    with pytest.raises(ValueError):
+        sampler.sample_window(np.stack([logits]), 2, [3, first])
+
+
+def test_penalty_arrays_track_counts_through_many_edits() -> None:
+    rng = np.random.default_rng(1)
+    sampler = Sampler(SamplingParams(frequency_penalty=1.0), prompt_ids=rng.integers(0, 20, 30).tolist())
+    history = sampler.history
+    history.generated_ids  # build the arrays, then edit incrementally
+    for _ in range(300):
+        pos = int(rng.integers(history.prompt_length - 2, sampler.length + 1))
+        sampler.put(pos, rng.integers(0, 20, int(rng.integers(0, 5))).tolist())
+        ref = TokenHistory(history.prompt, history.generated)
+        got = dict(zip(history.generated_ids.tolist(), history.generated_counts.tolist()))
+        want = dict(zip(ref.generated_ids.tolist(), ref.generated_counts.tolist()))
+        assert got == want
+        assert sorted(history.seen_ids.tolist()) == sorted(set(history.prompt + history.generated))
