@@ -23,6 +23,11 @@ is optional; defaults shown)::
       max_context: 2048              # prompt + generated tokens per session
       micro_batches: 0               # decode micro-batches in flight (0 = one per stage)
       max_body_bytes: 4194304        # HTTP request body limit
+      speculative:                   # driver-side drafts (n-gram lookup), verified by the target
+        method: off                  # off | ngram
+        max_draft: 8                 # most drafted tokens per window (1..32)
+        # min_draft, min_match, max_match, shared, shared_tokens, min_acceptance,
+        # probe_every: see skippy_zmq/driver/speculative.py
     wire:
       activation_dtype: f32          # f32 | f16 | bf16 | q8
       max_message_bytes: 67108864
@@ -65,6 +70,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import yaml
 
+from skippy_zmq.driver.speculative import SpeculativeConfig, SpeculativeConfigError
 from skippy_zmq.placement import parse_bytes
 
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
@@ -137,6 +143,7 @@ class DriverConfig:
     max_context: int = 2048
     micro_batches: int = 0             # decode micro-batches in flight; 0 = one per stage
     max_body_bytes: int = 4 << 20      # HTTP request body limit
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @property
     def http_host(self) -> str:
@@ -365,11 +372,18 @@ _wire = _section(WireConfig, {
 })
 
 
+def _speculative(raw: Any, at: _At) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_dict(raw)
+    except SpeculativeConfigError as err:
+        (at.key(err.key) if err.key else at).fail(err.reason)
+
+
 def _driver(raw: Any, at: _At) -> DriverConfig:
     checks = {"return": _endpoint, "http": _hostport, "max_sessions": _integer(1), "max_queue": _integer(0),
               "request_timeout_s": _seconds, "reply_timeout_s": _seconds, "heartbeat_s": _seconds,
               "dead_after_s": _seconds, "resume_timeout_s": _seconds, "prefill_chunk": _integer(1), "max_context": _integer(1),
-              "micro_batches": _integer(0), "max_body_bytes": _integer(1024)}
+              "micro_batches": _integer(0), "max_body_bytes": _integer(1024), "speculative": _speculative}
     defaults = _defaults(DriverConfig)
     defaults["return"] = defaults.pop("return_endpoint")
     fields = _read(raw, at, checks, defaults)

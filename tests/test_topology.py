@@ -392,3 +392,27 @@ def test_plan_records_stage_and_driver_keys():
     assert [(s.start, s.end) for s in t.stages] == [(0, 12), (12, 30)]
     assert [(s.memory, s.weights, s.kv_lanes) for s in t.stages] == [(2 << 30, "q4", 4)] * 2
     assert t.driver.max_context == 4096
+
+
+def test_driver_speculative_parses_and_round_trips(tmp_path):
+    from skippy_zmq.driver.speculative import SpeculativeConfig
+
+    assert load_mutated(tmp_path, lambda d: None).driver.speculative == SpeculativeConfig()
+    topo = load_mutated(tmp_path, lambda d: d["driver"].update(speculative={"method": "ngram", "max_draft": 4}))
+    assert topo.driver.speculative == SpeculativeConfig(method="ngram", max_draft=4)
+    assert topo.to_dict()["driver"]["speculative"]["max_draft"] == 4
+    assert parse_topology(yaml.safe_load(dump_topology(topo))) == topo
+    path = tmp_path / "off.yaml"   # YAML 1.1 reads a bare `off` as false
+    path.write_text(dump_topology(topo).replace("method: ngram", "method: off"))
+    assert load_topology(path).driver.speculative.method == "off"
+
+
+@pytest.mark.parametrize("speculative, fragment", [
+    ({"max_drafts": 4}, "driver.speculative.max_drafts: unknown key (allowed: max_draft, max_match, method,"),
+    ({"max_draft": 64}, "driver.speculative.max_draft: must be at most 32, got 64"),
+    ({"method": "eagle"}, "driver.speculative.method: expected one of off, ngram, got 'eagle'"),
+    ({"min_match": 4, "max_match": 3}, "driver.speculative.max_match: must be at least min_match (4), got 3"),
+    ("ngram", "driver.speculative: expected a mapping, got 'ngram'"),
+])
+def test_driver_speculative_errors_name_the_yaml_path(tmp_path, speculative, fragment):
+    expect_error(tmp_path, lambda d: d["driver"].update(speculative=speculative), fragment)

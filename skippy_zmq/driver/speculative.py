@@ -1,0 +1,365 @@
+"""Draft proposals for speculative decoding, made at the driver without a draft model.
+
+The rule is prompt lookup (llama.cpp's ``--lookup`` / prompt-lookup decoding,
+vLLM's ``ngram`` proposer, suffix decoding): take the longest suffix of the
+request's tokens (prompt, then output), from ``max_match`` tokens down to
+``min_match``, find its most recent EARLIER occurrence, and propose the tokens
+that followed it. The longest match wins over a shorter, more recent one.
+The continuation is read from the token list as if the drafts were already
+appended, so a match that runs into the current end repeats its period:
+``a b a b a b`` proposes ``a b a b ...`` (the earlier ``a b a b`` ends two
+tokens back; its continuation is the suffix itself, then the drafts).
+
+When the request's own tokens have no match, a ``SharedIndex`` of recent
+outputs across requests is tried (suffix decoding's global tree, kept small:
+a bounded window of whole sequences).
+
+Both indexes key every n-gram (``min_match <= n <= max_match``) by one packed
+integer built token by token from the end backwards, mapped to the latest end
+position seen, so an appended token and a lookup each cost O(max_match) dict
+operations.
+
+``DraftPolicy`` sizes each window per session from how the target verified the
+previous ones (see its docstring). Pure Python: no jax, no zmq.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+METHODS = ("off", "ngram")
+MAX_DRAFT_LIMIT = 32
+_TOKEN_BITS = 32   # a packed n-gram holds token + 1 in 32 bits per position
+_MAX_TOKEN = (1 << 31) - 1
+
+
+class SpeculativeConfigError(ValueError):
+    """A bad speculative setting; `key` names it (empty when the whole section is wrong)."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(f"{key}: {reason}" if key else reason)
+        self.key, self.reason = key, reason
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "off"            # off | ngram
+    max_draft: int = 8             # most drafted tokens per window (1..32)
+    min_draft: int = 1             # smallest window while drafting
+    min_match: int = 2             # shortest suffix n-gram that counts as a match
+    max_match: int = 8             # longest suffix tried
+    shared: bool = True            # fall back to recent outputs of other requests
+    shared_tokens: int = 65536     # size bound of that index
+    min_acceptance: float = 0.25   # below this (moving average) a session stops drafting
+    probe_every: int = 16          # plain decode steps between probes of a stopped session
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> SpeculativeConfig:
+        """Validate a mapping (YAML ``driver.speculative``); missing keys take the defaults."""
+        if not isinstance(raw, Mapping):
+            raise SpeculativeConfigError("", f"expected a mapping, got {raw!r}")
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        for key in raw:
+            if key not in allowed:
+                raise SpeculativeConfigError(str(key), f"unknown key (allowed: {', '.join(sorted(allowed))})")
+        cfg = cls(**raw)
+        if cfg.method is False:  # YAML 1.1 (PyYAML) reads a bare `method: off` as false
+            cfg = dataclasses.replace(cfg, method="off")
+        if cfg.method not in METHODS:
+            raise SpeculativeConfigError("method", f"expected one of {', '.join(METHODS)}, got {cfg.method!r}")
+        if not isinstance(cfg.shared, bool):
+            raise SpeculativeConfigError("shared", f"expected true or false, got {cfg.shared!r}")
+        _integer("max_draft", cfg.max_draft, 1, MAX_DRAFT_LIMIT)
+        _integer("min_draft", cfg.min_draft, 1, cfg.max_draft, high_is="max_draft")
+        _integer("min_match", cfg.min_match, 1)
+        _integer("max_match", cfg.max_match, cfg.min_match, low_is="min_match")
+        _integer("shared_tokens", cfg.shared_tokens, 1)
+        _integer("probe_every", cfg.probe_every, 1)
+        value = cfg.min_acceptance
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpeculativeConfigError("min_acceptance", f"expected a number, got {value!r}")
+        if not 0.0 <= value <= 1.0:
+            raise SpeculativeConfigError("min_acceptance", f"must be between 0 and 1, got {value}")
+        return dataclasses.replace(cfg, min_acceptance=float(value))
+
+
+def _integer(key: str, value: Any, low: int, high: int | None = None, low_is: str = "", high_is: str = "") -> None:
+    """An int (not a bool) in [low, high]; `low_is` / `high_is` name the setting a bound comes from."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpeculativeConfigError(key, f"expected an integer, got {value!r}")
+    if value < low:
+        raise SpeculativeConfigError(key, f"must be at least {f'{low_is} ({low})' if low_is else low}, got {value}")
+    if high is not None and value > high:
+        raise SpeculativeConfigError(key, f"must be at most {f'{high_is} ({high})' if high_is else high}, got {value}")
+
+
+def _checked(tokens: Iterable[int]) -> list[int]:
+    out = [int(t) for t in tokens]
+    for t in out:
+        if not 0 <= t <= _MAX_TOKEN:
+            raise ValueError(f"token ids must lie in 0..{_MAX_TOKEN}, got {t}")
+    return out
+
+
+class _GramIndex:
+    """Packed n-gram (min..max tokens, read backwards from its end) -> latest end stamp recorded."""
+
+    def __init__(self, min_match: int, max_match: int):
+        self.min_match, self.max_match = min_match, max_match
+        self._last: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def _keys(self, tokens: Sequence[int], end: int, floor: int) -> list[int]:
+        """The grams ending at index `end` (exclusive) that start at or after `floor`, shortest first."""
+        key, keys = 0, []
+        for n in range(1, min(self.max_match, end - floor) + 1):
+            key = (key << _TOKEN_BITS) | (tokens[end - n] + 1)
+            if n >= self.min_match:
+                keys.append(key)
+        return keys
+
+    def record(self, tokens: Sequence[int], end: int, floor: int, stamp: int) -> None:
+        for key in self._keys(tokens, end, floor):
+            self._last[key] = stamp
+
+    def forget(self, tokens: Sequence[int], end: int, floor: int, stamp: int) -> None:
+        """Drop the grams `record` noted with `stamp`, unless a later occurrence replaced them."""
+        for key in self._keys(tokens, end, floor):
+            if self._last.get(key) == stamp:
+                del self._last[key]
+
+    def matches(self, tokens: Sequence[int], end: int) -> list[int]:
+        """Stamps of the grams ending at `end`, from min_match tokens long up to the longest one known."""
+        key, found = 0, []
+        for n in range(1, min(self.max_match, end) + 1):
+            key = (key << _TOKEN_BITS) | (tokens[end - n] + 1)
+            if n >= self.min_match:
+                stamp = self._last.get(key)
+                if stamp is None:  # a longer gram holds this one as its suffix: none is known either
+                    break
+                found.append(stamp)
+        return found
+
+
+class NgramProposer:
+    """Longest-suffix lookup over one request's tokens (prompt, then output)."""
+
+    def __init__(self, cfg: SpeculativeConfig, tokens: Iterable[int] = ()):
+        self.cfg = cfg
+        self._tokens: list[int] = []
+        self._index = _GramIndex(cfg.min_match, cfg.max_match)
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
+    def tail(self) -> list[int]:
+        """The last max_match tokens: all a suffix lookup elsewhere (SharedIndex) needs."""
+        return self._tokens[-self.cfg.max_match:]
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Append tokens; the grams ending before each new token become findable."""
+        toks, index = self._tokens, self._index
+        for t in _checked(tokens):
+            # The grams ending at the current end get a continuation (t) now; the suffix
+            # ending at the new end stays unrecorded, so a lookup only finds earlier ones.
+            index.record(toks, len(toks), 0, len(toks))
+            toks.append(t)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens (a rewound session); rebuilds the index."""
+        if n < len(self._tokens):
+            kept = self._tokens[:max(n, 0)]
+            self._tokens, self._index = [], _GramIndex(self.cfg.min_match, self.cfg.max_match)
+            self.extend(kept)
+
+    def propose(self, k: int) -> list[int]:
+        """The k tokens that followed the latest earlier occurrence of the longest suffix; [] if none.
+
+        Always k on a match: where the occurrence's continuation runs into the current end,
+        the drafts so far are read in its place (the match's period repeats).
+        """
+        toks = self._tokens
+        found = self._index.matches(toks, len(toks)) if k > 0 else []
+        if not found:
+            return []
+        start, end, out = found[-1], len(toks), []
+        for j in range(k):
+            i = start + j
+            out.append(toks[i] if i < end else out[i - end])
+        return out
+
+
+class SharedIndex:
+    """Recent output sequences across requests, the oldest forgotten beyond `shared_tokens` in all.
+
+    Sequences sit in one flat list, each followed by a -1 separator; stamps are
+    absolute positions (`_base` is the absolute position of `_flat[0]`). An
+    evicted sequence takes out of the index every gram whose latest occurrence
+    it held (O(max_match) a token, like adding it), so the index only knows
+    kept tokens; the flat list drops its dead prefix once that exceeds a
+    quarter of the bound.
+    """
+
+    def __init__(self, cfg: SpeculativeConfig):
+        self.cfg = cfg
+        self._flat: list[int] = []
+        self._base = 0
+        self._seqs: deque[tuple[int, int]] = deque()   # (absolute start, length) of each kept sequence
+        self._kept = 0                                  # tokens in _seqs
+        self._index = _GramIndex(cfg.min_match, cfg.max_match)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens currently remembered (at most shared_tokens)."""
+        return self._kept
+
+    def add(self, tokens: Iterable[int]) -> None:
+        """Remember one finished sequence (only its last shared_tokens tokens when longer)."""
+        seq = _checked(tokens)[-self.cfg.shared_tokens:]
+        if len(seq) <= self.cfg.min_match:  # no gram with a continuation
+            return
+        start = self._base + len(self._flat)
+        self._flat.extend(seq)
+        self._flat.append(-1)
+        self._seqs.append((start, len(seq)))
+        self._kept += len(seq)
+        self._walk(start, len(seq), self._index.record)
+        while self._kept > self.cfg.shared_tokens:
+            old, length = self._seqs.popleft()
+            self._kept -= length
+            self._walk(old, length, self._index.forget)
+        dead = self._seqs[0][0] - self._base
+        if dead > self.cfg.shared_tokens // 4:
+            del self._flat[:dead]
+            self._base += dead
+
+    def propose(self, context_tail: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest kept occurrence of the longest suffix of `context_tail`."""
+        tail = _checked(context_tail[-self.cfg.max_match:])
+        if k <= 0:
+            return []
+        found = self._index.matches(tail, len(tail))
+        if not found:
+            return []
+        out, i = [], found[-1] - self._base
+        while len(out) < k and self._flat[i] >= 0:   # up to the separator: no reading into the next sequence
+            out.append(self._flat[i])
+            i += 1
+        return out
+
+    def _walk(self, start: int, length: int, note: Callable[[Sequence[int], int, int, int], None]) -> None:
+        """Call `note` for each gram of one sequence that has at least one token after it."""
+        lo = start - self._base
+        for end in range(lo + 1, lo + length):
+            note(self._flat, end, lo, end + self._base)
+
+
+def propose_draft(own: NgramProposer, shared: SharedIndex | None, k: int) -> list[int]:
+    """The request's own lookup first, then the shared index (when there is one)."""
+    draft = own.propose(k)
+    if not draft and shared is not None:
+        draft = shared.propose(own.tail(), k)
+    return draft
+
+
+class DraftPolicy:
+    """How many tokens one session drafts next (`k`; 0 = plain decoding).
+
+    Rule, after each verified window (`update(drafted, accepted)`):
+
+    * all drafts accepted: k doubles, up to max_draft (a pipeline verifies a
+      short window for about the cost of one decode step, so grow fast);
+    * a draft rejected: k = max(min_draft, accepted + 1), the length that
+      would just have covered this window's accepted run plus one;
+    * an exponential moving average of accepted / drafted (weight 1/8) is
+      kept; once it has been below min_acceptance for 8 windows in a row the
+      session stops drafting (k = 0);
+    * a stopped session counts plain decode steps (`on_plain_step`); after
+      probe_every of them it drafts one probe window of max(min_draft, 2)
+      tokens. A probe at or above min_acceptance resumes drafting with a fresh
+      average; one below stops again and the count restarts.
+
+    A window starts at max(min_draft, max_draft // 2). `no_draft_proposal()`
+    notes a step where k > 0 but the proposer found nothing: it is counted
+    (`empty`) and changes nothing else, since a miss says nothing about how
+    well drafts verify and a lookup costs little.
+    """
+
+    EMA_WEIGHT = 1 / 8
+    STOP_AFTER = 8   # windows in a row below min_acceptance
+
+    def __init__(self, cfg: SpeculativeConfig):
+        self.cfg = cfg
+        self.windows = self.drafted = self.accepted = self.empty = 0
+        self.ema: float | None = None
+        self._k = max(cfg.min_draft, cfg.max_draft // 2) if cfg.enabled else 0
+        self._low = 0            # consecutive windows with the average below min_acceptance
+        self._stopped = False
+        self._probing = False
+        self._plain = 0          # plain steps since the session stopped (or last probed)
+
+    @property
+    def k(self) -> int:
+        return self._k
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped and not self._probing
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted / drafted over the session's whole life (0 before any window)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if not 0 <= accepted <= drafted or drafted < 1:
+            raise ValueError(f"need 0 <= accepted <= drafted and drafted >= 1, got {accepted} of {drafted}")
+        self.windows += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        rate = accepted / drafted
+        if self._stopped:  # a probe window (or one drafted anyway while stopped)
+            self._probing = False
+            if rate < self.cfg.min_acceptance:
+                self._stop()
+                return
+            self._stopped, self.ema, self._low = False, None, 0
+        self.ema = rate if self.ema is None else self.ema + self.EMA_WEIGHT * (rate - self.ema)
+        self._low = self._low + 1 if self.ema < self.cfg.min_acceptance else 0
+        if self._low >= self.STOP_AFTER:
+            self._stop()
+        elif accepted == drafted:
+            self._k = min(self.cfg.max_draft, 2 * self._k)
+        else:
+            self._k = max(self.cfg.min_draft, accepted + 1)
+
+    def on_plain_step(self) -> None:
+        """One decode step without drafts; a stopped session probes after probe_every of them."""
+        if self._stopped and not self._probing:
+            self._plain += 1
+            if self._plain >= self.cfg.probe_every:
+                self._probing, self._plain = True, 0
+                self._k = min(self.cfg.max_draft, max(self.cfg.min_draft, 2))
+
+    def no_draft_proposal(self) -> None:
+        self.empty += 1
+
+    def _stop(self) -> None:
+        self._stopped, self._probing, self._plain, self._k = True, False, 0, 0
