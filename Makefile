@@ -6,7 +6,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 TOPOLOGY ?= topologies/smollm2-2stage.yaml
 
-.PHONY: install model test test-quick serve bench bench-quick bench-peers bench-scale gpu-check clean
+.PHONY: install model test test-quick serve bench bench-quick bench-peers bench-scale bench-spec gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -55,6 +55,12 @@ bench-peers: install model
 bench-scale: install model
 	$(BIN)/pip install -e '.[test,bench,peers]'
 	$(BIN)/skippy-zmq bench scale --out bench-out
+
+# Speculative decoding on SmolLM2 (q4 stages, the GGUF's levels): off / on on 1, 2 and 3 stages (5 and 20 ms
+# per simulated hop), 8 streams, beside llama.cpp plain and with prompt lookup; writes bench-out/spec.{json,md}.
+bench-spec: install model
+	$(BIN)/pip install -e '.[test,bench,peers]'
+	$(BIN)/skippy-zmq bench spec --out bench-out
 
 # One NVIDIA GPU: parity and benches on gpu:0 (installs the `gpu` extra if JAX sees no GPU).
 gpu-check: install model

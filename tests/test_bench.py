@@ -306,3 +306,80 @@ def test_scale_quick_path_end_to_end(tmp_path):
         # Informational: this flat 2-layer model's top logits lie closer than llama.cpp's Q8 arithmetic
         # moves them (tests/test_random_model.py checks the logits themselves).
         assert out["rows"][1]["engine"].startswith("llama.cpp") and ours["greedy_vs_llama_cpp"].endswith("/4")
+
+
+def test_spec_arithmetic_acceptance_identity_and_goals():
+    from skippy_zmq.bench.spec import (acceptance, concurrent_speed, decode_speed, identity, spec_counts,
+                                       spec_goal_rows)
+
+    assert spec_counts({"speculative": {"windows": 2, "drafted": 8, "accepted": 6}}) == \
+        {"windows": 2, "drafted": 8, "accepted": 6}
+    assert spec_counts({}) is None and spec_counts(None) is None and spec_counts({"speculative": "x"}) is None
+    runs = [{"n": 11, "decode_s": 1.0, "spec": {"windows": 2, "drafted": 8, "accepted": 6}},
+            {"n": 21, "decode_s": 1.0, "spec": None}]
+    assert acceptance(runs) == {"windows": 2, "drafted": 8, "accepted": 6, "acceptance": 0.75,
+                                "accepted_per_step": 3.0}
+    assert acceptance([{"spec": None}])["acceptance"] is None
+    assert decode_speed(runs) == {"decode_tok_s": 15.0, "median_tok_s": 15.0}   # (10 + 20) / 2 s; median of 10, 20
+    both = [{"n": 3, "decode_s": 2.0, "stamps": [0.0, 1.0, 2.0]}, {"n": 3, "decode_s": 1.0, "stamps": [1.0, 1.5, 2.0]}]
+    assert concurrent_speed(both)["decode_tok_s"] == 2.0          # 4 tokens over the window 0 .. 2 s
+    same = identity([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]])
+    assert same["identical"] == "1/2" and same["identical_count"] == 1 and same["first_mismatch"] == {1: 1}
+
+    def row(engine, config, workload, spec, tok_s):
+        return {"engine": engine, "config": config, "workload": workload, "speculation": spec, "decode_tok_s": tok_s}
+
+    result = {"speculation": {"available": True},
+              "rows": [row("ours", "1 stage", "copy", "off", 40.0), row("ours", "1 stage", "copy", "on", 100.0),
+                       row("llama.cpp", "prompt lookup 2", "copy", "on", 90.0),
+                       row("llama.cpp", "prompt lookup 10", "copy", "on", 120.0),
+                       row("ours", "1 stage", "chat", "off", 40.0), row("ours", "1 stage", "chat", "on", 38.0)],
+              "identity": [{"engine": "ours", "config": "1 stage", "workload": "copy", "identical": "8/8",
+                            "identical_count": 8, "prompts": 8},
+                           {"engine": "llama.cpp", "config": "prompt lookup 2", "workload": "copy",
+                            "identical": "7/8", "identical_count": 7, "prompts": 8}]}
+    goals = {g["metric"]: g for g in spec_goal_rows(result)}
+    ident = goals["greedy tokens, speculation on vs off (every configuration below)"]
+    assert ident["measured"] == "8/8" and ident["met"] == "yes"             # llama.cpp's own rows do not count
+    assert goals["copy, 1 stream, 1 stage: on ÷ off"]["measured"] == 2.5
+    lookup = goals["copy, 1 stream, 1 stage: ours on ÷ llama.cpp prompt lookup (best of 2, 10)"]
+    assert lookup["measured"] == 0.833 and lookup["met"] == "**no**" and "num_pred_tokens=10" in lookup["detail"]
+    assert goals["chat, 1 stream, 1 stage: on ÷ off"]["met"] == "**no**"    # 0.95 < 0.97
+    assert goals["copy, 1 stream, 3 stages, 20 ms per hop: on ÷ off"]["met"] == "n/a"   # not run
+    result["speculation"]["available"] = False
+    assert {g["met"] for g in spec_goal_rows(result)} == {"n/a"}
+
+
+@pytest.mark.slow
+def test_bench_spec_quick_end_to_end(tmp_path, model_dir):
+    """`bench spec --quick`: ours off / on on 1 stage and 2 stages (2 streams, 20 ms per hop), llama.cpp
+    when installed; the JSON has every row, acceptance and the identity counts."""
+    import subprocess
+
+    from skippy_zmq.bench.peers import llama_cpp_available
+
+    cli = Path(sys.executable).parent / "skippy-zmq"
+    run = subprocess.run([str(cli), "bench", "spec", "--quick", "--model", str(model_dir), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "[spec] spec-1-0: start" in run.stderr            # phase timings on stderr
+    got = json.loads((tmp_path / "spec.json").read_text())
+    assert json.loads((tmp_path / "bench.json").read_text())["spec"]["rows"] == got["rows"]
+    assert "speculative decoding, side by side" in (tmp_path / "bench.md").read_text()
+    assert got["settings"]["weights"] == "q4" and got["settings"]["new_tokens"] == 32
+    keys = {(r["engine"], r["config"], r["workload"], r["speculation"]) for r in got["rows"]}
+    for workload in ("copy", "chat"):
+        assert {("ours", "1 stage", workload, "off"), ("ours", "1 stage", workload, "on")} <= keys
+        if llama_cpp_available():
+            assert {("llama.cpp", "plain", workload, "off"), ("llama.cpp", "prompt lookup 2", workload, "on"),
+                    ("llama.cpp", "prompt lookup 10", workload, "on")} <= keys
+    assert ("ours", "2 stages, 2 streams, 20 ms/hop", "mixed", "on") in keys
+    assert all(r["decode_tok_s"] and r["decode_tok_s"] > 0 for r in got["rows"])
+    ours = [i for i in got["identity"] if i["engine"] == "ours"]
+    assert len(ours) == 4 and all(i["prompts"] >= 1 and 0 <= i["identical_count"] <= i["prompts"] for i in ours)
+    assert all(i["identical"] == f"{i['identical_count']}/{i['prompts']}" for i in got["identity"])
+    assert [g["metric"] for g in got["goals"]][0].startswith("greedy tokens")
+    if got["speculation"]["available"]:
+        # greedy: on == off, one stream at a time (concurrent rows batch differently: reported, not asserted)
+        assert all(i["identical_count"] == i["prompts"] for i in ours if "streams" not in i["config"]), ours
+        assert any(a["drafted"] for a in got["acceptance"] if a["engine"] == "ours")

@@ -13,6 +13,9 @@ module each in this package:
 - all       every suite above, in that order (later suites reuse earlier numbers)
 - scale     random models of real sizes (Llama-3.2-1B, Llama-3.1-8B shapes, q4) on 1-3 stages and
             llama.cpp on the same weights: not part of `all` (about an hour on 2 cores)
+- spec      speculative decoding on SmolLM2: ours off / on (1 stage; 3 stages at 5 and 20 ms per
+            hop; 8 streams on 2 stages) beside llama.cpp plain and with prompt lookup, copy and chat
+            workloads, acceptance, greedy identity and the issue's goals: not part of `all`
 
 `--device cpu|gpu:N|tpu:N` and `--dtype float32|bfloat16` place every stage
 (and the single-process engine); `quant` (fp32 vs int8 weights) runs on its
@@ -30,7 +33,7 @@ from typing import Any, Callable
 from skippy_zmq.bench.common import machine
 
 ALL_SUITES = ("single", "peers", "pipeline", "hops", "prefix")   # what `bench all` runs
-SUITES = ALL_SUITES + ("scale",)
+SUITES = ALL_SUITES + ("scale", "spec")
 
 Runner = Callable[[argparse.Namespace, list[str], dict[str, Any]], Any]
 
@@ -42,9 +45,11 @@ def suite_runners() -> dict[str, Runner]:
     from skippy_zmq.bench.prefix import bench_prefix
     from skippy_zmq.bench.scale import bench_scale
     from skippy_zmq.bench.single import run_single
+    from skippy_zmq.bench.spec import bench_spec
 
     return {"single": run_single, "peers": bench_peers, "pipeline": bench_pipeline, "hops": bench_hops,
-            "prefix": lambda args, tables, _result: bench_prefix(args, tables), "scale": bench_scale}
+            "prefix": lambda args, tables, _result: bench_prefix(args, tables), "scale": bench_scale,
+            "spec": bench_spec}
 
 
 def main(args: argparse.Namespace) -> int:
