@@ -127,6 +127,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from skippy_zmq.driver.main import generate_with_pipeline
 
         return generate_with_pipeline(args, sampling, lambda tokenizer: prompt_ids_from_args(tokenizer, args))
+    from skippy_zmq.driver.speculative import SpeculativeConfig
     from skippy_zmq.generate import LocalEngine
 
     engine = LocalEngine(Path(args.model), dtype=args.dtype, device=args.device, weights=args.weights)
@@ -137,7 +138,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         def on_token(token: int) -> None:
             sys.stdout.write(stream.push(token))
             sys.stdout.flush()
-    result = engine.generate(ids, sampling, args.max_tokens, args.ignore_eos, on_token)
+    result = engine.generate(ids, sampling, args.max_tokens, args.ignore_eos, on_token,
+                             SpeculativeConfig().override(args.speculative, args.max_draft))
     if args.json:
         print(json.dumps(result.to_json()))
     else:
@@ -265,6 +267,10 @@ def add_generate_parser(sub: Any) -> None:
     mode.add_argument("--chat", action="store_true", default=True)
     mode.add_argument("--raw", action="store_true")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--speculative", default=None, choices=["off", "ngram"],
+                   help="draft from the prompt and output, verify windows (default: the topology's driver.speculative, "
+                        "off without a topology)")
+    p.add_argument("--max-draft", type=int, default=None, help="most drafted tokens per window (default 8)")
     add_sampling_flags(p)
     p.set_defaults(func=cmd_generate)
 

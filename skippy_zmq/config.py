@@ -133,6 +133,7 @@ class Buckets:
 
     prefill_chunks: tuple[int, ...] = (16, 64, 256)
     decode_rows: tuple[int, ...] = (1, 2, 4, 8, 16)
+    window_lens: tuple[int, ...] = (1, 2, 4, 8, 16)   # tokens per row of a DECODE (a verify window: k+1)
     attn_lens: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
 
     def chunk_for(self, n: int) -> int:
@@ -141,6 +142,12 @@ class Buckets:
             if n <= size:
                 return size
         return self.prefill_chunks[-1]
+
+    def window_for(self, n: int) -> int:
+        for size in self.window_lens:
+            if n <= size:
+                return size
+        raise ValueError(f"a row of {n} tokens exceeds the largest window {self.window_lens[-1]}")
 
     def rows_for(self, n: int) -> int:
         for size in self.decode_rows:

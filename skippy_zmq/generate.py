@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from skippy_zmq.config import KVConfig
+from skippy_zmq.driver.speculative import DraftPolicy, NgramProposer, SpeculativeConfig, accepted_run
 from skippy_zmq.model.weights import load_slice
 from skippy_zmq.model.runner import SliceRunner, resolve_device
 from skippy_zmq.model.tokenizer import TextTokenizer
@@ -30,6 +31,7 @@ class GenerationResult:
     decode_s: float = 0.0
     ttft_s: float = 0.0
     warmup_s: float = 0.0   # compiling the shapes this request needed, before its clock started
+    speculative: dict = field(default_factory=dict)   # windows, drafted, accepted (when drafting ran)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -45,6 +47,10 @@ class GenerationResult:
 
     def to_json(self) -> dict:
         out = asdict(self)
+        if self.speculative.get("windows"):
+            # Tokens each verify step yields: the accepted drafts plus the target's own next token.
+            out["speculative"]["accepted_per_step"] = round(
+                (self.speculative["accepted"] + self.speculative["windows"]) / self.speculative["windows"], 3)
         out.update(prefill_tokens_per_s=round(self.prefill_tokens_per_s, 2),
                    decode_tokens_per_s=round(self.decode_tokens_per_s, 2))
         return out
@@ -76,7 +82,8 @@ class LocalEngine:
         self.runner = SliceRunner(self.cfg, params, 0, self.cfg.n_layers,
                                   KVConfig(lanes=1, capacity=capacity, dtype=dtype), device=dev)
 
-    def warmup(self, prompt_tokens: int | None = None, max_tokens: int = 0, everything: bool = False) -> float:
+    def warmup(self, prompt_tokens: int | None = None, max_tokens: int = 0, everything: bool = False,
+               windows: tuple[int, ...] = ()) -> float:
         """Compile ahead of requests; returns the seconds spent (about 0 when nothing was left to compile).
 
         No arguments: every prefill chunk and the one-row decode step at the first attention bucket
@@ -90,11 +97,14 @@ class LocalEngine:
         if prompt_tokens is None:
             return self.runner.warmup(rows=(1,), attn_lens=self.runner.attn_buckets() if everything else None)
         pairs, decode = self.runner.request_shapes(0, max(prompt_tokens - 1, 0), max_tokens)
-        return self.runner.warmup(rows=(1,), attn_lens=tuple(sorted(decode)), pairs=pairs)
+        return self.runner.warmup(rows=(1,), attn_lens=tuple(sorted(decode)), pairs=pairs, windows=windows)
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams = SamplingParams(),
                  max_tokens: int = 64, ignore_eos: bool = False,
-                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
+                 on_token: Callable[[int], None] | None = None,
+                 speculative: SpeculativeConfig = SpeculativeConfig()) -> GenerationResult:
+        """Greedy or sampled generation; `speculative` drafts from the prompt and output and verifies
+        each window in one step, giving the same tokens as without it (sampling is keyed by position)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         room = self.runner.capacity - len(prompt_ids)
@@ -105,27 +115,44 @@ class LocalEngine:
         result = GenerationResult(prompt_ids=list(prompt_ids))
         sampler = Sampler(sampling, prompt_ids)
         eos = set(self.tokenizer.eos_ids)
-        result.warmup_s = self.warmup(len(prompt_ids), max_tokens)
+        windows = tuple(n for n in self.runner.buckets.window_lens if 1 < n <= speculative.max_draft + 1)
+        result.warmup_s = self.warmup(len(prompt_ids), max_tokens, windows=windows if speculative.enabled else ())
         t0 = time.perf_counter()
         if len(prompt_ids) > 1:
             self.runner.prefill(0, np.asarray(prompt_ids[:-1], np.int32), 0, output="none")
         result.prefill_s = time.perf_counter() - t0
         token, pos = prompt_ids[-1], len(prompt_ids) - 1
+        proposer = NgramProposer(speculative, prompt_ids) if speculative.enabled else None
+        policy = DraftPolicy(speculative)
         t1 = time.perf_counter()
-        while True:
-            logits = self.runner.decode(np.array([0]), np.array([token]), np.array([pos]))
-            token = sampler.sample(logits[0])
-            result.token_ids.append(token)
-            if len(result.token_ids) == 1:
-                result.ttft_s = time.perf_counter() - t0
-                t1 = time.perf_counter()
-            if on_token:
-                on_token(token)
-            pos += 1
-            reason = stop_reason(token, len(result.token_ids), max_tokens, eos, ignore_eos)
-            if reason:
-                result.finish_reason = reason
-                break
+        reason = None
+        while reason is None:
+            drafts: list[int] = []
+            want = min(policy.k, max_tokens - len(result.token_ids) - 1, self.runner.capacity - 2 - pos)
+            fits = max([n for n in windows if n <= want + 1] or [1])   # a window bucket, so no padding
+            if proposer is not None and fits > 1:
+                drafts = proposer.propose(fits - 1)
+            row = [token] + drafts
+            logits = self.runner.step(np.array([0]), np.array(row), np.array([pos]), np.array([len(row)]))
+            run, accepted = accepted_run(drafts, sampler.sample_window(logits, pos, row))
+            if drafts:
+                policy.update(len(drafts), accepted)
+            for token in run:
+                result.token_ids.append(token)
+                if proposer is not None:
+                    proposer.extend((token,))
+                if len(result.token_ids) == 1:
+                    result.ttft_s = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                if on_token:
+                    on_token(token)
+                pos += 1
+                reason = stop_reason(token, len(result.token_ids), max_tokens, eos, ignore_eos)
+                if reason:
+                    result.finish_reason = reason
+                    break
+        if proposer is not None:
+            result.speculative = {"windows": policy.windows, "drafted": policy.drafted, "accepted": policy.accepted}
         result.decode_s = time.perf_counter() - t1
         result.text = self.tokenizer.decode(result.token_ids, skip_special=True)
         return result

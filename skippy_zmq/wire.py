@@ -150,6 +150,20 @@ class Message:
             return np.array([self.session_id], dtype=np.uint64)
         return self.sessions
 
+    @property
+    def row_lengths(self) -> np.ndarray:
+        """Tokens in each row (int64), rows laid end to end in `tokens`.
+
+        A PREFILL is one row of all its tokens. Rows of DECODE and PREDICTED_TOKENS default to one
+        token each; a verify window is a row of k+1 (extras "lengths" lists every row's length).
+        """
+        rows = self.session_ids.shape[0]
+        if "lengths" in self.extras:
+            return np.asarray(self.extras["lengths"], dtype=np.int64)
+        if self.kind in (Kind.DECODE, Kind.PREDICTED_TOKENS) and rows > 1:
+            return np.ones(rows, dtype=np.int64)
+        return np.array([self.tokens.shape[0]], dtype=np.int64)
+
     # Reply constructors. Extras layouts are part of the protocol; keep them here.
 
     @classmethod
@@ -171,11 +185,15 @@ class Message:
     @classmethod
     def predicted_tokens(
         cls, request_id: int, sessions: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
-        extras: dict[str, Any] | None = None,
+        extras: dict[str, Any] | None = None, lengths: Sequence[int] | None = None,
     ) -> Message:
+        """The target's token at every position of every row; `lengths` when a row has more than one."""
         rows = np.asarray(sessions, dtype=np.uint64).reshape(-1)
+        extras = dict(extras or {})
+        if lengths is not None and any(int(n) != 1 for n in lengths):
+            extras["lengths"] = [int(n) for n in lengths]
         return cls(Kind.PREDICTED_TOKENS, request_id, int(rows[0]) if rows.size else 0,
-                   tokens=np.asarray(tokens, dtype=np.int32).reshape(-1), sessions=rows, extras=extras or {})
+                   tokens=np.asarray(tokens, dtype=np.int32).reshape(-1), sessions=rows, extras=extras)
 
 
 # ---------------------------------------------------------------- activations
@@ -331,6 +349,7 @@ def decode(frames: Sequence[Any], limits: WireLimits = WireLimits()) -> Message:
     rows = activation_rows(kind, n_tokens)
     _check_frame_sizes(dtype, n_tokens, rows, n_rows, width, v_sessions, v_tokens, v_positions, v_activation, fail)
     extras = _decode_extras(v_extras, limits, fail)
+    _check_lengths(kind, extras, n_tokens, n_rows, fail)
     return Message(
         kind=kind, request_id=request_id, session_id=session_id, position=position,
         tokens=np.frombuffer(v_tokens, dtype=np.int32),
@@ -349,12 +368,28 @@ def _check_counts(kind: Kind, dtype: WireDType, n_tokens: int, n_rows: int, widt
         raise fail(f"{n_rows} rows exceeds the limit of {limits.max_rows}", "too_large")
     if n_rows < 1:
         raise fail("n_rows is 0 (every message names at least one session)", "bad_rows")
-    if kind == Kind.DECODE and n_rows > 1 and n_tokens != n_rows:
-        raise fail(f"DECODE with {n_rows} rows must carry one token per row, got {n_tokens} tokens", "bad_rows")
     if dtype != WireDType.NONE and width > limits.max_width:
         raise fail(f"activation width {width} exceeds the limit of {limits.max_width}", "too_large")
     if dtype != WireDType.NONE and width < 1:
         raise fail(f"activation width is 0 with wire dtype {dtype.label}", "size_mismatch")
+
+
+def _check_lengths(kind: Kind, extras: dict[str, Any], n_tokens: int, n_rows: int, fail: _Fail) -> None:
+    """Rows of more than one token (verify windows) list their lengths; without the list, a DECODE
+    with several rows carries one token per row."""
+    if "lengths" not in extras:
+        if kind == Kind.DECODE and n_rows > 1 and n_tokens != n_rows:
+            raise fail(f"{kind.name} with {n_rows} rows must carry one token per row, got {n_tokens} tokens "
+                       "(or list the row lengths)", "bad_rows")
+        return
+    lengths = extras["lengths"]
+    if kind not in (Kind.DECODE, Kind.PREDICTED_TOKENS):
+        raise fail(f"{kind.name} does not take row lengths", "bad_rows")
+    if (not isinstance(lengths, list) or len(lengths) != n_rows
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)):
+        raise fail(f"lengths must list {n_rows} positive integers, one per row", "bad_rows")
+    if sum(lengths) != n_tokens:
+        raise fail(f"row lengths add up to {sum(lengths)} tokens but the message carries {n_tokens}", "bad_rows")
 
 
 def _check_frame_sizes(dtype: WireDType, n_tokens: int, act_rows: int, n_rows: int, width: int, sessions: memoryview,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -110,6 +111,9 @@ def generate_with_pipeline(args: argparse.Namespace, sampling: Any,
     from skippy_zmq.generate import GenerationResult
 
     topology = load_topology(args.topology)
+    if getattr(args, "speculative", None) is not None or getattr(args, "max_draft", None) is not None:
+        topology = dataclasses.replace(topology, driver=dataclasses.replace(
+            topology.driver, speculative=topology.driver.speculative.override(args.speculative, args.max_draft)))
     procs = spawn_stages(topology, Path(args.topology), Path(args.run_dir or "runs/generate")) if args.spawn else []
     engine, tokenizer = open_engine(topology)
     try:
@@ -136,6 +140,7 @@ def generate_with_pipeline(args: argparse.Namespace, sampling: Any,
                         sys.stdout.flush()
                 if event.finish_reason:
                     result.finish_reason = event.finish_reason
+                    result.speculative = event.stats.get("speculative", {})
         except EngineError as exc:
             logger.error("generation failed: {}", exc.message)
             return 1

@@ -61,6 +61,7 @@ _TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stream_options": (lambda v: isinstance(v, dict), "an object"),
     "ignore_eos": (lambda v: isinstance(v, bool), "a boolean"),
     "prompt_cache_key": (lambda v: isinstance(v, str), "a string"),
+    "speculative": (lambda v: isinstance(v, bool), "a boolean"),
     "max_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "max_completion_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "stop": (lambda v: isinstance(v, (str, list)), "a string or a list of strings"),
@@ -158,6 +159,7 @@ class GenOptions:
     include_usage: bool
     ignore_eos: bool
     cache_key: str | None
+    speculative: bool | None = None   # extension: false opts this request out of drafting
 
 
 def parse_options(body: Mapping[str, Any], vocab_size: int) -> GenOptions:
@@ -177,6 +179,7 @@ def parse_options(body: Mapping[str, Any], vocab_size: int) -> GenOptions:
         include_usage=include_usage,
         ignore_eos=bool(body.get("ignore_eos")),
         cache_key=body.get("prompt_cache_key"),
+        speculative=body.get("speculative"),
     )
 
 
@@ -299,7 +302,7 @@ def to_gen_request(parsed: ParsedRequest, prompt_ids: list[int], request_id: str
     return GenRequest(
         request_id=request_id, prompt_ids=tuple(prompt_ids), sampling=options.sampling,
         max_tokens=min(options.max_tokens or room, room), ignore_eos=options.ignore_eos,
-        cache_key=options.cache_key,
+        cache_key=options.cache_key, speculative=options.speculative,
     )
 
 

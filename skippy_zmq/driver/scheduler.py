@@ -8,12 +8,22 @@ Decode: every running session with its next input token known is "ready".
 Ready sessions are grouped into DECODE messages of up to
 ceil(running / n_stages) rows, with at most n_stages micro-batches in flight,
 so every stage has work while the others compute.
+
+Speculation: a ready session may carry a verify window instead of one token,
+its current token plus drafts from its own prompt and output (or recent
+outputs of other requests), as one row of a DECODE at its absolute position.
+The final stage returns the target's token at every position of the row; only
+here is the longest matching prefix accepted, plus the target's next token.
+The rejected tail needs no message: the session's next row starts where the
+accepted run ended and every stage truncates to it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,6 +34,8 @@ from loguru import logger
 
 from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
 from skippy_zmq.driver.prefix_index import PrefixIndex
+from skippy_zmq.driver.speculative import (DraftPolicy, NgramProposer, SharedIndex, SpeculativeConfig, accepted_run,
+                                           propose_draft)
 from skippy_zmq.wire import Kind, Message
 
 DEFAULT_NAMESPACE = "default"
@@ -42,6 +54,9 @@ class SchedulerConfig:
     reply_timeout_s: float = 30.0
     request_timeout_s: float = 120.0
     resume_timeout_s: float = 60.0   # how long paused requests wait for a replacement stage
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    window_lens: tuple[int, ...] = (1, 2, 4, 8, 16)   # the stages' row buckets (config.Buckets.window_lens)
+    batch_tokens: int = 16           # a DECODE with several rows pads them all to its longest window: cap rows x window
 
 
 @dataclass(eq=False)
@@ -67,6 +82,9 @@ class Job:
     cache_status: str = "disabled"  # disabled | miss | hit
     fence_rid: int = 0              # replies to requests older than this predate a re-prefill: stale
     healed: set = field(default_factory=set)   # (stage id, incarnation) that already re-prefilled it
+    proposer: NgramProposer | None = None      # speculation on: drafts from prompt + output
+    policy: DraftPolicy | None = None
+    drafts: list[int] = field(default_factory=list)   # the drafts of the window in flight
 
     @property
     def history(self) -> list[int]:
@@ -109,6 +127,10 @@ class Scheduler:
         self.prefill_in_flight: dict[int, float] = {}   # request id of chunk -> sent time
         self.outbox: list[Message] = []
         self._ids = itertools.count(1)
+        spec = cfg.speculative
+        self.shared = SharedIndex(spec) if spec.enabled and spec.shared else None
+        self.spec_counts = {"windows": 0, "drafted": 0, "accepted": 0, "plain_steps": 0}
+        self.spec_accepted_lengths: list[int] = []   # accepted drafts per window since the last read (metrics)
 
     # ------------------------------------------------------------ requests
 
@@ -122,6 +144,10 @@ class Scheduler:
                               429, "overloaded", retry_after=1.0)
         timeout = req.timeout_s or self.cfg.request_timeout_s
         eos = frozenset() if req.ignore_eos else self.eos_ids
+        if req.sampling.seed is None and req.sampling.temperature > 0:
+            # Draws are keyed by (seed, choice, position): a seed fixed here makes a resumed or
+            # speculated request draw what it would have drawn without either.
+            req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, seed=secrets.randbits(63)))
         job = Job(req, next(self._ids), sink, eos, time.monotonic() + timeout, prompt=list(req.prompt_ids),
                   namespace=req.cache_key or DEFAULT_NAMESPACE)
         self.queue.append(job)
@@ -182,7 +208,9 @@ class Scheduler:
             logger.warning("dropping tokens of unknown or expired batch {}", msg.request_id)
             return
         trace = msg.extras.get("trace", [])
-        for sid, tok in zip(msg.session_ids.tolist(), msg.tokens.tolist()):
+        offsets = np.concatenate([[0], np.cumsum(msg.row_lengths)]).tolist()
+        tokens = msg.tokens.tolist()
+        for i, sid in enumerate(msg.session_ids.tolist()):
             if sid not in batch.sessions:   # taken out of the batch by a re-prefill: its token is stale
                 continue
             batch.sessions.discard(sid)
@@ -190,12 +218,45 @@ class Scheduler:
             if job is None or job.done:
                 continue
             job.in_flight = False
-            self._accept_token(job, int(tok), trace)
+            targets = tokens[offsets[i]:offsets[i + 1]]
+            if len(targets) != len(job.drafts) + 1:
+                logger.warning("session {}: {} target tokens for a window of {} drafts", sid, len(targets),
+                               len(job.drafts))
+                self._fail(job, EngineError(f"the final stage answered a window of {len(job.drafts)} drafts "
+                                            f"with {len(targets)} tokens", 500, "bad_reply"))
+                continue
+            self._accept_window(job, targets, trace)
         if not batch.sessions:
             del self.batches[msg.request_id]
 
+    def _accept_window(self, job: Job, targets: list[int], trace: list) -> None:
+        """Accept the target's tokens while they match the drafts, then the target's next token.
+
+        Greedy, this is exactly plain decoding; sampled, each position was drawn with the
+        request's own keyed sampler (sample-and-match), so the output distribution is the
+        target's. Tokens go out one at a time, so EOS or max_tokens inside a window stops there.
+        """
+        drafts, job.drafts = job.drafts, []
+        run, accepted = accepted_run(drafts, targets)
+        for tok in run:
+            self._accept_token(job, tok, trace)
+            if job.done:
+                break
+        if drafts:
+            self.spec_counts["windows"] += 1
+            self.spec_counts["drafted"] += len(drafts)
+            self.spec_counts["accepted"] += accepted
+            self.spec_accepted_lengths.append(accepted)
+            if job.policy is not None:
+                job.policy.update(len(drafts), accepted)
+        elif job.policy is not None:
+            self.spec_counts["plain_steps"] += 1
+            job.policy.on_plain_step()
+
     def _accept_token(self, job: Job, tok: int, trace: list) -> None:
         job.generated.append(tok)
+        if job.proposer is not None:
+            job.proposer.extend((tok,))
         first = len(job.generated) == 1
         if first:
             job.t_first = time.monotonic()
@@ -210,6 +271,9 @@ class Scheduler:
         if first:
             stats["prefix"] = {"status": job.cache_status, "matched": job.cached,
                                "suffix": len(job.prompt) - job.cached}
+        if reason and job.policy is not None:
+            p = job.policy
+            stats["speculative"] = {"windows": p.windows, "drafted": p.drafted, "accepted": p.accepted}
         job.sink(TokenEvent(token_id=tok, finish_reason=reason, cached_tokens=job.cached if first else 0,
                             stats=stats))
         if reason:
@@ -263,7 +327,7 @@ class Scheduler:
     def _replay(self, job: Job) -> None:
         """Forget what the stages hold for `job` and prefill it again from its token history."""
         job.fence_rid = next(self._ids)
-        job.in_flight, job.restoring = False, None
+        job.in_flight, job.restoring, job.drafts = False, None, []
         job.prefill_sent, job.cached = 0, 0
         self.outbox.append(self._configure(job))
 
@@ -273,6 +337,8 @@ class Scheduler:
         """STOP the session everywhere; after a normal end, stages record prompt + answer."""
         job.done = True
         self.running.pop(job.session_id, None)
+        if record and self.shared is not None and job.generated:
+            self.shared.add(job.history)
         extras = {}
         if record and self.index is not None:
             self.index.add(job.namespace, job.kv_tokens)
@@ -306,7 +372,7 @@ class Scheduler:
         self.restores.clear()
         self.prefill_in_flight.clear()
         for job in self.running.values():
-            job.in_flight, job.restoring = False, None
+            job.in_flight, job.restoring, job.drafts = False, None, []
 
     def resume(self) -> float:
         """Every stage is back: re-prefill each paused session from its token history. Returns pause length."""
@@ -372,6 +438,9 @@ class Scheduler:
                 continue
             self.running[job.session_id] = job
             job.next_token, job.next_pos = job.prompt[-1], len(job.prompt) - 1
+            if self.cfg.speculative.enabled and job.req.speculative is not False:
+                job.proposer = NgramProposer(self.cfg.speculative, job.prompt)
+                job.policy = DraftPolicy(self.cfg.speculative)
             matched = self.index.longest(job.namespace, job.prompt, len(job.prompt) - 1) if self.index else 0
             if not matched:
                 self.outbox.append(self._configure(job))
@@ -428,11 +497,40 @@ class Scheduler:
         while ready and len(self.batches) < in_flight:
             group, ready = ready[:rows], ready[rows:]
             bid = next(self._ids)
+            self._draft(group)
+            tokens, positions, lengths = [], [], []
             for job in group:
                 job.in_flight = True
+                row = [job.next_token] + job.drafts
+                tokens += row
+                positions += range(job.next_pos, job.next_pos + len(row))
+                lengths.append(len(row))
             self.batches[bid] = Batch({j.session_id for j in group}, now)
+            extras = {"lengths": lengths} if any(n > 1 for n in lengths) else {}
             self.outbox.append(Message(
                 Kind.DECODE, bid, group[0].session_id, position=group[0].next_pos,
-                tokens=np.array([j.next_token for j in group], np.int32),
-                positions=np.array([j.next_pos for j in group], np.int32),
-                sessions=np.array([j.session_id for j in group], np.uint64)))
+                tokens=np.array(tokens, np.int32), positions=np.array(positions, np.int32),
+                sessions=np.array([j.session_id for j in group], np.uint64), extras=extras))
+
+    def _draft(self, group: list[Job]) -> None:
+        """Give each job in a DECODE its drafts (job.drafts), within what the batch can carry.
+
+        Rows pad to a window bucket, so a window drafts up to a bucket minus one (1, 3, 7, 15) and
+        a batch of several rows is held to `batch_tokens` padded tokens. Drafts never run past
+        max_tokens or the context, so no draft position is wasted on a token that cannot be kept.
+        """
+        buckets = [n for n in self.cfg.window_lens if n >= 1]
+        rows = next((n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n >= len(group)), len(group))
+        widest = max([n for n in buckets if rows * n <= max(self.cfg.batch_tokens, rows)] or [1])
+        for job in group:
+            job.drafts = []
+            if job.proposer is None or job.policy is None or job.policy.k <= 0:
+                continue
+            room = min(job.req.max_tokens - len(job.generated), self.cfg.max_context - 1 - job.next_pos)
+            want = min(job.policy.k, self.cfg.speculative.max_draft, room - 1)
+            fits = max([n for n in buckets if n <= min(want + 1, widest)] or [1])
+            if fits <= 1:
+                continue
+            job.drafts = propose_draft(job.proposer, self.shared, fits - 1)
+            if not job.drafts:
+                job.policy.no_draft_proposal()

@@ -56,6 +56,12 @@ class SpeculativeConfig:
     min_acceptance: float = 0.25   # below this (moving average) a session stops drafting
     probe_every: int = 16          # plain decode steps between probes of a stopped session
 
+    def override(self, method: str | None = None, max_draft: int | None = None) -> SpeculativeConfig:
+        """This config with the command line's --speculative / --max-draft (None: unchanged), checked."""
+        raw = self.to_dict()
+        raw.update({k: v for k, v in (("method", method), ("max_draft", max_draft)) if v is not None})
+        return SpeculativeConfig.from_dict(raw)
+
     @property
     def enabled(self) -> bool:
         return self.method != "off"
@@ -363,3 +369,19 @@ class DraftPolicy:
 
     def _stop(self) -> None:
         self._stopped, self._probing, self._plain, self._k = True, False, 0, 0
+
+
+def accepted_run(drafts: Sequence[int], targets: Sequence[int]) -> tuple[list[int], int]:
+    """What a verified window yields: the target's tokens while they match the drafts, then the
+    target's own next token; and how many drafts were accepted.
+
+    targets[j] is the target's token after the window's first j + 1 inputs (the current token,
+    then drafts[:j]), so targets has one more entry than drafts.
+    """
+    if len(targets) != len(drafts) + 1:
+        raise ValueError(f"a window of {len(drafts)} drafts needs {len(drafts) + 1} target tokens, "
+                         f"got {len(targets)}")
+    accepted = 0
+    while accepted < len(drafts) and targets[accepted] == drafts[accepted]:
+        accepted += 1
+    return [int(t) for t in targets[:accepted + 1]], accepted

@@ -239,8 +239,8 @@ def forward_slice(params: Params, kv: KVCache, inputs: jax.Array, positions: jax
                   output: str = "hidden") -> tuple[jax.Array | None, KVCache]:
     """Run layers [start, end) on `inputs` ([B, T] ids if start == 0, else [B, T, D]).
 
-    output: "hidden" -> [B, T, D] activations; "logits" -> [B, V] float32 logits
-    of each row's last token (needs end == n_layers); "none" -> KV only.
+    output: "hidden" -> [B, T, D] activations; "logits" -> [B, T, V] float32 logits
+    at every position (needs end == n_layers; a verify window needs each one); "none" -> KV only.
     """
     dtype = jnp.dtype(cfg.dtype)
     x = embed_rows(params["embed"], inputs).astype(dtype) if start == 0 else inputs.astype(dtype)
@@ -255,7 +255,7 @@ def forward_slice(params: Params, kv: KVCache, inputs: jax.Array, positions: jax
     if output == "logits":
         if end != cfg.n_layers:
             raise ValueError("logits requested from a stage that does not end the model")
-        return head(params, x[:, -1], cfg), kv
+        return head(params, x, cfg), kv
     return x, kv
 
 

@@ -115,22 +115,43 @@ class SliceRunner:
             done += take
         return np.concatenate(outs) if outs else None
 
+    def step(self, lanes: np.ndarray, inputs: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+             output: str | None = None) -> np.ndarray:
+        """Rows of work in one jitted call: row i is lengths[i] tokens in lane lanes[i] at positions
+        [starts[i], starts[i] + lengths[i]). `inputs` holds the rows end to end: ids [n] or
+        activations [n, D] (n = sum of lengths). Rows pad to the [rows bucket, window bucket] shape.
+
+        Returns, for every token in input order, logits [n, V] (final stage: every position of a
+        verify window is scored) or activations [n, D].
+        """
+        output = output or ("logits" if self.last else "hidden")
+        lengths = np.asarray(lengths, np.int64)
+        starts = np.asarray(starts, np.int64)
+        b, t = len(lanes), int(lengths.max())
+        self._check_positions(int(np.max(starts + lengths)) - 1)
+        rows, width = self.buckets.rows_for(b), self.buckets.window_for(t)
+        dtype = np.int32 if self.first else np.float32
+        inputs = np.asarray(inputs, dtype)
+        x = np.zeros((rows, width) + inputs.shape[1:], dtype)
+        pos = np.full((rows, width), self.capacity, np.int32)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        for i in range(b):
+            n = int(lengths[i])
+            x[i, :n] = inputs[offsets[i]:offsets[i + 1]]
+            pos[i, :n] = np.arange(starts[i], starts[i] + n)
+        lane_arr = np.zeros(rows, np.int32)
+        lane_arr[:b] = lanes
+        attn_len = self.buckets.attn_for(int(np.max(starts + lengths)), self.capacity)
+        out = self._step(x, pos, lane_arr, attn_len, output)
+        if t == 1:
+            return out[:b, 0]
+        return np.concatenate([out[i, :int(lengths[i])] for i in range(b)])
+
     def decode(self, lanes: np.ndarray, inputs: np.ndarray, positions: np.ndarray,
                output: str | None = None) -> np.ndarray:
         """One token per row. Returns logits [B, V] (final stage) or activations [B, D]."""
-        output = output or ("logits" if self.last else "hidden")
         b = len(lanes)
-        self._check_positions(int(np.max(positions)))
-        rows = self.buckets.rows_for(b)
-        dtype = np.int32 if self.first else np.float32
-        x = self._pad_inputs(np.asarray(inputs, dtype).reshape((b, 1) + np.shape(inputs)[1:]), rows, 1)
-        pos = np.full((rows, 1), self.capacity, np.int32)
-        pos[:b, 0] = positions
-        lane_arr = np.zeros(rows, np.int32)
-        lane_arr[:b] = lanes
-        attn_len = self.buckets.attn_for(int(np.max(positions)) + 1, self.capacity)
-        out = self._step(x, pos, lane_arr, attn_len, output)
-        return out[:b, 0] if output == "hidden" else out[:b]
+        return self.step(lanes, inputs, positions, np.ones(b, np.int64), output)
 
     def attn_buckets(self, upto: int | None = None) -> tuple[int, ...]:
         """The attention lengths a step can use for sequences of up to `upto` positions (default:
@@ -162,7 +183,7 @@ class SliceRunner:
 
     def warmup(self, rows: tuple[int, ...] = (1,), chunks: tuple[int, ...] | None = None,
                attn_lens: tuple[int, ...] | None = None,
-               pairs: set[tuple[int, int]] | None = None) -> float:
+               pairs: set[tuple[int, int]] | None = None, windows: tuple[int, ...] = ()) -> float:
         """Compile the step for the shapes traffic can bring, ahead of it; runs nothing.
 
         The decode step for every row bucket in `rows` and every prefill chunk in `chunks` (default:
@@ -172,7 +193,8 @@ class SliceRunner:
         chunks x attn_lens grid for prefill (see `request_shapes`). Each shape is traced, lowered and
         compiled (or read from the persistent cache) but not executed: an 8B stage's 256-token
         prefill alone computes for seconds. Shapes this runner has already compiled are skipped, so
-        a second call, or one after traffic, costs nothing. Returns the seconds spent.
+        a second call, or one after traffic, costs nothing. `windows`: one-row verify windows of
+        these lengths (window buckets), scored like decode rows. Returns the seconds spent.
         """
         t0 = time.perf_counter()
         chunks = chunks if chunks is not None else self.buckets.prefill_chunks
@@ -185,6 +207,8 @@ class SliceRunner:
         for attn in sorted(attn_lens):
             for r in rows:
                 self._compile(np.zeros((r, 1) + width, dtype), attn, decode_out)
+            for t in windows:
+                self._compile(np.zeros((1, t) + width, dtype), attn, decode_out)
         for c, attn in sorted(pairs, key=lambda p: (p[1], p[0])):
             self._compile(np.zeros((1, c) + width, dtype), attn, prefill_out)
         return time.perf_counter() - t0

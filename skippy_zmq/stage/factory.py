@@ -78,14 +78,25 @@ def stage_buckets(topology: Topology, lanes: int, capacity: int | None = None) -
     return Buckets(prefill_chunks=tuple(sorted(set(chunks))), decode_rows=tuple(sorted(set(rows))))
 
 
-def warm_before_ready(runner: SliceRunner) -> float:
+def spec_windows(topology: Topology, buckets: Buckets) -> tuple[int, ...]:
+    """The one-row verify windows the driver can send (window buckets up to max_draft + 1), or ()
+    with speculation off."""
+    spec = topology.driver.speculative
+    if not spec.enabled:
+        return ()
+    return tuple(n for n in buckets.window_lens if 1 < n <= spec.max_draft + 1)
+
+
+def warm_before_ready(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
     """Compile what a stage serves before it says READY, so no request pays a compile: decode
     with 1 and 2 rows and every prefill chunk, each at every attention length up to the capacity.
     Compiled ahead of time and not run, each shape costs its trace and lowering plus XLA's compile
     or a persistent-cache read (scripts/stage_start.py splits them): about 0.3 s a shape with the
-    cache warm, so 1- and 2-row decode at every length is cheap enough to do before READY."""
+    cache warm, so 1- and 2-row decode at every length is cheap enough to do before READY. With
+    speculation on, one-row verify windows (`windows`) too; windows of several rows compile on first use."""
     rows = runner.buckets.decode_rows[:2]
-    return runner.warmup(rows=rows, chunks=runner.buckets.prefill_chunks, attn_lens=runner.attn_buckets())
+    return runner.warmup(rows=rows, chunks=runner.buckets.prefill_chunks, attn_lens=runner.attn_buckets(),
+                         windows=windows)
 
 
 def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
@@ -111,7 +122,7 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     runner = SliceRunner(cfg, params, stage.start, stage.end,
                          KVConfig(lanes=stage.kv_lanes, capacity=capacity, dtype=stage.kv_dtype), buckets, device)
     t1 = time.perf_counter()
-    warm_before_ready(runner)
+    warm_before_ready(runner, spec_windows(topology, buckets))
     logger.info("stage {} layers [{}, {}) on {}: restored in {:.1f}s, compiled in {:.1f}s", stage.id,
                 stage.start, stage.end, where.device, t1 - t0, time.perf_counter() - t1)
     info = StageInfo(stage.id, first=stage.start == 0, last=stage.end == cfg.n_layers, width=cfg.d_model)

@@ -45,8 +45,7 @@ class RestoreRoutes:
         w = self.worker
         session = w._acquire(msg.session_id, msg.request_id)
         w.lock.run(lambda: w.runner.write_kv(session.lane, entry.k, entry.v))
-        session.length = entry.length
-        session.tokens = [int(t) for t in prefix]
+        session.reset([int(t) for t in prefix[:entry.length]])
         return session
 
     def _event(self, route: Route, msg: Message, matched: int, t0: float, compute_ms: float = 0.0,
@@ -105,7 +104,7 @@ class RestoreRoutes:
                 params = SamplingParams.from_dict(msg.extras["sampling"])
             except (TypeError, ValueError) as exc:
                 raise StageFault(f"bad sampling configuration: {exc}", "bad_sampling") from exc
-            session.sampler = Sampler(params, msg.tokens.tolist())
+            session.set_sampler(Sampler(params, msg.tokens.tolist(), choice=int(msg.extras.get("choice", 0))))
         # `current` runs as an ordinary one-token DECODE at its absolute position.
         position = entry.length
         decode = Message(Kind.DECODE, msg.request_id, msg.session_id, position=position,

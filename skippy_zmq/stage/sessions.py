@@ -21,6 +21,38 @@ class Session:
     tokens: list[int] = field(default_factory=list)   # ids at positions [0, length) (prefix-store keys)
     last_used: float = field(default_factory=time.monotonic)
 
+    # The one owner of how far the session reaches: auto-align, TRIM_SESSION, rejected drafts and
+    # restores all go through these two, so KV length, token ids and the sampler's penalty
+    # history never disagree.
+
+    def truncate(self, position: int) -> None:
+        """Forget everything at positions >= `position` (KV past it is overwritten before it is read)."""
+        position = max(int(position), 0)
+        if self.length > position:
+            self.length = position
+            del self.tokens[position:]
+        if self.sampler is not None:
+            self.sampler.truncate(self.length)
+
+    def append(self, tokens: list[int]) -> None:
+        """Record `tokens` at positions [length, length + len(tokens)) after their KV was written."""
+        if self.sampler is not None:
+            self.sampler.put(self.length, tokens)
+        self.tokens.extend(tokens)
+        self.length += len(tokens)
+
+    def set_sampler(self, sampler: Any) -> None:
+        """Sample this session with `sampler` (final stage), told what the session already holds."""
+        held = self.tokens[sampler.length:self.length]
+        if held:
+            sampler.put(sampler.length, held)
+        self.sampler = sampler
+
+    def reset(self, tokens: list[int]) -> None:
+        """The session now holds exactly `tokens` at [0, len) (a prefix restore)."""
+        self.truncate(0)
+        self.append(tokens)
+
 
 class SessionTable:
     def __init__(self, lanes: int, idle_timeout_s: float = 300.0):

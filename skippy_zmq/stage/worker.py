@@ -117,7 +117,8 @@ class StageWorker:
             raise StageFault(str(exc), "lanes_busy") from exc
 
     def _align(self, session_id: int, request_id: int, position: int, n: int = 1) -> Any:
-        """Acquire the session and make its KV end at `position` (trim KV that is ahead).
+        """Acquire the session and make it end at `position` (auto-align: positions are absolute, so
+        KV ahead of a row's start, such as a rejected draft's, is simply truncated).
 
         Everything is checked before a lane is taken, so a refused message holds none.
         """
@@ -130,9 +131,7 @@ class StageWorker:
             raise StageFault(f"session {session_id} has KV up to position {length}, message starts at {position}",
                              "kv_gap")
         session = self._acquire(session_id, request_id)
-        if session.length > position:
-            session.length = position          # auto-align: positions are absolute
-            del session.tokens[position:]
+        session.truncate(position)
         return session
 
     def _trace(self, msg: Message, compute_ms: float, rows: int) -> dict[str, Any]:
@@ -149,85 +148,122 @@ class StageWorker:
         if self.info.last:
             try:
                 params = SamplingParams.from_dict(msg.extras.get("sampling", {}))
+                choice = int(msg.extras.get("choice", 0))
             except (TypeError, ValueError) as exc:
                 raise StageFault(f"bad sampling configuration: {exc}", "bad_sampling") from exc
-            session.sampler = Sampler(params, msg.tokens.tolist())
-            for token in msg.extras.get("generated", []):   # a resumed session replays its history
-                session.sampler.accept(int(token))
+            session.set_sampler(Sampler(params, msg.tokens.tolist(), choice=choice))
             return []
         return [Outbound(NEXT, msg)]
 
     def on_prefill(self, msg: Message) -> list[Outbound]:
-        n = int(msg.tokens.shape[0])     # token ids travel with activations to every stage
-        if n == 0:
+        if msg.tokens.shape[0] == 0:
             raise StageFault("PREFILL carries no tokens", "empty")
-        session = self._align(msg.session_id, msg.request_id, msg.position, n)
-        x = self._inputs(msg, n)
-        output = "none" if self.info.last else "hidden"
-        t0 = time.perf_counter()
-        hidden = self.lock.run(lambda: self.runner.prefill(session.lane, x, msg.position, output=output))
-        compute_ms = 1000 * (time.perf_counter() - t0)
-        session.length = msg.position + n
-        session.tokens.extend(msg.tokens.tolist())
-        self.counters["tokens"] += n
-        if "record" in msg.extras:
-            namespace = str(msg.extras["record"])
-            self.deferred.append(lambda: self.record(session, namespace))
-        extras = self._trace(msg, compute_ms, 1)
-        if self.info.last:
-            return [Outbound(DRIVER, Message.ack(msg.request_id, msg.session_id,
-                                                 {"prefilled": session.length, "trace": extras["trace"]}))]
-        return [Outbound(NEXT, replace(msg, activation=hidden, extras=extras))]
+        return self.on_rows(msg, score=False)
 
     def on_decode(self, msg: Message) -> list[Outbound]:
-        sessions = msg.session_ids
-        rows = len(sessions)
-        positions = msg.positions if msg.positions is not None else np.array([msg.position], np.int32)
-        if positions.shape[0] != rows or msg.tokens.shape[0] != rows:
-            raise StageFault(f"DECODE needs one token and one position per row ({rows} rows)", "bad_rows")
-        if rows > self.runner.buckets.decode_rows[-1]:
-            raise StageFault(f"{rows} rows exceed this stage's largest batch of {self.runner.buckets.decode_rows[-1]}",
-                             "too_many_rows")
-        if len(set(sessions.tolist())) != rows:
-            raise StageFault("a DECODE names the same session in more than one row", "bad_rows")
-        x = self._inputs(msg, rows)
+        return self.on_rows(msg, score=True)
+
+    def _rows(self, msg: Message) -> list[tuple[int, int, int, int]]:
+        """(session, start position, offset into tokens, length) of every row, checked."""
+        sessions, lengths = msg.session_ids.tolist(), msg.row_lengths
+        n = int(msg.tokens.shape[0])
+        if len(lengths) != len(sessions) or int(lengths.sum()) != n:
+            raise StageFault(f"{len(sessions)} rows with lengths {lengths.tolist()} do not cover {n} tokens",
+                             "bad_rows")
+        if len(set(sessions)) != len(sessions):
+            raise StageFault(f"a {msg.kind.name} names the same session in more than one row", "bad_rows")
+        positions = msg.positions
+        if positions is not None and positions.shape[0] != n:
+            raise StageFault(f"{msg.kind.name} needs one position per token ({n} tokens)", "bad_rows")
+        rows, offset = [], 0
+        for sid, length in zip(sessions, lengths.tolist()):
+            start = int(positions[offset]) if positions is not None else msg.position + offset
+            if positions is not None and not np.array_equal(positions[offset:offset + length],
+                                                            np.arange(start, start + length)):
+                raise StageFault(f"row of session {sid} has positions that are not consecutive", "bad_rows")
+            rows.append((sid, start, offset, length))
+            offset += length
+        return rows
+
+    def on_rows(self, msg: Message, score: bool) -> list[Outbound]:
+        """The one path for rows of work: a prefill chunk (one row, no scores), batched decode (rows
+        of one token) and verify windows (rows of k+1 tokens), all scored at every position.
+
+        Each row is aligned to its start (truncating KV ahead of it), computed in one jitted call,
+        and appended; the final stage samples every scored position with the row's own sampler
+        and returns them to the driver, which alone decides what is accepted.
+        """
+        rows = self._rows(msg)
+        n = int(msg.tokens.shape[0])
+        if len(rows) > self.runner.buckets.decode_rows[-1]:
+            raise StageFault(f"{len(rows)} rows exceed this stage's largest batch of "
+                             f"{self.runner.buckets.decode_rows[-1]}", "too_many_rows")
+        longest = max(length for *_, length in rows)
+        if score and longest > self.runner.buckets.window_lens[-1]:
+            raise StageFault(f"a row of {longest} tokens exceeds this stage's largest window of "
+                             f"{self.runner.buckets.window_lens[-1]}", "too_many_tokens")
+        x = self._inputs(msg, n)
         out: list[Outbound] = []
         keep, lanes = [], []
-        for i, sid in enumerate(sessions.tolist()):
+        for row in rows:
             try:
-                lanes.append(self._align(sid, msg.request_id, int(positions[i])).lane)
-                keep.append(i)
+                lanes.append(self._align(row[0], msg.request_id, row[1], row[3]).lane)
+                keep.append(row)
             except StageFault as fault:
-                out.append(self.error(msg.request_id, sid, fault.reason, fault.code))
+                out.append(self.error(msg.request_id, row[0], fault.reason, fault.code))
         if not keep:
             return out
-        if len(keep) < rows:
-            idx = np.asarray(keep)
-            sessions, positions, x = sessions[idx], positions[idx], x[idx]
-            msg = replace(msg, sessions=sessions, session_id=int(sessions[0]), tokens=msg.tokens[idx],
-                          positions=positions)
+        if len(keep) < len(rows):
+            idx = np.concatenate([np.arange(off, off + length) for _, _, off, length in keep])
+            x, tokens = x[idx], msg.tokens[idx]
+            sessions = np.array([sid for sid, *_ in keep], np.uint64)
+            extras = {k: v for k, v in msg.extras.items() if k != "lengths"}
+            if any(length != 1 for *_, length in keep):
+                extras["lengths"] = [length for *_, length in keep]
+            msg = replace(msg, sessions=sessions, session_id=int(sessions[0]), tokens=tokens,
+                          positions=msg.positions[idx] if msg.positions is not None else None,
+                          position=keep[0][1], extras=extras)
+            offsets = np.concatenate([[0], np.cumsum([length for *_, length in keep])])
+            keep = [(sid, start, int(offsets[i]), length) for i, (sid, start, _, length) in enumerate(keep)]
+        starts = np.array([start for _, start, _, _ in keep])
+        lengths = np.array([length for *_, length in keep])
+        output = "logits" if self.info.last and score else ("none" if self.info.last else "hidden")
+        lane_arr = np.asarray(lanes, np.int32)
         t0 = time.perf_counter()
-        result = self.lock.run(lambda: self.runner.decode(np.asarray(lanes, np.int32), x, positions))
+        if score:
+            result = self.lock.run(lambda: self.runner.step(lane_arr, x, starts, lengths, output))
+        else:   # a prefill: one row of any length, chunked by the runner
+            result = self.lock.run(lambda: self.runner.prefill(int(lane_arr[0]), x, int(starts[0]), output=output))
         compute_ms = 1000 * (time.perf_counter() - t0)
-        for sid, pos, tok in zip(sessions.tolist(), positions.tolist(), msg.tokens.tolist()):
-            session = self.sessions.get(sid)
-            session.length = pos + 1
-            session.tokens.append(tok)
-        self.counters["tokens"] += len(keep)
+        token_ids = msg.tokens.tolist()
+        for sid, _, off, length in keep:
+            self.sessions.get(sid).append(token_ids[off:off + length])
+        self.counters["tokens"] += int(lengths.sum())
+        if not score and "record" in msg.extras:
+            session, namespace = self.sessions.get(keep[0][0]), str(msg.extras["record"])
+            self.deferred.append(lambda: self.record(session, namespace))
         extras = self._trace(msg, compute_ms, len(keep))
         if not self.info.last:
             return out + [Outbound(NEXT, replace(msg, activation=result, extras=extras))]
+        if not score:
+            session = self.sessions.get(keep[0][0])
+            return out + [Outbound(DRIVER, Message.ack(msg.request_id, msg.session_id,
+                                                       {"prefilled": session.length, "trace": extras["trace"]}))]
         t1 = time.perf_counter()
-        tokens = [self._sample(sid, row) for sid, row in zip(sessions.tolist(), result)]
+        sampled: list[int] = []
+        for sid, start, off, length in keep:
+            sampled.extend(self._sampler(sid).sample_window(result[off:off + length], start,
+                                                            token_ids[off:off + length]))
         extras["trace"][-1]["sample_ms"] = round(1000 * (time.perf_counter() - t1), 3)
-        return out + [Outbound(DRIVER, Message.predicted_tokens(msg.request_id, sessions, tokens,
-                                                                {"trace": extras["trace"]}))]
+        return out + [Outbound(DRIVER, Message.predicted_tokens(
+            msg.request_id, [sid for sid, *_ in keep], sampled, {"trace": extras["trace"]},
+            lengths=lengths.tolist()))]
 
-    def _sample(self, session_id: int, logits: np.ndarray) -> int:
+    def _sampler(self, session_id: int) -> Sampler:
         session = self.sessions.get(session_id)
         if session.sampler is None:
-            session.sampler = Sampler(SamplingParams())
-        return session.sampler.sample(logits)
+            session.set_sampler(Sampler(SamplingParams(seed=0)))
+        return session.sampler
 
     def on_stop(self, msg: Message) -> list[Outbound]:
         for sid in msg.session_ids.tolist():
@@ -239,9 +275,8 @@ class StageWorker:
 
     def on_trim(self, msg: Message) -> list[Outbound]:
         session = self.sessions.get(msg.session_id)
-        if session is not None and session.length > msg.position:
-            session.length = max(msg.position, 0)
-            del session.tokens[session.length:]
+        if session is not None:
+            session.truncate(msg.position)
         return [] if self.info.last else [Outbound(NEXT, msg)]
 
     def run_deferred(self) -> None:

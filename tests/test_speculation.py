@@ -1,0 +1,235 @@
+"""Speculative decoding: verify windows through the stage chain give exactly the tokens of plain decoding.
+
+In-process chains of real StageWorkers (wire encode/decode between them) and the real Scheduler,
+on the tiny random model: its greedy output falls into loops, so n-gram drafts are proposed and
+mostly accepted, and every path (accept, early reject, bonus token, windows beside plain rows)
+is exercised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import TINY, random_ids
+from pipeline_helpers import CACHE, make_chain, make_scheduler, make_worker
+from skippy_zmq.driver.engine import GenRequest
+from skippy_zmq.driver.speculative import SpeculativeConfig, accepted_run
+from skippy_zmq.inproc import run_requests, tokens_of
+from skippy_zmq.sampling import Sampler, SamplingParams
+from skippy_zmq.wire import Kind, Message
+
+SPEC = SpeculativeConfig(method="ngram", max_draft=8, min_match=1, shared=False)
+
+
+def prompts() -> list[list[int]]:
+    """Prompts with repeats (so the prompt itself is a draft source) and without."""
+    looped = (random_ids(6, TINY.vocab_size, seed=3).tolist() * 4)[:21]
+    return [looped, random_ids(30, TINY.vocab_size, seed=30).tolist(), random_ids(9, TINY.vocab_size, seed=9).tolist()]
+
+
+def run(cuts: list[int], reqs: list[GenRequest], spec: SpeculativeConfig | None, **kw) -> dict[str, list]:
+    sched = make_scheduler(len(cuts) + 1, speculative=spec or SpeculativeConfig(), **kw)
+    events = run_requests(sched, make_chain(TINY, tiny_tree_of(), cuts), reqs)
+    run.last = sched   # type: ignore[attr-defined]
+    return events
+
+
+_TREE: dict = {}
+
+
+def tiny_tree_of() -> dict:
+    if not _TREE:
+        from skippy_zmq.model import weights
+        _TREE.update(weights.random_params(TINY, seed=0))
+    return _TREE
+
+
+def requests(sampling: SamplingParams = SamplingParams(), max_tokens: int = 40) -> list[GenRequest]:
+    return [GenRequest(f"r{i}", tuple(p), sampling, max_tokens=max_tokens, ignore_eos=True)
+            for i, p in enumerate(prompts())]
+
+
+def token_lists(events: dict[str, list]) -> dict[str, list[int]]:
+    return {rid: tokens_of(ev) for rid, ev in events.items()}
+
+
+@pytest.mark.parametrize("cuts", [[], [2], [1, 3]], ids=["1stage", "2stage", "3stage"])
+def test_greedy_tokens_are_identical_with_speculation_on_and_off(cuts):
+    reqs = requests()
+    off = token_lists(run(cuts, reqs, None))
+    on_events = run(cuts, reqs, SPEC)
+    counts = run.last.spec_counts   # type: ignore[attr-defined]
+    assert token_lists(on_events) == off
+    assert all(len(t) == 40 for t in off.values())
+    # The windows really ran, and most drafts of the looping output were accepted.
+    assert counts["windows"] >= 10 and counts["accepted"] >= counts["drafted"] // 2
+    final = on_events["r0"][-1]
+    assert final.finish_reason == "length"
+    spec = final.stats["speculative"]
+    assert spec["windows"] > 0 and spec["accepted"] <= spec["drafted"]
+
+
+def test_windows_ride_beside_plain_rows_in_one_decode():
+    """Concurrent sessions, one of which opted out: rows of one token and windows share DECODEs."""
+    reqs = requests()
+    reqs[1] = dataclasses.replace(reqs[1], speculative=False)
+    off = token_lists(run([2], reqs, None))
+    sched = make_scheduler(2, speculative=SPEC)
+    chain = make_chain(TINY, tiny_tree_of(), [2])
+    mixed = []
+
+    def spy(msg: Message) -> list:
+        if msg.kind == Kind.DECODE and len(set(msg.row_lengths.tolist())) > 1:
+            mixed.append(msg.row_lengths.tolist())
+        return send(msg)
+    send = chain.send
+    chain.send = spy   # type: ignore[method-assign]
+    assert token_lists(run_requests(sched, chain, reqs)) == off
+    assert mixed, "no DECODE carried a window beside a plain row"
+    assert sched.running == {}
+
+
+def test_seeded_sampling_is_identical_with_speculation_on_and_off():
+    params = SamplingParams(temperature=0.8, top_k=20, presence_penalty=0.3, repetition_penalty=1.1, seed=11)
+    reqs = requests(params, max_tokens=30)
+    off = token_lists(run([2], reqs, None))
+    assert token_lists(run([2], reqs, SPEC)) == off
+    assert token_lists(run([1, 3], reqs, SPEC)) == off
+    other = [dataclasses.replace(r, sampling=dataclasses.replace(params, seed=12)) for r in reqs]
+    assert token_lists(run([2], other, SPEC)) != off
+
+
+def test_max_tokens_and_eos_inside_a_window_stop_there():
+    reqs = requests(max_tokens=7)
+    for events in run([2], reqs, SPEC).values():
+        toks = tokens_of(events)
+        assert len(toks) == 7 and events[-1].finish_reason == "length"
+    # EOS: make the looping request's 5th plain token the EOS id; on and off stop at the same place.
+    plain = token_lists(run([2], requests(), None))["r0"]
+    eos = plain[12]
+    reqs = [dataclasses.replace(r, ignore_eos=False) for r in requests()]
+    sched_kw = dict(eos=frozenset({eos}))
+    off = {rid: tokens_of(ev) for rid, ev in run_requests(make_scheduler(2, **sched_kw),
+                                                          make_chain(TINY, tiny_tree_of(), [2]), reqs).items()}
+    on = run_requests(make_scheduler(2, speculative=SPEC, **sched_kw), make_chain(TINY, tiny_tree_of(), [2]), reqs)
+    assert token_lists(on) == off
+    assert off["r0"][-1] == eos and len(off["r0"]) <= 13
+    assert on["r0"][-1].finish_reason == "stop"
+
+
+def test_speculation_after_a_fused_prefix_restore():
+    """The second request restores prompt[:-1] and decodes in one pass (TRY_RESTORE_PREFILL_DECODE),
+    then drafts: same tokens as recomputing without the cache or the drafts."""
+    reqs = [requests()[0]]
+    off = tokens_of(run([2], reqs, None)["r0"])
+    sched = make_scheduler(2, cache=CACHE, speculative=SPEC)
+    chain = make_chain(TINY, tiny_tree_of(), [2], cache=CACHE)
+    first = tokens_of(run_requests(sched, chain, reqs)["r0"])
+    again = run_requests(sched, chain, [dataclasses.replace(reqs[0], request_id="again")])["again"]
+    assert first == off and tokens_of(again) == off
+    assert again[0].cached_tokens == len(reqs[0].prompt_ids) - 1 and sched.prefix_counts["hit"] == 1
+
+
+def test_resume_after_a_pause_inside_speculation_gives_the_same_tokens():
+    """Stages lose every session mid-request (a replacement stage); the driver re-prefills from
+    history and keeps drafting. Seeded sampling survives too: draws are keyed by position."""
+    params = SamplingParams(temperature=0.7, seed=5)
+    for sampling in (SamplingParams(), params):
+        reqs = requests(sampling, max_tokens=30)
+        want = token_lists(run([2], reqs, None))
+        sched = make_scheduler(2, speculative=SPEC)
+        chain = make_chain(TINY, tiny_tree_of(), [2])
+        events: dict[str, list] = {r.request_id: [] for r in reqs}
+        for r in reqs:
+            sched.submit(r, events[r.request_id].append)
+        steps, paused = 0, False
+        while sched.running or sched.queue or steps == 0:
+            steps += 1
+            if not paused and sum(len(tokens_of(e)) for e in events.values()) >= 20:
+                paused = True
+                sched.pause("test: a stage was replaced")
+                for w in chain.workers:
+                    w.sessions.release_all()
+                sched.resume()
+            for msg in sched.tick():
+                for stage_id, reply in chain.send(msg):
+                    sched.on_reply(stage_id, reply)
+            assert steps < 10_000
+        assert paused and token_lists(events) == want
+
+
+def test_a_window_row_verifies_every_position_and_a_rejected_tail_is_truncated():
+    """Direct to one whole-model worker: a DECODE row of current + drafts gets the target's token at
+    every position; the next row starts inside the window and the stage truncates to it."""
+    worker = make_worker(TINY, tiny_tree_of(), 0, TINY.n_layers)
+    prompt = random_ids(10, TINY.vocab_size, seed=1).tolist()
+    params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5)
+    worker.handle(Message(Kind.CONFIGURE_GENERATION, 1, 7, tokens=np.array(prompt, np.int32),
+                          extras={"sampling": params.to_dict()}))
+    worker.handle(Message(Kind.PREFILL, 2, 7, position=0, tokens=np.array(prompt[:-1], np.int32)))
+    plain, token, pos = [], prompt[-1], len(prompt) - 1
+    ref = make_worker(TINY, tiny_tree_of(), 0, TINY.n_layers)
+    ref.handle(Message(Kind.CONFIGURE_GENERATION, 1, 7, tokens=np.array(prompt, np.int32),
+                       extras={"sampling": params.to_dict()}))
+    ref.handle(Message(Kind.PREFILL, 2, 7, position=0, tokens=np.array(prompt[:-1], np.int32)))
+    for i in range(8):
+        [out] = ref.handle(Message(Kind.DECODE, 3 + i, 7, position=pos, tokens=np.array([token], np.int32)))
+        token, pos = int(out.message.tokens[0]), pos + 1
+        plain.append(token)
+    # A window whose first 3 drafts are right and the 4th wrong.
+    drafts = plain[:3] + [(plain[3] + 1) % TINY.vocab_size, 5, 6]
+    start = len(prompt) - 1
+    row = [prompt[-1]] + drafts
+    [out] = worker.handle(Message(Kind.DECODE, 20, 7, tokens=np.array(row, np.int32),
+                                  positions=np.arange(start, start + len(row), dtype=np.int32),
+                                  sessions=np.array([7], np.uint64), extras={"lengths": [len(row)]}))
+    assert out.message.kind == Kind.PREDICTED_TOKENS and out.message.row_lengths.tolist() == [7]
+    targets = out.message.tokens.tolist()
+    run_, accepted = accepted_run(drafts, targets)
+    assert accepted == 3 and run_ == plain[:4]
+    session = worker.sessions.get(7)
+    assert session.length == start + len(row)
+    # Next row: the accepted run's last token at its position; the stage truncates the rejected tail.
+    nxt = start + len(run_)
+    [out] = worker.handle(Message(Kind.DECODE, 21, 7, position=nxt, tokens=np.array([run_[-1]], np.int32)))
+    assert int(out.message.tokens[0]) == plain[4]
+    assert session.length == nxt + 1 and session.tokens == prompt + plain[:4]
+    assert session.sampler.length == nxt + 1
+
+
+def test_window_rows_are_checked():
+    worker = make_worker(TINY, tiny_tree_of(), 0, TINY.n_layers)
+    base = dict(tokens=np.arange(3, 20, dtype=np.int32), sessions=np.array([1], np.uint64))
+    [out] = worker.handle(Message(Kind.DECODE, 1, 1, positions=np.arange(17, dtype=np.int32),
+                                  extras={"lengths": [17]}, **base))
+    assert out.message.extras["code"] == "too_many_tokens" and "largest window of 16" in out.message.extras["error"]
+    positions = np.array([0, 1, 3], np.int32)
+    [out] = worker.handle(Message(Kind.DECODE, 2, 1, tokens=np.array([3, 4, 5], np.int32), positions=positions,
+                                  sessions=np.array([1], np.uint64), extras={"lengths": [3]}))
+    assert out.message.extras["code"] == "bad_rows" and "not consecutive" in out.message.extras["error"]
+    assert worker.sessions.get(1) is None   # refused before a lane was taken
+
+
+def test_accepted_run():
+    assert accepted_run([5, 6, 7], [5, 6, 9, 1]) == ([5, 6, 9], 2)
+    assert accepted_run([5, 6], [5, 6, 8]) == ([5, 6, 8], 2)
+    assert accepted_run([], [4]) == ([4], 0)
+    assert accepted_run([1], [2, 3]) == ([2], 0)
+    with pytest.raises(ValueError, match="needs 3 target tokens"):
+        accepted_run([1, 2], [1])
+
+
+def test_sampler_window_equals_step_by_step_on_the_model():
+    """The final stage's sample_window over a window whose drafts are the plain tokens reproduces them."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
+    sampler = Sampler(params, [1, 2, 3])
+    logits = np.random.default_rng(0).normal(size=(4, TINY.vocab_size)).astype(np.float32)
+    steps = [sampler.choose(logits[0], 2)]
+    for j in range(1, 4):
+        sampler.put(2 + j, [steps[-1]])
+        steps.append(sampler.choose(logits[j], 2 + j))
+    again = Sampler(params, [1, 2, 3]).sample_window(logits, 2, [3] + steps[:3])
+    assert again == steps
