@@ -15,6 +15,7 @@ from skippy_zmq import transport, wire
 from skippy_zmq.driver.engine import GenRequest
 from skippy_zmq.driver.server import create_app, start_in_thread
 from skippy_zmq.generate import LocalEngine
+from skippy_zmq.sampling import SamplingParams
 from skippy_zmq.wire import Kind, Message
 
 
@@ -26,15 +27,38 @@ def local(model_dir):
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=["1stage", "2stage", "3stage"])
 def pipeline(request, model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"p{request.param}")
-    path = write_topology(tmp, model_dir, request.param)
+    # Speculation on: every test below runs through verify windows; requests with
+    # speculative=False decode plainly on the same stages.
+    path = write_topology(tmp, model_dir, request.param, driver__speculative={"method": "ngram", "max_draft": 8})
     with running_pipeline(path, tmp / "run") as running:
         yield running
 
 
-def pipeline_tokens(engine, ids, max_tokens=32, ignore_eos=True):
+def pipeline_tokens(engine, ids, max_tokens=32, ignore_eos=True, speculative=None, sampling=None):
+    extra = {"sampling": sampling} if sampling is not None else {}
     events = list(engine.generate_blocking(GenRequest("t", tuple(ids), max_tokens=max_tokens,
-                                                      ignore_eos=ignore_eos)))
+                                                      ignore_eos=ignore_eos, speculative=speculative, **extra)))
     return [e.token_id for e in events if e.token_id is not None], events[-1].finish_reason
+
+
+COPY = ("Repeat the following text exactly, then stop: The committee met on Tuesday to review the budget for "
+        "the new library. After a long discussion, members agreed to fund the children's section first and to "
+        "delay the renovation of the reading room until next spring.")
+
+
+def test_speculation_on_and_off_give_identical_tokens(pipeline, parity):
+    """Reference prompts and a copy prompt (whose windows are mostly accepted), greedy and seeded:
+    the same tokens with verify windows as with one token per round trip."""
+    engine, tokenizer = pipeline[0], pipeline[1]
+    copy = tokenizer.encode_chat([{"role": "user", "content": COPY}])
+    for ids in [c["prompt_ids"] for c in parity["prompts"]] + [copy]:
+        assert pipeline_tokens(engine, ids, 48) == pipeline_tokens(engine, ids, 48, speculative=False)
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    on = pipeline_tokens(engine, copy, 40, sampling=seeded)
+    assert on == pipeline_tokens(engine, copy, 40, sampling=seeded, speculative=False)
+    events = list(engine.generate_blocking(GenRequest("t", tuple(copy), max_tokens=48, ignore_eos=True)))
+    spec = events[-1].stats["speculative"]
+    assert spec["windows"] >= 3 and spec["accepted"] >= spec["drafted"] // 2, spec
 
 
 def test_greedy_through_the_pipeline_equals_transformers(pipeline, parity):
