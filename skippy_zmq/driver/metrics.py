@@ -8,6 +8,7 @@ own collectors next to these through `.registry` / `register()`.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.registry import Collector
@@ -18,6 +19,8 @@ NAMESPACE = "skippy"
 # latency is a pipeline round trip (milliseconds); durations span whole streams.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Per-request accepted / drafted drafts of speculative decoding.
+ACCEPTANCE_BUCKETS = tuple(round(0.1 * i, 1) for i in range(1, 11))
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 # errors_total{kind}: a small fixed vocabulary keyed by HTTP status.
@@ -60,6 +63,10 @@ class ServerMetrics:
         self.requests_in_flight = Gauge(
             "requests_in_flight", "Generation requests being served.", **common
         )
+        self.spec_acceptance_rate = Histogram(
+            "spec_acceptance_rate", "Speculative decoding: accepted / drafted draft tokens of a finished request "
+            "(requests that drafted at least one token).", buckets=ACCEPTANCE_BUCKETS, **common,
+        )
 
     def register(self, collector: Collector) -> None:
         """Hook for the engine/scheduler to publish its own metrics here."""
@@ -81,6 +88,11 @@ class ServerMetrics:
         self.generated_tokens_total.inc()
         histogram = self.time_to_first_token_seconds if first else self.inter_token_latency_seconds
         histogram.observe(seconds_since_previous)
+
+    def observe_speculation(self, spec: Mapping[str, Any] | None) -> None:
+        """A request's final `stats["speculative"]` ({windows, drafted, accepted}); None or nothing drafted: skipped."""
+        if spec and spec.get("drafted", 0) > 0:
+            self.spec_acceptance_rate.observe(spec.get("accepted", 0) / spec["drafted"])
 
     def in_flight(self, tracked: bool = True) -> AbstractContextManager[object]:
         return self.requests_in_flight.track_inprogress() if tracked else nullcontext()

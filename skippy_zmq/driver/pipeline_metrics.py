@@ -1,8 +1,10 @@
 """Pipeline metrics next to the HTTP ones: scheduler load, per-stage state from
-heartbeats, per-stage compute and lock wait from the traces replies carry."""
+heartbeats, per-stage compute and lock wait from the traces replies carry,
+speculative decoding's drafts and accepted runs."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterator
 
 from prometheus_client import Histogram
@@ -14,6 +16,7 @@ from skippy_zmq.driver.metrics import NAMESPACE, ServerMetrics
 
 COMPUTE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+ACCEPTED_LENGTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
 
 STAGE_COUNTERS = {"messages": "messages handled", "errors": "error replies sent", "tokens": "tokens computed",
                   "bytes_forwarded": "activation bytes sent to the next stage",
@@ -68,6 +71,55 @@ class PipelineCollector(Collector):
         yield from counters.values()
 
 
+def speculation_enabled(engine: Any) -> bool:
+    """The driver topology's driver.speculative (the scheduler's copy when there is no topology)."""
+    topology = getattr(engine, "topology", None)
+    spec = topology.driver.speculative if topology is not None else engine.scheduler.cfg.speculative
+    return bool(spec.enabled)
+
+
+class SpecCollector(Collector):
+    """Speculative decoding: the scheduler's cumulative counts, read at scrape time, and a
+    histogram of accepted drafts per verify window, fed by draining `spec_accepted_lengths`
+    (the pipeline thread appends one int per window) on every scrape."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self._lock = threading.Lock()   # two scrapes at once: one drains, both read consistent buckets
+        self.accepted_length = Histogram("spec_accepted_length", "Speculative decoding: draft tokens accepted per "
+                                         "verify window.", namespace=NAMESPACE, registry=None,
+                                         buckets=ACCEPTED_LENGTH_BUCKETS)
+
+    def drain(self) -> None:
+        sched = self.engine.scheduler
+        taken, sched.spec_accepted_lengths = sched.spec_accepted_lengths, []   # one swap: atomic under the GIL
+        for n in taken:
+            self.accepted_length.observe(n)
+
+    def collect(self) -> Iterator[Any]:
+        # Drain first, then read the counts: the scheduler counts a window before it appends its
+        # length, so a scrape never shows more histogram observations than windows.
+        with self._lock:
+            self.drain()
+            lengths = list(self.accepted_length.collect())
+        counts = dict(self.engine.scheduler.spec_counts)
+        yield GaugeMetricFamily(f"{NAMESPACE}_spec_enabled", "1 when the driver's topology has speculative "
+                                "decoding on (driver.speculative.method is not off).",
+                                value=1.0 if speculation_enabled(self.engine) else 0.0)
+        for name, value, help_text in (
+                ("drafted_tokens", counts["drafted"], "draft tokens sent for verification"),
+                ("accepted_tokens", counts["accepted"], "draft tokens the target accepted"),
+                ("rejected_tokens", counts["drafted"] - counts["accepted"], "draft tokens the target rejected "
+                 "(drafted - accepted)"),
+                ("windows", counts["windows"], "verify windows that carried at least one draft; windows per "
+                 "second: rate(skippy_spec_windows_total[1m])"),
+                ("plain_steps", counts["plain_steps"], "decode steps of speculating sessions that carried no "
+                 "draft")):
+            yield CounterMetricFamily(f"{NAMESPACE}_spec_{name}", f"Speculative decoding: {help_text}.",
+                                      value=float(value))
+        yield from lengths
+
+
 class TraceMetrics:
     """Histograms fed by the per-stage trace that PREDICTED_TOKENS and ACK replies carry."""
 
@@ -94,4 +146,5 @@ class TraceMetrics:
 
 def attach(engine: Any, metrics: ServerMetrics) -> None:
     metrics.register(PipelineCollector(engine))
+    metrics.register(SpecCollector(engine))
     engine.on_reply_hooks.append(TraceMetrics(metrics).on_reply)
