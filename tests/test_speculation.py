@@ -233,3 +233,19 @@ def test_sampler_window_equals_step_by_step_on_the_model():
         steps.append(sampler.choose(logits[j], 2 + j))
     again = Sampler(params, [1, 2, 3]).sample_window(logits, 2, [3] + steps[:3])
     assert again == steps
+
+
+@pytest.mark.slow
+def test_local_engine_speculation_on_the_real_model(model_dir, parity):
+    """`generate --speculative ngram` (single process): identical greedy tokens, windows reported."""
+    from skippy_zmq.generate import LocalEngine
+
+    engine = LocalEngine(model_dir)
+    copy = engine.tokenizer.encode_chat([{"role": "user", "content": (
+        "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank.")}])
+    for ids in [c["prompt_ids"] for c in parity["prompts"][:2]] + [copy]:
+        off = engine.generate(ids, max_tokens=32, ignore_eos=True)
+        on = engine.generate(ids, max_tokens=32, ignore_eos=True, speculative=SPEC)
+        assert on.token_ids == off.token_ids and on.finish_reason == off.finish_reason
+    assert on.speculative["windows"] > 0
+    assert on.to_json()["speculative"]["accepted_per_step"] > 1.0
