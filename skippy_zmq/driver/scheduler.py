@@ -130,7 +130,8 @@ class Scheduler:
         spec = cfg.speculative
         self.shared = SharedIndex(spec) if spec.enabled and spec.shared else None
         self.spec_counts = {"windows": 0, "drafted": 0, "accepted": 0, "plain_steps": 0}
-        self.spec_accepted_lengths: list[int] = []   # accepted drafts per window since the last read (metrics)
+        # Accepted drafts per window since /metrics last drained it (swapped for []); bounded when nobody does.
+        self.spec_accepted_lengths: list[int] = []
 
     # ------------------------------------------------------------ requests
 
@@ -238,20 +239,22 @@ class Scheduler:
         """
         drafts, job.drafts = job.drafts, []
         run, accepted = accepted_run(drafts, targets)
-        for tok in run:
-            self._accept_token(job, tok, trace)
-            if job.done:
-                break
-        if drafts:
+        if drafts:   # counted first, so a request's final event includes the window it ends in
             self.spec_counts["windows"] += 1
             self.spec_counts["drafted"] += len(drafts)
             self.spec_counts["accepted"] += accepted
             self.spec_accepted_lengths.append(accepted)
+            if len(self.spec_accepted_lengths) > 100_000:
+                del self.spec_accepted_lengths[:50_000]
             if job.policy is not None:
                 job.policy.update(len(drafts), accepted)
         elif job.policy is not None:
             self.spec_counts["plain_steps"] += 1
             job.policy.on_plain_step()
+        for tok in run:
+            self._accept_token(job, tok, trace)
+            if job.done:
+                break
 
     def _accept_token(self, job: Job, tok: int, trace: list) -> None:
         job.generated.append(tok)

@@ -204,6 +204,8 @@ class TextStream:
 
     def _consume(self, event: TokenEvent) -> str:
         text = ""
+        if event.finish_reason is not None:
+            self.ctx.metrics.observe_speculation(event.stats.get("speculative"))
         if event.token_id is not None:
             now = time.perf_counter()
             self.ctx.metrics.observe_token(now - self._last_time, first=self.completion_tokens == 0)
