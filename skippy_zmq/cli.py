@@ -350,8 +350,9 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", help="every stage and the single engine: cpu | gpu:N | tpu:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--weights", default="f32", choices=["f32", "bf16", "int8", "q4"],
-                   help="stage weights for the pipeline, hops and prefix suites (single runs all three)")
+    p.add_argument("--weights", default=None, choices=["f32", "bf16", "int8", "q4"],
+                   help="stage weights for the pipeline, hops and prefix suites (default f32) and spec (default q4, "
+                        "the GGUF's levels); single runs all of them")
     p.add_argument("--stages", type=int_list, default=(1, 2, 3), help="pipeline stage counts, e.g. 2 or 1,2,3")
     p.set_defaults(func=cmd_bench)
 

@@ -31,7 +31,7 @@ def machine() -> dict[str, Any]:
 
 def stage_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """write_topology overrides that put every stage on the run's device, dtype and weights."""
-    return {"device": args.device, "dtype": args.dtype, "weights": args.weights}
+    return {"device": args.device, "dtype": args.dtype, "weights": args.weights or "f32"}
 
 
 def device_label(args: argparse.Namespace) -> str:

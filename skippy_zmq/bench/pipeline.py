@@ -275,7 +275,7 @@ def bench_pipeline(args: argparse.Namespace, tables: list[str], prior: dict[str,
                    "bubble_per_stage": " / ".join(f"{v:.2f}" for v in r["bubble"].values()),
                    **({"ratio_to_llama_cpp": round(r["agg_tok_s"] / peer["decode_tok_s"], 2)} if peer else {})}
                   for r in rows]
-    on = f"{args.device}, {args.dtype}, {args.weights} weights"
+    on = f"{args.device}, {args.dtype}, {args.weights or 'f32'} weights"
     tables.append(print_table(
         f"pipeline, 1 stream ({on}, {new_tokens} new tokens, {prompt_len}-token prompt, f32 wire)", one_stream,
         "decode_tok_s = 1000 / median inter-token ms (robust to a neighbour's CPU burst); "

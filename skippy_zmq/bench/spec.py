@@ -517,13 +517,9 @@ def llama_measured(gguf: Path, work: dict[str, list[list[int]]], new_tokens: int
 # ---------------------------------------------------------------- weights and rows
 
 
-def weights_given() -> bool:
-    """Whether the command line named --weights (the shared default, f32, is not this suite's)."""
-    return any(a == "--weights" or a.startswith("--weights=") for a in sys.argv[1:])
-
-
 def spec_weights(args: argparse.Namespace) -> str:
-    return args.weights if weights_given() else "q4"
+    """--weights, or q4 (the GGUF's own levels, so ours and llama.cpp compute from the same weights)."""
+    return getattr(args, "weights", None) or "q4"
 
 
 def q4_model(model: Path, gguf: Path | None) -> Path:
