@@ -4,9 +4,11 @@ Markdown tables, and the stage settings a run's `--device`/`--dtype` imply."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import time
+from pathlib import Path
 from typing import Any
 
 FILLER = ("The quick brown fox jumps over the lazy dog while the river runs past the old mill. "
@@ -73,3 +75,11 @@ def int_list(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def write_report(out_dir: str | Path, name: str, title: str, result: dict[str, Any], text: list[str]) -> None:
+    """A suite's own report beside bench.json: NAME.json (the result) and NAME.md (its tables)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.md").write_text(f"# {title}\n\n" + "\n".join(text))

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from skippy_zmq.bench import greedy
-from skippy_zmq.bench.common import print_table
+from skippy_zmq.bench.common import print_table, write_report
 from skippy_zmq.bench.peers import llama_cpp_available
 from skippy_zmq.bench.pipeline import measure, stream_prompts
 from skippy_zmq.bench.scale_procs import (logged_peak_gib, peak_rss_bytes, run_measured, stage_start_times,
@@ -241,10 +241,7 @@ def bench_scale(args: argparse.Namespace, tables: list[str], _prior: dict[str, A
     result = {"cases": results, "llama_cpp": llama_cpp_available(), "threads": os.cpu_count()}
     text = scale_tables(results)
     tables.extend(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "scale.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "scale.md").write_text("# skippy_zmq at scale (random weights, q4)\n\n" + "\n".join(text))
+    write_report(args.out, "scale", "skippy_zmq at scale (random weights, q4)", result, text)
     return result
 
 

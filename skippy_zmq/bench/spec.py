@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from skippy_zmq.bench.common import print_table, stage_overrides
+from skippy_zmq.bench.common import print_table, stage_overrides, write_report
 from skippy_zmq.bench.goals import _ratio, _row
 from skippy_zmq.bench.greedy import first_mismatch
 from skippy_zmq.bench.hops import hop_delay
@@ -649,10 +649,7 @@ def bench_spec(args: argparse.Namespace, tables: list[str], _prior: dict[str, An
     result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     text = spec_tables(result)
     tables.extend(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "spec.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "spec.md").write_text("# skippy_zmq speculative decoding (bench spec)\n\n" + "\n".join(text))
+    write_report(args.out, "spec", "skippy_zmq speculative decoding (bench spec)", result, text)
     return result
 
 

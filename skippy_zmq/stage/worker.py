@@ -167,6 +167,8 @@ class StageWorker:
         """(session, start position, offset into tokens, length) of every row, checked."""
         sessions, lengths = msg.session_ids.tolist(), msg.row_lengths
         n = int(msg.tokens.shape[0])
+        if n == 0 or (lengths < 1).any():
+            raise StageFault(f"every row of a {msg.kind.name} needs at least one token", "bad_rows")
         if len(lengths) != len(sessions) or int(lengths.sum()) != n:
             raise StageFault(f"{len(sessions)} rows with lengths {lengths.tolist()} do not cover {n} tokens",
                              "bad_rows")
