@@ -9,6 +9,16 @@ die by SIGKILL: either their own, armed through a fault file
 tool's, at the nth streamed token. A dead stage is restarted with
 `launch.restart_stage`, exactly as scripts/restart-stage.sh does.
 
+Speculation is on in a run that plays a speculating scenario: the topology's
+`driver.speculative`, or ngram with max_draft 8 in a copy of the topology
+written to the run directory when it is off (stages then also compile verify
+windows before READY: about 2 s more per restart on a 2-core CPU box). The
+"copy" prompt, whose answer repeats the prompt, speculates: its clean output
+must equal its speculation-off output (greedy identity), windows must have
+run, and its spec-window scenarios kill a stage on the nth DECODE carrying a
+verify window. Every other prompt opts out of drafting (the request's
+`speculative: false`), so those scenarios count plain DECODEs as before.
+
 It is a tool, not a test; tests/test_chaos.py plays each scenario once.
 """
 
@@ -27,6 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
+import yaml
 from loguru import logger
 
 from skippy_zmq import launch
@@ -36,6 +47,11 @@ from skippy_zmq.wire import Kind
 
 SHORT = "List the planets of the solar system and describe each one:"
 SENTENCE = "The quick brown fox jumps over the lazy dog while the river keeps running to the sea. "
+COPY = ("Repeat the following text exactly: The old lighthouse keeper climbed the stairs every evening to light "
+        "the lamp. Ships passing in the night could see its beam from miles away. He kept a log of every ship "
+        "he saw.\n\nThe old lighthouse keeper")
+SPECULATING = ("copy",)    # the prompts whose requests draft; every other one opts out
+SPECULATIVE = {"method": "ngram", "max_draft": 8}   # driver.speculative when the topology has it off
 MAX_TOKENS = 40
 DEATH_TIMEOUT_S = 60.0     # bound on waiting for an armed stage to die
 REQUEST_TIMEOUT_S = 180.0  # bound on a whole faulted request (detect + restart + generate)
@@ -47,12 +63,13 @@ class Fault:
     kind: Kind | None = None   # self-kill on the nth message of this kind (armed by file) ...
     nth: int = 1
     at_token: int = 0          # ... or the tool's SIGKILL once this many tokens have streamed
+    window: bool = False       # count only messages carrying a verify window (a row of more than one token)
 
 
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    prompt: str                # "short" | "long" | "restore"
+    prompt: str                # "short" | "long" | "restore" | "copy"
     faults: tuple[Fault, ...]  # played in order; a later fault on a stage hits its replacement
 
 
@@ -62,6 +79,7 @@ def scenarios() -> list[Scenario]:
         out.append(Scenario(f"mid-stream/{where}", "short", (Fault(where, Kind.DECODE, 12),)))
         out.append(Scenario(f"prefill-chunk/{where}", "long", (Fault(where, Kind.PREFILL, 2),)))
         out.append(Scenario(f"restore/{where}", "restore", (Fault(where, Kind.TRY_RESTORE_PREFILL_DECODE, 1),)))
+        out.append(Scenario(f"spec-window/{where}", "copy", (Fault(where, Kind.DECODE, 2, window=True),)))
     out.append(Scenario("two-at-once/first+last", "short", (Fault("first", at_token=12), Fault("last", at_token=12))))
     out.append(Scenario("same-twice/middle", "short", (Fault("middle", Kind.DECODE, 8), Fault("middle", Kind.DECODE, 8))))
     return out
@@ -74,6 +92,7 @@ class Round:
     error: str = ""
     detect_s: float | None = None
     resume_s: float | None = None
+    windows: int | None = None   # verify windows the request ran (speculating prompts only)
 
 
 @dataclass
@@ -86,8 +105,11 @@ class Outcome:
 class ChaosRun:
     """A launched topology plus what a round needs: stage processes, clean outputs, the fault directory."""
 
-    def __init__(self, topology_path: Path, run_dir: Path, timeout: float = 400.0):
-        self.topology_path, self.run_dir = Path(topology_path), Path(run_dir)
+    def __init__(self, topology_path: Path, run_dir: Path, timeout: float = 400.0, speculate: bool = True):
+        self.run_dir, self.speculate = Path(run_dir), speculate
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.topology_path = speculating_topology(Path(topology_path), self.run_dir) if speculate else \
+            Path(topology_path)
         self.topology: Topology = load_topology(self.topology_path)
         self.fault_dir = self.run_dir / "faults"
         self.fault_dir.mkdir(parents=True, exist_ok=True)
@@ -112,10 +134,25 @@ class ChaosRun:
         # "long" spans ~2.5 prefill chunks (~18 tokens a sentence); "restore" is long enough to be recorded.
         self.prompts = {"short": SHORT, "restore": SENTENCE * 8 + SHORT,
                         "long": SENTENCE * max(4, (5 * chunk) // (2 * 18))}
-        self.clean = {name: self.complete(text, f"clean-{name}") for name, text in self.prompts.items()}
+        if self.speculate:
+            self.prompts["copy"] = COPY
+        self.clean: dict[str, Outcome] = {}
+        self.clean_windows: dict[str, int] = {}
+        for name, text in self.prompts.items():
+            before = self.metric("spec_windows_total") or 0
+            self.clean[name] = self.complete(text, f"clean-{name}", speculative=name in SPECULATING)
+            if name in SPECULATING:
+                self.clean_windows[name] = int((self.metric("spec_windows_total") or 0) - before)
         for name, outcome in self.clean.items():
             if outcome.error or not outcome.text:
                 raise RuntimeError(f"the fault-free {name!r} run failed: {outcome.error or 'no text'}")
+        for name in [n for n in SPECULATING if n in self.prompts]:   # greedy identity: drafts change no token
+            off = self.complete(self.prompts[name], f"clean-{name}-off", speculative=False)
+            if off.error or off.text != self.clean[name].text:
+                raise RuntimeError(f"the {name!r} prompt's output with speculation on differs from off: "
+                                   f"{self.clean[name].text!r} vs {off.error or off.text!r}")
+            if not self.clean_windows[name]:
+                raise RuntimeError(f"the {name!r} prompt ran no verify window: nothing was drafted")
         self.rounds_played = 0
 
     # ------------------------------------------------------------ plumbing
@@ -131,9 +168,10 @@ class ChaosRun:
         stages = self.topology.stages
         return {"first": stages[0], "middle": stages[len(stages) // 2], "last": stages[-1]}[where].id
 
-    def complete(self, prompt: str, namespace: str, on_token: Callable[[int], None] | None = None) -> Outcome:
+    def complete(self, prompt: str, namespace: str, on_token: Callable[[int], None] | None = None,
+                 speculative: bool = False) -> Outcome:
         body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                "stream": True, "prompt_cache_key": namespace}
+                "stream": True, "prompt_cache_key": namespace, "speculative": speculative}
         out = Outcome()
         try:
             with httpx.stream("POST", f"{self.base}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as resp:
@@ -156,20 +194,23 @@ class ChaosRun:
             out.error = f"{type(exc).__name__}: {exc}"
         return out
 
+    def metric(self, name: str, text: str | None = None) -> float | None:
+        text = text if text is not None else httpx.get(f"{self.base}/metrics", timeout=10).text
+        m = re.search(rf"^skippy_{name} ([0-9.e+-]+)$", text, re.M)
+        return float(m.group(1)) if m else None
+
     def failure_metrics(self) -> tuple[int, float | None, float | None]:
         text = httpx.get(f"{self.base}/metrics", timeout=10).text
-
-        def value(name: str) -> float | None:
-            m = re.search(rf"^skippy_{name} ([0-9.e+-]+)$", text, re.M)
-            return float(m.group(1)) if m else None
-        return int(value("stage_failures_total") or 0), value("last_failure_detect_seconds"), \
-            value("last_failure_resume_seconds")
+        return int(self.metric("stage_failures_total", text) or 0), \
+            self.metric("last_failure_detect_seconds", text), self.metric("last_failure_resume_seconds", text)
 
     # ------------------------------------------------------------ one round
 
     def play(self, scenario: Scenario) -> Round:
         self.rounds_played += 1
         namespace = f"chaos-{self.rounds_played}"
+        if scenario.prompt not in self.prompts:
+            return Round(scenario.name, False, f"this run has no {scenario.prompt!r} prompt (speculate=False)")
         prompt = self.prompts[scenario.prompt]
         if scenario.prompt == "restore":
             namespace = f"restore-{self.rounds_played}"
@@ -177,6 +218,8 @@ class ChaosRun:
             if warm.error:
                 return Round(scenario.name, False, f"warm-up failed: {warm.error}")
         failures_before = self.failure_metrics()[0]
+        speculating = scenario.prompt in SPECULATING
+        windows_before = self.metric("spec_windows_total") or 0
         pending = list(scenario.faults)
         kills: dict[str, threading.Event] = {}
         for f in pending:
@@ -193,22 +236,26 @@ class ChaosRun:
         result: list[Outcome] = []
         first = pending[0]
         if first.kind is not None:
-            faults.arm(self.fault_dir, self.stage_id(first.stage), first.kind, first.nth)
-        request = threading.Thread(target=lambda: result.append(self.complete(prompt, namespace, on_token)))
+            faults.arm(self.fault_dir, self.stage_id(first.stage), first.kind, first.nth, first.window)
+        request = threading.Thread(target=lambda: result.append(
+            self.complete(prompt, namespace, on_token, speculative=speculating)))
         request.start()
         error = self.reap_and_restart(scenario, request)
         request.join(REQUEST_TIMEOUT_S)
         outcome = result[0] if result else Outcome(error="the request did not finish")
         count, detect, resume = self.failure_metrics()
+        windows = int((self.metric("spec_windows_total") or 0) - windows_before) if speculating else None
         if not error and count <= failures_before:
             error = "the driver saw no stage failure"
         error = error or outcome.error
+        if not error and windows == 0:
+            error = "no verify window ran"
         identical = not error and outcome.text == self.clean[scenario.prompt].text
         if not identical and not error:
             error = "output differs from the fault-free run"
         self.wait_ready()
         return Round(scenario.name, identical, error, detect if count > failures_before else None,
-                     resume if count > failures_before else None)
+                     resume if count > failures_before else None, windows)
 
     def reap_and_restart(self, scenario: Scenario, request: threading.Thread) -> str:
         """Wait for each planned death (bounded), restart the stage, arm the next fault if any."""
@@ -221,7 +268,8 @@ class ChaosRun:
             while proc.poll() is None:
                 if not request.is_alive() or time.monotonic() > deadline:
                     (self.fault_dir / f"{sid}.json").unlink(missing_ok=True)
-                    return f"stage {sid} was never killed ({f.kind.name if f.kind else 'token'} fault did not fire)"
+                    what = f"{f.kind.name}{' window' if f.window else ''}" if f.kind else "token"
+                    return f"stage {sid} was never killed ({what} fault did not fire)"
                 try:
                     proc.wait(timeout=0.2)
                 except subprocess.TimeoutExpired:
@@ -234,8 +282,20 @@ class ChaosRun:
             faults_left = [g for g in faults_left if g not in together]
             if faults_left and faults_left[0].kind is not None:
                 nxt = faults_left[0]
-                faults.arm(self.fault_dir, self.stage_id(nxt.stage), nxt.kind, nxt.nth)
+                faults.arm(self.fault_dir, self.stage_id(nxt.stage), nxt.kind, nxt.nth, nxt.window)
         return ""
+
+
+def speculating_topology(path: Path, run_dir: Path) -> Path:
+    """`path` if its driver speculates, else a copy in `run_dir` with driver.speculative = SPECULATIVE."""
+    if load_topology(path).driver.speculative.enabled:
+        return path
+    raw = yaml.safe_load(path.read_text())
+    raw.setdefault("driver", {})["speculative"] = dict(SPECULATIVE)
+    out = run_dir / f"{path.stem}-speculative.yaml"
+    out.write_text(yaml.safe_dump(raw, sort_keys=False))
+    load_topology(out)   # validate
+    return out
 
 
 # ---------------------------------------------------------------- the table
@@ -247,10 +307,12 @@ def summarize(rounds: list[Round]) -> list[dict]:
         mine = [r for r in rounds if r.scenario == name]
         detect = [r.detect_s for r in mine if r.detect_s is not None]
         resume = [r.resume_s for r in mine if r.resume_s is not None]
+        windows = [r.windows for r in mine if r.windows is not None]
         rows.append({"scenario": name, "rounds": len(mine), "identical": sum(r.identical for r in mine),
                      "errors": sum(bool(r.error) for r in mine),
                      "median_detect_s": round(statistics.median(detect), 2) if detect else None,
-                     "median_resume_s": round(statistics.median(resume), 2) if resume else None})
+                     "median_resume_s": round(statistics.median(resume), 2) if resume else None,
+                     "median_windows": statistics.median(windows) if windows else None})
     return rows
 
 
@@ -268,7 +330,7 @@ def run(topology_path: Path, rounds: int, run_dir: Path, only: list[str] | None 
     if any(st.cache.mode == "disabled" for st in load_topology(topology_path).stages):
         logger.warning("the prefix cache is disabled on some stage: skipping the restore scenarios")
         chosen = [s for s in chosen if s.prompt != "restore"]
-    chaos = ChaosRun(topology_path, run_dir)
+    chaos = ChaosRun(topology_path, run_dir, speculate=any(s.prompt in SPECULATING for s in chosen))
     played: list[Round] = []
     try:
         for i in range(rounds):
