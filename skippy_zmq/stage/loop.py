@@ -78,7 +78,7 @@ class StageLoop:
             return
         decode_ms = round(1000 * (time.perf_counter() - t0), 3)
         if self.faults is not None:
-            self.faults.on_message(msg.kind)
+            self.faults.on_message(msg.kind, msg)
         self.send(self.worker.handle(msg), {"recv_ns": recv_ns, "decode_ms": decode_ms})
         self.worker.run_deferred()
 
