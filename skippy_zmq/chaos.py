@@ -51,7 +51,7 @@ COPY = ("Repeat the following text exactly: The old lighthouse keeper climbed th
         "the lamp. Ships passing in the night could see its beam from miles away. He kept a log of every ship "
         "he saw.\n\nThe old lighthouse keeper")
 SPECULATING = ("copy",)    # the prompts whose requests draft; every other one opts out
-SPECULATIVE = {"method": "ngram", "max_draft": 8}   # driver.speculative when the topology has it off
+SPECULATIVE = {"method": "ngram"}   # driver.speculative when the topology has it off
 MAX_TOKENS = 40
 DEATH_TIMEOUT_S = 60.0     # bound on waiting for an armed stage to die
 REQUEST_TIMEOUT_S = 180.0  # bound on a whole faulted request (detect + restart + generate)

@@ -17,7 +17,7 @@ from skippy_zmq.driver.speculative import (
     propose_draft,
 )
 
-CFG = SpeculativeConfig(method="ngram")
+CFG = SpeculativeConfig(method="ngram", max_draft=8)
 
 
 def cfg(**kw) -> SpeculativeConfig:
@@ -203,11 +203,15 @@ def test_policy_grows_on_full_accepts_and_shrinks_on_rejects():
     policy.update(8, 8)
     assert policy.k == 8
     policy.update(8, 2)
-    assert policy.k == 3
-    policy.update(3, 0)
+    assert policy.k == 4                                     # half the last window (more than 2 + 1)
+    policy.update(4, 3)
+    assert policy.k == 4                                     # the accepted run + 1
+    policy.update(4, 0)
+    assert policy.k == 2
+    policy.update(2, 0)
     assert policy.k == 1
-    assert (policy.windows, policy.drafted, policy.accepted) == (4, 23, 14)
-    assert policy.acceptance == pytest.approx(14 / 23)
+    assert (policy.windows, policy.drafted, policy.accepted) == (6, 30, 17)
+    assert policy.acceptance == pytest.approx(17 / 30)
 
 
 def test_policy_stops_after_eight_poor_windows_and_probes():
@@ -257,7 +261,7 @@ def test_policy_when_off_and_its_counters():
 
 def test_config_defaults_and_round_trip():
     default = SpeculativeConfig()
-    assert not default.enabled and (default.max_draft, default.min_match, default.max_match) == (8, 2, 8)
+    assert not default.enabled and (default.max_draft, default.min_match, default.max_match) == (15, 2, 8)
     assert SpeculativeConfig.from_dict({}) == default
     c = cfg(max_draft=4, shared=False, min_acceptance=1)
     assert c.enabled and c.min_acceptance == 1.0 and isinstance(c.min_acceptance, float)
@@ -274,7 +278,7 @@ def test_config_defaults_and_round_trip():
     ({"max_draft": True}, "max_draft: expected an integer, got True"),
     ({"max_draft": 33}, "max_draft: must be at most 32, got 33"),
     ({"max_draft": 0}, "max_draft: must be at least 1, got 0"),
-    ({"min_draft": 9}, "min_draft: must be at most max_draft (8), got 9"),
+    ({"min_draft": 16}, "min_draft: must be at most max_draft (15), got 16"),
     ({"min_match": 0}, "min_match: must be at least 1, got 0"),
     ({"min_match": 3, "max_match": 2}, "max_match: must be at least min_match (3), got 2"),
     ({"shared": "yes"}, "shared: expected true or false, got 'yes'"),

@@ -55,7 +55,7 @@ from skippy_zmq.bench.hops import hop_delay
 from skippy_zmq.bench.peers import find_gguf, llama_cpp_available
 from skippy_zmq.bench.pipeline import steady_tok_s
 
-SPECULATIVE: dict[str, Any] = {"method": "ngram", "max_draft": 8, "min_match": 2, "max_match": 8}
+SPECULATIVE: dict[str, Any] = {"method": "ngram"}   # the defaults (driver/speculative.py SpeculativeConfig)
 NEW_TOKENS, QUICK_TOKENS = 128, 32
 QUICK_PROMPTS = 2
 LOOKUP = (2, 10)                # LlamaPromptLookupDecoding(num_pred_tokens=...)
