@@ -141,11 +141,13 @@ def _check_schema(schema: dict[str, Any], path: str) -> None:
         import jsonschema  # optional: a full meta-schema check where the package is installed
     except ImportError:
         return
-    try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    try:   # against 2020-12 whatever "$schema" says: a client's "$schema" value is not trusted
+        jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as err:
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err.path)
         raise ToolError(f"{path}{where}", f"not a valid JSON schema: {err.message}") from None
+    except (RecursionError, ValueError, TypeError) as err:
+        raise ToolError(path, f"not a valid JSON schema: {type(err).__name__}") from None
 
 
 def _function_spec(raw: object, index: int) -> FunctionSpec:
