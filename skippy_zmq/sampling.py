@@ -441,14 +441,33 @@ class Sampler:
 
     Positions: ``history`` holds the input token at each position (prompt at
     [0, P)); the logits at position p predict the token at p + 1.
+
+    ``matcher`` (optional; a ``skippy_zmq.constrain.Matcher`` or anything with
+    its ``allows / advance / rollback / mask / apply``) constrains the output:
+    it follows the generated tokens exactly as the penalty history does (the
+    generated tokens are its input), and ``choose`` at position p masks the
+    (adjusted) logits with its mask for the state after the generated tokens
+    through p. It is synced lazily, in ``choose``: ``put`` and ``truncate`` only
+    note the first generated index that changed, so a window put by the
+    session and then walked by ``sample_window`` advances it once per token
+    and computes one mask per position. A generated token the matcher refuses
+    stops it there (``refused_at``): in a verify window such a draft cannot be
+    what the target chose at the position before it (that choice was masked),
+    so the driver rejects the window there, and outputs at later positions,
+    sampled unmasked, are never used. Without a matcher nothing here changes.
     """
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), choice: int = 0) -> None:
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), choice: int = 0,
+                 matcher: Any = None) -> None:
         self.params = params
         self.choice = int(choice)
         self.seed = int(params.seed) if params.seed is not None else secrets.randbits(63)
         self.history = TokenHistory(prompt_ids)
         self._vocab_checked: int | None = None
+        self.matcher = matcher
+        self._consumed: list[int] = []    # generated tokens the matcher has taken: a prefix of history.generated
+        self._dirty = 0                   # generated tokens from this index on may differ from _consumed
+        self.refused_at: int | None = None   # generated index of the first token the matcher refused (last sync)
 
     @property
     def generated(self) -> list[int]:
@@ -463,6 +482,8 @@ class Sampler:
     def truncate(self, length: int) -> None:
         """Forget generated tokens at positions >= length (never the prompt)."""
         self.history.truncate(length)
+        if self.matcher is not None:
+            self._dirty = min(self._dirty, max(0, int(length) - len(self.history.prompt)))
 
     def put(self, position: int, tokens: Sequence[int]) -> None:
         """truncate(position), then record tokens at position, position+1, ...
@@ -471,9 +492,41 @@ class Sampler:
         Raises ValueError if position > length (a gap).
         """
         self.history.put(position, tokens)
+        if self.matcher is not None:
+            self._dirty = min(self._dirty, max(0, int(position) - len(self.history.prompt)))
+
+    def _sync(self, count: int) -> bool:
+        """Bring the matcher to the state after the first `count` generated tokens; False when
+        one of them is refused (the matcher then stands just before it)."""
+        matcher, consumed, generated = self.matcher, self._consumed, self.history.generated
+        count = min(max(count, 0), len(generated))
+        same = min(self._dirty, len(consumed), count)
+        while same < min(len(consumed), count) and consumed[same] == generated[same]:
+            same += 1
+        if same < len(consumed):
+            matcher.rollback(len(consumed) - same)
+            del consumed[same:]
+        self._dirty = 1 << 62
+        self.refused_at = None
+        while len(consumed) < count:
+            token = generated[len(consumed)]
+            if not matcher.allows(token):
+                self.refused_at = len(consumed)
+                return False
+            matcher.advance(token)
+            consumed.append(token)
+        return True
+
+    def constraint_mask(self, position: int) -> np.ndarray | None:
+        """The matcher's mask (bool, vocab) for the token after `position`; None without a
+        matcher, or when a generated token through `position` is one it refuses."""
+        if self.matcher is None or not self._sync(position + 1 - len(self.history.prompt)):
+            return None
+        return self.matcher.mask()
 
     def choose(self, logits: np.ndarray, position: int) -> int:
-        """The token for position + 1 from logits [vocab] at position; no state change.
+        """The token for position + 1 from logits [vocab] at position; no state change (but a
+        matcher's, which only moves to where the history already is).
 
         Penalties use the history through position (which the history must
         hold: -1 <= position < length; -1 means an empty history) and the draw
@@ -485,15 +538,22 @@ class Sampler:
             raise ValueError(f"choose at position {position} needs -1 <= position < {length}, "
                              f"the positions the history holds")
         params = self.params
+        mask = None if self.matcher is None else self.constraint_mask(position)
         if params.greedy:
-            return int(np.argmax(logits))
+            if mask is None:
+                return int(np.argmax(logits))
+            return int(np.argmax(_masked(np.array(logits, dtype=np.float32, copy=True), mask)))
         if params.has_adjustments:
             if self._vocab_checked != logits.shape[-1]:
                 params.validate(logits.shape[-1])
                 self._vocab_checked = logits.shape[-1]
             if position + 1 < length:
                 history = history.prefix(position + 1)
-            logits = adjust_logits(logits, params, history)
+            logits = adjust_logits(logits, params, history)   # a copy
+            if mask is not None:
+                _masked(logits, mask)
+        elif mask is not None:
+            logits = _masked(np.array(logits, dtype=np.float32, copy=True), mask)
         if params.temperature == 0.0:
             return int(np.argmax(logits))
         ids, weights = _filtered_weights(logits, params)
@@ -532,6 +592,22 @@ class Sampler:
             history.put(start + j, tokens[j : j + 1])
             out.append(self.choose(row, start + j))
         return out
+
+
+def _masked(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Disallowed tokens' logits (and any past the mask's width) set to -inf, in place."""
+    width = mask.shape[-1]
+    if logits.shape[-1] < width:
+        raise ValueError(f"logits width {logits.shape[-1]} < constraint mask width {width}")
+    if np.count_nonzero(mask) * 16 < width:   # few allowed (JSON structure, enums): keep those, fill the rest
+        allowed = np.flatnonzero(mask)
+        kept = logits[..., allowed]
+        logits[...] = -np.inf
+        logits[..., allowed] = kept
+        return logits
+    logits[..., width:] = -np.inf
+    np.copyto(logits[..., :width], -np.inf, where=~mask)
+    return logits
 
 
 def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray) -> np.ndarray:

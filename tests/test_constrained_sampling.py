@@ -1,0 +1,157 @@
+"""Sampler + constraint matcher (skippy_zmq/sampling.py with skippy_zmq/constrain.py): the mask
+follows the generated tokens as the penalty history does, through windows, rejected drafts,
+truncation and puts; greedy and sampled outputs always parse."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from skippy_zmq.constrain import ConstraintSpec, Matcher, tokenizer_info
+from skippy_zmq.sampling import Sampler, SamplingParams
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "n": {"type": "integer"},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+          "required": ["name", "n", "tags"], "additionalProperties": False}
+PROMPT = [1, 2, 3, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def info(model_dir):
+    return tokenizer_info(model_dir)
+
+
+def sampler(info, params: SamplingParams = SamplingParams(), schema=SCHEMA) -> Sampler:
+    return Sampler(params, PROMPT, matcher=Matcher(ConstraintSpec("json_schema", schema), info))
+
+
+def reference_mask(info, generated: list[int], schema=SCHEMA) -> np.ndarray:
+    m = Matcher(ConstraintSpec("json_schema", schema), info)
+    for t in generated:
+        m.advance(t)
+    return m.mask()
+
+
+def random_logits(rng, vocab: int) -> np.ndarray:
+    return rng.standard_normal(vocab).astype(np.float32) * 3
+
+
+def decode_loop(s: Sampler, info, rng, limit: int = 200) -> list[int]:
+    """Plain step-by-step decoding as the stage does it: the token fed back is put, then scored."""
+    out: list[int] = []
+    position = len(PROMPT) - 1
+    while len(out) < limit:
+        token = s.choose(random_logits(rng, info.vocab_size), position)
+        out.append(token)
+        if token in info.eos_ids:
+            break
+        position += 1
+        s.put(position, [token])
+    return out
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=3),
+                                    SamplingParams(temperature=1.0, top_p=0.9, seed=4, presence_penalty=0.5,
+                                                   logit_bias={39428: -100})])
+def test_decoding_with_a_matcher_gives_valid_json(info, params):
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        out = decode_loop(sampler(info, params), info, rng)
+        assert out[-1] in info.eos_ids, "the constraint must end in EOS"
+        value = json.loads(info.tokenizer.decode(out[:-1]))
+        jsonschema.validate(value, SCHEMA)
+
+
+def test_no_matcher_greedy_is_plain_argmax():
+    rng = np.random.default_rng(0)
+    s = Sampler(SamplingParams(), PROMPT)
+    logits = random_logits(rng, 100)
+    assert s.choose(logits, 4) == int(np.argmax(logits))
+    assert s.constraint_mask(4) is None
+
+
+def test_window_masks_equal_step_by_step_masks(info):
+    """A verify window's positions are masked as if its drafts had been accepted one by one."""
+    text = '{"name": "ab", "n": 7, "tags": ["a"]}'
+    ids = info.tokenizer.encode(text)
+    s = sampler(info)
+    start = len(PROMPT) - 1
+    window = [PROMPT[-1]] + ids[:6]            # current token + 6 grammatical drafts
+    for j in range(len(window)):
+        s.put(start + j, window[j:j + 1])
+        mask = s.constraint_mask(start + j)
+        np.testing.assert_array_equal(mask, reference_mask(info, ids[:j]))
+    # sample_window over real logits: every output is allowed by its position's mask
+    rng = np.random.default_rng(1)
+    logits = np.stack([random_logits(rng, info.vocab_size) for _ in window])
+    outs = s.sample_window(logits, start, window)
+    for j, token in enumerate(outs):
+        assert reference_mask(info, ids[:j])[token]
+
+
+def test_a_disallowed_draft_stops_the_matcher_and_the_target_differs(info):
+    ids = info.tokenizer.encode('{"name": "x"')
+    bad = info.tokenizer.encode("}")[0]          # '}' is not allowed before "n" and "tags"
+    assert not reference_mask(info, ids)[bad]
+    s = sampler(info)
+    start = len(PROMPT) - 1
+    window = [PROMPT[-1]] + ids + [bad] + ids[:2]  # drafts: grammatical, then one refused, then more
+    rng = np.random.default_rng(2)
+    logits = np.stack([random_logits(rng, info.vocab_size) for _ in window])
+    logits[len(ids), bad] = 1e4                 # the model "wants" the bad token there
+    s.put(start, window)                        # as Session.append does before sampling
+    outs = s.sample_window(logits, start, window)
+    # the target at the position before the bad draft cannot be it: the driver rejects there
+    assert outs[len(ids)] != bad
+    assert reference_mask(info, ids)[outs[len(ids)]]
+    assert s.refused_at == len(ids)
+    for j in range(len(ids) + 1):
+        assert reference_mask(info, ids[:j])[outs[j]]
+
+
+def test_truncate_after_a_rejection_gives_the_same_masks(info):
+    ids = info.tokenizer.encode('{"name": "xy", "n": 12, "tags": []}')
+    bad = info.tokenizer.encode("]")[0]
+    s = sampler(info)
+    start = len(PROMPT) - 1
+    rng = np.random.default_rng(3)
+    window = [PROMPT[-1]] + ids[:5] + [bad, bad]
+    s.put(start, window)
+    s.sample_window(np.stack([random_logits(rng, info.vocab_size) for _ in window]), start, window)
+    # the driver accepted 3 drafts; the next row starts after them with the target's token
+    accepted = 3
+    s.truncate(start + 1 + accepted)
+    nxt = ids[accepted]
+    second = [nxt] + ids[accepted + 1:accepted + 4]
+    s.put(start + 1 + accepted, second)
+    for j in range(len(second)):
+        np.testing.assert_array_equal(s.constraint_mask(start + 1 + accepted + j),
+                                      reference_mask(info, ids[:accepted + 1 + j]))
+    # truncating back into the prompt resets to the start state
+    s.truncate(len(PROMPT))
+    np.testing.assert_array_equal(s.constraint_mask(len(PROMPT) - 1), reference_mask(info, []))
+
+
+def test_complete_output_allows_only_eos(info):
+    ids = info.tokenizer.encode('{"name": "", "n": 1, "tags": []}')
+    s = sampler(info, SamplingParams(temperature=1.0, seed=1))
+    s.put(len(PROMPT) - 1, [PROMPT[-1]] + ids)
+    position = len(PROMPT) - 1 + len(ids)
+    logits = np.zeros(info.vocab_size, np.float32)
+    logits[info.eos_ids[0]] = -50.0
+    for _ in range(5):
+        assert s.choose(logits, position) in info.eos_ids
+    mask = s.constraint_mask(position)
+    assert set(np.flatnonzero(mask).tolist()) == set(info.eos_ids)
+
+
+def test_padded_vocabulary_logits_past_the_tokenizer_are_masked(info):
+    s = sampler(info)
+    logits = np.zeros(info.vocab_size + 64, np.float32)
+    logits[-1] = 1e4                            # a padding row the tokenizer has no token for
+    token = s.choose(logits, len(PROMPT) - 1)
+    assert token < info.vocab_size and reference_mask(info, [])[token]
