@@ -30,6 +30,10 @@ class GenRequest:
     cache_key: str | None = None       # prompt_cache_key: prefix-cache namespace
     timeout_s: float | None = None     # deadline for the whole request
     speculative: bool | None = None    # False: never draft for this request (None: the driver's setting)
+    # Structured output: a constrain.ConstraintSpec.to_dict() the final stage enforces (None: free text).
+    # A constrained request always ends at EOS, ignore_eos or not: once the constraint is complete EOS
+    # is the only token it allows.
+    constraint: dict | None = field(default=None, hash=False, compare=False)
 
 
 @dataclass

@@ -16,14 +16,16 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 from starlette.requests import Request
 
+from skippy_zmq.constrain import ConstraintError, ConstraintSpec
+from skippy_zmq.driver import tools
 from skippy_zmq.driver.engine import GenRequest
 from skippy_zmq.model.tokenizer import TextTokenizer
 from skippy_zmq.sampling import SamplingParams
 
-CHAT_ROLES = ("system", "user", "assistant")
-ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 MAX_STOP_STRINGS = 4
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when the client sends none
+# A constraint travels to the final stage in a message's JSON extras (64 KiB at most on the wire).
+MAX_CONSTRAINT_BYTES = 48 * 1024
 
 
 class RequestError(Exception):
@@ -67,6 +69,7 @@ _TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stop": (lambda v: isinstance(v, (str, list)), "a string or a list of strings"),
     "logit_bias": (lambda v: isinstance(v, dict), "an object mapping token ids to numbers"),
     "top_k": (_is_int, "an integer"),
+    "response_format": (lambda v: isinstance(v, dict), 'an object such as {"type": "json_object"}'),
 }
 
 
@@ -79,11 +82,8 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v in (None, 1), "only n=1 is supported"),
     "logprobs": (lambda v: v in (None, False), "logprobs are not supported"),
     "top_logprobs": (lambda v: v in (None, 0), "logprobs are not supported"),
-    "tools": (lambda v: not v, "tool calling is not supported"),
-    "tool_choice": (_tool_choice_off, "tool calling is not supported"),
-    "functions": (lambda v: not v, "function calling is not supported"),
-    "function_call": (_tool_choice_off, "function calling is not supported"),
-    "response_format": (lambda v: v in (None, {"type": "text"}), 'only {"type": "text"} is supported'),
+    "functions": (lambda v: not v, "the deprecated functions parameter is not supported; use tools"),
+    "function_call": (_tool_choice_off, "the deprecated function_call parameter is not supported; use tool_choice"),
     "echo": (lambda v: not v, "echo is not supported"),
     "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
     "suffix": (lambda v: v in (None, ""), "suffix is not supported"),
@@ -185,40 +185,67 @@ def parse_options(body: Mapping[str, Any], vocab_size: int) -> GenOptions:
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """A validated chat or completions request; exactly one of messages/prompt is set."""
+    """A validated chat or completions request; exactly one of messages/prompt is set.
+
+    `constraint` is what the output must match (response_format, grammar, or the one tool call
+    of a required / named tool_choice), `constraint_param` the parameter it came from (for
+    errors); `toolset` the chat request's tools (NO_TOOLS otherwise)."""
 
     format: ResponseFormat
     options: GenOptions
-    messages: tuple[dict[str, str], ...] = ()
+    messages: tuple[dict[str, Any], ...] = ()
     prompt: str | tuple[int, ...] | None = None
+    constraint: ConstraintSpec | None = None
+    constraint_param: str | None = None
+    toolset: tools.ToolSet = tools.NO_TOOLS
+
+    @property
+    def output_prefix(self) -> str:
+        """Text the prompt ends with that belongs to the answer (a constrained tool call's tag)."""
+        return tools.constrained_prefix(self.toolset)
 
 
-def _message_text(content: object, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-    ):
-        return "\n".join(part["text"] for part in content)  # vLLM joins text parts the same way
-    raise RequestError(
-        f'messages[{index}].content must be a string or a list of {{"type": "text", "text": ...}} parts',
-        "messages",
-    )
+def parse_messages(raw: object) -> tuple[dict[str, Any], ...]:
+    """Chat messages, tool traffic included (tools.normalise_messages: `tool` messages, assistant
+    messages with `content: null` plus `tool_calls`)."""
+    try:
+        return tuple(tools.normalise_messages(raw))
+    except tools.ToolError as err:
+        raise RequestError(err.message, err.param) from None
 
 
-def parse_messages(raw: object) -> tuple[dict[str, str], ...]:
-    if not isinstance(raw, list) or not raw:
-        raise RequestError("messages must be a non-empty list", "messages")
-    messages = []
-    for index, message in enumerate(raw):
-        role = message.get("role") if isinstance(message, dict) else None
-        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
-        if role not in CHAT_ROLES:
-            raise RequestError(
-                f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got {_short(role)}", "messages"
-            )
-        messages.append({"role": role, "content": _message_text(message.get("content"), index)})
-    return tuple(messages)
+def parse_toolset(body: Mapping[str, Any]) -> tools.ToolSet:
+    try:
+        return tools.validate_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    except tools.ToolError as err:
+        raise RequestError(err.message, err.param) from None
+
+
+def parse_constraint(body: Mapping[str, Any]) -> tuple[ConstraintSpec | None, str | None]:
+    """The constraint of `response_format` and the `grammar` extension, and which one it is."""
+    try:
+        spec = ConstraintSpec.from_openai(body.get("response_format"), body.get("grammar"))
+    except ConstraintError as err:
+        param = err.param or "response_format"
+        raise RequestError(_named(param, str(err)), param) from None
+    return spec, (spec.param if spec is not None else None)
+
+
+def _named(param: str, message: str) -> str:
+    """Error messages start with the parameter they are about."""
+    return message if message.startswith(param) else f"{param}: {message}"
+
+
+def _tool_constraint(toolset: tools.ToolSet) -> ConstraintSpec | None:
+    """The JSON schema of the one call a required / named tool_choice allows, written after
+    tools.constrained_prefix (which the prompt ends with)."""
+    schema = tools.tool_call_schema(toolset)
+    if schema is None:
+        return None
+    try:
+        return ConstraintSpec("json_schema", schema)
+    except ConstraintError as err:
+        raise RequestError(_named("tools", str(err)), "tools") from None
 
 
 def parse_prompt(raw: object, vocab_size: int) -> str | tuple[int, ...]:
@@ -239,12 +266,44 @@ def parse_prompt(raw: object, vocab_size: int) -> str | tuple[int, ...]:
 
 def parse_chat(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
     messages = parse_messages(body.get("messages"))
-    return ParsedRequest(CHAT, parse_options(body, vocab_size), messages=messages)
+    options = parse_options(body, vocab_size)
+    toolset = parse_toolset(body)
+    constraint, param = parse_constraint(body)
+    if constraint is not None and toolset.active:
+        raise RequestError(f"{param}: cannot be combined with tools unless tool_choice is \"none\" "
+                           f"(the output could not be both a tool call and the {param})", param)
+    if toolset.constrained:
+        constraint, param = _tool_constraint(toolset), "tools"
+    return ParsedRequest(CHAT, options, messages=messages, constraint=constraint, constraint_param=param,
+                         toolset=toolset)
 
 
 def parse_completion(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
     prompt = parse_prompt(body.get("prompt"), vocab_size)
-    return ParsedRequest(COMPLETION, parse_options(body, vocab_size), prompt=prompt)
+    options = parse_options(body, vocab_size)
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if body.get(name) not in (None, [], "none"):
+            raise RequestError(f"{name}: tools are only supported on /v1/chat/completions", name)
+    constraint, param = parse_constraint(body)
+    return ParsedRequest(COMPLETION, options, prompt=prompt, constraint=constraint, constraint_param=param)
+
+
+def check_constraint(parsed: ParsedRequest, info: Any) -> None:
+    """Compile the request's constraint for the model's tokenizer (constrain.validate), so a bad
+    schema or grammar is a 400 naming its parameter here, not a failure mid-generation."""
+    if parsed.constraint is None:
+        return
+    from skippy_zmq.constrain import validate
+
+    param = parsed.constraint_param or parsed.constraint.param
+    size = len(json.dumps(parsed.constraint.to_dict(), ensure_ascii=False).encode())
+    if size > MAX_CONSTRAINT_BYTES:
+        raise RequestError(f"{param}: the constraint is {size} bytes as JSON; the limit is {MAX_CONSTRAINT_BYTES}",
+                           param)
+    try:
+        validate(parsed.constraint, info)
+    except ConstraintError as err:
+        raise RequestError(_named(param, str(err)), param) from None
 
 
 # ---------------------------------------------------------------- body and prompt
@@ -276,10 +335,15 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
 
 def encode_prompt(tokenizer: TextTokenizer, parsed: ParsedRequest) -> list[int]:
     if parsed.messages:
+        # Tool traffic becomes plain messages, the tool prompt goes into the system message
+        # (tools.messages_for_template); a constrained call's opening tag ends the prompt.
+        messages = tools.messages_for_template(parsed.messages, parsed.toolset)
         try:
-            return tokenizer.encode_chat(list(parsed.messages))
+            text = tokenizer.apply_chat_template(messages)
         except (TemplateError, ValueError, TypeError) as err:  # e.g. raise_exception() on role order
             raise RequestError(f"messages: the chat template failed: {err}", "messages") from None
+        # encode_chat's tokenisation (the template writes any BOS itself)
+        return tokenizer.encode(text + parsed.output_prefix, add_bos=False)
     if isinstance(parsed.prompt, str):
         try:
             return tokenizer.encode(parsed.prompt)
@@ -303,6 +367,7 @@ def to_gen_request(parsed: ParsedRequest, prompt_ids: list[int], request_id: str
         request_id=request_id, prompt_ids=tuple(prompt_ids), sampling=options.sampling,
         max_tokens=min(options.max_tokens or room, room), ignore_eos=options.ignore_eos,
         cache_key=options.cache_key, speculative=options.speculative,
+        constraint=parsed.constraint.to_dict() if parsed.constraint is not None else None,
     )
 
 
@@ -338,10 +403,21 @@ class ResponseFormat:
             "choices": choices,
         }
 
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        """The single choice of a non-streamed response."""
-        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+    def choice(self, text: str | None, finish_reason: str | None,
+               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The single choice of a non-streamed response (chat: with `tool_calls` when it made calls)."""
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            body: dict[str, Any] = {"message": message}
+        else:
+            body = {"text": text}
         return {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+
+    def delta_choice(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        """A streamed chat choice carrying a ToolCallStream delta ({"content"} or {"tool_calls"})."""
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
     def chunk_choice(self, text: str, finish_reason: str | None = None, opening: bool = False) -> dict[str, Any]:
         if not self.chat:

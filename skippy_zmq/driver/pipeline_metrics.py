@@ -22,7 +22,10 @@ STAGE_COUNTERS = {"messages": "messages handled", "errors": "error replies sent"
                   "bytes_forwarded": "activation bytes sent to the next stage",
                   "cache_hits": "prefix-store lookups that hit", "cache_misses": "prefix-store lookups that missed",
                   "cache_evictions": "prefix-store entries evicted", "cache_records": "prefix-store records",
-                  "fenced": "requests dropped as meant for a dead predecessor or an older chain view"}
+                  "fenced": "requests dropped as meant for a dead predecessor or an older chain view",
+                  "constraint_mask_seconds": "seconds computing structured-output token masks (final stage; "
+                                             "per token: rate of this / rate of constraint_masks)",
+                  "constraint_masks": "structured-output token masks computed (final stage)"}
 STAGE_GAUGES = {"cache_bytes": "bytes held by the prefix store", "cache_entries": "prefix-store entries",
                 "lanes_in_use": "KV lanes held by sessions",
                 "weight_bytes": "bytes of the weights it holds", "kv_bytes": "bytes of its KV arena",

@@ -144,7 +144,9 @@ class Scheduler:
             raise EngineError(f"server is at capacity ({len(self.running)} running, {len(self.queue)} queued)",
                               429, "overloaded", retry_after=1.0)
         timeout = req.timeout_s or self.cfg.request_timeout_s
-        eos = frozenset() if req.ignore_eos else self.eos_ids
+        # ignore_eos does not apply to a constrained request: once its constraint is complete the
+        # final stage allows nothing but EOS, so going on would only repeat EOS.
+        eos = frozenset() if req.ignore_eos and req.constraint is None else self.eos_ids
         if req.sampling.seed is None and req.sampling.temperature > 0:
             # Draws are keyed by (seed, choice, position): a seed fixed here makes a resumed or
             # speculated request draw what it would have drawn without either.
@@ -429,6 +431,8 @@ class Scheduler:
     def _configure(self, job: Job) -> Message:
         """Sampling config for the last stage; `generated` replays penalty history after a resume."""
         extras = {"sampling": job.req.sampling.to_dict()}
+        if job.req.constraint is not None:
+            extras["constraint"] = job.req.constraint
         if job.generated:
             extras["generated"] = job.generated
         return Message(Kind.CONFIGURE_GENERATION, next(self._ids), job.session_id,
@@ -460,9 +464,11 @@ class Scheduler:
         job.restoring, job.in_flight, job.cached, job.prefill_sent = "fused", True, matched, job.prefill_total
         self.restores[rid] = Batch({job.session_id}, time.monotonic())
         self.batches[rid] = Batch({job.session_id}, time.monotonic())   # its token arrives like a decode's
+        extras = {"namespace": job.namespace, "sampling": job.req.sampling.to_dict()}
+        if job.req.constraint is not None:
+            extras["constraint"] = job.req.constraint
         self.outbox.append(Message(Kind.TRY_RESTORE_PREFILL_DECODE, rid, job.session_id,
-                                   tokens=np.asarray(job.prompt, np.int32),
-                                   extras={"namespace": job.namespace, "sampling": job.req.sampling.to_dict()}))
+                                   tokens=np.asarray(job.prompt, np.int32), extras=extras))
 
     def _try_restore(self, job: Job, matched: int) -> None:
         """TRY_RESTORE_PREFILL of prompt[:matched]; the suffix is prefilled once it hit."""

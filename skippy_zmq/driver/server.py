@@ -30,11 +30,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from skippy_zmq.driver import tools
 from skippy_zmq.driver.engine import Engine, EngineError, GenRequest, TokenEvent
 from skippy_zmq.driver.metrics import ServerMetrics, error_kind
 from skippy_zmq.driver.openai_schema import (
-    CHAT, COMPLETION, ParsedRequest, RequestError, ResponseFormat, StopMatcher, encode_prompt, error_body,
-    parse_chat, parse_completion, read_json_body, to_gen_request, usage,
+    CHAT, COMPLETION, ParsedRequest, RequestError, StopMatcher, check_constraint, encode_prompt,
+    error_body, parse_chat, parse_completion, read_json_body, to_gen_request, usage,
 )
 from skippy_zmq.model.tokenizer import TextTokenizer
 
@@ -57,6 +58,22 @@ class ServerContext:
     api_key: str | None
     max_body_bytes: int
     created: int = field(default_factory=lambda: int(time.time()))
+    _constraint_info: Any = None
+    _constraint_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def constraint_info(self) -> Any:
+        """The grammar engine's view of the tokenizer (constrain.TokenizerInfo), built on first use,
+        to check constraints before they reach the final stage (which builds its own)."""
+        with self._constraint_lock:
+            if self._constraint_info is None:
+                from skippy_zmq.constrain import ConstraintError, TokenizerInfo
+
+                try:
+                    self._constraint_info = TokenizerInfo(self.tokenizer)
+                except ConstraintError as err:
+                    raise RequestError(f"response_format: structured output is not available: {err}",
+                                       "response_format") from None
+            return self._constraint_info
 
 
 class ClientDisconnected(Exception):
@@ -260,9 +277,21 @@ async def sse_events(ctx: ServerContext, stream: TextStream, parsed: ParsedReque
     try:
         if fmt.chat:
             yield chunk([fmt.chunk_choice("", opening=True)])
-        async for text in stream.deltas():
-            yield chunk([fmt.chunk_choice(text)])
-        yield chunk([fmt.chunk_choice("", stream.finish_reason)])
+        if parsed.toolset.active:
+            # Calls go out whole, one delta.tool_calls each, once their block closes; the text
+            # around them as content deltas (tools.ToolCallStream).
+            calls = tools.ToolCallStream(parsed.toolset)
+            calls.push(parsed.output_prefix)   # the opening tag the prompt ended with: held, never sent
+            async for text in stream.deltas():
+                for delta in calls.push(text):
+                    yield chunk([fmt.delta_choice(delta)])
+            for delta in calls.flush():
+                yield chunk([fmt.delta_choice(delta)])
+            yield chunk([fmt.chunk_choice("", tools.finish_reason(stream.finish_reason, len(calls.calls)))])
+        else:
+            async for text in stream.deltas():
+                yield chunk([fmt.chunk_choice(text)])
+            yield chunk([fmt.chunk_choice("", stream.finish_reason)])
         if include_usage:
             totals = usage(len(stream.request.prompt_ids), stream.completion_tokens, stream.cached_tokens)
             yield _sse({**fmt.envelope(response_id, created, ctx.model_name, [], chunk=True), "usage": totals})
@@ -298,6 +327,8 @@ async def _generate(request: Request, parse: Parser) -> Response:
     parsed: ParsedRequest = parse(await read_json_body(request, ctx.max_body_bytes), ctx.tokenizer.vocab_size)
     if not ctx.engine.is_ready():
         raise EngineError("the model is still loading", 503, "not_ready")
+    if parsed.constraint is not None:   # compile it now: a bad schema or grammar is a 400 naming its parameter
+        await run_in_threadpool(lambda: check_constraint(parsed, ctx.constraint_info()))
     prompt_ids = await run_in_threadpool(encode_prompt, ctx.tokenizer, parsed)
     gen_request = to_gen_request(parsed, prompt_ids, request.state.request_id, ctx.engine.max_context)
     stream = TextStream(ctx, gen_request, parsed.options.stop, request.state.arrival)
@@ -317,12 +348,19 @@ async def _generate(request: Request, parse: Parser) -> Response:
     finally:
         if not handed_off:
             await stream.close()
-    return JSONResponse(_full_response(ctx, parsed.format, stream, text))
+    return JSONResponse(_full_response(ctx, parsed, stream, text))
 
 
-def _full_response(ctx: ServerContext, fmt: ResponseFormat, stream: TextStream, text: str) -> dict[str, Any]:
+def _full_response(ctx: ServerContext, parsed: ParsedRequest, stream: TextStream, text: str) -> dict[str, Any]:
+    fmt = parsed.format
+    if parsed.toolset.active:   # the output's <tool_call> blocks become message.tool_calls
+        content, calls = tools.parse_tool_calls(parsed.output_prefix + text, parsed.toolset)
+        choice = fmt.choice(content, tools.finish_reason(stream.finish_reason, calls),
+                            [call.to_openai() for call in calls])
+    else:
+        choice = fmt.choice(text, stream.finish_reason)
     body = fmt.envelope(f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), ctx.model_name,
-                        [fmt.choice(text, stream.finish_reason)], chunk=False)
+                        [choice], chunk=False)
     body["usage"] = usage(len(stream.request.prompt_ids), stream.completion_tokens, stream.cached_tokens)
     return body
 

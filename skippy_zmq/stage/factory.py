@@ -128,4 +128,6 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     info = StageInfo(stage.id, first=stage.start == 0, last=stage.end == cfg.n_layers, width=cfg.d_model)
     worker = StageWorker(info, runner, SessionTable(stage.kv_lanes), make_store(topology, stage))
     worker.memory.update(memory_report(worker, need, where.memory))
+    if info.last:
+        worker.tokenizer_source = (topology.model_path, cfg.vocab_size)
     return worker

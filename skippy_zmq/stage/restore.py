@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from loguru import logger
 
-from skippy_zmq.sampling import Sampler, SamplingParams
 from skippy_zmq.stage.routing import Route, check_restore_tokens, decide_restore_route, decide_route
 from skippy_zmq.stage.types import DRIVER, NEXT, Outbound, StageFault
 from skippy_zmq.wire import Kind, Message
@@ -100,11 +99,7 @@ class RestoreRoutes:
             return [self._ack(msg, self._event(route, msg, 0, t0))]
         session = self._restore(msg, entry, prefix)
         if w.info.last and "sampling" in msg.extras:
-            try:
-                params = SamplingParams.from_dict(msg.extras["sampling"])
-            except (TypeError, ValueError) as exc:
-                raise StageFault(f"bad sampling configuration: {exc}", "bad_sampling") from exc
-            session.set_sampler(Sampler(params, msg.tokens.tolist(), choice=int(msg.extras.get("choice", 0))))
+            session.set_sampler(w.make_sampler(msg.extras, msg.tokens.tolist()))
         # `current` runs as an ordinary one-token DECODE at its absolute position.
         position = entry.length
         decode = Message(Kind.DECODE, msg.request_id, msg.session_id, position=position,

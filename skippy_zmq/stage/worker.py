@@ -66,6 +66,10 @@ class StageWorker:
         self.counters: dict[str, int] = {"messages": 0, "errors": 0, "tokens": 0, "bytes_forwarded": 0,
                                          "forwarded": 0, "encode_send_us": 0}
         self.memory: dict[str, int] = {}   # weight / KV / predicted bytes and budget (stage/factory.py)
+        # Final stage: the model directory (tokenizer.json) and logits width the constraint engine
+        # reads, set by stage/factory.py; its TokenizerInfo is built on the first constrained request.
+        self.tokenizer_source: tuple[Any, int | None] | None = None
+        self._constraint_info: Any = None
 
     def handle(self, msg: Message) -> list[Outbound]:
         self.counters["messages"] += 1
@@ -143,15 +147,39 @@ class StageWorker:
 
     # ------------------------------------------------------------ handlers
 
+    def constraint_info(self) -> Any:
+        """The constraint engine's view of this model's tokenizer (built once, on first use)."""
+        if self._constraint_info is None:
+            if self.tokenizer_source is None:
+                raise StageFault("this stage has no tokenizer to constrain output with", "bad_constraint")
+            from skippy_zmq.constrain import tokenizer_info
+
+            model_dir, vocab_size = self.tokenizer_source
+            self._constraint_info = tokenizer_info(model_dir, vocab_size)
+        return self._constraint_info
+
+    def make_sampler(self, extras: dict[str, Any], prompt: list[int]) -> Sampler:
+        """The final stage's sampler of a CONFIGURE_GENERATION (or fused restore): sampling params,
+        choice index and, when `extras["constraint"]` holds a ConstraintSpec dict, its matcher."""
+        try:
+            params = SamplingParams.from_dict(extras.get("sampling", {}))
+            choice = int(extras.get("choice", 0))
+        except (TypeError, ValueError) as exc:
+            raise StageFault(f"bad sampling configuration: {exc}", "bad_sampling") from exc
+        matcher = None
+        if extras.get("constraint") is not None:
+            from skippy_zmq.constrain import ConstraintError, ConstraintSpec, Matcher
+
+            try:
+                matcher = Matcher(ConstraintSpec.from_dict(extras["constraint"]), self.constraint_info())
+            except ConstraintError as exc:
+                raise StageFault(f"bad constraint: {exc}", "bad_constraint") from exc
+        return Sampler(params, prompt, choice=choice, matcher=matcher)
+
     def on_configure(self, msg: Message) -> list[Outbound]:
         session = self._acquire(msg.session_id, msg.request_id)
         if self.info.last:
-            try:
-                params = SamplingParams.from_dict(msg.extras.get("sampling", {}))
-                choice = int(msg.extras.get("choice", 0))
-            except (TypeError, ValueError) as exc:
-                raise StageFault(f"bad sampling configuration: {exc}", "bad_sampling") from exc
-            session.set_sampler(Sampler(params, msg.tokens.tolist(), choice=choice))
+            session.set_sampler(self.make_sampler(msg.extras, msg.tokens.tolist()))
             return []
         return [Outbound(NEXT, msg)]
 
@@ -253,13 +281,23 @@ class StageWorker:
                                                        {"prefilled": session.length, "trace": extras["trace"]}))]
         t1 = time.perf_counter()
         sampled: list[int] = []
+        answered: list[tuple[int, int]] = []   # (session, row length) of the rows sampled
         for sid, start, off, length in keep:
-            sampled.extend(self._sampler(sid).sample_window(result[off:off + length], start,
-                                                            token_ids[off:off + length]))
+            sampler = self._sampler(sid)
+            try:
+                sampled.extend(sampler.sample_window(result[off:off + length], start, token_ids[off:off + length]))
+            except Exception as exc:   # the constraint engine failed (a limit, a dead end): end this request only
+                if sampler.matcher is None:
+                    raise
+                out.append(self.error(msg.request_id, sid, f"constrained decoding failed: {exc}", "constraint_error"))
+                continue
+            answered.append((sid, length))
         extras["trace"][-1]["sample_ms"] = round(1000 * (time.perf_counter() - t1), 3)
+        if not answered:
+            return out
         return out + [Outbound(DRIVER, Message.predicted_tokens(
-            msg.request_id, [sid for sid, *_ in keep], sampled, {"trace": extras["trace"]},
-            lengths=lengths.tolist()))]
+            msg.request_id, [sid for sid, _ in answered], sampled, {"trace": extras["trace"]},
+            lengths=[length for _, length in answered]))]
 
     def _sampler(self, session_id: int) -> Sampler:
         session = self.sessions.get(session_id)
@@ -300,4 +338,7 @@ class StageWorker:
                "fenced": self.fence.dropped, **self.memory, "rss_bytes": rss_bytes()}
         if self.store is not None:
             out.update({f"cache_{k}": v for k, v in self.store.stats().items()})
+        if self.info.last:   # constrained decoding: time spent computing token masks, and how many
+            seconds, count = self._constraint_info.mask_stats.snapshot() if self._constraint_info else (0.0, 0)
+            out.update(constraint_mask_seconds=round(seconds, 6), constraint_masks=count)
         return out
