@@ -114,3 +114,25 @@ def test_weights_on_another_device_take_the_xla_path():
     moved = quant.for_device(params, types.SimpleNamespace(platform="gpu"))
     assert moved["layers"][0]["wq"].impl == "xla" and moved["layers"][0]["wq"].bits == 4
     assert moved["layers"][0]["attn_norm"] is params["layers"][0]["attn_norm"]
+
+
+def test_verify_windows_warm_at_the_first_length_before_ready_and_the_rest_while_idle(tiny_tree):
+    """A speculating stage compiles 1-row windows at the first attention length before READY and
+    leaves the other lengths to `window_warmups` (the loop runs them while idle); after both, no
+    window at any length compiles."""
+    from skippy_zmq.stage.factory import window_warmups
+
+    r = runner(tiny_tree)
+    warm_before_ready(r, windows=(2, 4))
+    windows = {(shape, attn) for shape, attn, out in r.stats.shapes if shape[1] > 1 and out == "logits"}
+    assert windows == {((1, 2), 128), ((1, 4), 128)}
+    later = window_warmups(r, (2, 4))
+    assert len(later) == 2 * len(r.attn_buckets())
+    for fn in later:
+        fn()
+    ids = random_ids(8, TINY.vocab_size, seed=3)
+    with counting_compiles() as compiles:
+        for start in (5, 200, 379):
+            for t in (2, 4):
+                r.step(np.array([0]), ids[:t], np.array([start]), np.array([t]))
+    assert compiles == []

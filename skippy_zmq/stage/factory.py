@@ -9,9 +9,10 @@ being OOM-killed mid-request.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from loguru import logger
@@ -87,16 +88,25 @@ def spec_windows(topology: Topology, buckets: Buckets) -> tuple[int, ...]:
     return tuple(n for n in buckets.window_lens if 1 < n <= spec.max_draft + 1)
 
 
+def window_warmups(runner: SliceRunner, windows: tuple[int, ...]) -> list[Callable[[], float]]:
+    """One compile per (verify window, attention length), for the stage loop to run while idle after
+    READY: before READY they would add ~3 s to every restart (16 shapes), and a window the driver
+    sends before its shape is warm just compiles on first use."""
+    return [functools.partial(runner.warmup, rows=(), windows=(t,), attn_lens=(a,), pairs=set())
+            for a in runner.attn_buckets() for t in windows]
+
+
 def warm_before_ready(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
     """Compile what a stage serves before it says READY, so no request pays a compile: decode
     with 1 and 2 rows and every prefill chunk, each at every attention length up to the capacity.
     Compiled ahead of time and not run, each shape costs its trace and lowering plus XLA's compile
     or a persistent-cache read (scripts/stage_start.py splits them): about 0.3 s a shape with the
-    cache warm, so 1- and 2-row decode at every length is cheap enough to do before READY. With
-    speculation on, one-row verify windows (`windows`) too; windows of several rows compile on first use."""
+    cache warm, so 1- and 2-row decode at every length is cheap enough to do before READY. `windows`:
+    one-row verify windows at the first attention length (contexts up to 256 tokens); the other
+    lengths are `window_warmups`, run after READY, and windows of several rows compile on first use."""
     rows = runner.buckets.decode_rows[:2]
-    return runner.warmup(rows=rows, chunks=runner.buckets.prefill_chunks, attn_lens=runner.attn_buckets(),
-                         windows=windows)
+    spent = runner.warmup(rows=rows, chunks=runner.buckets.prefill_chunks, attn_lens=runner.attn_buckets())
+    return spent + runner.warmup(rows=(), windows=windows, attn_lens=runner.attn_buckets(1), pairs=set())
 
 
 def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
@@ -128,6 +138,7 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     info = StageInfo(stage.id, first=stage.start == 0, last=stage.end == cfg.n_layers, width=cfg.d_model)
     worker = StageWorker(info, runner, SessionTable(stage.kv_lanes), make_store(topology, stage))
     worker.memory.update(memory_report(worker, need, where.memory))
+    worker.warm_later = window_warmups(runner, spec_windows(topology, buckets))
     if info.last:
         worker.tokenizer_source = (topology.model_path, cfg.vocab_size)
     return worker

@@ -111,9 +111,11 @@ class StageLoop:
         poller.register(self.sockets.pull, zmq.POLLIN)
         poller.register(self.sockets.dealer, zmq.POLLIN)
         while not self.stopping:
-            events = dict(poller.poll(250))
+            events = dict(poller.poll(20 if self.worker.warm_later else 250))
             if self.sockets.pull in events:
                 self.drain(DRAIN_BATCH)
+            elif self.worker.warm_later and not events:
+                self.worker.warm_later.pop(0)()   # idle: compile one more shape (a fraction of a second)
             self.check_driver()
             for sid in self.worker.sessions.reclaim_idle():
                 logger.warning("stage {} reclaimed idle session {}", self.stage.id, sid)

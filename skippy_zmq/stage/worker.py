@@ -66,6 +66,7 @@ class StageWorker:
         self.counters: dict[str, int] = {"messages": 0, "errors": 0, "tokens": 0, "bytes_forwarded": 0,
                                          "forwarded": 0, "encode_send_us": 0}
         self.memory: dict[str, int] = {}   # weight / KV / predicted bytes and budget (stage/factory.py)
+        self.warm_later: list[Callable[[], Any]] = []   # compiles the loop runs while idle, after READY
         # Final stage: the model directory (tokenizer.json) and logits width the constraint engine
         # reads, set by stage/factory.py; its TokenizerInfo is built on the first constrained request.
         self.tokenizer_source: tuple[Any, int | None] | None = None
