@@ -155,3 +155,27 @@ def test_padded_vocabulary_logits_past_the_tokenizer_are_masked(info):
     logits[-1] = 1e4                            # a padding row the tokenizer has no token for
     token = s.choose(logits, len(PROMPT) - 1)
     assert token < info.vocab_size and reference_mask(info, [])[token]
+
+
+def test_scheduler_sends_the_constraint_and_ends_constrained_requests_at_eos():
+    """CONFIGURE_GENERATION and the fused restore carry the constraint; ignore_eos does not
+    apply to a constrained request (its constraint allows nothing but EOS once complete)."""
+    from pipeline_helpers import CACHE, make_scheduler
+
+    from skippy_zmq.driver.engine import GenRequest
+    from skippy_zmq.wire import Kind
+
+    spec = ConstraintSpec("json_object").to_dict()
+    sched = make_scheduler(1, eos=frozenset({2}))
+    sched.submit(GenRequest("a", (5, 6, 7), constraint=spec, ignore_eos=True), lambda e: None)
+    sched.submit(GenRequest("b", (5, 6, 7), ignore_eos=True), lambda e: None)
+    configures = [m for m in sched.tick() if m.kind == Kind.CONFIGURE_GENERATION]
+    assert [m.extras.get("constraint") for m in configures] == [spec, None]
+    jobs = sorted(sched.running.values(), key=lambda j: j.req.request_id)
+    assert jobs[0].eos == frozenset({2}) and jobs[1].eos == frozenset()
+
+    cached = make_scheduler(1, cache=CACHE)
+    cached.index.add("default", [5, 6, 7, 8, 9, 10, 11, 12, 13])
+    cached.submit(GenRequest("c", tuple(range(5, 15)), constraint=spec), lambda e: None)
+    [fused] = [m for m in cached.tick() if m.kind == Kind.TRY_RESTORE_PREFILL_DECODE]
+    assert fused.extras["constraint"] == spec

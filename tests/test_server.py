@@ -404,3 +404,73 @@ def test_client_disconnect_non_streaming_cancels(server, engine):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.3)
     assert engine.wait_cancelled(timeout_s=5.0)
     assert time.monotonic() - started < 4.0 and engine.finished == []
+
+
+# ---------------------------------------------------------------- structured output and tools (fake engine)
+
+FN = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+
+
+@pytest.fixture
+def scripted(engine: FakeEngine):
+    """Tests that script the engine's output put the module's script back afterwards."""
+    saved = engine.script
+    yield
+    engine.script = saved
+
+
+def _script(engine: FakeEngine, tok: TextTokenizer, text: str) -> None:
+    engine.script = [*tok.encode(text), tok.eos_ids[0]]
+
+
+def test_response_format_and_grammar_reach_the_engine(client, engine, tok, scripted):
+    _script(engine, tok, '{"a": 1}')
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    resp = _chat(client, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    assert resp.choices[0].message.content == '{"a": 1}'
+    assert engine.requests[-1].constraint == {"kind": "json_schema", "schema": schema}
+    client.completions.create(model=MODEL, prompt="x", extra_body={"grammar": 'root ::= "a"'})
+    assert engine.requests[-1].constraint == {"kind": "grammar", "grammar": 'root ::= "a"', "syntax": "gbnf"}
+    _chat(client, response_format={"type": "text"})
+    assert engine.requests[-1].constraint is None
+
+
+def test_tool_calls_in_responses_and_deltas(client, engine, tok, scripted):
+    _script(engine, tok, 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 3}}\n</tool_call>')
+    resp = _chat(client, tools=[FN])
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("f", {"x": 3})
+    assert engine.requests[-1].constraint is None                  # auto: free text, parsed
+    chunks = list(_chat(client, tools=[FN], stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Let me check."
+    [streamed] = [tc for d in deltas for tc in d.tool_calls or []]
+    assert streamed.index == 0 and streamed.function.name == "f" and streamed.id.startswith("call_")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_tool_choice_constrains_after_the_opening_tag(client, engine, tok, scripted):
+    _script(engine, tok, '{"name": "f", "arguments": {"x": 5}}')
+    resp = _chat(client, tools=[FN], tool_choice="required")
+    assert resp.choices[0].finish_reason == "tool_calls" and resp.choices[0].message.content is None
+    request = engine.requests[-1]
+    assert tok.decode(list(request.prompt_ids)).endswith("<|im_start|>assistant\n<tool_call>\n")
+    assert request.constraint["kind"] == "json_schema"
+    assert request.constraint["schema"]["properties"]["name"] == {"const": "f"}
+    assert "# Tools" in tok.decode(list(request.prompt_ids))
+
+
+def test_tool_traffic_messages_are_rendered(client, engine, tok, scripted):
+    _script(engine, tok, "It is sunny.")
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, tools=[FN])
+    assert resp.choices[0].message.content == "It is sunny." and resp.choices[0].finish_reason == "stop"
+    prompt = tok.decode(list(engine.requests[-1].prompt_ids))
+    assert '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>' in prompt
+    assert "<tool_response>\nsunny\n</tool_response>" in prompt
