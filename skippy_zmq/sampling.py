@@ -424,6 +424,40 @@ def _search(cdf: np.ndarray, mass: np.ndarray, target: float) -> int:
     return index if index < cdf.size else int(np.flatnonzero(mass)[-1])
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+def check_top_logprobs(top_n: object) -> int:
+    """top_n as an int in [0, MAX_TOP_LOGPROBS]; ValueError otherwise."""
+    if not _is_int(top_n) or not 0 <= top_n <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_n!r}")
+    return int(top_n)
+
+
+def token_logprobs(adjusted_logits: np.ndarray, token: int, top_n: int = 0) -> tuple[float, list[tuple[int, float]]]:
+    """(log p(token), [(id, log p), ...] of the top_n most likely ids) under softmax(adjusted_logits).
+
+    The log-softmax is taken in float64 over the whole vocabulary, of the logits as given (in
+    serving: after logit bias, penalties and any constraint mask, before temperature and
+    top-k / top-p / min-p). The top list is ordered by logprob, highest first (ties: lower id
+    first) and leaves out ids whose logit is -inf (masked: they cannot be chosen), so it can be
+    shorter than top_n. A -inf chosen token's logprob is -inf. Pure.
+    """
+    x = np.asarray(adjusted_logits, dtype=np.float64).reshape(-1)
+    top = float(x.max())
+    if not math.isfinite(top):
+        raise ValueError(f"logits have no finite maximum (max={top})")
+    shifted = x - top
+    lse = math.log(float(np.exp(shifted).sum()))
+    logprob = float(shifted[int(token)] - lse)
+    n = min(int(top_n), x.size)
+    if n <= 0:
+        return logprob, []
+    ids = np.argpartition(shifted, x.size - n)[x.size - n:] if n < x.size else np.arange(x.size)
+    ids = ids[np.lexsort((ids, -shifted[ids]))]
+    return logprob, [(int(i), float(shifted[i] - lse)) for i in ids if shifted[i] != -math.inf]
+
+
 class Sampler:
     """Samples one sequence's tokens; remembers its history for penalties.
 
@@ -455,11 +489,19 @@ class Sampler:
     what the target chose at the position before it (that choice was masked),
     so the driver rejects the window there, and outputs at later positions,
     sampled unmasked, are never used. Without a matcher nothing here changes.
+
+    ``logprobs`` (None, or 0..20 alternatives): what the final stage reports
+    with each token. ``scored`` gives the logits ``choose`` picks from at a
+    position and ``choose_logprobs`` / ``sample_window_logprobs`` the token
+    with ``token_logprobs`` over them; ``choose`` and ``sample_window`` never
+    compute them.
     """
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), choice: int = 0,
-                 matcher: Any = None) -> None:
+                 matcher: Any = None, logprobs: int | None = None) -> None:
         self.params = params
+        # Top alternatives per position to report with each token (0..MAX_TOP_LOGPROBS); None: no logprobs.
+        self.logprobs = None if logprobs is None else check_top_logprobs(logprobs)
         self.choice = int(choice)
         self.seed = int(params.seed) if params.seed is not None else secrets.randbits(63)
         self.history = TokenHistory(prompt_ids)
@@ -539,26 +581,54 @@ class Sampler:
                              f"the positions the history holds")
         params = self.params
         mask = None if self.matcher is None else self.constraint_mask(position)
-        if params.greedy:
-            if mask is None:
-                return int(np.argmax(logits))
-            return int(np.argmax(_masked(np.array(logits, dtype=np.float32, copy=True), mask)))
+        if params.greedy and mask is None:
+            return int(np.argmax(logits))
+        return self._pick(self._scored(logits, position, mask), position)
+
+    def _scored(self, logits: np.ndarray, position: int, mask: np.ndarray | None) -> np.ndarray:
+        """The logits `choose` picks from at `position`: logit bias and penalties (history through
+        position) applied, then the constraint mask; the input itself (no copy) when neither."""
+        params = self.params
         if params.has_adjustments:
             if self._vocab_checked != logits.shape[-1]:
                 params.validate(logits.shape[-1])
                 self._vocab_checked = logits.shape[-1]
-            if position + 1 < length:
+            history = self.history
+            if position + 1 < history.length:
                 history = history.prefix(position + 1)
             logits = adjust_logits(logits, params, history)   # a copy
             if mask is not None:
                 _masked(logits, mask)
         elif mask is not None:
             logits = _masked(np.array(logits, dtype=np.float32, copy=True), mask)
+        return logits
+
+    def _pick(self, scored: np.ndarray, position: int) -> int:
+        """Temperature, top-k / top-p / min-p and the keyed draw over already scored logits."""
+        params = self.params
         if params.temperature == 0.0:
-            return int(np.argmax(logits))
-        ids, weights = _filtered_weights(logits, params)
+            return int(np.argmax(scored))
+        ids, weights = _filtered_weights(scored, params)
         pick = _draw(weights, uniform(self.seed, self.choice, position))
         return pick if ids is None else int(ids[pick])
+
+    def scored(self, logits: np.ndarray, position: int) -> np.ndarray:
+        """The adjusted (and, with a matcher, masked) logits `choose` picks from at `position`, before
+        temperature and top-k / top-p / min-p: what logprobs are computed from. Pure like choose."""
+        length = self.history.length
+        if not -1 <= position < length:
+            raise ValueError(f"scored at position {position} needs -1 <= position < {length}, "
+                             f"the positions the history holds")
+        mask = None if self.matcher is None else self.constraint_mask(position)
+        return self._scored(logits, position, mask)
+
+    def choose_logprobs(self, logits: np.ndarray, position: int,
+                        top_n: int = 0) -> tuple[int, tuple[float, list[tuple[int, float]]]]:
+        """choose(logits, position) and token_logprobs of the chosen token over the logits it was
+        chosen from (one adjustment pass for both)."""
+        scored = self.scored(logits, position)
+        token = self._pick(scored, position)
+        return token, token_logprobs(scored, token, top_n)
 
     def sample(self, logits: np.ndarray) -> int:
         """Choose the next token from logits [vocab] at the last held position, and record it."""
@@ -592,6 +662,25 @@ class Sampler:
             history.put(start + j, tokens[j : j + 1])
             out.append(self.choose(row, start + j))
         return out
+
+    def sample_window_logprobs(self, logits: np.ndarray, start: int, tokens: Sequence[int],
+                               top_n: int | None = None) -> tuple[list[int], list[tuple[float, list[tuple[int, float]]]]]:
+        """sample_window, plus token_logprobs(scored logits, chosen token, top_n) at every position
+        (top_n defaults to self.logprobs, or 0). The same tokens as sample_window, and at each
+        position the values a step-by-step `choose_logprobs` gives."""
+        if logits.ndim != 2 or logits.shape[0] != len(tokens):
+            raise ValueError(f"logits shape {logits.shape} does not match a window of {len(tokens)} tokens")
+        top_n = int(self.logprobs or 0) if top_n is None else int(top_n)
+        tokens = _int_list(tokens)
+        start = int(start)
+        history = self.history
+        out, entries = [], []
+        for j, row in enumerate(logits):
+            history.put(start + j, tokens[j : j + 1])
+            token, entry = self.choose_logprobs(row, start + j, top_n)
+            out.append(token)
+            entries.append(entry)
+        return out, entries
 
 
 def _masked(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -14,6 +14,7 @@ from skippy_zmq.sampling import (
     adjust_logits,
     candidate_probs,
     sample_rows,
+    token_logprobs,
     uniform,
 )
 
@@ -461,3 +462,92 @@ def test_penalty_arrays_track_counts_through_many_edits() -> None:
         want = dict(zip(ref.generated_ids.tolist(), ref.generated_counts.tolist()))
         assert got == want
         assert sorted(history.seen_ids.tolist()) == sorted(set(history.prompt + history.generated))
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def reference_logprobs(x: np.ndarray) -> np.ndarray:
+    """Float64 log-softmax, written out independently of token_logprobs."""
+    x = np.asarray(x, np.float64)
+    finite = x[np.isfinite(x)]
+    m = finite.max()
+    return x - (m + np.log(np.sum(np.exp(finite - m))))
+
+
+def test_token_logprobs_is_a_float64_log_softmax(logits: np.ndarray) -> None:
+    ref = reference_logprobs(logits)
+    order = sorted(range(VOCAB), key=lambda i: (-ref[i], i))
+    for token in (int(np.argmax(logits)), 17, order[-1]):
+        for top_n in (0, 1, 5, 20):
+            lp, top = token_logprobs(logits, token, top_n)
+            assert isinstance(lp, float) and lp == pytest.approx(ref[token], abs=1e-12)
+            assert [i for i, _ in top] == order[:top_n]
+            assert all(isinstance(v, float) and v == pytest.approx(ref[i], abs=1e-12) for i, v in top)
+    assert np.exp([v for _, v in token_logprobs(logits, 0, VOCAB)[1]]).sum() == pytest.approx(1.0, abs=1e-9)
+    # huge logits do not overflow; ties go to the lower id; masked ids never show up in the top list
+    big = np.full(8, -np.inf, np.float32)
+    big[[2, 5, 6]] = [1e4, 1e4, 1e4 - 1]
+    lp, top = token_logprobs(big, 5, 5)
+    assert [i for i, _ in top] == [2, 5, 6] and lp == pytest.approx(top[0][1])
+    assert token_logprobs(big, 0, 0)[0] == -np.inf
+    with pytest.raises(ValueError):
+        token_logprobs(np.full(4, -np.inf), 0, 1)
+
+
+def test_top_logprobs_range_is_checked() -> None:
+    assert Sampler(SamplingParams(), logprobs=20).logprobs == 20
+    for bad in (-1, 21, 2.0, True):
+        with pytest.raises(ValueError, match="logprobs"):
+            Sampler(SamplingParams(), logprobs=bad)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(),
+    SamplingParams(temperature=0.9, top_k=50, top_p=0.8, min_p=0.01, seed=11),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.7, frequency_penalty=0.4,
+                   logit_bias={5: 3.0, 9: -100.0}),
+    SamplingParams(temperature=1.2, repetition_penalty=1.1, frequency_penalty=0.5, logit_bias={3: 2.0}, seed=5),
+])
+def test_window_logprobs_equal_step_by_step(params: SamplingParams) -> None:
+    """A verify window's tokens and logprobs are the plain decode's: values are the log-softmax of
+    the logits after bias and penalties (history through each position), before temperature and
+    the top-k / top-p / min-p filters."""
+    rng = np.random.default_rng(1)
+    prompt = (1, 2, 3, 4)
+    rows = rng.normal(0.0, 3.0, (12, VOCAB)).astype(np.float32)
+    step = Sampler(params, prompt, logprobs=5)
+    tokens, entries = [], []
+    for row in rows:
+        position = step.length - 1
+        token, entry = step.choose_logprobs(row, position, 5)
+        assert token == step.choose(row, position)
+        # the values are over the adjusted logits only: temperature and filters do not enter
+        assert entry[0] == pytest.approx(reference_logprobs(adjust_logits(row, params, step.history))[token],
+                                         abs=1e-9)
+        step.accept(token)
+        tokens.append(token)
+        entries.append(entry)
+    # the same in windows of 1..5 positions whose inputs are what step-by-step fed back
+    window = Sampler(params, prompt, logprobs=5)
+    inputs = [prompt[-1]] + tokens
+    start, got_tokens, got_entries = len(prompt) - 1, [], []
+    for size in (1, 3, 5, 2, 1):
+        j = start - (len(prompt) - 1)
+        out, lps = window.sample_window_logprobs(rows[j:j + size], start, inputs[j:j + size])
+        assert out == window.sample_window(rows[j:j + size], start, inputs[j:j + size])
+        got_tokens += out
+        got_entries += lps
+        start += size
+    assert got_tokens == tokens
+    assert got_entries == entries   # exactly: the same float64 arithmetic on the same logits
+    # a rejected tail re-sampled: the window is put again from an earlier start
+    out, lps = window.sample_window_logprobs(rows[3:6], len(prompt) - 1 + 3, inputs[3:6])
+    assert out == tokens[3:6] and lps == entries[3:6]
+
+
+def test_greedy_logprobs_are_over_raw_logits(logits: np.ndarray) -> None:
+    s = Sampler(SamplingParams(), (1, 2), logprobs=3)
+    token, (lp, top) = s.choose_logprobs(logits, 1, 3)
+    assert token == int(np.argmax(logits)) == top[0][0] and lp == top[0][1]
+    assert s.scored(logits, 1) is logits   # no copy when nothing adjusts the logits

@@ -34,6 +34,9 @@ class GenRequest:
     # A constrained request always ends at EOS, ignore_eos or not: once the constraint is complete EOS
     # is the only token it allows.
     constraint: dict | None = field(default=None, hash=False, compare=False)
+    # Logprobs: None = off; N = the chosen token's logprob plus the N most likely alternatives (0..20),
+    # computed on the final stage (TokenEvent.logprob / top_logprobs).
+    logprobs: int | None = None
 
 
 @dataclass
@@ -44,6 +47,11 @@ class TokenEvent:
     finish_reason: str | None = None   # "stop" (EOS) | "length" | "cancelled"
     cached_tokens: int = 0             # prompt tokens served from the prefix cache (first event)
     stats: dict = field(default_factory=dict)
+    # With GenRequest.logprobs set: log p(token) and the top alternatives [(id, logprob), ...],
+    # highest first, under the final logits after penalties, logit_bias and any constraint mask
+    # and before temperature / top-k / top-p / min-p.
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class Engine(Protocol):

@@ -28,6 +28,7 @@ from skippy_zmq.kv.prefix_store import StoreConfig
 from skippy_zmq.security import security_for
 from skippy_zmq.topology import Topology
 
+REPLY_EXTRAS_BYTES = 4 * 1024 * 1024   # a reply's JSON extras (logprobs of every token of a batch)
 
 
 @dataclass
@@ -53,7 +54,9 @@ class PipelineEngine:
             PrefixIndex([StoreConfig.from_cache(s.cache) for s in topology.stages]))
         self.stages = {s.id: StageState(s.id) for s in topology.stages}
         self.security = security_for(topology, "driver")
-        self.limits = wire.WireLimits(max_message_bytes=topology.wire.max_message_bytes)
+        # Replies carry logprobs in their JSON extras (up to ~600 bytes per token with 20 alternatives).
+        self.limits = wire.WireLimits(max_message_bytes=topology.wire.max_message_bytes,
+                                      max_extras_bytes=REPLY_EXTRAS_BYTES)
         self.commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)

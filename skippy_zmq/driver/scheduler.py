@@ -213,6 +213,9 @@ class Scheduler:
         trace = msg.extras.get("trace", [])
         offsets = np.concatenate([[0], np.cumsum(msg.row_lengths)]).tolist()
         tokens = msg.tokens.tolist()
+        logprobs = msg.extras.get("logprobs")   # one entry per token (None for rows without), or absent
+        if not isinstance(logprobs, list) or len(logprobs) != len(tokens):
+            logprobs = None
         for i, sid in enumerate(msg.session_ids.tolist()):
             if sid not in batch.sessions:   # taken out of the batch by a re-prefill: its token is stale
                 continue
@@ -228,16 +231,19 @@ class Scheduler:
                 self._fail(job, EngineError(f"the final stage answered a window of {len(job.drafts)} drafts "
                                             f"with {len(targets)} tokens", 500, "bad_reply"))
                 continue
-            self._accept_window(job, targets, trace)
+            entries = logprobs[offsets[i]:offsets[i + 1]] if logprobs is not None else None
+            self._accept_window(job, targets, trace, entries)
         if not batch.sessions:
             del self.batches[msg.request_id]
 
-    def _accept_window(self, job: Job, targets: list[int], trace: list) -> None:
+    def _accept_window(self, job: Job, targets: list[int], trace: list, entries: list | None = None) -> None:
         """Accept the target's tokens while they match the drafts, then the target's next token.
 
         Greedy, this is exactly plain decoding; sampled, each position was drawn with the
         request's own keyed sampler (sample-and-match), so the output distribution is the
         target's. Tokens go out one at a time, so EOS or max_tokens inside a window stops there.
+        `entries` (the final stage's logprobs, one per target) go with the accepted tokens only:
+        an accepted position saw exactly the context plain decoding gives it.
         """
         drafts, job.drafts = job.drafts, []
         run, accepted = accepted_run(drafts, targets)
@@ -253,12 +259,12 @@ class Scheduler:
         elif job.policy is not None:
             self.spec_counts["plain_steps"] += 1
             job.policy.on_plain_step()
-        for tok in run:
-            self._accept_token(job, tok, trace)
+        for j, tok in enumerate(run):
+            self._accept_token(job, tok, trace, entries[j] if entries is not None else None)
             if job.done:
                 break
 
-    def _accept_token(self, job: Job, tok: int, trace: list) -> None:
+    def _accept_token(self, job: Job, tok: int, trace: list, entry: list | None = None) -> None:
         job.generated.append(tok)
         if job.proposer is not None:
             job.proposer.extend((tok,))
@@ -279,8 +285,12 @@ class Scheduler:
         if reason and job.policy is not None:
             p = job.policy
             stats["speculative"] = {"windows": p.windows, "drafted": p.drafted, "accepted": p.accepted}
-        job.sink(TokenEvent(token_id=tok, finish_reason=reason, cached_tokens=job.cached if first else 0,
-                            stats=stats))
+        event = TokenEvent(token_id=tok, finish_reason=reason, cached_tokens=job.cached if first else 0,
+                           stats=stats)
+        if entry is not None and job.req.logprobs is not None:   # [logprob, [[id, logprob], ...]]
+            event.logprob = float(entry[0])
+            event.top_logprobs = [(int(t), float(v)) for t, v in entry[1]]
+        job.sink(event)
         if reason:
             self._finish(job, record=True)
 
@@ -433,6 +443,8 @@ class Scheduler:
         extras = {"sampling": job.req.sampling.to_dict()}
         if job.req.constraint is not None:
             extras["constraint"] = job.req.constraint
+        if job.req.logprobs is not None:
+            extras["logprobs"] = job.req.logprobs
         if job.generated:
             extras["generated"] = job.generated
         return Message(Kind.CONFIGURE_GENERATION, next(self._ids), job.session_id,
@@ -467,6 +479,8 @@ class Scheduler:
         extras = {"namespace": job.namespace, "sampling": job.req.sampling.to_dict()}
         if job.req.constraint is not None:
             extras["constraint"] = job.req.constraint
+        if job.req.logprobs is not None:
+            extras["logprobs"] = job.req.logprobs
         self.outbox.append(Message(Kind.TRY_RESTORE_PREFILL_DECODE, rid, job.session_id,
                                    tokens=np.asarray(job.prompt, np.int32), extras=extras))
 

@@ -19,7 +19,7 @@ from skippy_zmq.fencing import BadView, Fence
 from skippy_zmq.kv.prefix_store import PrefixStore
 from skippy_zmq.model.runner import SliceRunner
 from skippy_zmq.placement import rss_bytes
-from skippy_zmq.sampling import Sampler, SamplingParams
+from skippy_zmq.sampling import Sampler, SamplingParams, check_top_logprobs
 from skippy_zmq.stage.recorder import Recorder
 from skippy_zmq.stage.restore import RestoreRoutes
 from skippy_zmq.stage.sessions import LanesBusy, SessionTable
@@ -43,6 +43,17 @@ class RuntimeLock:
             finally:
                 t2 = time.perf_counter()
                 self.wait_ms, self.hold_ms = 1000 * (t1 - t0), 1000 * (t2 - t1)
+
+
+# A logprob JSON can carry: -inf (a masked token, only ever at a window position past a refused
+# draft, whose output the driver never uses) goes out as this, vLLM's value for it.
+_LOGPROB_FLOOR = -9999.0
+
+
+def _logprob_entry(entry: tuple[float, list[tuple[int, float]]]) -> list[Any]:
+    """token_logprobs' (logprob, [(id, logprob), ...]) as compact JSON: [lp, [[id, lp], ...]]."""
+    logprob, top = entry
+    return [max(logprob, _LOGPROB_FLOOR), [[token, value] for token, value in top]]
 
 
 class StageWorker:
@@ -161,10 +172,13 @@ class StageWorker:
 
     def make_sampler(self, extras: dict[str, Any], prompt: list[int]) -> Sampler:
         """The final stage's sampler of a CONFIGURE_GENERATION (or fused restore): sampling params,
-        choice index and, when `extras["constraint"]` holds a ConstraintSpec dict, its matcher."""
+        choice index, `logprobs` (top alternatives to report with every token; absent or None: no
+        logprobs) and, when `extras["constraint"]` holds a ConstraintSpec dict, its matcher."""
         try:
             params = SamplingParams.from_dict(extras.get("sampling", {}))
             choice = int(extras.get("choice", 0))
+            logprobs = extras.get("logprobs")
+            logprobs = None if logprobs is None else check_top_logprobs(logprobs)
         except (TypeError, ValueError) as exc:
             raise StageFault(f"bad sampling configuration: {exc}", "bad_sampling") from exc
         matcher = None
@@ -175,7 +189,7 @@ class StageWorker:
                 matcher = Matcher(ConstraintSpec.from_dict(extras["constraint"]), self.constraint_info())
             except ConstraintError as exc:
                 raise StageFault(f"bad constraint: {exc}", "bad_constraint") from exc
-        return Sampler(params, prompt, choice=choice, matcher=matcher)
+        return Sampler(params, prompt, choice=choice, matcher=matcher, logprobs=logprobs)
 
     def on_configure(self, msg: Message) -> list[Outbound]:
         session = self._acquire(msg.session_id, msg.request_id)
@@ -283,21 +297,33 @@ class StageWorker:
         t1 = time.perf_counter()
         sampled: list[int] = []
         answered: list[tuple[int, int]] = []   # (session, row length) of the rows sampled
+        logprobs: list[Any] = []   # one entry per sampled token: [logprob, [[id, logprob], ...]] or None
         for sid, start, off, length in keep:
             sampler = self._sampler(sid)
             try:
-                sampled.extend(sampler.sample_window(result[off:off + length], start, token_ids[off:off + length]))
+                if sampler.logprobs is None:
+                    row_tokens = sampler.sample_window(result[off:off + length], start, token_ids[off:off + length])
+                    entries: list[Any] = [None] * length
+                else:
+                    row_tokens, entries = sampler.sample_window_logprobs(result[off:off + length], start,
+                                                                         token_ids[off:off + length])
+                    entries = [_logprob_entry(entry) for entry in entries]
             except Exception as exc:   # the constraint engine failed (a limit, a dead end): end this request only
                 if sampler.matcher is None:
                     raise
                 out.append(self.error(msg.request_id, sid, f"constrained decoding failed: {exc}", "constraint_error"))
                 continue
+            sampled.extend(row_tokens)
+            logprobs.extend(entries)
             answered.append((sid, length))
         extras["trace"][-1]["sample_ms"] = round(1000 * (time.perf_counter() - t1), 3)
         if not answered:
             return out
+        reply = {"trace": extras["trace"]}
+        if any(entry is not None for entry in logprobs):   # aligned with the tokens; None for rows without
+            reply["logprobs"] = logprobs
         return out + [Outbound(DRIVER, Message.predicted_tokens(
-            msg.request_id, [sid for sid, _ in answered], sampled, {"trace": extras["trace"]},
+            msg.request_id, [sid for sid, _ in answered], sampled, reply,
             lengths=[length for _, length in answered]))]
 
     def _sampler(self, session_id: int) -> Sampler:

