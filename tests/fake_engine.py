@@ -59,7 +59,12 @@ class FakeEngine:
                 token = script[index % len(script)]
                 finish = self._finish(token, index, request)
                 done = finish is not None
-                yield TokenEvent(token, finish, cached_tokens=self.cached_tokens if index == 0 else 0)
+                event = TokenEvent(token, finish, cached_tokens=self.cached_tokens if index == 0 else 0)
+                if request.logprobs is not None:   # made-up values: the chosen token first, then ids 10, 11, ...
+                    event.logprob = -0.25 - index / 64
+                    alternatives = [(10 + k, event.logprob - 1.0 - k) for k in range(request.logprobs)]
+                    event.top_logprobs = [(token, event.logprob), *alternatives][:request.logprobs]
+                yield event
                 if done:
                     break
         finally:

@@ -152,3 +152,116 @@ def test_constrained_logprobs_are_over_the_masked_logits():
     ref = log_softmax64(masked)
     assert lp == pytest.approx(ref[token], abs=1e-12)
     assert np.exp(ref[::2]).sum() == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------- fast: the OpenAI shapes (scripted engine)
+
+FAKE_REPLY = "Hello there! 日本語 and more."
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    from fake_engine import FakeEngine
+
+    from skippy_zmq.driver.server import create_app, start_in_thread
+    from skippy_zmq.model.tokenizer import TextTokenizer
+
+    from conftest import MODEL_DIR
+    if not (MODEL_DIR / "tokenizer.json").is_file():
+        pytest.skip(f"no tokenizer at {MODEL_DIR}")
+    tok = TextTokenizer.load(MODEL_DIR)
+    engine = FakeEngine([*tok.encode(FAKE_REPLY), tok.eos_ids[0]], tok.eos_ids, max_context=256)
+    handle = start_in_thread(create_app(engine, tok, model_name="fake"))
+    yield handle, tok, engine
+    handle.stop()
+
+
+def openai_client(url: str):
+    import openai
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
+
+
+def check_chat_content(content, text: str, top_n: int) -> None:
+    assert b"".join(bytes(e.bytes) for e in content).decode() == text
+    for e in content:
+        assert e.token == bytes(e.bytes).decode("utf-8", errors="replace")
+        assert isinstance(e.logprob, float) and e.logprob <= 0
+        assert len(e.top_logprobs) == top_n
+        assert all(t.token == bytes(t.bytes).decode("utf-8", errors="replace") for t in e.top_logprobs)
+
+
+def test_chat_logprobs_shape_streamed_and_not(fake_server):
+    handle, tok, engine = fake_server
+    client = openai_client(handle.url)
+    msgs = [{"role": "user", "content": "hi"}]
+    reply = client.chat.completions.create(model="fake", messages=msgs, logprobs=True, top_logprobs=2)
+    choice = reply.choices[0]
+    assert choice.message.content == FAKE_REPLY and engine.requests[-1].logprobs == 2
+    content = choice.logprobs.content
+    assert len(content) == reply.usage.completion_tokens - 1   # the EOS that ended it is not in the text
+    check_chat_content(content, FAKE_REPLY, 2)
+    assert content[0].top_logprobs[0].logprob == content[0].logprob
+    streamed, text = [], ""
+    for chunk in client.chat.completions.create(model="fake", messages=msgs, logprobs=True, top_logprobs=2,
+                                                stream=True):
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        text += c.delta.content or ""
+        if c.delta.content:
+            assert c.logprobs is not None and c.logprobs.content
+            # each chunk's tokens are exactly its text (no character is split at a chunk boundary)
+            assert b"".join(bytes(e.bytes) for e in c.logprobs.content).decode() == c.delta.content
+        if c.logprobs is not None:
+            streamed += c.logprobs.content
+    assert text == FAKE_REPLY
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    # logprobs without top_logprobs: empty alternatives; off: null
+    plain = client.chat.completions.create(model="fake", messages=msgs, logprobs=True)
+    assert plain.choices[0].logprobs.content and all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+    off = client.chat.completions.create(model="fake", messages=msgs)
+    assert off.choices[0].logprobs is None and engine.requests[-1].logprobs is None
+
+
+def test_completions_logprobs_shape_streamed_and_not(fake_server):
+    handle, tok, engine = fake_server
+    client = openai_client(handle.url)
+    reply = client.completions.create(model="fake", prompt="hi", logprobs=3)
+    choice = reply.choices[0]
+    assert choice.text == FAKE_REPLY and engine.requests[-1].logprobs == 3
+    lp = choice.logprobs
+    n = len(lp.tokens)
+    assert n == reply.usage.completion_tokens - 1 == len(lp.token_logprobs) == len(lp.top_logprobs)
+    # text_offset: the characters complete before each token's first byte
+    raw = [tok.token_bytes(t) for t in tok.encode(FAKE_REPLY)]
+    assert lp.text_offset == [len(b"".join(raw[:i]).decode("utf-8", "ignore")) for i in range(n)]
+    assert lp.tokens == [r.decode("utf-8", "replace") for r in raw]
+    assert all(FAKE_REPLY[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens) if "\ufffd" not in t)
+    assert all(len(top) <= 4 and lp.tokens[i] in top for i, top in enumerate(lp.top_logprobs))
+    streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(model="fake", prompt="hi", logprobs=3, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            for key in streamed:
+                streamed[key] += getattr(chunk.choices[0].logprobs, key)
+    assert streamed["tokens"] == lp.tokens and streamed["token_logprobs"] == lp.token_logprobs
+    assert streamed["top_logprobs"] == lp.top_logprobs
+    assert streamed["text_offset"] == lp.text_offset
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": "yes"}, "logprobs"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/completions", {"logprobs": 2, "echo": True}, "echo"),
+])
+def test_bad_logprobs_requests_are_400_naming_the_param(fake_server, path, extra, param):
+    import httpx
+
+    handle, _, _ = fake_server
+    body = {"model": "fake", **({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
+                                else {"prompt": "hi"}), **extra}
+    r = httpx.post(handle.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]

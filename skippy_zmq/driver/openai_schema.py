@@ -7,10 +7,11 @@ body, as vLLM and llama-server do. Unknown keys are ignored (like vLLM).
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from jinja2.exceptions import TemplateError
@@ -80,11 +81,9 @@ def _tool_choice_off(value: object) -> bool:
 # name -> (accepted(value), why it is refused). Checked on every request.
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v in (None, 1), "only n=1 is supported"),
-    "logprobs": (lambda v: v in (None, False), "logprobs are not supported"),
-    "top_logprobs": (lambda v: v in (None, 0), "logprobs are not supported"),
     "functions": (lambda v: not v, "the deprecated functions parameter is not supported; use tools"),
     "function_call": (_tool_choice_off, "the deprecated function_call parameter is not supported; use tool_choice"),
-    "echo": (lambda v: not v, "echo is not supported"),
+    "echo": (lambda v: not v, "echo (the prompt's tokens and their logprobs) is not supported"),
     "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
     "suffix": (lambda v: v in (None, ""), "suffix is not supported"),
 }
@@ -160,6 +159,7 @@ class GenOptions:
     ignore_eos: bool
     cache_key: str | None
     speculative: bool | None = None   # extension: false opts this request out of drafting
+    logprobs: int | None = None       # None: off; N: each token's logprob plus the N most likely (0..20)
 
 
 def parse_options(body: Mapping[str, Any], vocab_size: int) -> GenOptions:
@@ -203,6 +203,32 @@ class ParsedRequest:
     def output_prefix(self) -> str:
         """Text the prompt ends with that belongs to the answer (a constrained tool call's tag)."""
         return tools.constrained_prefix(self.toolset)
+
+
+MAX_TOP_LOGPROBS = 20   # OpenAI: 20 for chat top_logprobs, 5 for completions logprobs (we take 20 for both)
+
+
+def parse_chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat: `logprobs: true` turns them on, `top_logprobs: 0..20` asks for alternatives."""
+    on, top = body.get("logprobs"), body.get("top_logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise RequestError(f"logprobs must be a boolean, got {_short(on)}", "logprobs")
+    if top is not None and not (_is_int(top) and 0 <= top <= MAX_TOP_LOGPROBS):
+        raise RequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {_short(top)}",
+                           "top_logprobs")
+    if top and not on:
+        raise RequestError("top_logprobs: only allowed when logprobs is true", "top_logprobs")
+    return (top or 0) if on else None
+
+
+def parse_completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Completions: `logprobs: N` (0..20; OpenAI allows 5) turns them on with N alternatives."""
+    n = body.get("logprobs")
+    if n is None:
+        return None
+    if not (_is_int(n) and 0 <= n <= MAX_TOP_LOGPROBS):
+        raise RequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {_short(n)}", "logprobs")
+    return n
 
 
 def parse_messages(raw: object) -> tuple[dict[str, Any], ...]:
@@ -266,7 +292,7 @@ def parse_prompt(raw: object, vocab_size: int) -> str | tuple[int, ...]:
 
 def parse_chat(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
     messages = parse_messages(body.get("messages"))
-    options = parse_options(body, vocab_size)
+    options = replace(parse_options(body, vocab_size), logprobs=parse_chat_logprobs(body))
     toolset = parse_toolset(body)
     constraint, param = parse_constraint(body)
     if constraint is not None and toolset.active:
@@ -280,7 +306,7 @@ def parse_chat(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
 
 def parse_completion(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
     prompt = parse_prompt(body.get("prompt"), vocab_size)
-    options = parse_options(body, vocab_size)
+    options = replace(parse_options(body, vocab_size), logprobs=parse_completion_logprobs(body))
     for name in ("tools", "tool_choice", "parallel_tool_calls"):
         if body.get(name) not in (None, [], "none"):
             raise RequestError(f"{name}: tools are only supported on /v1/chat/completions", name)
@@ -366,7 +392,7 @@ def to_gen_request(parsed: ParsedRequest, prompt_ids: list[int], request_id: str
     return GenRequest(
         request_id=request_id, prompt_ids=tuple(prompt_ids), sampling=options.sampling,
         max_tokens=min(options.max_tokens or room, room), ignore_eos=options.ignore_eos,
-        cache_key=options.cache_key, speculative=options.speculative,
+        cache_key=options.cache_key, speculative=options.speculative, logprobs=options.logprobs,
         constraint=parsed.constraint.to_dict() if parsed.constraint is not None else None,
     )
 
@@ -404,7 +430,7 @@ class ResponseFormat:
         }
 
     def choice(self, text: str | None, finish_reason: str | None,
-               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               tool_calls: list[dict[str, Any]] | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """The single choice of a non-streamed response (chat: with `tool_calls` when it made calls)."""
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -413,19 +439,81 @@ class ResponseFormat:
             body: dict[str, Any] = {"message": message}
         else:
             body = {"text": text}
-        return {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def delta_choice(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    def delta_choice(self, delta: dict[str, Any], finish_reason: str | None = None,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """A streamed chat choice carrying a ToolCallStream delta ({"content"} or {"tool_calls"})."""
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def chunk_choice(self, text: str, finish_reason: str | None = None, opening: bool = False) -> dict[str, Any]:
+    def chunk_choice(self, text: str, finish_reason: str | None = None, opening: bool = False,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         delta: dict[str, str] = {"role": "assistant", "content": text} if opening else {}
         if text and not opening:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def logprobs(self, tokenizer: TextTokenizer, entries: list[TokenLogprob],
+                 offsets: TextOffsets | None = None) -> dict[str, Any]:
+        """A choice's `logprobs` for these tokens: chat's {"content": [...]}, completions'
+        {tokens, token_logprobs, top_logprobs, text_offset}; `offsets` carries a stream's text
+        offsets from one chunk to the next (None: the tokens start the text)."""
+        if self.chat:
+            return {"content": [_chat_logprob(tokenizer, e) for e in entries], "refusal": None}
+        offsets = offsets or TextOffsets()
+        texts, starts = [], []
+        for e in entries:
+            text, raw = _token_piece(tokenizer, e.token_id)
+            texts.append(text)
+            starts.append(offsets.push(bytes(raw)))
+        tops = []
+        for entry in entries:   # the N most likely, and the chosen token (so up to N + 1, as OpenAI)
+            top = {_token_piece(tokenizer, tid)[0]: lp for tid, lp in entry.top}
+            top.setdefault(_token_piece(tokenizer, entry.token_id)[0], entry.logprob)
+            tops.append(top)
+        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+                "text_offset": starts}
+
+
+class TextOffsets:
+    """Completions' text_offset: where each token starts in the text, in characters (a token that
+    starts inside a character split across tokens counts from the characters complete before it)."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def push(self, raw: bytes) -> int:
+        """The offset of a token with these bytes; then move past it."""
+        start = self.chars
+        self.chars += len(self._decoder.decode(raw))
+        return start
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's logprob and its most likely alternatives [(id, logprob), ...]."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def _token_piece(tokenizer: TextTokenizer, token_id: int) -> tuple[str, list[int]]:
+    """A token's text (decoded alone; U+FFFD where it holds part of a character) and its bytes."""
+    raw = tokenizer.token_bytes(token_id)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def _chat_logprob(tokenizer: TextTokenizer, entry: TokenLogprob) -> dict[str, Any]:
+    text, raw = _token_piece(tokenizer, entry.token_id)
+    top = []
+    for token_id, logprob in entry.top:
+        alt_text, alt_raw = _token_piece(tokenizer, token_id)
+        top.append({"token": alt_text, "logprob": logprob, "bytes": alt_raw})
+    return {"token": text, "logprob": entry.logprob, "bytes": raw, "top_logprobs": top}
 
 
 CHAT = ResponseFormat(

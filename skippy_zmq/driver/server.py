@@ -34,7 +34,7 @@ from skippy_zmq.driver import tools
 from skippy_zmq.driver.engine import Engine, EngineError, GenRequest, TokenEvent
 from skippy_zmq.driver.metrics import ServerMetrics, error_kind
 from skippy_zmq.driver.openai_schema import (
-    CHAT, COMPLETION, ParsedRequest, RequestError, StopMatcher, check_constraint, encode_prompt,
+    CHAT, COMPLETION, ParsedRequest, RequestError, StopMatcher, TextOffsets, TokenLogprob, check_constraint, encode_prompt,
     error_body, parse_chat, parse_completion, read_json_body, to_gen_request, usage,
 )
 from skippy_zmq.model.tokenizer import TextTokenizer
@@ -187,6 +187,7 @@ class TextStream:
         self._stops = StopMatcher(stops)
         self._first: TokenEvent | None = None
         self._last_time = arrival  # the first token's gap is the time to first token
+        self._logprobs: list[TokenLogprob] = []   # tokens consumed since take_logprobs (request.logprobs set)
 
     async def start(self) -> None:
         """Wait for the first event, so engine errors still get a proper HTTP status."""
@@ -219,6 +220,12 @@ class TextStream:
         """Close the engine iterator; if it had not finished, that cancels the request."""
         await self._events.aclose()
 
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The logprobs of the tokens consumed since the last call: after a delta, those of the
+        tokens that made it (and of tokens held back before it, whose text it carries)."""
+        taken, self._logprobs = self._logprobs, []
+        return taken
+
     def _consume(self, event: TokenEvent) -> str:
         text = ""
         if event.finish_reason is not None:
@@ -228,6 +235,9 @@ class TextStream:
             self.ctx.metrics.observe_token(now - self._last_time, first=self.completion_tokens == 0)
             self._last_time = now
             self.completion_tokens += 1
+            # The EOS that ends the request (finish "stop" from the engine) is not part of the text.
+            if event.logprob is not None and self.request.logprobs is not None and event.finish_reason != "stop":
+                self._logprobs.append(TokenLogprob(event.token_id, event.logprob, tuple(event.top_logprobs or ())))
             text, hit = self._stops.push(self._decoder.push(event.token_id))
             if hit:
                 self.finish_reason = "stop"
@@ -274,6 +284,13 @@ async def sse_events(ctx: ServerContext, stream: TextStream, parsed: ParsedReque
         body = fmt.envelope(response_id, created, ctx.model_name, choices, chunk=True)
         return _sse({**body, "usage": None} if include_usage else body)
 
+    offsets = TextOffsets()   # completions' text_offset, carried from chunk to chunk
+
+    def logprobs() -> dict[str, Any] | None:
+        """The logprobs of the tokens behind the delta about to go out (None when off or none)."""
+        entries = stream.take_logprobs()
+        return fmt.logprobs(ctx.tokenizer, entries, offsets) if entries else None
+
     try:
         if fmt.chat:
             yield chunk([fmt.chunk_choice("", opening=True)])
@@ -283,15 +300,16 @@ async def sse_events(ctx: ServerContext, stream: TextStream, parsed: ParsedReque
             calls = tools.ToolCallStream(parsed.toolset)
             calls.push(parsed.output_prefix)   # the opening tag the prompt ended with: held, never sent
             async for text in stream.deltas():
-                for delta in calls.push(text):
-                    yield chunk([fmt.delta_choice(delta)])
+                for delta in calls.push(text):   # a text's logprobs go with the first delta it makes
+                    yield chunk([fmt.delta_choice(delta, logprobs=logprobs())])
             for delta in calls.flush():
-                yield chunk([fmt.delta_choice(delta)])
-            yield chunk([fmt.chunk_choice("", tools.finish_reason(stream.finish_reason, len(calls.calls)))])
+                yield chunk([fmt.delta_choice(delta, logprobs=logprobs())])
+            yield chunk([fmt.chunk_choice("", tools.finish_reason(stream.finish_reason, len(calls.calls)),
+                                          logprobs=logprobs())])
         else:
             async for text in stream.deltas():
-                yield chunk([fmt.chunk_choice(text)])
-            yield chunk([fmt.chunk_choice("", stream.finish_reason)])
+                yield chunk([fmt.chunk_choice(text, logprobs=logprobs())])
+            yield chunk([fmt.chunk_choice("", stream.finish_reason, logprobs=logprobs())])
         if include_usage:
             totals = usage(len(stream.request.prompt_ids), stream.completion_tokens, stream.cached_tokens)
             yield _sse({**fmt.envelope(response_id, created, ctx.model_name, [], chunk=True), "usage": totals})
@@ -353,12 +371,13 @@ async def _generate(request: Request, parse: Parser) -> Response:
 
 def _full_response(ctx: ServerContext, parsed: ParsedRequest, stream: TextStream, text: str) -> dict[str, Any]:
     fmt = parsed.format
+    logprobs = fmt.logprobs(ctx.tokenizer, stream.take_logprobs()) if parsed.options.logprobs is not None else None
     if parsed.toolset.active:   # the output's <tool_call> blocks become message.tool_calls
         content, calls = tools.parse_tool_calls(parsed.output_prefix + text, parsed.toolset)
         choice = fmt.choice(content, tools.finish_reason(stream.finish_reason, calls),
-                            [call.to_openai() for call in calls])
+                            [call.to_openai() for call in calls], logprobs=logprobs)
     else:
-        choice = fmt.choice(text, stream.finish_reason)
+        choice = fmt.choice(text, stream.finish_reason, logprobs=logprobs)
     body = fmt.envelope(f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), ctx.model_name,
                         [choice], chunk=False)
     body["usage"] = usage(len(stream.request.prompt_ids), stream.completion_tokens, stream.cached_tokens)

@@ -148,6 +148,18 @@ def _chat_environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: the character standing for each byte in a piece."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
 class TextTokenizer:
     """A `tokenizers.Tokenizer` plus the GGUF metadata and chat template."""
 
@@ -217,6 +229,24 @@ class TextTokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.id_to_token(token_id) or ""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (special tokens: their text). Byte-level BPE maps each
+        byte to one character of the token's piece, so a token holding part of a UTF-8 character
+        gives exactly those bytes; other tokenizers give the UTF-8 of the token decoded alone."""
+        piece = self.tokenizer.id_to_token(int(token_id))
+        table = self._byte_table()
+        if piece is not None and table is not None and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return self.decode([int(token_id)]).encode("utf-8")
+
+    def _byte_table(self) -> dict[str, int] | None:
+        """Byte-level BPE's character -> byte table (GPT-2's bytes_to_unicode), or None."""
+        if not hasattr(self, "_bytes_of"):
+            decoder = json.loads(self.tokenizer.to_str()).get("decoder") or {}
+            kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or ()}
+            self._bytes_of = _byte_level_table() if "ByteLevel" in kinds else None
+        return self._bytes_of
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special tokens in the text are recognised."""
