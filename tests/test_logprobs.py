@@ -265,3 +265,92 @@ def test_bad_logprobs_requests_are_400_naming_the_param(fake_server, path, extra
     r = httpx.post(handle.url + path, json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- slow: the real model, a real pipeline
+
+COPY = ("Repeat the following text exactly, then stop: The committee met on Tuesday to review the budget for "
+        "the new library. After a long discussion, members agreed to fund the children's section first and to "
+        "delay the renovation of the reading room until next spring.")
+
+
+@pytest.fixture(scope="module")
+def real_pipeline(model_dir, tmp_path_factory):
+    from procs import running_pipeline, write_topology
+
+    tmp = tmp_path_factory.mktemp("logprobs")
+    # Speculation on, as the shipped topologies: logprobs of accepted window positions are used.
+    path = write_topology(tmp, model_dir, 2, driver__speculative={"method": "ngram", "max_draft": 8})
+    with running_pipeline(path, tmp / "run") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def real_reference(model_dir):
+    """Weights of the whole model in f32 (weights.load_slice), for an independent forward."""
+    from skippy_zmq.model import weights
+    return weights.load_slice(model_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(),
+    SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.1, presence_penalty=0.2, seed=7,
+                   logit_bias={13: -2.0}),
+], ids=["greedy", "sampled_penalties"])
+def test_real_pipeline_logprobs_match_a_float64_reference_forward(real_pipeline, real_reference, sampling):
+    engine, tokenizer = real_pipeline[0], real_pipeline[1]
+    cfg, params = real_reference
+    prompt = tokenizer.encode_chat([{"role": "user", "content": COPY}])
+    req = GenRequest("lp", tuple(prompt), sampling, max_tokens=40, ignore_eos=True, logprobs=5)
+    events = list(engine.generate_blocking(req))
+    generated = tokens_of(events)
+    assert len(generated) == 40
+    if sampling.temperature == 0:   # the copy prompt's windows are mostly accepted
+        spec = events[-1].stats["speculative"]
+        assert spec["windows"] >= 3 and spec["accepted"] > 0, spec
+    ref = reference_logprobs(params, cfg, prompt, generated, sampling)
+    check_events(events, ref, 5)
+    worst = max(abs(e.logprob - ref[j][e.token_id]) for j, e in enumerate(e for e in events if e.token_id is not None))
+    print(f"max |logprob - reference| over {len(generated)} tokens: {worst:.2e}")
+
+
+@pytest.mark.slow
+def test_openai_client_logprobs_on_the_real_pipeline(real_pipeline):
+    from skippy_zmq.driver.server import create_app, start_in_thread
+
+    engine, tokenizer = real_pipeline[0], real_pipeline[1]
+    handle = start_in_thread(create_app(engine, tokenizer, model_name="smollm2"))
+    try:
+        client = openai_client(handle.url)
+        msgs = [{"role": "user", "content": COPY}]
+        kw = dict(model="smollm2", messages=msgs, max_tokens=32, temperature=0, logprobs=True, top_logprobs=3)
+        reply = client.chat.completions.create(**kw)
+        text = reply.choices[0].message.content
+        content = reply.choices[0].logprobs.content
+        assert text and len(content) == reply.usage.completion_tokens - (reply.choices[0].finish_reason == "stop")
+        check_chat_content(content, text, 3)
+        for e in content:   # greedy: the chosen token is the most likely one
+            assert e.top_logprobs[0].token == e.token and abs(e.top_logprobs[0].logprob - e.logprob) < 1e-6
+        streamed, streamed_text = [], ""
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            if chunk.choices:
+                streamed_text += chunk.choices[0].delta.content or ""
+                if chunk.choices[0].logprobs is not None:
+                    streamed += chunk.choices[0].logprobs.content
+        assert streamed_text == text and [e.token for e in streamed] == [e.token for e in content]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) <= TOL
+
+        done = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=16,
+                                         temperature=0, logprobs=2)
+        lp = done.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+        assert "".join(lp.tokens) == done.choices[0].text
+        assert all(len(top) == 2 and lp.tokens[i] in top for i, top in enumerate(lp.top_logprobs))
+        assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+        chunks = list(client.completions.create(model="smollm2", prompt="The capital of France is",
+                                                max_tokens=16, temperature=0, logprobs=2, stream=True))
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert tokens == lp.tokens
+    finally:
+        handle.stop()
