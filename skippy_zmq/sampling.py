@@ -434,7 +434,10 @@ def check_top_logprobs(top_n: object) -> int:
     return int(top_n)
 
 
-def token_logprobs(adjusted_logits: np.ndarray, token: int, top_n: int = 0) -> tuple[float, list[tuple[int, float]]]:
+TokenLogprobs = tuple[float, list[tuple[int, float]]]   # (log p(token), [(id, log p), ...] highest first)
+
+
+def token_logprobs(adjusted_logits: np.ndarray, token: int, top_n: int = 0) -> TokenLogprobs:
     """(log p(token), [(id, log p), ...] of the top_n most likely ids) under softmax(adjusted_logits).
 
     The log-softmax is taken in float64 over the whole vocabulary, of the logits as given (in
@@ -623,7 +626,7 @@ class Sampler:
         return self._scored(logits, position, mask)
 
     def choose_logprobs(self, logits: np.ndarray, position: int,
-                        top_n: int = 0) -> tuple[int, tuple[float, list[tuple[int, float]]]]:
+                        top_n: int = 0) -> tuple[int, TokenLogprobs]:
         """choose(logits, position) and token_logprobs of the chosen token over the logits it was
         chosen from (one adjustment pass for both)."""
         scored = self.scored(logits, position)
@@ -664,7 +667,7 @@ class Sampler:
         return out
 
     def sample_window_logprobs(self, logits: np.ndarray, start: int, tokens: Sequence[int],
-                               top_n: int | None = None) -> tuple[list[int], list[tuple[float, list[tuple[int, float]]]]]:
+                               top_n: int | None = None) -> tuple[list[int], list[TokenLogprobs]]:
         """sample_window, plus token_logprobs(scored logits, chosen token, top_n) at every position
         (top_n defaults to self.logprobs, or 0). The same tokens as sample_window, and at each
         position the values a step-by-step `choose_logprobs` gives."""

@@ -430,7 +430,8 @@ class ResponseFormat:
         }
 
     def choice(self, text: str | None, finish_reason: str | None,
-               tool_calls: list[dict[str, Any]] | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+               tool_calls: list[dict[str, Any]] | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """The single choice of a non-streamed response (chat: with `tool_calls` when it made calls)."""
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}

@@ -34,8 +34,8 @@ from skippy_zmq.driver import tools
 from skippy_zmq.driver.engine import Engine, EngineError, GenRequest, TokenEvent
 from skippy_zmq.driver.metrics import ServerMetrics, error_kind
 from skippy_zmq.driver.openai_schema import (
-    CHAT, COMPLETION, ParsedRequest, RequestError, StopMatcher, TextOffsets, TokenLogprob, check_constraint, encode_prompt,
-    error_body, parse_chat, parse_completion, read_json_body, to_gen_request, usage,
+    CHAT, COMPLETION, ParsedRequest, RequestError, StopMatcher, TextOffsets, TokenLogprob, check_constraint,
+    encode_prompt, error_body, parse_chat, parse_completion, read_json_body, to_gen_request, usage,
 )
 from skippy_zmq.model.tokenizer import TextTokenizer
 
