@@ -64,6 +64,9 @@ class FakeEngine:
                     event.logprob = -0.25 - index / 64
                     alternatives = [(10 + k, event.logprob - 1.0 - k) for k in range(request.logprobs)]
                     event.top_logprobs = [(token, event.logprob), *alternatives][:request.logprobs]
+                if request.prompt_logprobs is not None and index == 0:   # echo: made up, as above
+                    event.prompt_logprobs = [None] + [(-1.0 - i / 64, [(t, -1.0 - i / 64)][:request.prompt_logprobs])
+                                                      for i, t in enumerate(request.prompt_ids[1:])]
                 yield event
                 if done:
                     break

@@ -254,7 +254,8 @@ def test_completions_logprobs_shape_streamed_and_not(fake_server):
     ("/v1/chat/completions", {"logprobs": "yes"}, "logprobs"),
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/completions", {"logprobs": True}, "logprobs"),
-    ("/v1/completions", {"logprobs": 2, "echo": True}, "echo"),
+    ("/v1/completions", {"logprobs": 2, "echo": "yes"}, "echo"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),
 ])
 def test_bad_logprobs_requests_are_400_naming_the_param(fake_server, path, extra, param):
     import httpx
@@ -352,5 +353,109 @@ def test_openai_client_logprobs_on_the_real_pipeline(real_pipeline):
                                                 max_tokens=16, temperature=0, logprobs=2, stream=True))
         tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
         assert tokens == lp.tokens
+    finally:
+        handle.stop()
+
+
+# ---------------------------------------------------------------- echo (completions): prompt logprobs
+
+
+def test_echo_shapes_streamed_and_not(fake_server):
+    handle, tok, engine = fake_server
+    client = openai_client(handle.url)
+    prompt = "Once upon a time"
+    n_prompt = len(tok.encode(prompt))
+    plain = client.completions.create(model="fake", prompt=prompt, echo=True)
+    assert plain.choices[0].text == prompt + FAKE_REPLY and plain.choices[0].logprobs is None
+    reply = client.completions.create(model="fake", prompt=prompt, echo=True, logprobs=1)
+    assert engine.requests[-1].prompt_logprobs == 1
+    choice = reply.choices[0]
+    lp = choice.logprobs
+    assert choice.text == prompt + FAKE_REPLY
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None   # nothing predicts the first token
+    assert all(isinstance(v, float) for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens[:n_prompt]) == prompt and lp.text_offset[n_prompt] == len(prompt)
+    raw = [tok.token_bytes(t) for t in tok.encode(prompt) + tok.encode(FAKE_REPLY)]
+    assert lp.text_offset == [len(b"".join(raw[:i]).decode("utf-8", "ignore")) for i in range(len(raw))]
+    chunks = [c.choices[0] for c in client.completions.create(model="fake", prompt=prompt, echo=True, logprobs=1,
+                                                              stream=True) if c.choices]
+    assert chunks[0].text == prompt and "".join(c.text for c in chunks) == prompt + FAKE_REPLY
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for c in chunks:
+        for key in streamed:
+            streamed[key] += getattr(c.logprobs, key) if c.logprobs else []
+    assert streamed == {key: getattr(lp, key) for key in streamed}
+    assert engine.requests[-1].prompt_logprobs == 1
+    client.completions.create(model="fake", prompt=prompt, logprobs=1)
+    assert engine.requests[-1].prompt_logprobs is None
+
+
+def test_echo_on_chat_is_a_400():
+    from skippy_zmq.driver.openai_schema import RequestError, parse_chat
+
+    with pytest.raises(RequestError) as err:
+        parse_chat({"messages": [{"role": "user", "content": "hi"}], "echo": True}, 100)
+    assert err.value.param == "echo"
+
+
+def test_inproc_prompt_logprobs_match_a_float64_reference():
+    """echo: the last stage scores every prefill position; chunks of 64 (make_scheduler), so a
+    prompt of 150 tokens arrives in three ACKs. The prefix cache is bypassed for it."""
+    import jax.numpy as jnp
+
+    from skippy_zmq.model.llama import forward_reference
+
+    prompt = random_ids(150, TINY.vocab_size, seed=5).tolist()
+    req = GenRequest("e", tuple(prompt), max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=3)
+    sched = make_scheduler(2, cache=CACHE, speculative=SPEC)
+    chain = make_chain(TINY, tiny_tree_of(), [2], cache=CACHE)
+    run_requests(sched, chain, [dataclasses.replace(req, request_id="warm", prompt_logprobs=None)])
+    events = run_requests(sched, chain, [req])["e"]
+    assert events[0].cached_tokens == 0   # bypassed, though the prompt is in the store
+    scored = events[0].prompt_logprobs
+    assert len(scored) == len(prompt) and scored[0] is None
+    assert all(e.prompt_logprobs is None for e in events[1:])
+    logits = np.asarray(forward_reference(tiny_runtime(), jnp.asarray(np.asarray(prompt, np.int32))[None], TINY))[0]
+    ref = log_softmax64(logits)
+    for p in range(1, len(prompt)):
+        lp, top = scored[p]
+        assert abs(lp - ref[p - 1][prompt[p]]) <= TOL
+        assert [t for t, _ in top] == list(np.argsort(-ref[p - 1], kind="stable")[:3])
+
+
+@pytest.mark.slow
+def test_real_pipeline_echo_prompt_logprobs_match_the_reference(real_pipeline, real_reference):
+    import jax.numpy as jnp
+
+    from skippy_zmq.driver.server import create_app, start_in_thread
+    from skippy_zmq.model.llama import forward_reference
+
+    engine, tokenizer = real_pipeline[0], real_pipeline[1]
+    cfg, params = real_reference
+    prompt = tokenizer.encode(COPY)
+    events = list(engine.generate_blocking(GenRequest("echo", tuple(prompt), max_tokens=2, ignore_eos=True,
+                                                      logprobs=5, prompt_logprobs=5)))
+    logits = np.asarray(forward_reference(params, jnp.asarray(np.asarray(prompt, np.int32))[None], cfg))[0]
+    ref = log_softmax64(logits)
+    scored = events[0].prompt_logprobs
+    assert len(scored) == len(prompt) and scored[0] is None
+    worst = 0.0
+    for p in range(1, len(prompt)):
+        lp, top = scored[p]
+        worst = max(worst, abs(lp - ref[p - 1][prompt[p]]))
+        best = np.sort(ref[p - 1])[::-1][:5]
+        assert len(top) == 5 and all(abs(v - ref[p - 1][t]) <= TOL and abs(v - b) <= TOL
+                                     for (t, v), b in zip(top, best))
+    assert worst <= TOL
+    print(f"echo: max |prompt logprob - reference| over {len(prompt) - 1} tokens: {worst:.2e}")
+    handle = start_in_thread(create_app(engine, tokenizer, model_name="smollm2"))
+    try:
+        client = openai_client(handle.url)
+        reply = client.completions.create(model="smollm2", prompt=COPY, max_tokens=8, temperature=0, echo=True,
+                                          logprobs=1)
+        lp = reply.choices[0].logprobs
+        assert reply.choices[0].text.startswith(COPY) and "".join(lp.tokens) == reply.choices[0].text
+        assert lp.token_logprobs[0] is None
+        assert max(abs(a - scored[i][0]) for i, a in enumerate(lp.token_logprobs[1:len(prompt)], 1)) <= TOL
     finally:
         handle.stop()

@@ -274,7 +274,7 @@ def test_n2_message_and_bad_messages_and_prompts(client):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=messages)
         assert err.value.body["param"] == "messages"
-    for prompt, kwargs in ((["a", "b"], {}), ([49152], {}), ("x", {"echo": True}), ("x", {"suffix": "y"})):
+    for prompt, kwargs in ((["a", "b"], {}), ([49152], {}), ("x", {"echo": "yes"}), ("x", {"suffix": "y"})):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=MODEL, prompt=prompt, **kwargs)
         assert err.value.body["param"] in ("prompt", "echo", "suffix")

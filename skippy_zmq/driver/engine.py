@@ -37,6 +37,9 @@ class GenRequest:
     # Logprobs: None = off; N = the chosen token's logprob plus the N most likely alternatives (0..20),
     # computed on the final stage (TokenEvent.logprob / top_logprobs).
     logprobs: int | None = None
+    # echo: the prompt tokens' logprobs with N alternatives (None: off). Bypasses the prefix cache:
+    # a restored prefix has no logits.
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -52,6 +55,9 @@ class TokenEvent:
     # and before temperature / top-k / top-p / min-p.
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    # First event, with GenRequest.prompt_logprobs set: one (logprob, [(id, logprob), ...]) per prompt
+    # token, None for the first (nothing predicts it) and for any the stages did not report.
+    prompt_logprobs: list | None = None
 
 
 class Engine(Protocol):

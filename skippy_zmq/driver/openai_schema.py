@@ -83,7 +83,6 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v in (None, 1), "only n=1 is supported"),
     "functions": (lambda v: not v, "the deprecated functions parameter is not supported; use tools"),
     "function_call": (_tool_choice_off, "the deprecated function_call parameter is not supported; use tool_choice"),
-    "echo": (lambda v: not v, "echo (the prompt's tokens and their logprobs) is not supported"),
     "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
     "suffix": (lambda v: v in (None, ""), "suffix is not supported"),
 }
@@ -160,6 +159,7 @@ class GenOptions:
     cache_key: str | None
     speculative: bool | None = None   # extension: false opts this request out of drafting
     logprobs: int | None = None       # None: off; N: each token's logprob plus the N most likely (0..20)
+    echo: bool = False                # completions: the prompt comes first in the text (and logprobs)
 
 
 def parse_options(body: Mapping[str, Any], vocab_size: int) -> GenOptions:
@@ -292,6 +292,8 @@ def parse_prompt(raw: object, vocab_size: int) -> str | tuple[int, ...]:
 
 def parse_chat(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
     messages = parse_messages(body.get("messages"))
+    if body.get("echo"):
+        raise RequestError("echo: only supported on /v1/completions", "echo")
     options = replace(parse_options(body, vocab_size), logprobs=parse_chat_logprobs(body))
     toolset = parse_toolset(body)
     constraint, param = parse_constraint(body)
@@ -306,7 +308,10 @@ def parse_chat(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
 
 def parse_completion(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
     prompt = parse_prompt(body.get("prompt"), vocab_size)
-    options = replace(parse_options(body, vocab_size), logprobs=parse_completion_logprobs(body))
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise RequestError(f"echo must be a boolean, got {_short(echo)}", "echo")
+    options = replace(parse_options(body, vocab_size), logprobs=parse_completion_logprobs(body), echo=bool(echo))
     for name in ("tools", "tool_choice", "parallel_tool_calls"):
         if body.get(name) not in (None, [], "none"):
             raise RequestError(f"{name}: tools are only supported on /v1/chat/completions", name)
@@ -393,6 +398,7 @@ def to_gen_request(parsed: ParsedRequest, prompt_ids: list[int], request_id: str
         request_id=request_id, prompt_ids=tuple(prompt_ids), sampling=options.sampling,
         max_tokens=min(options.max_tokens or room, room), ignore_eos=options.ignore_eos,
         cache_key=options.cache_key, speculative=options.speculative, logprobs=options.logprobs,
+        prompt_logprobs=options.logprobs if options.echo else None,
         constraint=parsed.constraint.to_dict() if parsed.constraint is not None else None,
     )
 
@@ -469,8 +475,11 @@ class ResponseFormat:
             text, raw = _token_piece(tokenizer, e.token_id)
             texts.append(text)
             starts.append(offsets.push(bytes(raw)))
-        tops = []
+        tops: list[dict[str, float] | None] = []
         for entry in entries:   # the N most likely, and the chosen token (so up to N + 1, as OpenAI)
+            if entry.logprob is None:   # echo: nothing predicts the prompt's first token
+                tops.append(None)
+                continue
             top = {_token_piece(tokenizer, tid)[0]: lp for tid, lp in entry.top}
             top.setdefault(_token_piece(tokenizer, entry.token_id)[0], entry.logprob)
             tops.append(top)
@@ -498,7 +507,7 @@ class TokenLogprob:
     """One generated token's logprob and its most likely alternatives [(id, logprob), ...]."""
 
     token_id: int
-    logprob: float
+    logprob: float | None   # None: not known (the first prompt token, under echo)
     top: tuple[tuple[int, float], ...] = ()
 
 

@@ -39,6 +39,11 @@ from skippy_zmq.driver.speculative import (DraftPolicy, NgramProposer, SharedInd
 from skippy_zmq.wire import Kind, Message
 
 DEFAULT_NAMESPACE = "default"
+
+
+def _entry(entry: list) -> tuple[float, list[tuple[int, float]]]:
+    """A stage's [logprob, [[id, logprob], ...]] as (logprob, [(id, logprob), ...])."""
+    return float(entry[0]), [(int(t), float(v)) for t, v in entry[1]]
 Sink = Callable[[object], None]   # receives TokenEvent or EngineError; must be thread-safe
 
 
@@ -85,6 +90,7 @@ class Job:
     proposer: NgramProposer | None = None      # speculation on: drafts from prompt + output
     policy: DraftPolicy | None = None
     drafts: list[int] = field(default_factory=list)   # the drafts of the window in flight
+    prompt_entries: dict[int, list] = field(default_factory=dict)   # echo: prompt position -> logprob entry
 
     @property
     def history(self) -> list[int]:
@@ -172,10 +178,23 @@ class Scheduler:
             self._on_tokens(msg)
         elif msg.kind == Kind.ACK:
             self.prefill_in_flight.pop(msg.request_id, None)
+            self._on_prompt_logprobs(msg)
             if msg.request_id in self.restores:
                 self._on_restore_ack(msg)
         elif msg.kind == Kind.ERROR:
             self._on_error(stage_id, msg)
+
+    def _on_prompt_logprobs(self, msg: Message) -> None:
+        """A prefill chunk's ACK with the prompt tokens' logprobs (echo): kept by position."""
+        stats = msg.extras.get("stats")
+        scored = stats.get("prompt_logprobs") if isinstance(stats, dict) else None
+        job = self.running.get(msg.session_id)
+        if not isinstance(scored, dict) or job is None or job.req.prompt_logprobs is None:
+            return
+        start, entries = scored.get("start"), scored.get("entries")
+        if isinstance(start, int) and isinstance(entries, list):
+            for j, entry in enumerate(entries):
+                job.prompt_entries[start + j] = entry
 
     def _on_restore_ack(self, msg: Message) -> None:
         """A restore try ended: a hit (TRY_RESTORE_PREFILL) or a miss at some stage (either kind)."""
@@ -288,8 +307,10 @@ class Scheduler:
         event = TokenEvent(token_id=tok, finish_reason=reason, cached_tokens=job.cached if first else 0,
                            stats=stats)
         if entry is not None and job.req.logprobs is not None:   # [logprob, [[id, logprob], ...]]
-            event.logprob = float(entry[0])
-            event.top_logprobs = [(int(t), float(v)) for t, v in entry[1]]
+            event.logprob, event.top_logprobs = _entry(entry)
+        if first and job.req.prompt_logprobs is not None:
+            got = job.prompt_entries
+            event.prompt_logprobs = [None] + [_entry(got[p]) if p in got else None for p in range(1, len(job.prompt))]
         job.sink(event)
         if reason:
             self._finish(job, record=True)
@@ -460,7 +481,9 @@ class Scheduler:
             if self.cfg.speculative.enabled and job.req.speculative is not False:
                 job.proposer = NgramProposer(self.cfg.speculative, job.prompt)
                 job.policy = DraftPolicy(self.cfg.speculative)
-            matched = self.index.longest(job.namespace, job.prompt, len(job.prompt) - 1) if self.index else 0
+            # echo needs logits at every prompt position, which a restored prefix does not have
+            restorable = self.index is not None and job.req.prompt_logprobs is None
+            matched = self.index.longest(job.namespace, job.prompt, len(job.prompt) - 1) if restorable else 0
             if not matched:
                 self.outbox.append(self._configure(job))
                 self._count_prefix(job, "miss" if self.index else "disabled")
@@ -505,6 +528,8 @@ class Scheduler:
                 if end == job.prefill_total and self.index is not None:   # the prompt is in: record it
                     self.index.add(job.namespace, history[:end])
                     extras = {"record": job.namespace}
+                if job.req.prompt_logprobs is not None and not job.generated:   # echo: score the prompt
+                    extras["prompt_logprobs"] = job.req.prompt_logprobs
                 self.outbox.append(Message(Kind.PREFILL, rid, job.session_id, position=start,
                                            tokens=np.asarray(history[start:end], np.int32), extras=extras))
                 self.prefill_in_flight[rid] = now

@@ -220,6 +220,16 @@ class TextStream:
         """Close the engine iterator; if it had not finished, that cancels the request."""
         await self._events.aclose()
 
+    def prompt_logprobs(self) -> list[TokenLogprob]:
+        """echo: the prompt tokens with their logprobs (None for the first, which nothing predicts)."""
+        scored = (self._first.prompt_logprobs if self._first is not None else None) or []
+        out = []
+        for i, token_id in enumerate(self.request.prompt_ids):
+            entry = scored[i] if i < len(scored) else None
+            out.append(TokenLogprob(token_id, None) if entry is None else
+                       TokenLogprob(token_id, entry[0], tuple(entry[1])))
+        return out
+
     def take_logprobs(self) -> list[TokenLogprob]:
         """The logprobs of the tokens consumed since the last call: after a delta, those of the
         tokens that made it (and of tokens held back before it, whose text it carries)."""
@@ -276,7 +286,8 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-async def sse_events(ctx: ServerContext, stream: TextStream, parsed: ParsedRequest) -> AsyncIterator[bytes]:
+async def sse_events(ctx: ServerContext, stream: TextStream, parsed: ParsedRequest,
+                     echo: str | None = None) -> AsyncIterator[bytes]:
     fmt, include_usage = parsed.format, parsed.options.include_usage
     response_id, created = f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time())
 
@@ -294,6 +305,10 @@ async def sse_events(ctx: ServerContext, stream: TextStream, parsed: ParsedReque
     try:
         if fmt.chat:
             yield chunk([fmt.chunk_choice("", opening=True)])
+        if echo is not None:   # completions echo: the prompt (and its tokens' logprobs) first
+            scored = fmt.logprobs(ctx.tokenizer, stream.prompt_logprobs(), offsets) \
+                if parsed.options.logprobs is not None else None
+            yield chunk([fmt.chunk_choice(echo, logprobs=scored)])
         if parsed.toolset.active:
             # Calls go out whole, one delta.tool_calls each, once their block closes; the text
             # around them as content deltas (tools.ToolCallStream).
@@ -349,6 +364,9 @@ async def _generate(request: Request, parse: Parser) -> Response:
         await run_in_threadpool(lambda: check_constraint(parsed, ctx.constraint_info()))
     prompt_ids = await run_in_threadpool(encode_prompt, ctx.tokenizer, parsed)
     gen_request = to_gen_request(parsed, prompt_ids, request.state.request_id, ctx.engine.max_context)
+    echo = None
+    if parsed.options.echo:   # the prompt as sent (token ids: decoded)
+        echo = parsed.prompt if isinstance(parsed.prompt, str) else ctx.tokenizer.decode(prompt_ids)
     stream = TextStream(ctx, gen_request, parsed.options.stop, request.state.arrival)
     handed_off = False
     try:
@@ -356,7 +374,7 @@ async def _generate(request: Request, parse: Parser) -> Response:
         if parsed.options.stream:
             handed_off = True
             return ClosingStreamingResponse(
-                sse_events(ctx, stream, parsed), media_type="text/event-stream", headers=SSE_HEADERS
+                sse_events(ctx, stream, parsed, echo), media_type="text/event-stream", headers=SSE_HEADERS
             )
         text = await unless_disconnected(request, stream.collect())
     except ClientDisconnected:
@@ -366,12 +384,18 @@ async def _generate(request: Request, parse: Parser) -> Response:
     finally:
         if not handed_off:
             await stream.close()
-    return JSONResponse(_full_response(ctx, parsed, stream, text))
+    return JSONResponse(_full_response(ctx, parsed, stream, text, echo))
 
 
-def _full_response(ctx: ServerContext, parsed: ParsedRequest, stream: TextStream, text: str) -> dict[str, Any]:
+def _full_response(ctx: ServerContext, parsed: ParsedRequest, stream: TextStream, text: str,
+                   echo: str | None = None) -> dict[str, Any]:
     fmt = parsed.format
-    logprobs = fmt.logprobs(ctx.tokenizer, stream.take_logprobs()) if parsed.options.logprobs is not None else None
+    logprobs = None
+    if parsed.options.logprobs is not None:
+        scored = stream.prompt_logprobs() if echo is not None else []
+        logprobs = fmt.logprobs(ctx.tokenizer, scored + stream.take_logprobs())
+    if echo is not None:
+        text = echo + text
     if parsed.toolset.active:   # the output's <tool_call> blocks become message.tool_calls
         content, calls = tools.parse_tool_calls(parsed.output_prefix + text, parsed.toolset)
         choice = fmt.choice(content, tools.finish_reason(stream.finish_reason, calls),

@@ -19,7 +19,7 @@ from skippy_zmq.fencing import BadView, Fence
 from skippy_zmq.kv.prefix_store import PrefixStore
 from skippy_zmq.model.runner import SliceRunner
 from skippy_zmq.placement import rss_bytes
-from skippy_zmq.sampling import Sampler, SamplingParams, check_top_logprobs
+from skippy_zmq.sampling import Sampler, SamplingParams, check_top_logprobs, token_logprobs
 from skippy_zmq.stage.recorder import Recorder
 from skippy_zmq.stage.restore import RestoreRoutes
 from skippy_zmq.stage.sessions import LanesBusy, SessionTable
@@ -272,7 +272,10 @@ class StageWorker:
             keep = [(sid, start, int(offsets[i]), length) for i, (sid, start, _, length) in enumerate(keep)]
         starts = np.array([start for _, start, _, _ in keep])
         lengths = np.array([length for *_, length in keep])
-        output = "logits" if self.info.last and score else ("none" if self.info.last else "hidden")
+        # echo: a prefill that asks for "prompt_logprobs" (N) is scored at the final stage too
+        prompt_top = self._prompt_top(msg) if self.info.last and not score else None
+        output = "logits" if self.info.last and (score or prompt_top is not None) else (
+            "none" if self.info.last else "hidden")
         lane_arr = np.asarray(lanes, np.int32)
         t0 = time.perf_counter()
         if score:
@@ -292,8 +295,10 @@ class StageWorker:
             return out + [Outbound(NEXT, replace(msg, activation=result, extras=extras))]
         if not score:
             session = self.sessions.get(keep[0][0])
-            return out + [Outbound(DRIVER, Message.ack(msg.request_id, msg.session_id,
-                                                       {"prefilled": session.length, "trace": extras["trace"]}))]
+            stats = {"prefilled": session.length, "trace": extras["trace"]}
+            if prompt_top is not None:
+                stats["prompt_logprobs"] = self._prompt_logprobs(session, result, int(starts[0]), prompt_top)
+            return out + [Outbound(DRIVER, Message.ack(msg.request_id, msg.session_id, stats))]
         t1 = time.perf_counter()
         sampled: list[int] = []
         answered: list[tuple[int, int]] = []   # (session, row length) of the rows sampled
@@ -325,6 +330,24 @@ class StageWorker:
         return out + [Outbound(DRIVER, Message.predicted_tokens(
             msg.request_id, [sid for sid, _ in answered], sampled, reply,
             lengths=[length for _, length in answered]))]
+
+    @staticmethod
+    def _prompt_top(msg: Message) -> int | None:
+        top = msg.extras.get("prompt_logprobs")
+        try:
+            return None if top is None else check_top_logprobs(top)
+        except ValueError as exc:
+            raise StageFault(f"bad prompt_logprobs: {exc}", "bad_sampling") from exc
+
+    def _prompt_logprobs(self, session: Any, logits: np.ndarray, start: int, top_n: int) -> dict[str, Any]:
+        """Logprobs of the prompt tokens a prefill chunk's logits predict: the logits at position p
+        score the prompt token at p + 1 (raw logits: no penalties or bias apply to the prompt).
+        {"start": the first scored position, "entries": [[lp, [[id, lp], ...]], ...]}."""
+        prompt = session.sampler.history.prompt if session.sampler is not None else []
+        entries = []
+        for j in range(min(logits.shape[0], len(prompt) - 1 - start)):
+            entries.append(_logprob_entry(token_logprobs(logits[j], prompt[start + j + 1], top_n)))
+        return {"start": start + 1, "entries": entries}
 
     def _sampler(self, session_id: int) -> Sampler:
         session = self.sessions.get(session_id)
