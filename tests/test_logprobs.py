@@ -482,3 +482,32 @@ def test_real_pipeline_constrained_logprobs_are_over_the_masked_logits(real_pipe
     tokens = [e for e in events if e.token_id is not None]
     assert all(e.logprob >= ref[j][e.token_id] - TOL for j, e in enumerate(tokens))
     assert any(e.logprob > ref[j][e.token_id] + 1e-3 for j, e in enumerate(tokens))   # the mask did something
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_only(fake_server):
+    """Evaluation harnesses send echo + logprobs + max_tokens 0: the prompt and its logprobs, no
+    completion (one token is generated and dropped). max_tokens 0 without echo stays a 400."""
+    import openai
+
+    handle, tok, engine = fake_server
+    client = openai_client(handle.url)
+    prompt = "Once upon a time"
+    n_prompt = len(tok.encode(prompt))
+    for stream in (False, True):
+        if stream:
+            chunks = [c.choices[0] for c in client.completions.create(
+                model="fake", prompt=prompt, echo=True, logprobs=0, max_tokens=0, stream=True) if c.choices]
+            text = "".join(c.text for c in chunks)
+            tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+            finish = chunks[-1].finish_reason
+        else:
+            reply = client.completions.create(model="fake", prompt=prompt, echo=True, logprobs=0, max_tokens=0)
+            choice = reply.choices[0]
+            text, tokens, finish = choice.text, choice.logprobs.tokens, choice.finish_reason
+            assert reply.usage.completion_tokens == 0
+            assert reply.choices[0].logprobs.token_logprobs[0] is None
+        assert text == prompt and len(tokens) == n_prompt and finish == "length"
+        assert engine.requests[-1].max_tokens == 1 and engine.requests[-1].prompt_logprobs == 0
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="fake", prompt=prompt, max_tokens=0)
+    assert err.value.body["param"] == "max_tokens"

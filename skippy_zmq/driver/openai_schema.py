@@ -160,6 +160,7 @@ class GenOptions:
     speculative: bool | None = None   # extension: false opts this request out of drafting
     logprobs: int | None = None       # None: off; N: each token's logprob plus the N most likely (0..20)
     echo: bool = False                # completions: the prompt comes first in the text (and logprobs)
+    echo_only: bool = False           # echo with max_tokens 0: the prompt scored, nothing generated
 
 
 def parse_options(body: Mapping[str, Any], vocab_size: int) -> GenOptions:
@@ -311,7 +312,12 @@ def parse_completion(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise RequestError(f"echo must be a boolean, got {_short(echo)}", "echo")
-    options = replace(parse_options(body, vocab_size), logprobs=parse_completion_logprobs(body), echo=bool(echo))
+    # echo with max_tokens 0 (evaluation harnesses scoring a prompt): one token is generated and dropped
+    echo_only = echo is True and body.get("max_tokens") == 0 and body.get("max_completion_tokens") is None
+    if echo_only:
+        body = {**body, "max_tokens": 1}
+    options = replace(parse_options(body, vocab_size), logprobs=parse_completion_logprobs(body), echo=bool(echo),
+                      echo_only=echo_only)
     for name in ("tools", "tool_choice", "parallel_tool_calls"):
         if body.get(name) not in (None, [], "none"):
             raise RequestError(f"{name}: tools are only supported on /v1/chat/completions", name)

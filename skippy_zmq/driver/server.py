@@ -178,8 +178,10 @@ def _authorized(scope: Scope, api_key: str) -> bool:
 class TextStream:
     """One request's engine events turned into text deltas, stop strings applied."""
 
-    def __init__(self, ctx: ServerContext, request: GenRequest, stops: tuple[str, ...], arrival: float) -> None:
+    def __init__(self, ctx: ServerContext, request: GenRequest, stops: tuple[str, ...], arrival: float,
+                 discard: bool = False) -> None:
         self.ctx, self.request = ctx, request
+        self._discard = discard   # echo with max_tokens 0: the token generated is dropped
         self.completion_tokens = self.cached_tokens = 0
         self.finish_reason: str | None = None
         self._events = ctx.engine.generate(request)
@@ -237,6 +239,10 @@ class TextStream:
         return taken
 
     def _consume(self, event: TokenEvent) -> str:
+        if self._discard:
+            if event.finish_reason is not None:
+                self.finish_reason = "length"
+            return ""
         text = ""
         if event.finish_reason is not None:
             self.ctx.metrics.observe_speculation(event.stats.get("speculative"))
@@ -367,7 +373,7 @@ async def _generate(request: Request, parse: Parser) -> Response:
     echo = None
     if parsed.options.echo:   # the prompt as sent (token ids: decoded)
         echo = parsed.prompt if isinstance(parsed.prompt, str) else ctx.tokenizer.decode(prompt_ids)
-    stream = TextStream(ctx, gen_request, parsed.options.stop, request.state.arrival)
+    stream = TextStream(ctx, gen_request, parsed.options.stop, request.state.arrival, parsed.options.echo_only)
     handed_off = False
     try:
         await unless_disconnected(request, stream.start())
