@@ -398,7 +398,8 @@ def test_echo_on_chat_is_a_400():
     assert err.value.param == "echo"
 
 
-def test_inproc_prompt_logprobs_match_a_float64_reference():
+@pytest.mark.parametrize("cuts", [[], [2]], ids=["1stage", "2stage"])
+def test_inproc_prompt_logprobs_match_a_float64_reference(cuts):
     """echo: the last stage scores every prefill position; chunks of 64 (make_scheduler), so a
     prompt of 150 tokens arrives in three ACKs. The prefix cache is bypassed for it."""
     import jax.numpy as jnp
@@ -407,8 +408,8 @@ def test_inproc_prompt_logprobs_match_a_float64_reference():
 
     prompt = random_ids(150, TINY.vocab_size, seed=5).tolist()
     req = GenRequest("e", tuple(prompt), max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=3)
-    sched = make_scheduler(2, cache=CACHE, speculative=SPEC)
-    chain = make_chain(TINY, tiny_tree_of(), [2], cache=CACHE)
+    sched = make_scheduler(len(cuts) + 1, cache=CACHE, speculative=SPEC)
+    chain = make_chain(TINY, tiny_tree_of(), cuts, cache=CACHE)
     run_requests(sched, chain, [dataclasses.replace(req, request_id="warm", prompt_logprobs=None)])
     events = run_requests(sched, chain, [req])["e"]
     assert events[0].cached_tokens == 0   # bypassed, though the prompt is in the store
@@ -457,6 +458,11 @@ def test_real_pipeline_echo_prompt_logprobs_match_the_reference(real_pipeline, r
         assert reply.choices[0].text.startswith(COPY) and "".join(lp.tokens) == reply.choices[0].text
         assert lp.token_logprobs[0] is None
         assert max(abs(a - scored[i][0]) for i, a in enumerate(lp.token_logprobs[1:len(prompt)], 1)) <= TOL
+        only = client.completions.create(model="smollm2", prompt=COPY, max_tokens=0, echo=True, logprobs=0)
+        assert only.choices[0].text == COPY and only.usage.completion_tokens == 0
+        assert len(only.choices[0].logprobs.tokens) == len(prompt)
+        assert max(abs(a - b) for a, b in zip(only.choices[0].logprobs.token_logprobs[1:],
+                                              lp.token_logprobs[1:len(prompt)])) <= TOL
     finally:
         handle.stop()
 
