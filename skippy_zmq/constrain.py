@@ -27,6 +27,7 @@ import llguidance
 import numpy as np
 
 from skippy_zmq.model.tokenizer import META_FILE, TextTokenizer
+from skippy_zmq.sampling import mask_logits
 
 Kind = Literal["json_object", "json_schema", "grammar", "tool_call"]
 Syntax = Literal["gbnf", "lark"]
@@ -337,24 +338,6 @@ def tokenizer_info(model_dir: str | Path, vocab_size: int | None = None) -> Toke
 def validate(spec: ConstraintSpec, info: TokenizerInfo) -> None:
     """Compile `spec` (cached) so a bad one fails here, as a ConstraintError, not mid-generation."""
     info.compiled(spec)
-
-
-def mask_logits(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Set logits where `mask` is False to -inf, in place; logits past the mask's width (a
-    padded vocabulary) too. `mask` broadcasts against `logits`; returns `logits`."""
-    width = mask.shape[-1]
-    if logits.shape[-1] < width:
-        raise ValueError(f"logits width {logits.shape[-1]} < mask width {width}")
-    if mask.ndim == 1 and np.count_nonzero(mask) * 16 < width:
-        # Few allowed (JSON structure, enums): keep those, fill the rest; twice as fast.
-        allowed = np.flatnonzero(mask)
-        kept = logits[..., allowed]
-        logits[...] = -np.inf
-        logits[..., allowed] = kept
-        return logits
-    logits[..., width:] = -np.inf
-    np.copyto(logits[..., :width], -np.inf, where=~mask)
-    return logits
 
 
 class Matcher:

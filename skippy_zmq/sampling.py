@@ -601,9 +601,9 @@ class Sampler:
                 history = history.prefix(position + 1)
             logits = adjust_logits(logits, params, history)   # a copy
             if mask is not None:
-                _masked(logits, mask)
+                mask_logits(logits, mask)
         elif mask is not None:
-            logits = _masked(np.array(logits, dtype=np.float32, copy=True), mask)
+            logits = mask_logits(np.array(logits, dtype=np.float32, copy=True), mask)
         return logits
 
     def _pick(self, scored: np.ndarray, position: int) -> int:
@@ -686,12 +686,14 @@ class Sampler:
         return out, entries
 
 
-def _masked(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Disallowed tokens' logits (and any past the mask's width) set to -inf, in place."""
+def mask_logits(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Set logits where `mask` is False to -inf, in place; logits past the mask's width (a padded
+    vocabulary) too. `mask` broadcasts against `logits`; returns `logits`."""
     width = mask.shape[-1]
     if logits.shape[-1] < width:
-        raise ValueError(f"logits width {logits.shape[-1]} < constraint mask width {width}")
-    if np.count_nonzero(mask) * 16 < width:   # few allowed (JSON structure, enums): keep those, fill the rest
+        raise ValueError(f"logits width {logits.shape[-1]} < mask width {width}")
+    if mask.ndim == 1 and np.count_nonzero(mask) * 16 < width:
+        # Few allowed (JSON structure, enums): keep those, fill the rest; twice as fast.
         allowed = np.flatnonzero(mask)
         kept = logits[..., allowed]
         logits[...] = -np.inf

@@ -4,6 +4,7 @@ parsing and its errors, random walks whose decoded text must parse and validate,
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import numpy as np
@@ -23,56 +24,7 @@ from skippy_zmq.constrain import (
     validate,
 )
 
-SCHEMAS = {
-    "flat": {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                       "score": {"type": "number"}, "active": {"type": "boolean"}},
-        "required": ["name", "age", "score", "active"], "additionalProperties": False,
-    },
-    "nested": {
-        "type": "object",
-        "properties": {"user": {
-            "type": "object",
-            "properties": {"name": {"type": "string"}, "address": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "geo": {
-                    "type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
-                    "required": ["lat", "lon"], "additionalProperties": False}},
-                "required": ["city", "geo"], "additionalProperties": False}},
-            "required": ["name", "address"], "additionalProperties": False}},
-        "required": ["user"], "additionalProperties": False,
-    },
-    "enum": {
-        "type": "object",
-        "properties": {"color": {"enum": ["red", "green", "blue"]},
-                       "size": {"type": "string", "enum": ["S", "M", "L", "XL"]},
-                       "level": {"enum": [1, 2, 3]}},
-        "required": ["color", "size", "level"], "additionalProperties": False,
-    },
-    "array_of_objects": {
-        "type": "object",
-        "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 4, "items": {
-            "type": "object",
-            "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
-                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}}},
-            "required": ["id", "tags"], "additionalProperties": False}}},
-        "required": ["items"], "additionalProperties": False,
-    },
-    "required_optional": {
-        "type": "object",
-        "properties": {"id": {"type": "integer"}, "nick": {"type": "string"},
-                       "email": {"type": "string"}, "note": {"type": ["string", "null"]}},
-        "required": ["id"], "additionalProperties": False,
-    },
-    "refs": {
-        "$defs": {"point": {"type": "object", "required": ["x", "y"], "additionalProperties": False,
-                            "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}},
-        "type": "object",
-        "properties": {"path": {"type": "array", "items": {"$ref": "#/$defs/point"}, "maxItems": 3}},
-        "required": ["path"], "additionalProperties": False,
-    },
-}
+SCHEMAS = json.loads((Path(__file__).parent / "fixtures" / "json_schemas.json").read_text())
 
 CLOSERS = set('"}]')
 OPENERS = set("{[,:")  # a comma or colon opens another member
