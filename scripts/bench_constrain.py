@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from skippy_zmq.model.tokenizer import TextTokenizer
+from skippy_zmq.model.tokenizer import TextTokenizer, _byte_level_table
 
 # The test suite's schemas (bounded numbers and strings, so a walk ends).
 SCHEMAS: dict[str, dict] = json.loads((Path(__file__).parent.parent / "tests" / "fixtures" / "json_schemas.json").read_text())
@@ -124,19 +124,6 @@ class XGrammar:
         return matcher.accept_token(token)
 
 
-def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's byte-to-unicode table, inverted: the byte each vocabulary character stands for."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    chars, extra = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
-
-
 class OutlinesCore:
     name = "outlines-core"
 
@@ -144,7 +131,7 @@ class OutlinesCore:
         import outlines_core
         self._oc = outlines_core
         t0 = time.perf_counter()
-        table = _byte_level_decoder()
+        table = _byte_level_table()
         eos = tokenizer.eos_ids[0]
         special = {t.content for t in tokenizer.tokenizer.get_added_tokens_decoder().values()}
         vocab: dict[bytes, list[int]] = {}
