@@ -51,6 +51,7 @@ class Kind(enum.IntEnum):
     TRIM_SESSION = 5
     TRY_RESTORE_PREFILL = 6
     TRY_RESTORE_PREFILL_DECODE = 7
+    FORK_SESSION = 8      # copy session_id's KV [0, position) into each of `sessions` (n > 1 choices)
     READY = 32
     HEARTBEAT = 33
     ACK = 34

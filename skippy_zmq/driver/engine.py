@@ -30,6 +30,7 @@ class GenRequest:
     cache_key: str | None = None       # prompt_cache_key: prefix-cache namespace
     timeout_s: float | None = None     # deadline for the whole request
     speculative: bool | None = None    # False: never draft for this request (None: the driver's setting)
+    n: int = 1                         # choices: one prefill, then n sessions fork its KV (TokenEvent.choice)
     # Structured output: a constrain.ConstraintSpec.to_dict() the final stage enforces (None: free text).
     # A constrained request always ends at EOS, ignore_eos or not: once the constraint is complete EOS
     # is the only token it allows.
@@ -50,6 +51,7 @@ class TokenEvent:
     finish_reason: str | None = None   # "stop" (EOS) | "length" | "cancelled"
     cached_tokens: int = 0             # prompt tokens served from the prefix cache (first event)
     stats: dict = field(default_factory=dict)
+    choice: int = 0                    # which of the request's n choices (each ends with its own finish_reason)
     # With GenRequest.logprobs set: log p(token) and the top alternatives [(id, logprob), ...],
     # highest first, under the final logits after penalties, logit_bias and any constraint mask
     # and before temperature / top-k / top-p / min-p.

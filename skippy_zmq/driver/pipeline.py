@@ -130,7 +130,7 @@ class PipelineEngine:
         events: asyncio.Queue = asyncio.Queue()
         submitted = asyncio.ensure_future(asyncio.to_thread(
             self.submit, req, lambda item: loop.call_soon_threadsafe(events.put_nowait, item)))
-        finished = False
+        finished, open_choices = False, req.n
         try:
             # Shielded: a client that leaves during admission still gets its request cancelled below.
             cancel = await asyncio.shield(submitted)
@@ -139,7 +139,8 @@ class PipelineEngine:
                 if isinstance(item, EngineError):
                     finished = True
                     raise item
-                finished = item.finish_reason is not None
+                open_choices -= item.finish_reason is not None
+                finished = open_choices == 0
                 yield item
                 if finished:
                     return
@@ -153,14 +154,15 @@ class PipelineEngine:
     def generate_blocking(self, req: GenRequest) -> Iterator[TokenEvent]:
         events: queue.Queue = queue.Queue()
         cancel = self.submit(req, events.put)
-        finished = False
+        finished, open_choices = False, req.n
         try:
             while not finished:
                 item = events.get()
                 if isinstance(item, EngineError):
                     finished = True
                     raise item
-                finished = item.finish_reason is not None
+                open_choices -= item.finish_reason is not None
+                finished = open_choices == 0
                 yield item
         finally:
             if not finished:

@@ -91,6 +91,9 @@ class Job:
     policy: DraftPolicy | None = None
     drafts: list[int] = field(default_factory=list)   # the drafts of the window in flight
     prompt_entries: dict[int, list] = field(default_factory=dict)   # echo: prompt position -> logprob entry
+    choice: int = 0                 # n > 1: this job's choice index (its sampler's key)
+    children: list = field(default_factory=list)   # n > 1, on choice 0: the other choices' jobs
+    waiting_fork: bool = False      # a child whose prompt KV is not forked from choice 0 yet
 
     @property
     def history(self) -> list[int]:
@@ -104,7 +107,7 @@ class Job:
     @property
     def decodable(self) -> bool:
         return self.prefill_sent >= self.prefill_total and not self.in_flight and not self.done \
-            and not self.restoring
+            and not self.restoring and not self.waiting_fork
 
     @property
     def kv_tokens(self) -> list[int]:
@@ -145,6 +148,9 @@ class Scheduler:
         if len(req.prompt_ids) + 1 > self.cfg.max_context:
             raise EngineError(f"prompt of {len(req.prompt_ids)} tokens exceeds the context of "
                               f"{self.cfg.max_context} tokens", 400, "context_length_exceeded")
+        if not 1 <= req.n <= self.cfg.max_sessions:
+            raise EngineError(f"n={req.n}: a request takes 1 to {self.cfg.max_sessions} choices here "
+                              f"(each holds a KV lane; driver.max_sessions is {self.cfg.max_sessions})", 400, "n")
         waiting = len(self.queue)
         if len(self.running) + waiting >= self.cfg.max_sessions and waiting >= self.cfg.max_queue:
             raise EngineError(f"server is at capacity ({len(self.running)} running, {len(self.queue)} queued)",
@@ -159,13 +165,16 @@ class Scheduler:
             req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, seed=secrets.randbits(63)))
         job = Job(req, next(self._ids), sink, eos, time.monotonic() + timeout, prompt=list(req.prompt_ids),
                   namespace=req.cache_key or DEFAULT_NAMESPACE)
+        job.children = [Job(req, next(self._ids), sink, eos, job.deadline, prompt=list(req.prompt_ids),
+                            namespace=job.namespace, choice=i, waiting_fork=True) for i in range(1, req.n)]
         self.queue.append(job)
         return job.session_id
 
     def cancel(self, session_id: int) -> None:
         job = self.running.get(session_id) or next((j for j in self.queue if j.session_id == session_id), None)
-        if job is not None and not job.done:
-            job.cancelled = True
+        for one in ([job, *job.children] if job is not None else []):
+            if not one.done:
+                one.cancelled = True
 
     @property
     def load(self) -> dict[str, int]:
@@ -305,7 +314,7 @@ class Scheduler:
             p = job.policy
             stats["speculative"] = {"windows": p.windows, "drafted": p.drafted, "accepted": p.accepted}
         event = TokenEvent(token_id=tok, finish_reason=reason, cached_tokens=job.cached if first else 0,
-                           stats=stats)
+                           stats=stats, choice=job.choice)
         if entry is not None and job.req.logprobs is not None:   # [logprob, [[id, logprob], ...]]
             event.logprob, event.top_logprobs = _entry(entry)
         if first and job.req.prompt_logprobs is not None:
@@ -364,6 +373,7 @@ class Scheduler:
         """Forget what the stages hold for `job` and prefill it again from its token history."""
         job.fence_rid = next(self._ids)
         job.in_flight, job.restoring, job.drafts = False, None, []
+        job.waiting_fork = False   # a re-prefill from its own history needs no fork
         job.prefill_sent, job.cached = 0, 0
         self.outbox.append(self._configure(job))
 
@@ -460,29 +470,38 @@ class Scheduler:
                         f"no reply from the pipeline within {self.cfg.reply_timeout_s:g} s", 504, "stage_timeout"))
 
     def _configure(self, job: Job) -> Message:
-        """Sampling config for the last stage; `generated` replays penalty history after a resume."""
+        """Sampling (and constraint, logprobs, choice) for the last stage; every stage takes a lane."""
         extras = {"sampling": job.req.sampling.to_dict()}
         if job.req.constraint is not None:
             extras["constraint"] = job.req.constraint
         if job.req.logprobs is not None:
             extras["logprobs"] = job.req.logprobs
-        if job.generated:
-            extras["generated"] = job.generated
+        if job.choice:
+            extras["choice"] = job.choice
         return Message(Kind.CONFIGURE_GENERATION, next(self._ids), job.session_id,
                        tokens=np.asarray(job.prompt, np.int32), extras=extras)
 
+    def _start(self, job: Job) -> None:
+        self.running[job.session_id] = job
+        job.next_token, job.next_pos = job.prompt[-1], len(job.prompt) - 1
+        if self.cfg.speculative.enabled and job.req.speculative is not False:
+            job.proposer = NgramProposer(self.cfg.speculative, job.prompt)
+            job.policy = DraftPolicy(self.cfg.speculative)
+
     def _admit(self) -> None:
-        while self.queue and len(self.running) < self.cfg.max_sessions:
+        # A request's n choices are admitted together (each holds a lane); the queue stays in order.
+        while self.queue and len(self.running) + 1 + len(self.queue[0].children) <= self.cfg.max_sessions:
             job = self.queue.popleft()
             if job.done:
                 continue
-            self.running[job.session_id] = job
-            job.next_token, job.next_pos = job.prompt[-1], len(job.prompt) - 1
-            if self.cfg.speculative.enabled and job.req.speculative is not False:
-                job.proposer = NgramProposer(self.cfg.speculative, job.prompt)
-                job.policy = DraftPolicy(self.cfg.speculative)
-            # echo needs logits at every prompt position, which a restored prefix does not have
-            restorable = self.index is not None and job.req.prompt_logprobs is None
+            self._start(job)
+            for child in job.children:
+                self._start(child)
+                child.waiting_fork = job.prefill_total > 0   # a 1-token prompt has no KV to share
+                self.outbox.append(self._configure(child))
+            # echo needs logits at every prompt position, which a restored prefix does not have; n > 1
+            # forks choice 0's prefilled lane, so it prefills (the fork follows its last chunk)
+            restorable = self.index is not None and job.req.prompt_logprobs is None and not job.children
             matched = self.index.longest(job.namespace, job.prompt, len(job.prompt) - 1) if restorable else 0
             if not matched:
                 self.outbox.append(self._configure(job))
@@ -518,7 +537,7 @@ class Scheduler:
 
     def _send_prefill(self, now: float) -> None:
         for job in self.running.values():
-            while (job.prefill_sent < job.prefill_total and not job.restoring
+            while (job.prefill_sent < job.prefill_total and not job.restoring and not job.waiting_fork
                    and len(self.prefill_in_flight) < self.cfg.prefill_credit):
                 start = job.prefill_sent
                 end = min(start + self.cfg.prefill_chunk, job.prefill_total)
@@ -534,6 +553,19 @@ class Scheduler:
                                            tokens=np.asarray(history[start:end], np.int32), extras=extras))
                 self.prefill_in_flight[rid] = now
                 job.prefill_sent = end
+                if end == job.prefill_total:
+                    self._fork(job)
+
+    def _fork(self, job: Job) -> None:
+        """n > 1: right behind choice 0's last prefill chunk (the chain keeps their order), every
+        stage copies its prompt KV into the lanes of the choices still waiting for it."""
+        waiting = [c for c in job.children if c.waiting_fork and not c.done]
+        if not waiting:
+            return
+        self.outbox.append(Message(Kind.FORK_SESSION, next(self._ids), job.session_id, position=job.prefill_total,
+                                   sessions=np.array([job.session_id] + [c.session_id for c in waiting], np.uint64)))
+        for child in waiting:
+            child.waiting_fork, child.prefill_sent = False, child.prefill_total
 
     def _send_decode_batches(self, now: float) -> None:
         ready = [j for j in self.running.values() if j.decodable and not j.cancelled]

@@ -239,6 +239,12 @@ class SliceRunner:
         k, v = self.read_kv_device(lane, length)
         return np.asarray(k)[:, :length], np.asarray(v)[:, :length]
 
+    def copy_lane(self, src: int, dst: int, length: int) -> None:
+        """Copy lane src's KV at positions [0, length) into lane dst, on the device (a fork: n
+        choices share one prefill). Positions past `length` in dst are beyond its session."""
+        if length > 0:
+            self.kv = _copy_lane(self.kv, np.int32(src), np.int32(dst), span=self._span(length))
+
     def write_kv(self, lane: int, k: np.ndarray, v: np.ndarray) -> None:
         """Restore K and V blocks [layers, length, kvh, hd] into positions [0, length) of a lane.
 
@@ -257,6 +263,14 @@ def _read_lane(kv: KVCache, lane: jax.Array, span: int) -> tuple[jax.Array, jax.
         block = jax.lax.dynamic_slice(a, (lane, 0, 0, 0), (1, a.shape[1], span, a.shape[3]))
         return kv.decode(block[0]).swapaxes(0, 1)
     return jnp.stack([take(a) for a in kv.k]), jnp.stack([take(a) for a in kv.v])
+
+
+@functools.partial(jax.jit, static_argnames=("span",), donate_argnames=("kv",))
+def _copy_lane(kv: KVCache, src: jax.Array, dst: jax.Array, span: int) -> KVCache:
+    def copy(a: jax.Array) -> jax.Array:
+        block = jax.lax.dynamic_slice(a, (src, 0, 0, 0), (1, a.shape[1], span, a.shape[3]))
+        return jax.lax.dynamic_update_slice(a, block, (dst, 0, 0, 0))
+    return KVCache(k=tuple(copy(a) for a in kv.k), v=tuple(copy(a) for a in kv.v), dtype=kv.dtype)
 
 
 @functools.partial(jax.jit, donate_argnames=("kv",))

@@ -70,6 +70,7 @@ class StageWorker:
             Kind.CONFIGURE_GENERATION: self.on_configure,
             Kind.STOP: self.on_stop,
             Kind.TRIM_SESSION: self.on_trim,
+            Kind.FORK_SESSION: self.on_fork,
         }
         restore = RestoreRoutes(self)
         self.handlers[Kind.TRY_RESTORE_PREFILL] = restore.on_try_restore_prefill
@@ -362,6 +363,30 @@ class StageWorker:
                 self.record(session, str(msg.extras["record"]))
             self.sessions.release(sid)
         return [] if self.info.last else [Outbound(NEXT, msg)]
+
+    def on_fork(self, msg: Message) -> list[Outbound]:
+        """n > 1 choices: each session in `sessions` gets a copy of session_id's KV (and token ids)
+        at positions [0, position), so the prompt is prefilled once. A child that cannot get a
+        lane answers its own ERROR; the others still fork."""
+        parent = self.sessions.get(msg.session_id)
+        length = int(msg.position)
+        if parent is None or parent.length < length or length < 0:
+            held = parent.length if parent is not None else 0
+            raise StageFault(f"session {msg.session_id} has KV up to position {held}, a fork needs {length}",
+                             "kv_gap")
+        out: list[Outbound] = []
+        tokens = parent.tokens[:length]
+        for sid in msg.session_ids.tolist():
+            if sid == msg.session_id:
+                continue
+            try:
+                child = self._acquire(sid, msg.request_id)
+            except StageFault as fault:
+                out.append(self.error(msg.request_id, sid, fault.reason, fault.code))
+                continue
+            self.lock.run(lambda: self.runner.copy_lane(parent.lane, child.lane, length))
+            child.reset(list(tokens))
+        return out if self.info.last else out + [Outbound(NEXT, msg)]
 
     def on_trim(self, msg: Message) -> list[Outbound]:
         session = self.sessions.get(msg.session_id)

@@ -1,0 +1,95 @@
+"""n > 1 choices: one prefill, then every stage forks the prompt's KV into the other choices' lanes
+(FORK_SESSION); each choice samples with its own key (seed, choice, position)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import TINY, random_ids
+from pipeline_helpers import make_chain, make_scheduler, make_worker
+from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
+from skippy_zmq.driver.speculative import SpeculativeConfig
+from skippy_zmq.inproc import run_requests
+from skippy_zmq.sampling import SamplingParams
+from skippy_zmq.wire import Kind, Message
+
+
+def by_choice(events: list) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for e in events:
+        if isinstance(e, TokenEvent) and e.token_id is not None:
+            out.setdefault(e.choice, []).append(e.token_id)
+    return out
+
+
+def spy(chain) -> list:
+    seen, send = [], chain.send
+
+    def record(msg):
+        seen.append(msg)
+        return send(msg)
+    chain.send = record
+    return seen
+
+
+@pytest.mark.parametrize("cuts", [[], [2], [1, 3]], ids=["1stage", "2stage", "3stage"])
+def test_n_choices_prefill_once_and_sample_their_own_streams(tiny_tree, cuts):
+    prompt = tuple(random_ids(40, TINY.vocab_size, seed=4).tolist())
+    params = SamplingParams(temperature=1.0, seed=9)
+    chain = make_chain(TINY, tiny_tree, cuts)
+    sent = spy(chain)
+    req = GenRequest("n", prompt, params, max_tokens=12, ignore_eos=True, n=3)
+    events = run_requests(make_scheduler(len(cuts) + 1, max_sessions=4), chain, [req])["n"]
+    got = by_choice(events)
+    assert sorted(got) == [0, 1, 2] and all(len(t) == 12 for t in got.values())
+    assert sum(1 for e in events if e.finish_reason) == 3
+    prefilled = sum(len(m.tokens) for m in sent if m.kind == Kind.PREFILL)
+    assert prefilled == len(prompt) - 1                       # the prompt went through once
+    forks = [m for m in sent if m.kind == Kind.FORK_SESSION]
+    assert len(forks) == 1 and forks[0].position == len(prompt) - 1 and len(forks[0].session_ids) == 3
+    # Choice 0 is the request alone; choice i draws from key (seed, i, position): a fresh request
+    # whose stages sample it as choice i would give the same tokens, and the choices differ.
+    alone = by_choice(run_requests(make_scheduler(len(cuts) + 1), make_chain(TINY, tiny_tree, cuts),
+                                   [dataclasses.replace(req, n=1)])["n"])
+    assert alone[0] == got[0]
+    assert len({tuple(t) for t in got.values()}) == 3
+    for w in chain.workers:
+        assert len(w.sessions) == 0                           # every choice STOPped its lane
+
+
+def test_greedy_choices_are_identical_and_speculation_keeps_them(tiny_tree):
+    prompt = tuple((random_ids(6, TINY.vocab_size, seed=3).tolist() * 4)[:21])
+    spec = SpeculativeConfig(method="ngram", min_match=1, shared=False)
+    req = GenRequest("g", prompt, max_tokens=20, ignore_eos=True, n=2)
+    plain = by_choice(run_requests(make_scheduler(2), make_chain(TINY, tiny_tree, [2]), [req])["g"])
+    fast = by_choice(run_requests(make_scheduler(2, speculative=spec), make_chain(TINY, tiny_tree, [2]), [req])["g"])
+    assert plain[0] == plain[1] == fast[0] == fast[1]
+
+
+def test_n_above_the_lanes_is_refused_and_n_waits_for_enough_free_lanes(tiny_tree):
+    sched = make_scheduler(2, max_sessions=4)
+    with pytest.raises(EngineError) as info:
+        sched.submit(GenRequest("big", (1, 2, 3), n=5), lambda e: None)
+    assert info.value.status == 400 and "1 to 4 choices" in info.value.message
+    chain = make_chain(TINY, tiny_tree, [2])
+    reqs = [GenRequest("a", (5, 6, 7, 8), max_tokens=6, ignore_eos=True, n=3),
+            GenRequest("b", (9, 10, 11), max_tokens=6, ignore_eos=True, n=2)]
+    events = run_requests(sched, chain, reqs)
+    assert sorted(by_choice(events["a"])) == [0, 1, 2] and sorted(by_choice(events["b"])) == [0, 1]
+
+
+def test_fork_copies_kv_and_refuses_a_gap(tiny_tree):
+    worker = make_worker(TINY, tiny_tree, 0, TINY.n_layers)
+    prompt = random_ids(20, TINY.vocab_size, seed=2)
+    worker.handle(Message(Kind.PREFILL, 1, 1, position=0, tokens=prompt[:-1]))
+    assert worker.handle(Message(Kind.FORK_SESSION, 2, 1, position=19, sessions=np.array([1, 2], np.uint64))) == []
+    a, b = worker.sessions.get(1), worker.sessions.get(2)
+    assert b.length == 19 and b.tokens == a.tokens
+    ka, kb = worker.runner.read_kv(a.lane, 19), worker.runner.read_kv(b.lane, 19)
+    np.testing.assert_array_equal(ka[0], kb[0])
+    np.testing.assert_array_equal(ka[1], kb[1])
+    [out] = worker.handle(Message(Kind.FORK_SESSION, 3, 1, position=25, sessions=np.array([1, 3], np.uint64)))
+    assert out.message.extras["code"] == "kv_gap" and "a fork needs 25" in out.message.extras["error"]
