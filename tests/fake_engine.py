@@ -50,16 +50,18 @@ class FakeEngine:
         script = self.script if self.script is not None else list(request.prompt_ids)
         done = False
         try:
-            for index in range(request.max_tokens):
+            # n choices: choice c's tokens are the script shifted by c, choices interleaved token by token
+            for index, choice in ((i, c) for i in range(request.max_tokens) for c in range(request.n)):
                 if self.fail_after is not None and index == self.fail_after:
                     done = True
                     raise self.fail_mid
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
-                token = script[index % len(script)]
+                token = script[(index + choice) % len(script)]
                 finish = self._finish(token, index, request)
-                done = finish is not None
-                event = TokenEvent(token, finish, cached_tokens=self.cached_tokens if index == 0 else 0)
+                done = finish is not None and choice == request.n - 1
+                event = TokenEvent(token, finish, cached_tokens=self.cached_tokens if index == 0 else 0,
+                                   choice=choice)
                 if request.logprobs is not None:   # made-up values: the chosen token first, then ids 10, 11, ...
                     event.logprob = -0.25 - index / 64
                     alternatives = [(10 + k, event.logprob - 1.0 - k) for k in range(request.logprobs)]
@@ -68,7 +70,7 @@ class FakeEngine:
                     event.prompt_logprobs = [None] + [(-1.0 - i / 64, [(t, -1.0 - i / 64)][:request.prompt_logprobs])
                                                       for i, t in enumerate(request.prompt_ids[1:])]
                 yield event
-                if done:
+                if finish is not None and request.n == 1:
                     break
         finally:
             # Closed (GeneratorExit) or cancelled (CancelledError) before the end.

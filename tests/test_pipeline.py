@@ -168,3 +168,36 @@ def test_prefix_cache_restore_equals_recompute(pipeline, local):
     common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     assert common >= 128
     assert cached_cold == 0 and cached_warm == len(first) - 1 and cached_shared == common // 128 * 128
+
+
+def test_n_choices_and_batched_prompts_over_http(pipeline, local):
+    """n choices share one prefill (the stages fork its KV) and each samples its own stream; a
+    batched completions prompt gives one choice per prompt. Greedy choices equal the single run."""
+    engine, tokenizer = pipeline[0], pipeline[1]
+    handle = start_in_thread(create_app(engine, tokenizer, model_name="smollm2"))
+    try:
+        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+        want = local.generate(local.tokenizer.encode_chat(messages), max_tokens=16).text
+        greedy = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0, n=3)
+        assert [c.message.content for c in greedy.choices] == [want] * 3
+        assert greedy.usage.prompt_tokens == len(local.tokenizer.encode_chat(messages))
+        sampled = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, n=3,
+                                                 temperature=1.0, seed=5)
+        single = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16,
+                                                temperature=1.0, seed=5)
+        texts = [c.message.content for c in sampled.choices]
+        assert texts[0] == single.choices[0].message.content and len(set(texts)) > 1
+        streamed: dict[int, str] = {}
+        for chunk in client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, n=3,
+                                                    temperature=1.0, seed=5, stream=True):
+            for c in chunk.choices:
+                streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+        assert [streamed[i] for i in range(3)] == texts
+        prompts = ["The capital of France is", "One, two, three,"]
+        batch = client.completions.create(model="smollm2", prompt=prompts, max_tokens=8, temperature=0)
+        alone = [client.completions.create(model="smollm2", prompt=p, max_tokens=8, temperature=0).choices[0].text
+                 for p in prompts]
+        assert [c.text for c in batch.choices] == alone
+    finally:
+        handle.stop()

@@ -233,7 +233,7 @@ def test_stop_matcher(stops, pieces, emitted, hit):
 BAD_REQUESTS = [
     ({"temperature": 5}, "temperature"),
     ({"top_p": 0}, "top_p"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": "yes"}, "logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools"),
@@ -267,14 +267,35 @@ def test_bad_parameters_are_400_naming_the_param(client, engine, kwargs, param):
     assert engine.requests == []
 
 
-def test_n2_message_and_bad_messages_and_prompts(client):
-    with pytest.raises(openai.BadRequestError, match="n: only n=1 is supported"):
-        _chat(client, n=2)
+def test_n_choices_and_batched_prompts(client, engine, tok):
+    """n choices (one engine request, GenRequest.n) and a list of prompts (one engine request each,
+    one choice per prompt and choice), streamed and not; usage counts each prompt once."""
+    engine.reset()
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=3, max_tokens=4)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    script = [*tok.encode(REPLY), tok.eos_ids[0]]
+    assert [c.message.content for c in reply.choices] == [tok.decode(script[c:c + 4]) for c in range(3)]
+    assert len(engine.requests) == 1 and engine.requests[0].n == 3
+    assert reply.usage.prompt_tokens == len(engine.requests[0].prompt_ids)
+    assert reply.usage.completion_tokens == 12
+    parts: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, max_tokens=4, stream=True):
+        for c in chunk.choices:
+            parts[c.index] = parts.get(c.index, "") + (c.delta.content or "")
+    assert parts == {c: tok.decode(script[c:c + 4]) for c in range(2)}
+    engine.reset()
+    batch = client.completions.create(model=MODEL, prompt=["one two", [5, 6, 7]], n=2, max_tokens=3)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3] and len(engine.requests) == 2
+    assert batch.usage.prompt_tokens == sum(len(r.prompt_ids) for r in engine.requests)
+    assert batch.usage.completion_tokens == 12
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=["ok", [49152]])
+    assert err.value.body["param"] == "prompt" and "prompt[1] token id 49152" in err.value.body["message"]
     for messages in ([], [{"role": "robot", "content": "hi"}], [{"role": "user", "content": 5}]):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=messages)
         assert err.value.body["param"] == "messages"
-    for prompt, kwargs in ((["a", "b"], {}), ([49152], {}), ("x", {"echo": "yes"}), ("x", {"suffix": "y"})):
+    for prompt, kwargs in (([49152], {}), ("x", {"echo": "yes"}), ("x", {"suffix": "y"})):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=MODEL, prompt=prompt, **kwargs)
         assert err.value.body["param"] in ("prompt", "echo", "suffix")
@@ -381,7 +402,7 @@ def test_metrics_move(client, http, engine):
     assert moved(("skippy_request_duration_seconds_count", (("endpoint", "/v1/chat/completions"),))) == 1
     assert after[("skippy_requests_in_flight", ())] == 0
     with pytest.raises(openai.BadRequestError):
-        _chat(client, n=3)
+        _chat(client, n=0)
     assert _metric_samples(http)[("skippy_errors_total", (("kind", "invalid_request"),))] >= 1
 
 

@@ -70,6 +70,7 @@ _TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stop": (lambda v: isinstance(v, (str, list)), "a string or a list of strings"),
     "logit_bias": (lambda v: isinstance(v, dict), "an object mapping token ids to numbers"),
     "top_k": (_is_int, "an integer"),
+    "n": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "response_format": (lambda v: isinstance(v, dict), 'an object such as {"type": "json_object"}'),
 }
 
@@ -80,7 +81,6 @@ def _tool_choice_off(value: object) -> bool:
 
 # name -> (accepted(value), why it is refused). Checked on every request.
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v in (None, 1), "only n=1 is supported"),
     "functions": (lambda v: not v, "the deprecated functions parameter is not supported; use tools"),
     "function_call": (_tool_choice_off, "the deprecated function_call parameter is not supported; use tool_choice"),
     "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
@@ -161,6 +161,7 @@ class GenOptions:
     logprobs: int | None = None       # None: off; N: each token's logprob plus the N most likely (0..20)
     echo: bool = False                # completions: the prompt comes first in the text (and logprobs)
     echo_only: bool = False           # echo with max_tokens 0: the prompt scored, nothing generated
+    n: int = 1                        # choices per prompt: one prefill, n forked sessions
 
 
 def parse_options(body: Mapping[str, Any], vocab_size: int) -> GenOptions:
@@ -181,6 +182,7 @@ def parse_options(body: Mapping[str, Any], vocab_size: int) -> GenOptions:
         ignore_eos=bool(body.get("ignore_eos")),
         cache_key=body.get("prompt_cache_key"),
         speculative=body.get("speculative"),
+        n=body.get("n") or 1,
     )
 
 
@@ -196,6 +198,7 @@ class ParsedRequest:
     options: GenOptions
     messages: tuple[dict[str, Any], ...] = ()
     prompt: str | tuple[int, ...] | None = None
+    prompts: tuple[str | tuple[int, ...], ...] = ()   # completions: every prompt of a batch (prompt = the first)
     constraint: ConstraintSpec | None = None
     constraint_param: str | None = None
     toolset: tools.ToolSet = tools.NO_TOOLS
@@ -275,20 +278,29 @@ def _tool_constraint(toolset: tools.ToolSet) -> ConstraintSpec | None:
         raise RequestError(_named("tools", str(err)), "tools") from None
 
 
-def parse_prompt(raw: object, vocab_size: int) -> str | tuple[int, ...]:
-    """One prompt: a string, a list of token ids, or a one-element list of either."""
-    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
-        raw = raw[0]
+MAX_PROMPTS = 64   # prompts in one batched completions request
+
+
+def parse_prompts(raw: object, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
+    """Completions' prompt: a string, a list of token ids, or a list of either (a batch: one
+    choice per prompt, as the OpenAI API does)."""
+    if isinstance(raw, list) and raw and all(isinstance(p, (str, list)) for p in raw):
+        if len(raw) > MAX_PROMPTS:
+            raise RequestError(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(raw)}", "prompt")
+        return tuple(parse_prompt(p, vocab_size, f"prompt[{i}]") for i, p in enumerate(raw))
+    return (parse_prompt(raw, vocab_size),)
+
+
+def parse_prompt(raw: object, vocab_size: int, where: str = "prompt") -> str | tuple[int, ...]:
+    """One prompt: a string or a non-empty list of token ids."""
     if isinstance(raw, str):
         return raw
     if isinstance(raw, list) and raw and all(_is_int(t) for t in raw):
         bad = next((t for t in raw if not 0 <= t < vocab_size), None)
         if bad is not None:
-            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+            raise RequestError(f"{where} token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
         return tuple(raw)
-    if isinstance(raw, list) and len(raw) > 1 and all(isinstance(p, (str, list)) for p in raw):
-        raise RequestError("prompt: only one prompt per request is supported", "prompt")
-    raise RequestError("prompt must be a string or a non-empty list of token ids", "prompt")
+    raise RequestError(f"{where} must be a string or a non-empty list of token ids", "prompt")
 
 
 def parse_chat(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
@@ -308,7 +320,7 @@ def parse_chat(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
 
 
 def parse_completion(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
-    prompt = parse_prompt(body.get("prompt"), vocab_size)
+    prompts = parse_prompts(body.get("prompt"), vocab_size)
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise RequestError(f"echo must be a boolean, got {_short(echo)}", "echo")
@@ -322,7 +334,8 @@ def parse_completion(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
         if body.get(name) not in (None, [], "none"):
             raise RequestError(f"{name}: tools are only supported on /v1/chat/completions", name)
     constraint, param = parse_constraint(body)
-    return ParsedRequest(COMPLETION, options, prompt=prompt, constraint=constraint, constraint_param=param)
+    return ParsedRequest(COMPLETION, options, prompt=prompts[0], prompts=prompts, constraint=constraint,
+                         constraint_param=param)
 
 
 def check_constraint(parsed: ParsedRequest, info: Any) -> None:
@@ -370,7 +383,11 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
-def encode_prompt(tokenizer: TextTokenizer, parsed: ParsedRequest) -> list[int]:
+def encode_prompt(tokenizer: TextTokenizer, parsed: ParsedRequest,
+                  prompt: str | tuple[int, ...] | None = None) -> list[int]:
+    """The prompt's token ids: the chat template over the messages, or `prompt` (default: the
+    request's first) as text or ids."""
+    prompt = parsed.prompt if prompt is None else prompt
     if parsed.messages:
         # Tool traffic becomes plain messages, the tool prompt goes into the system message
         # (tools.messages_for_template); a constrained call's opening tag ends the prompt.
@@ -381,12 +398,12 @@ def encode_prompt(tokenizer: TextTokenizer, parsed: ParsedRequest) -> list[int]:
             raise RequestError(f"messages: the chat template failed: {err}", "messages") from None
         # encode_chat's tokenisation (the template writes any BOS itself)
         return tokenizer.encode(text + parsed.output_prefix, add_bos=False)
-    if isinstance(parsed.prompt, str):
+    if isinstance(prompt, str):
         try:
-            return tokenizer.encode(parsed.prompt)
+            return tokenizer.encode(prompt)
         except (TypeError, ValueError) as err:   # e.g. a lone surrogate the tokenizer cannot take
             raise RequestError(f"prompt cannot be tokenized: {err}", "prompt") from None
-    return list(parsed.prompt or ())
+    return list(prompt or ())
 
 
 def to_gen_request(parsed: ParsedRequest, prompt_ids: list[int], request_id: str, max_context: int) -> GenRequest:
@@ -406,6 +423,7 @@ def to_gen_request(parsed: ParsedRequest, prompt_ids: list[int], request_id: str
         cache_key=options.cache_key, speculative=options.speculative, logprobs=options.logprobs,
         prompt_logprobs=options.logprobs if options.echo else None,
         constraint=parsed.constraint.to_dict() if parsed.constraint is not None else None,
+        n=options.n,
     )
 
 

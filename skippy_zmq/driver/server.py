@@ -175,16 +175,54 @@ def _authorized(scope: Scope, api_key: str) -> bool:
 
 # ---------------------------------------------------------------- generation
 
+class ChoiceFanOut:
+    """One engine request with n choices, split into one event iterator per choice.
+
+    A single task reads the engine's iterator and routes each event by `TokenEvent.choice`; an
+    error goes to every choice. `aclose` closes the engine's iterator, which cancels whatever has
+    not finished.
+    """
+
+    def __init__(self, events: AsyncIterator[TokenEvent], n: int) -> None:
+        self._events, self._queues = events, [asyncio.Queue() for _ in range(n)]
+        self._task: asyncio.Task | None = None
+
+    async def _pump(self) -> None:
+        try:
+            async for event in self._events:
+                self._queues[event.choice].put_nowait(event)
+        except Exception as err:   # EngineError, or anything: every choice hears of it
+            for queue in self._queues:
+                queue.put_nowait(err)
+
+    async def choice(self, index: int) -> AsyncIterator[TokenEvent]:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._pump())
+        while True:
+            item = await self._queues[index].get()
+            if isinstance(item, Exception):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._events.aclose()
+
+
 class TextStream:
-    """One request's engine events turned into text deltas, stop strings applied."""
+    """One choice's engine events turned into text deltas, stop strings applied."""
 
     def __init__(self, ctx: ServerContext, request: GenRequest, stops: tuple[str, ...], arrival: float,
-                 discard: bool = False) -> None:
+                 discard: bool = False, events: AsyncIterator[TokenEvent] | None = None) -> None:
         self.ctx, self.request = ctx, request
         self._discard = discard   # echo with max_tokens 0: the token generated is dropped
         self.completion_tokens = self.cached_tokens = 0
         self.finish_reason: str | None = None
-        self._events = ctx.engine.generate(request)
+        self._events = events if events is not None else ctx.engine.generate(request)
         self._decoder = ctx.tokenizer.stream_decoder()
         self._stops = StopMatcher(stops)
         self._first: TokenEvent | None = None
@@ -292,15 +330,19 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-async def sse_events(ctx: ServerContext, stream: TextStream, parsed: ParsedRequest,
-                     echo: str | None = None) -> AsyncIterator[bytes]:
-    fmt, include_usage = parsed.format, parsed.options.include_usage
-    response_id, created = f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+@dataclass
+class Choice:
+    """One choice of a response: its stream, its index and (completions echo) the prompt text."""
 
-    def chunk(choices: list[dict[str, Any]]) -> bytes:
-        body = fmt.envelope(response_id, created, ctx.model_name, choices, chunk=True)
-        return _sse({**body, "usage": None} if include_usage else body)
+    index: int
+    stream: TextStream
+    echo: str | None = None
+    first: bool = True   # the first choice of its prompt: usage counts that prompt here
 
+
+async def _choice_chunks(ctx: ServerContext, choice: Choice, parsed: ParsedRequest) -> AsyncIterator[dict[str, Any]]:
+    """One choice's streamed `choices[]` entries, in order."""
+    fmt, stream, echo = parsed.format, choice.stream, choice.echo
     offsets = TextOffsets()   # completions' text_offset, carried from chunk to chunk
 
     def logprobs() -> dict[str, Any] | None:
@@ -308,39 +350,96 @@ async def sse_events(ctx: ServerContext, stream: TextStream, parsed: ParsedReque
         entries = stream.take_logprobs()
         return fmt.logprobs(ctx.tokenizer, entries, offsets) if entries else None
 
+    def indexed(body: dict[str, Any]) -> dict[str, Any]:
+        return {**body, "index": choice.index}
+
+    if fmt.chat:
+        yield indexed(fmt.chunk_choice("", opening=True))
+    if echo is not None:   # completions echo: the prompt (and its tokens' logprobs) first
+        scored = fmt.logprobs(ctx.tokenizer, stream.prompt_logprobs(), offsets) \
+            if parsed.options.logprobs is not None else None
+        yield indexed(fmt.chunk_choice(echo, logprobs=scored))
+    if parsed.toolset.active:
+        # Calls go out whole, one delta.tool_calls each, once their block closes; the text
+        # around them as content deltas (tools.ToolCallStream).
+        calls = tools.ToolCallStream(parsed.toolset)
+        calls.push(parsed.output_prefix)   # the opening tag the prompt ended with: held, never sent
+        async for text in stream.deltas():
+            for delta in calls.push(text):   # a text's logprobs go with the first delta it makes
+                yield indexed(fmt.delta_choice(delta, logprobs=logprobs()))
+        for delta in calls.flush():
+            yield indexed(fmt.delta_choice(delta, logprobs=logprobs()))
+        yield indexed(fmt.chunk_choice("", tools.finish_reason(stream.finish_reason, len(calls.calls)),
+                                       logprobs=logprobs()))
+    else:
+        async for text in stream.deltas():
+            yield indexed(fmt.chunk_choice(text, logprobs=logprobs()))
+        yield indexed(fmt.chunk_choice("", stream.finish_reason, logprobs=logprobs()))
+
+
+async def _merged(parts: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[dict[str, Any]]:
+    """Items of several iterators as they come (one iterator: just that one)."""
+    if len(parts) == 1:
+        async for item in parts[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(part: AsyncIterator[dict[str, Any]]) -> None:
+        try:
+            async for item in part:
+                queue.put_nowait(item)
+        except Exception as err:
+            queue.put_nowait(err)
+        finally:
+            queue.put_nowait(done)
+
+    tasks = [asyncio.ensure_future(drain(part)) for part in parts]
     try:
-        if fmt.chat:
-            yield chunk([fmt.chunk_choice("", opening=True)])
-        if echo is not None:   # completions echo: the prompt (and its tokens' logprobs) first
-            scored = fmt.logprobs(ctx.tokenizer, stream.prompt_logprobs(), offsets) \
-                if parsed.options.logprobs is not None else None
-            yield chunk([fmt.chunk_choice(echo, logprobs=scored)])
-        if parsed.toolset.active:
-            # Calls go out whole, one delta.tool_calls each, once their block closes; the text
-            # around them as content deltas (tools.ToolCallStream).
-            calls = tools.ToolCallStream(parsed.toolset)
-            calls.push(parsed.output_prefix)   # the opening tag the prompt ended with: held, never sent
-            async for text in stream.deltas():
-                for delta in calls.push(text):   # a text's logprobs go with the first delta it makes
-                    yield chunk([fmt.delta_choice(delta, logprobs=logprobs())])
-            for delta in calls.flush():
-                yield chunk([fmt.delta_choice(delta, logprobs=logprobs())])
-            yield chunk([fmt.chunk_choice("", tools.finish_reason(stream.finish_reason, len(calls.calls)),
-                                          logprobs=logprobs())])
-        else:
-            async for text in stream.deltas():
-                yield chunk([fmt.chunk_choice(text, logprobs=logprobs())])
-            yield chunk([fmt.chunk_choice("", stream.finish_reason, logprobs=logprobs())])
+        open_parts = len(parts)
+        while open_parts:
+            item = await queue.get()
+            if item is done:
+                open_parts -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _usage(choices: list[Choice]) -> dict[str, Any]:
+    """Each prompt counted once (its first choice), every choice's completion tokens."""
+    firsts = [c.stream for c in choices if c.first]
+    return usage(sum(len(s.request.prompt_ids) for s in firsts), sum(c.stream.completion_tokens for c in choices),
+                 sum(s.cached_tokens for s in firsts))
+
+
+async def sse_events(ctx: ServerContext, choices: list[Choice], parsed: ParsedRequest,
+                     close: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+    fmt, include_usage = parsed.format, parsed.options.include_usage
+    response_id, created = f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(entries: list[dict[str, Any]]) -> bytes:
+        body = fmt.envelope(response_id, created, ctx.model_name, entries, chunk=True)
+        return _sse({**body, "usage": None} if include_usage else body)
+
+    try:
+        async for entry in _merged([_choice_chunks(ctx, c, parsed) for c in choices]):
+            yield chunk([entry])
         if include_usage:
-            totals = usage(len(stream.request.prompt_ids), stream.completion_tokens, stream.cached_tokens)
-            yield _sse({**fmt.envelope(response_id, created, ctx.model_name, [], chunk=True), "usage": totals})
+            yield _sse({**fmt.envelope(response_id, created, ctx.model_name, [], chunk=True), "usage": _usage(choices)})
     except EngineError as err:  # headers are gone: report in-band, as OpenAI and vLLM do
         yield _sse(json.loads(engine_error_response(ctx, err).body))
     except Exception:
         logger.exception("stream failed")
         yield _sse(json.loads(error_response(ctx, 500, "internal server error").body))
     finally:
-        await stream.close()
+        await close()
     yield _sse("[DONE]")
 
 
@@ -368,49 +467,73 @@ async def _generate(request: Request, parse: Parser) -> Response:
         raise EngineError("the model is still loading", 503, "not_ready")
     if parsed.constraint is not None:   # compile it now: a bad schema or grammar is a 400 naming its parameter
         await run_in_threadpool(lambda: check_constraint(parsed, ctx.constraint_info()))
-    prompt_ids = await run_in_threadpool(encode_prompt, ctx.tokenizer, parsed)
-    gen_request = to_gen_request(parsed, prompt_ids, request.state.request_id, ctx.engine.max_context)
-    echo = None
-    if parsed.options.echo:   # the prompt as sent (token ids: decoded)
-        echo = parsed.prompt if isinstance(parsed.prompt, str) else ctx.tokenizer.decode(prompt_ids)
-    stream = TextStream(ctx, gen_request, parsed.options.stop, request.state.arrival, parsed.options.echo_only)
+    prompts = parsed.prompts or (parsed.prompt,)
+    n = parsed.options.n
+    gen_requests = []
+    for i, prompt in enumerate(prompts):   # every prompt is checked before any is submitted
+        ids = await run_in_threadpool(encode_prompt, ctx.tokenizer, parsed, prompt)
+        rid = request.state.request_id if len(prompts) == 1 else f"{request.state.request_id}-{i}"
+        gen_requests.append((prompt, ids, to_gen_request(parsed, ids, rid, ctx.engine.max_context)))
+    fans: list[ChoiceFanOut] = []
+    choices: list[Choice] = []
+    for prompt, ids, gen_request in gen_requests:   # n choices of a prompt share its prefill (GenRequest.n)
+        echo = None
+        if parsed.options.echo:   # the prompt as sent (token ids: decoded)
+            echo = prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids)
+        fan = ChoiceFanOut(ctx.engine.generate(gen_request), n) if n > 1 else None
+        fans += [fan] if fan is not None else []
+        for c in range(n):
+            events = fan.choice(c) if fan is not None else None
+            stream = TextStream(ctx, gen_request, parsed.options.stop, request.state.arrival,
+                                parsed.options.echo_only, events=events)
+            choices.append(Choice(len(choices), stream, echo, first=c == 0))
+
+    async def close() -> None:
+        for c in choices:
+            await c.stream.close()
+        for fan in fans:
+            await fan.aclose()
+
     handed_off = False
     try:
-        await unless_disconnected(request, stream.start())
+        await unless_disconnected(request, asyncio.gather(*(c.stream.start() for c in choices)))
         if parsed.options.stream:
             handed_off = True
             return ClosingStreamingResponse(
-                sse_events(ctx, stream, parsed, echo), media_type="text/event-stream", headers=SSE_HEADERS
+                sse_events(ctx, choices, parsed, close), media_type="text/event-stream", headers=SSE_HEADERS
             )
-        text = await unless_disconnected(request, stream.collect())
+        texts = await unless_disconnected(request, asyncio.gather(*(c.stream.collect() for c in choices)))
     except ClientDisconnected:
         ctx.metrics.count_error("client_disconnect")
         logger.info("client disconnected; request cancelled")
         return Response(status_code=499)
     finally:
         if not handed_off:
-            await stream.close()
-    return JSONResponse(_full_response(ctx, parsed, stream, text, echo))
+            await close()
+    return JSONResponse(_full_response(ctx, parsed, choices, list(texts)))
 
 
-def _full_response(ctx: ServerContext, parsed: ParsedRequest, stream: TextStream, text: str,
-                   echo: str | None = None) -> dict[str, Any]:
+def _full_response(ctx: ServerContext, parsed: ParsedRequest, choices: list[Choice],
+                   texts: list[str]) -> dict[str, Any]:
     fmt = parsed.format
-    logprobs = None
-    if parsed.options.logprobs is not None:
-        scored = stream.prompt_logprobs() if echo is not None else []
-        logprobs = fmt.logprobs(ctx.tokenizer, scored + stream.take_logprobs())
-    if echo is not None:
-        text = echo + text
-    if parsed.toolset.active:   # the output's <tool_call> blocks become message.tool_calls
-        content, calls = tools.parse_tool_calls(parsed.output_prefix + text, parsed.toolset)
-        choice = fmt.choice(content, tools.finish_reason(stream.finish_reason, calls),
-                            [call.to_openai() for call in calls], logprobs=logprobs)
-    else:
-        choice = fmt.choice(text, stream.finish_reason, logprobs=logprobs)
-    body = fmt.envelope(f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), ctx.model_name,
-                        [choice], chunk=False)
-    body["usage"] = usage(len(stream.request.prompt_ids), stream.completion_tokens, stream.cached_tokens)
+    out = []
+    for choice, text in zip(choices, texts):
+        stream, echo = choice.stream, choice.echo
+        logprobs = None
+        if parsed.options.logprobs is not None:
+            scored = stream.prompt_logprobs() if echo is not None else []
+            logprobs = fmt.logprobs(ctx.tokenizer, scored + stream.take_logprobs())
+        if echo is not None:
+            text = echo + text
+        if parsed.toolset.active:   # the output's <tool_call> blocks become message.tool_calls
+            content, calls = tools.parse_tool_calls(parsed.output_prefix + text, parsed.toolset)
+            body = fmt.choice(content, tools.finish_reason(stream.finish_reason, calls),
+                              [call.to_openai() for call in calls], logprobs=logprobs)
+        else:
+            body = fmt.choice(text, stream.finish_reason, logprobs=logprobs)
+        out.append({**body, "index": choice.index})
+    body = fmt.envelope(f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), ctx.model_name, out, chunk=False)
+    body["usage"] = _usage(choices)
     return body
 
 
