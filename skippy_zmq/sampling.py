@@ -27,6 +27,7 @@ import numpy as np
 _NUCLEUS_PROBES = (512, 4096)
 _DRAW_BLOCK = 256
 _BIAS_LIMIT = 100.0
+_F32_MAX = np.float32(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -337,8 +338,14 @@ def adjust_logits(logits: np.ndarray, params: SamplingParams, history: TokenHist
     if params.repetition_penalty != 1.0 and history.seen_ids.size:
         seen = history.seen_ids
         vals = out[seen]
-        # Always push away from being chosen again, whatever the logit's sign.
-        out[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+        # Always push away from being chosen again, whatever the logit's sign. A penalty far below 1
+        # would overflow a positive logit to +inf (no finite maximum to sample from): clip it to the
+        # largest float32 instead, so such a token is simply the most likely.
+        # In float64: the penalty itself may not fit a float32 (2.3e-178 would round to 0).
+        vals, penalty = vals.astype(np.float64), float(params.repetition_penalty)
+        with np.errstate(over="ignore"):
+            pushed = np.where(vals > 0, vals / penalty, vals * penalty)
+        out[seen] = np.clip(pushed, -_F32_MAX, _F32_MAX)
     if (params.presence_penalty or params.frequency_penalty) and history.generated_ids.size:
         counts = history.generated_counts
         out[history.generated_ids] -= params.presence_penalty + params.frequency_penalty * counts

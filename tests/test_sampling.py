@@ -551,3 +551,14 @@ def test_greedy_logprobs_are_over_raw_logits(logits: np.ndarray) -> None:
     token, (lp, top) = s.choose_logprobs(logits, 1, 3)
     assert token == int(np.argmax(logits)) == top[0][0] and lp == top[0][1]
     assert s.scored(logits, 1) is logits   # no copy when nothing adjusts the logits
+
+
+def test_a_tiny_repetition_penalty_never_overflows_to_inf() -> None:
+    """Found by the HTTP fuzzer: repetition_penalty 2.3e-178 divided a positive logit to +inf and
+    sampling failed with 'no finite maximum' (a 500). The pushed logit is clipped to float32's max."""
+    logits = np.array([1.0, 3.0, 2.0, -1.0], np.float32)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(repetition_penalty=2.300957280988195e-178, temperature=temperature, seed=1)
+        adjusted = adjust_logits(logits, params, TokenHistory([0]))
+        assert np.isfinite(adjusted).all() and adjusted[0] == np.finfo(np.float32).max and adjusted[3] == -1.0
+        assert Sampler(params, [0]).sample(logits) == 0
