@@ -93,3 +93,23 @@ def test_fork_copies_kv_and_refuses_a_gap(tiny_tree):
     np.testing.assert_array_equal(ka[1], kb[1])
     [out] = worker.handle(Message(Kind.FORK_SESSION, 3, 1, position=25, sessions=np.array([1, 3], np.uint64)))
     assert out.message.extras["code"] == "kv_gap" and "a fork needs 25" in out.message.extras["error"]
+
+
+def test_choices_waiting_for_a_fork_end_with_choice_0(tiny_tree):
+    """Choice 0 fails before its prefill is in (here: cancelled while queued work is pending): the
+    choices waiting for its KV are ended too and free their lanes, instead of waiting out the deadline."""
+    sched = make_scheduler(2, max_sessions=4)
+    chain = make_chain(TINY, tiny_tree, [2])
+    events: list = []
+    prompt = tuple(random_ids(200, TINY.vocab_size, seed=8).tolist())   # 4 prefill chunks: 2 go out at once
+    sid = sched.submit(GenRequest("x", prompt, max_tokens=4, n=3, ignore_eos=True), events.append)
+    for msg in sched.tick():   # admitted: choice 0's first prefill chunk is out, the fork is not
+        for stage_id, reply in chain.send(msg):
+            sched.on_reply(stage_id, reply)
+    assert len(sched.running) == 3 and any(j.waiting_fork for j in sched.running.values())
+    sched._fail(sched.running[sid], EngineError("stage went away", 503, "stage_lost"))
+    assert sched.running == {}
+    for msg in sched.tick():
+        for stage_id, reply in chain.send(msg):
+            sched.on_reply(stage_id, reply)
+    assert all(len(w.sessions) == 0 for w in chain.workers)

@@ -397,6 +397,9 @@ class Scheduler:
             return
         if error is not None:
             job.sink(error)
+        for child in job.children:   # choices still waiting for choice 0's KV will never get it
+            if child.waiting_fork:
+                self._fail(child, None)
         if job in self.queue:
             self.queue.remove(job)
             job.done = True
