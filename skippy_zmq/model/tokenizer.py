@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from skippy_zmq.model.chat_template import ChatTemplate
 
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "tokenizer_meta.json"
@@ -131,23 +131,6 @@ def word_level_tokenizer(vocab_size: int) -> tuple[Tokenizer, dict[str, Any]]:
     return tokenizer, meta
 
 
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _chat_environment() -> ImmutableSandboxedEnvironment:
-    # Same settings as transformers' chat-template renderer, so templates
-    # written for HF render identically (whitespace included).
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.globals["raise_exception"] = _raise_exception
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(
-        value, ensure_ascii=False, indent=indent
-    )
-    return env
-
-
 def _byte_level_table() -> dict[str, int]:
     """GPT-2's bytes_to_unicode, inverted: the character standing for each byte in a piece."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
@@ -166,11 +149,7 @@ class TextTokenizer:
     def __init__(self, tokenizer: Tokenizer, meta: dict[str, Any]) -> None:
         self.tokenizer = tokenizer
         self.meta = dict(meta)
-        self._template = (
-            _chat_environment().from_string(self.meta["chat_template"])
-            if self.meta.get("chat_template")
-            else None
-        )
+        self._template = ChatTemplate(self.meta["chat_template"]) if self.meta.get("chat_template") else None
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> TextTokenizer:
@@ -259,16 +238,15 @@ class TextTokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
+        """The rendered conversation; `kwargs`: tools, documents and chat_template_kwargs."""
         if self._template is None:
             raise ValueError("this model has no chat template (tokenizer.chat_template)")
         return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
+            messages, add_generation_prompt,
             bos_token=self.token_text(self.meta["bos_id"]),
-            eos_token=self.token_text(self.meta["eos_id"]),
-        )
+            eos_token=self.token_text(self.meta["eos_id"]), **kwargs)
 
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
