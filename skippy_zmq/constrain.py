@@ -1,4 +1,4 @@
-"""Structured-output constraints (JSON mode, JSON schema, GBNF/Lark grammars, tool calls).
+"""Structured-output constraints (JSON mode, JSON schema, GBNF/Lark grammars).
 
 A request's constraint travels as a `ConstraintSpec` (plain JSON in a message's extras). The
 driver checks it once with `validate` (a `ConstraintError` becomes a 400); the final stage
@@ -10,6 +10,13 @@ compiles in well under a millisecond and a mask costs about ten microseconds.
 EOS is ours, not the engine's: the model's end-of-generation ids are allowed exactly when the
 grammar is in an accepting state, and once the grammar can take no more bytes they are the
 only tokens allowed, so the final stage must emit EOS then.
+
+Objects are closed where a schema leaves `additionalProperties` unsaid (`close_objects`), as
+llama.cpp's json-schema-to-grammar does and OpenAI's strict mode requires: llguidance follows
+JSON Schema there (extra keys allowed) and has no option to change it, so the schema is
+rewritten before it is compiled. A forced tool call is a json_schema (or, for a format that
+names the function outside the JSON, a Lark grammar built with `lark_json`); see
+skippy_zmq.driver.tools.
 """
 
 from __future__ import annotations
@@ -29,9 +36,9 @@ import numpy as np
 from skippy_zmq.model.tokenizer import META_FILE, TextTokenizer
 from skippy_zmq.sampling import mask_logits
 
-Kind = Literal["json_object", "json_schema", "grammar", "tool_call"]
+Kind = Literal["json_object", "json_schema", "grammar"]
 Syntax = Literal["gbnf", "lark"]
-KINDS: tuple[str, ...] = ("json_object", "json_schema", "grammar", "tool_call")
+KINDS: tuple[str, ...] = ("json_object", "json_schema", "grammar")
 SYNTAXES: tuple[str, ...] = ("gbnf", "lark")
 
 # Whitespace between JSON tokens: one space, or a newline and up to 20 spaces/tabs (what
@@ -39,15 +46,10 @@ SYNTAXES: tuple[str, ...] = ("gbnf", "lark")
 JSON_WHITESPACE = r"(?:\x20|\n[\x20\t]{0,20})?"
 _JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
 
-# The generic tool prompt's call format: a JSON object between these tags.
-TOOL_CALL_OPEN = "<tool_call>\n"
-TOOL_CALL_CLOSE = "\n</tool_call>"
-
 COMPILE_CACHE_SIZE = 32
 
 # The request parameter each kind comes from, named in error messages.
-_PARAM = {"json_object": "response_format", "json_schema": "response_format",
-          "grammar": "grammar", "tool_call": "tools"}
+_PARAM = {"json_object": "response_format", "json_schema": "response_format", "grammar": "grammar"}
 
 
 class ConstraintError(ValueError):
@@ -65,8 +67,8 @@ def _canonical(value: Any) -> str:
 
 @dataclass(frozen=True)
 class ConstraintSpec:
-    """What a request's output must match. `schema` is a JSON schema (json_schema: the output;
-    tool_call: the call object `{"name", "arguments"}`); `grammar` is GBNF or Lark text."""
+    """What a request's output must match. `schema` is a JSON schema (json_schema); `grammar`
+    is GBNF or Lark text."""
 
     kind: Kind
     schema: dict[str, Any] | None = None
@@ -78,7 +80,7 @@ class ConstraintSpec:
         if self.kind not in KINDS:
             raise ConstraintError(f"constraint kind must be one of {', '.join(KINDS)}; got {self.kind!r}")
         param = _PARAM[self.kind]
-        if self.kind in ("json_schema", "tool_call") and not isinstance(self.schema, dict):
+        if self.kind == "json_schema" and not isinstance(self.schema, dict):
             raise ConstraintError(f"a {self.kind} constraint needs a JSON schema object", param)
         if self.kind in ("json_object", "grammar") and self.schema is not None:
             raise ConstraintError(f"a {self.kind} constraint takes no schema", param)
@@ -127,24 +129,6 @@ class ConstraintSpec:
             raise ConstraintError("grammar cannot be combined with a JSON response_format", "grammar")
         return from_format or from_grammar
 
-    @classmethod
-    def for_tool_call(cls, tools: Any, tool_choice: Any = "auto") -> ConstraintSpec | None:
-        """The constraint forcing one call in `<tool_call>` tags when `tool_choice` is
-        "required" (any of `tools`) or names a function; None for "auto" and "none"."""
-        if tool_choice in (None, "auto", "none"):
-            return None
-        functions = _functions(tools)
-        if tool_choice != "required":
-            name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
-            if name not in functions:
-                raise ConstraintError(f"tool_choice names no function in tools: {tool_choice!r:.200}",
-                                      "tool_choice")
-            functions = {name: functions[name]}
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-                 for name, params in functions.items()]
-        return cls("tool_call", calls[0] if len(calls) == 1 else {"anyOf": calls})
-
 
 def _from_response_format(cls: type[ConstraintSpec], value: Any) -> ConstraintSpec | None:
     if value is None:
@@ -184,33 +168,51 @@ def _from_grammar(cls: type[ConstraintSpec], value: Any) -> ConstraintSpec | Non
                           "grammar")
 
 
-def _functions(tools: Any) -> dict[str, dict[str, Any]]:
-    """name -> parameters schema of an OpenAI `tools` list."""
-    functions = {}
-    for tool in tools if isinstance(tools, list) else [None]:
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ConstraintError("each tool must be {'type': 'function', 'function': {'name', ...}}",
-                                  "tools")
-        params = function.get("parameters") or {"type": "object"}
-        if not isinstance(params, dict):
-            raise ConstraintError(f"tool {function['name']!r}: parameters must be a JSON schema object",
-                                  "tools")
-        functions[function["name"]] = params
-    return functions
-
-
 def _engine_grammar(spec: ConstraintSpec) -> str:
     """The llguidance grammar text of a spec (not yet checked)."""
     if spec.kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
     if spec.kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.schema, overrides=_JSON_OPTIONS)
-    if spec.kind == "tool_call":
-        schema = {**spec.schema, "x-guidance": _JSON_OPTIONS}
-        call = f"{json.dumps(TOOL_CALL_OPEN)} %json {_canonical(schema)} {json.dumps(TOOL_CALL_CLOSE)}"
-        return llguidance.LLMatcher.grammar_from_lark(f"start: {call}")
+        return llguidance.LLMatcher.grammar_from_json_schema(close_objects(spec.schema), overrides=_JSON_OPTIONS)
     return llguidance.grammar_from(spec.syntax, spec.grammar)
+
+
+# Keywords whose value is one subschema, or a map / list of them (allOf's parts are left open:
+# closing each part would refuse the keys the other parts add).
+_SUBSCHEMA = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
+              "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+
+
+def close_objects(schema: Any, close_self: bool = True) -> Any:
+    """The schema with every object that lists `properties` but says nothing of
+    `additionalProperties` (nor patternProperties / unevaluatedProperties) closed to them; a
+    bare {"type": "object"} still takes any object, and `additionalProperties: true` keeps
+    extra keys (llama.cpp's common/json-schema.cpp reads schemas the same way)."""
+    if isinstance(schema, list):
+        return [close_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA or key in _SUBSCHEMA_LISTS:
+            out[key] = close_objects(value)
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: close_objects(sub) for name, sub in value.items()}
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [close_objects(part, close_self=False) for part in value]
+        else:
+            out[key] = value
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if close_self and isinstance(schema.get("properties"), dict) and not any(k in schema for k in open_keys):
+        out["additionalProperties"] = False
+    return out
+
+
+def lark_json(schema: dict[str, Any]) -> str:
+    """A Lark `%json` item for `schema`, objects closed and whitespace as in JSON constraints."""
+    return f"%json {_canonical({**close_objects(schema), 'x-guidance': _JSON_OPTIONS})}"
 
 
 # Terse engine errors: no parser-state dumps in 400s or logs.
@@ -227,7 +229,7 @@ def _engine_error(text: str, empty: str = "no token allowed") -> str:
 
 def _describe(spec: ConstraintSpec) -> str:
     return {"json_object": "JSON object constraint", "json_schema": "JSON schema",
-            "grammar": f"grammar ({spec.syntax})", "tool_call": "tool parameters schema"}[spec.kind]
+            "grammar": f"grammar ({spec.syntax})"}[spec.kind]
 
 
 @dataclass

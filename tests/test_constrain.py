@@ -14,8 +14,6 @@ from hypothesis import strategies as st
 
 from skippy_zmq.constrain import (
     SYNTAXES,
-    TOOL_CALL_CLOSE,
-    TOOL_CALL_OPEN,
     ConstraintError,
     ConstraintSpec,
     Matcher,
@@ -23,6 +21,7 @@ from skippy_zmq.constrain import (
     tokenizer_info,
     validate,
 )
+from skippy_zmq.driver.tools import GENERIC, validate_tools
 
 SCHEMAS = json.loads((Path(__file__).parent / "fixtures" / "json_schemas.json").read_text())
 
@@ -89,8 +88,7 @@ def test_from_openai_forms():
 
 def test_spec_round_trips_as_json():
     for spec in (ConstraintSpec("json_object"), ConstraintSpec("json_schema", SCHEMAS["nested"]),
-                 ConstraintSpec("grammar", grammar='start: "x"', syntax="lark"),
-                 ConstraintSpec("tool_call", {"type": "object"})):
+                 ConstraintSpec("grammar", grammar='start: "x"', syntax="lark")):
         back = ConstraintSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
         assert back == spec and hash(back) == hash(spec)
     schema = {"type": "object"}
@@ -185,12 +183,11 @@ def test_tool_call_spec(info):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
         {"type": "function", "function": {"name": "now"}}]
-    assert ConstraintSpec.for_tool_call(tools, "auto") is None
-    with pytest.raises(ConstraintError, match="tool_choice"):
-        ConstraintSpec.for_tool_call(tools, {"type": "function", "function": {"name": "nope"}})
+    # a forced call is a json_schema after the format's prefix (skippy_zmq.driver.tools)
+    assert GENERIC.constraint(validate_tools(tools, "auto")) is None
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        matcher = Matcher(ConstraintSpec.for_tool_call(tools, choice), info)
-        text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        matcher = Matcher(GENERIC.constraint(validate_tools(tools, choice)), info)
+        text = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
         for token in info.tokenizer.encode(text, add_bos=False):
             matcher.advance(token)
         assert matcher.accepts_eos() and matcher.is_finished()
@@ -201,12 +198,11 @@ def test_tool_call_walk(info, closing_tokens):
                                                "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}},
              {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
-    spec = ConstraintSpec.for_tool_call(tools, "required")
+    spec = GENERIC.constraint(validate_tools(tools, "required"))
     for seed in range(10):
         text = info.tokenizer.decode(random_walk(Matcher(spec, info), closing_tokens,
                                                  np.random.default_rng(seed)))
-        assert text.startswith(TOOL_CALL_OPEN) and text.endswith(TOOL_CALL_CLOSE)
-        call = json.loads(text[len(TOOL_CALL_OPEN):-len(TOOL_CALL_CLOSE)])
+        call = json.loads(text)
         assert call["name"] in ("get_weather", "now")
         arguments_schema = params if call["name"] == "get_weather" else {"type": "object"}
         jsonschema.validate(call["arguments"], arguments_schema)

@@ -11,7 +11,7 @@ import codecs
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from jinja2.exceptions import TemplateError
@@ -20,6 +20,7 @@ from starlette.requests import Request
 from skippy_zmq.constrain import ConstraintError, ConstraintSpec
 from skippy_zmq.driver import tools
 from skippy_zmq.driver.engine import GenRequest
+from skippy_zmq.driver.reasoning import REASONING_FORMATS
 from skippy_zmq.model.tokenizer import TextTokenizer
 from skippy_zmq.sampling import SamplingParams
 
@@ -192,7 +193,9 @@ class ParsedRequest:
 
     `constraint` is what the output must match (response_format, grammar, or the one tool call
     of a required / named tool_choice), `constraint_param` the parameter it came from (for
-    errors); `toolset` the chat request's tools (NO_TOOLS otherwise)."""
+    errors); `toolset` the chat request's tools (NO_TOOLS otherwise), `tool_format` how the
+    model writes calls (for_model sets it; the generic one until then); `template_kwargs` the
+    request's chat_template_kwargs; `reasoning_format` "none" leaves <think> text in content."""
 
     format: ResponseFormat
     options: GenOptions
@@ -202,11 +205,14 @@ class ParsedRequest:
     constraint: ConstraintSpec | None = None
     constraint_param: str | None = None
     toolset: tools.ToolSet = tools.NO_TOOLS
+    tool_format: tools.ToolFormat = tools.GENERIC
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    reasoning_format: str = "auto"
 
     @property
     def output_prefix(self) -> str:
-        """Text the prompt ends with that belongs to the answer (a constrained tool call's tag)."""
-        return tools.constrained_prefix(self.toolset)
+        """Text the prompt ends with that belongs to the answer (a constrained tool call's opening)."""
+        return self.tool_format.constrained_prefix(self.toolset)
 
 
 MAX_TOP_LOGPROBS = 20   # OpenAI: 20 for chat top_logprobs, 5 for completions logprobs (we take 20 for both)
@@ -266,16 +272,49 @@ def _named(param: str, message: str) -> str:
     return message if message.startswith(param) else f"{param}: {message}"
 
 
-def _tool_constraint(toolset: tools.ToolSet) -> ConstraintSpec | None:
-    """The JSON schema of the one call a required / named tool_choice allows, written after
-    tools.constrained_prefix (which the prompt ends with)."""
-    schema = tools.tool_call_schema(toolset)
-    if schema is None:
-        return None
+def _tool_constraint(toolset: tools.ToolSet, tool_format: tools.ToolFormat) -> ConstraintSpec | None:
+    """What the one call a required / named tool_choice allows must match, written after the
+    format's constrained prefix (which the prompt ends with)."""
     try:
-        return ConstraintSpec("json_schema", schema)
+        return tool_format.constraint(toolset)
     except ConstraintError as err:
         raise RequestError(_named("tools", str(err)), "tools") from None
+
+
+# Names the server itself passes to the template; chat_template_kwargs may not replace them.
+_TEMPLATE_OWN = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def parse_template_kwargs(raw: object) -> dict[str, Any]:
+    """chat_template_kwargs (as llama-server and vLLM take them, e.g. {"enable_thinking": false})."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise RequestError(f"chat_template_kwargs must be an object, got {_short(raw)}", "chat_template_kwargs")
+    for key in raw:
+        if key in _TEMPLATE_OWN:
+            raise RequestError(f"chat_template_kwargs.{key}: set by the server, not by the request",
+                               "chat_template_kwargs")
+    return dict(raw)
+
+
+def parse_reasoning_format(raw: object) -> str:
+    if raw is None:
+        return "auto"
+    if raw not in REASONING_FORMATS:
+        raise RequestError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, got {_short(raw)}",
+                           "reasoning_format")
+    return str(raw)
+
+
+def for_model(parsed: ParsedRequest, tool_format: tools.ToolFormat) -> ParsedRequest:
+    """The request for a model whose template writes calls in `tool_format`: a forced call's
+    constraint follows that format."""
+    if not parsed.format.chat or tool_format is parsed.tool_format:
+        return parsed
+    if not parsed.toolset.constrained:
+        return replace(parsed, tool_format=tool_format)
+    return replace(parsed, tool_format=tool_format, constraint=_tool_constraint(parsed.toolset, tool_format))
 
 
 MAX_PROMPTS = 64   # prompts in one batched completions request
@@ -314,9 +353,10 @@ def parse_chat(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
         raise RequestError(f"{param}: cannot be combined with tools unless tool_choice is \"none\" "
                            f"(the output could not be both a tool call and the {param})", param)
     if toolset.constrained:
-        constraint, param = _tool_constraint(toolset), "tools"
+        constraint, param = _tool_constraint(toolset, tools.GENERIC), "tools"
     return ParsedRequest(CHAT, options, messages=messages, constraint=constraint, constraint_param=param,
-                         toolset=toolset)
+                         toolset=toolset, template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")),
+                         reasoning_format=parse_reasoning_format(body.get("reasoning_format")))
 
 
 def parse_completion(body: Mapping[str, Any], vocab_size: int) -> ParsedRequest:
@@ -389,11 +429,13 @@ def encode_prompt(tokenizer: TextTokenizer, parsed: ParsedRequest,
     request's first) as text or ids."""
     prompt = parsed.prompt if prompt is None else prompt
     if parsed.messages:
-        # Tool traffic becomes plain messages, the tool prompt goes into the system message
-        # (tools.messages_for_template); a constrained call's opening tag ends the prompt.
-        messages = tools.messages_for_template(parsed.messages, parsed.toolset)
+        # The tool format renders tools and tool traffic: through the model's own template
+        # (native formats), or as plain messages with our tool prompt (generic); a constrained
+        # call's opening ends the prompt.
+        messages, tool_list = parsed.tool_format.template_inputs(parsed.messages, parsed.toolset)
+        kwargs = {**parsed.template_kwargs, **({"tools": tool_list} if tool_list is not None else {})}
         try:
-            text = tokenizer.apply_chat_template(messages)
+            text = tokenizer.apply_chat_template(messages, **kwargs)
         except (TemplateError, ValueError, TypeError) as err:  # e.g. raise_exception() on role order
             raise RequestError(f"messages: the chat template failed: {err}", "messages") from None
         # encode_chat's tokenisation (the template writes any BOS itself)

@@ -31,12 +31,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skippy_zmq.driver import tools
+from skippy_zmq.driver.chat_output import ChatOutput, message_fields
 from skippy_zmq.driver.engine import Engine, EngineError, GenRequest, TokenEvent
 from skippy_zmq.driver.metrics import ServerMetrics, error_kind
 from skippy_zmq.driver.openai_schema import (
     CHAT, COMPLETION, ParsedRequest, RequestError, StopMatcher, TextOffsets, TokenLogprob, check_constraint,
-    encode_prompt, error_body, parse_chat, parse_completion, read_json_body, to_gen_request, usage,
+    encode_prompt, error_body, for_model, parse_chat, parse_completion, read_json_body, to_gen_request, usage,
 )
+from skippy_zmq.driver.reasoning import prompt_opens_thinking, template_thinks
 from skippy_zmq.model.tokenizer import TextTokenizer
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -58,6 +60,8 @@ class ServerContext:
     api_key: str | None
     max_body_bytes: int
     created: int = field(default_factory=lambda: int(time.time()))
+    tool_format: tools.ToolFormat = tools.GENERIC   # how the model writes tool calls (from its template)
+    thinks: bool = False                            # the template writes <think>…</think>
     _constraint_info: Any = None
     _constraint_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -217,13 +221,17 @@ class TextStream:
     """One choice's engine events turned into text deltas, stop strings applied."""
 
     def __init__(self, ctx: ServerContext, request: GenRequest, stops: tuple[str, ...], arrival: float,
-                 discard: bool = False, events: AsyncIterator[TokenEvent] | None = None) -> None:
+                 discard: bool = False, events: AsyncIterator[TokenEvent] | None = None,
+                 keep_special: bool = False) -> None:
+        """`keep_special`: special tokens stay in the text (a tool format's markers), all but the
+        end-of-generation token that ends the request."""
         self.ctx, self.request = ctx, request
+        self._keep_special = keep_special
         self._discard = discard   # echo with max_tokens 0: the token generated is dropped
         self.completion_tokens = self.cached_tokens = 0
         self.finish_reason: str | None = None
         self._events = events if events is not None else ctx.engine.generate(request)
-        self._decoder = ctx.tokenizer.stream_decoder()
+        self._decoder = ctx.tokenizer.stream_decoder(skip_special=not keep_special)
         self._stops = StopMatcher(stops)
         self._first: TokenEvent | None = None
         self._last_time = arrival  # the first token's gap is the time to first token
@@ -292,7 +300,8 @@ class TextStream:
             # The EOS that ends the request (finish "stop" from the engine) is not part of the text.
             if event.logprob is not None and self.request.logprobs is not None and event.finish_reason != "stop":
                 self._logprobs.append(TokenLogprob(event.token_id, event.logprob, tuple(event.top_logprobs or ())))
-            text, hit = self._stops.push(self._decoder.push(event.token_id))
+            ending = self._keep_special and event.finish_reason == "stop" and event.token_id in self.ctx.tokenizer.eos_ids
+            text, hit = self._stops.push("" if ending else self._decoder.push(event.token_id))
             if hit:
                 self.finish_reason = "stop"
                 return text
@@ -338,6 +347,13 @@ class Choice:
     stream: TextStream
     echo: str | None = None
     first: bool = True   # the first choice of its prompt: usage counts that prompt here
+    thinking_open: bool = False   # chat: the prompt ends inside <think> (the output starts as reasoning)
+
+    def output(self, ctx: ServerContext, parsed: ParsedRequest) -> ChatOutput:
+        """How this chat choice's text becomes reasoning, content and tool calls."""
+        return ChatOutput(parsed.tool_format, parsed.toolset, parsed.output_prefix,
+                          reasoning=ctx.thinks and parsed.reasoning_format != "none",
+                          thinking_open=self.thinking_open)
 
 
 async def _choice_chunks(ctx: ServerContext, choice: Choice, parsed: ParsedRequest) -> AsyncIterator[dict[str, Any]]:
@@ -359,17 +375,16 @@ async def _choice_chunks(ctx: ServerContext, choice: Choice, parsed: ParsedReque
         scored = fmt.logprobs(ctx.tokenizer, stream.prompt_logprobs(), offsets) \
             if parsed.options.logprobs is not None else None
         yield indexed(fmt.chunk_choice(echo, logprobs=scored))
-    if parsed.toolset.active:
-        # Calls go out whole, one delta.tool_calls each, once their block closes; the text
-        # around them as content deltas (tools.ToolCallStream).
-        calls = tools.ToolCallStream(parsed.toolset)
-        calls.push(parsed.output_prefix)   # the opening tag the prompt ended with: held, never sent
+    if fmt.chat and (parsed.toolset.active or ctx.thinks):
+        # Calls go out whole, one delta.tool_calls each, once complete; reasoning as
+        # reasoning_content deltas; the rest as content deltas (ChatOutput).
+        output = choice.output(ctx, parsed)
         async for text in stream.deltas():
-            for delta in calls.push(text):   # a text's logprobs go with the first delta it makes
+            for delta in output.push(text):   # a text's logprobs go with the first delta it makes
                 yield indexed(fmt.delta_choice(delta, logprobs=logprobs()))
-        for delta in calls.flush():
+        for delta in output.flush():
             yield indexed(fmt.delta_choice(delta, logprobs=logprobs()))
-        yield indexed(fmt.chunk_choice("", tools.finish_reason(stream.finish_reason, len(calls.calls)),
+        yield indexed(fmt.chunk_choice("", tools.finish_reason(stream.finish_reason, output.call_count),
                                        logprobs=logprobs()))
     else:
         async for text in stream.deltas():
@@ -462,7 +477,8 @@ Parser = Callable[[Mapping[str, Any], int], ParsedRequest]
 
 async def _generate(request: Request, parse: Parser) -> Response:
     ctx: ServerContext = request.app.state.ctx
-    parsed: ParsedRequest = parse(await read_json_body(request, ctx.max_body_bytes), ctx.tokenizer.vocab_size)
+    parsed: ParsedRequest = for_model(parse(await read_json_body(request, ctx.max_body_bytes),
+                                            ctx.tokenizer.vocab_size), ctx.tool_format)
     if not ctx.engine.is_ready():
         raise EngineError("the model is still loading", 503, "not_ready")
     if parsed.constraint is not None:   # compile it now: a bad schema or grammar is a 400 naming its parameter
@@ -485,8 +501,10 @@ async def _generate(request: Request, parse: Parser) -> Response:
         for c in range(n):
             events = fan.choice(c) if fan is not None else None
             stream = TextStream(ctx, gen_request, parsed.options.stop, request.state.arrival,
-                                parsed.options.echo_only, events=events)
-            choices.append(Choice(len(choices), stream, echo, first=c == 0))
+                                parsed.options.echo_only, events=events,
+                                keep_special=parsed.toolset.active and parsed.tool_format.keeps_special)
+            thinking = ctx.thinks and prompt_opens_thinking(ctx.tokenizer.decode(ids[-8:]))
+            choices.append(Choice(len(choices), stream, echo, first=c == 0, thinking_open=thinking))
 
     async def close() -> None:
         for c in choices:
@@ -525,10 +543,12 @@ def _full_response(ctx: ServerContext, parsed: ParsedRequest, choices: list[Choi
             logprobs = fmt.logprobs(ctx.tokenizer, scored + stream.take_logprobs())
         if echo is not None:
             text = echo + text
-        if parsed.toolset.active:   # the output's <tool_call> blocks become message.tool_calls
-            content, calls = tools.parse_tool_calls(parsed.output_prefix + text, parsed.toolset)
-            body = fmt.choice(content, tools.finish_reason(stream.finish_reason, calls),
-                              [call.to_openai() for call in calls], logprobs=logprobs)
+        if fmt.chat and (parsed.toolset.active or ctx.thinks):   # calls and reasoning apart from content
+            output = choice.output(ctx, parsed)
+            content, reasoning, calls = message_fields(output.push(text) + output.flush())
+            body = fmt.choice(content, tools.finish_reason(stream.finish_reason, calls), calls, logprobs=logprobs)
+            if reasoning is not None:
+                body["message"]["reasoning_content"] = reasoning
         else:
             body = fmt.choice(text, stream.finish_reason, logprobs=logprobs)
         out.append({**body, "index": choice.index})
@@ -567,13 +587,22 @@ def _install_routes(app: FastAPI, ctx: ServerContext) -> None:
         return await _generate(request, parse_completion)
 
 
+def tool_template(tokenizer: TextTokenizer) -> str:
+    """The chat template a request with tools renders with: the named `tool_use` one if the
+    model has it, else the default."""
+    named = tokenizer.meta.get("chat_templates") or {}
+    return (named.get("tool_use") if isinstance(named, dict) else None) or tokenizer.meta.get("chat_template") or ""
+
+
 def create_app(engine: Engine, tokenizer: TextTokenizer, *, model_name: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
                metrics: ServerMetrics | None = None) -> FastAPI:
     """The OpenAI-compatible app. `model_name` defaults to engine.model_name;
     pass `metrics` to share a registry with the scheduler."""
+    template = tool_template(tokenizer)
     ctx = ServerContext(engine, tokenizer, model_name or engine.model_name,
-                        metrics or ServerMetrics(), api_key, max_body_bytes)
+                        metrics or ServerMetrics(), api_key, max_body_bytes,
+                        tool_format=tools.choose_format(template), thinks=template_thinks(template))
     app = FastAPI(title="skippy_zmq", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     _install_error_handlers(app, ctx)

@@ -1,0 +1,224 @@
+"""Calls written as JSON between tags: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+(the Hermes / Qwen2.5 convention, which the generic tool prompt also asks for).
+
+`parse_tool_calls` reads a finished output; `ToolCallStream` reads one as it
+streams, and gives the same content and calls for any split of the text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from skippy_zmq.driver.tools.calls import ToolCall, call_from_json, new_call_id
+from skippy_zmq.driver.tools.validation import ToolSet
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+
+def _decode_block(inner: str, toolset: ToolSet | None, new_id: Callable[[], str]) -> ToolCall | None:
+    try:
+        value = json.loads(inner)
+    except (ValueError, RecursionError):
+        return None
+    return call_from_json(value, toolset, new_id)
+
+
+def _bare_calls(text: str, toolset: ToolSet, new_id: Callable[[], str]) -> list[ToolCall] | None:
+    """The calls of a bare JSON answer (an object or a list of them), or None."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = [call_from_json(item, toolset, new_id) for item in items]
+    if not calls or any(c is None for c in calls):
+        return None
+    return calls if toolset.parallel else calls[:1]
+
+
+def parse_tool_calls(
+    text: str, toolset: ToolSet | None = None, new_id: Callable[[], str] = new_call_id
+) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a finished output.
+
+    Each `<tool_call>JSON</tool_call>` block whose JSON is {"name": str,
+    "arguments": object (or a string holding one)} is a call; a last block
+    left unclosed at the end counts too if its JSON is whole. A block that does
+    not decode (bad JSON, no name, a function the toolset does not allow)
+    stays in the content, tags and all. With `parallel` off, blocks after the
+    first call are dropped. Content: the text outside the calls, with the
+    whitespace just before each call dropped, and leading whitespace dropped
+    where only calls came before; None when there are calls and no other
+    text; the text itself when there are none. For required / named choices
+    a bare JSON answer (a call object or a list of them) is also read as calls.
+    """
+    if toolset is not None and toolset.constrained and TOOL_CALL_OPEN not in text:
+        bare = _bare_calls(text.strip(), toolset, new_id)
+        if bare is not None:
+            return None, bare
+    content, calls, position = "", [], 0
+    after_call = False
+    cursor = 0
+    while True:
+        start = text.find(TOOL_CALL_OPEN, cursor)
+        if start < 0:
+            break
+        end = text.find(TOOL_CALL_CLOSE, start + len(TOOL_CALL_OPEN))
+        inner = text[start + len(TOOL_CALL_OPEN): end if end >= 0 else len(text)]
+        block_end = end + len(TOOL_CALL_CLOSE) if end >= 0 else len(text)
+        call = _decode_block(inner, toolset, new_id)
+        if call is None:
+            cursor = block_end
+            if end < 0:
+                break
+            continue
+        segment = text[position:start]
+        if after_call and not content:
+            segment = segment.lstrip()
+        content += segment.rstrip()
+        if toolset is None or toolset.parallel or not calls:
+            calls.append(call)
+        after_call, position = True, block_end
+        cursor = block_end
+    if not calls:
+        return text, []
+    segment = text[position:]
+    if not content:
+        segment = segment.lstrip()
+    content += segment
+    return content or None, calls
+
+
+def _partial_open(buffer: str) -> int:
+    """Length of the longest suffix of buffer that is a proper prefix of <tool_call>."""
+    for size in range(min(len(TOOL_CALL_OPEN) - 1, len(buffer)), 0, -1):
+        if buffer.endswith(TOOL_CALL_OPEN[:size]):
+            return size
+    return 0
+
+
+@dataclass
+class ToolCallStream:
+    """Streamed text in, OpenAI `delta` objects out; reassembles to parse_tool_calls.
+
+    push(text) and, at the end, flush() return lists of deltas, each either
+    ``{"content": str}`` or ``{"tool_calls": [{"index", "id", "type":
+    "function", "function": {"name", "arguments"}}]}``. A call is sent whole,
+    in one delta, once its block closes (its JSON is checked first, so a bad
+    block can still go out as text). Text that might be the start of
+    <tool_call>, a block not yet closed, and whitespace that might precede a
+    call are held back. Concatenating the content deltas gives
+    parse_tool_calls' content ("" for None) and the tool-call deltas give its
+    calls, for any split of the text into pieces. For required / named
+    choices an output starting with "{" or "[" (a bare JSON answer) is held
+    whole until flush().
+    """
+
+    toolset: ToolSet | None = None
+    new_id: Callable[[], str] = new_call_id
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._buffer = ""          # outside a block: undecided text; inside: the block so far
+        self._inside = False
+        self._pending_ws = ""      # trailing whitespace held in case a call follows it
+        self._emitted = False      # whether any content has gone out
+        self._after_call = False
+        self._bare: bool | None = None if self.toolset is not None and self.toolset.constrained else False
+        self._done = False
+
+    @property
+    def made_calls(self) -> bool:
+        return bool(self.calls)
+
+    def push(self, text: str) -> list[dict[str, Any]]:
+        if self._done:
+            raise RuntimeError("ToolCallStream: push after flush")
+        self._buffer += text
+        if self._bare is None:
+            stripped = self._buffer.lstrip()
+            if not stripped:
+                return []
+            self._bare = stripped[0] in "{["
+        if self._bare:
+            return []
+        return self._drain()
+
+    def flush(self) -> list[dict[str, Any]]:
+        if self._done:
+            return []
+        self._done = True
+        out: list[dict[str, Any]] = []
+        if self._bare:
+            content, calls = parse_tool_calls(self._buffer, self.toolset, self.new_id)
+            if content:
+                out.append({"content": content})
+            for call in calls:
+                out.append(self._emit_call(call))
+            return out
+        out += self._drain()
+        if self._inside:
+            call = _decode_block(self._buffer, self.toolset, self.new_id)
+            if call is not None:
+                out += self._call(call)
+            else:
+                out += self._content(TOOL_CALL_OPEN + self._buffer)
+        else:
+            out += self._content(self._buffer)
+        self._buffer = ""
+        if self._pending_ws:
+            out.append({"content": self._pending_ws})
+            self._pending_ws = ""
+        return out
+
+    def _drain(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        while True:
+            if not self._inside:
+                start = self._buffer.find(TOOL_CALL_OPEN)
+                if start < 0:
+                    keep = _partial_open(self._buffer)
+                    out += self._content(self._buffer[: len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                    return out
+                out += self._content(self._buffer[:start])
+                self._buffer = self._buffer[start + len(TOOL_CALL_OPEN):]
+                self._inside = True
+            end = self._buffer.find(TOOL_CALL_CLOSE)
+            if end < 0:
+                return out
+            inner, self._buffer = self._buffer[:end], self._buffer[end + len(TOOL_CALL_CLOSE):]
+            self._inside = False
+            call = _decode_block(inner, self.toolset, self.new_id)
+            if call is None:
+                out += self._content(TOOL_CALL_OPEN + inner + TOOL_CALL_CLOSE)
+            else:
+                out += self._call(call)
+
+    def _content(self, text: str) -> list[dict[str, Any]]:
+        if self._after_call and not self._emitted:
+            text = text.lstrip()
+        if not text:
+            return []
+        combined = self._pending_ws + text
+        body = combined.rstrip()
+        self._pending_ws = combined[len(body):]
+        if not body:
+            return []
+        self._emitted = True
+        return [{"content": body}]
+
+    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
+        self._pending_ws = ""
+        self._after_call = True
+        if self.toolset is not None and not self.toolset.parallel and self.calls:
+            return []
+        return [self._emit_call(call)]
+
+    def _emit_call(self, call: ToolCall) -> dict[str, Any]:
+        self.calls.append(call)
+        return {"tool_calls": [call.to_delta(len(self.calls) - 1)]}
