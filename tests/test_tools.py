@@ -411,6 +411,21 @@ def test_parse_leaves_bad_blocks_as_content():
     assert parse_tool_calls("  plain answer \n", WEATHER_SET) == ("  plain answer \n", [])
 
 
+def test_close_tag_inside_a_json_string_does_not_end_the_call():
+    """Seen from SmolLM2 under a forced call: a string value holding "}}</tool_call>"."""
+    forced = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "}}</tool_call> "\n}}'
+    content, calls = parse_tool_calls(forced, validate_tools(TOOLS, "required"))
+    assert content is None and _calls(calls) == [("get_weather", {"city": "}}</tool_call> "})]
+    text = 'A <tool_call>{"name": "get_weather", "arguments": {"city": "</tool_call>"}}</tool_call> B'
+    assert parse_tool_calls(text, WEATHER_SET)[0] == "A B"
+    rng = random.Random(1)
+    for source in (forced, text):
+        for _ in range(50):
+            _, content, calls, _ = _run_stream(_split(source, rng), validate_tools(TOOLS, "required"))
+            assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "}}</tool_call> "}] \
+                if source is forced else [{"city": "</tool_call>"}]
+
+
 def test_parse_bare_json_only_when_constrained():
     bare = '{"name": "get_time", "arguments": {}}'
     assert parse_tool_calls(bare, WEATHER_SET) == (bare, [])
@@ -452,6 +467,8 @@ STREAM_TEXTS = [
     '"arguments": {}}</tool_call> B',
     'a "<tool_call>" in JSON: <tool_call>{"name": "get_weather", "arguments": {"city": "</tool_call>"}}</tool_call>',
     'unclosed <tool_call>{"name": "get_time", "arguments": {}}',
+    '<tool_call>{"name": "get_time", "arguments": {}} trailing</tool_call> x <tool_call>{"name": "get_time"}',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "}}</tool_call> "\n}}',
     'truncated <tool_call>{"name": "get_time", "argu',
     "plain text, no calls \n\n",
     "   ",

@@ -19,12 +19,33 @@ TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 
 
-def _decode_block(inner: str, toolset: ToolSet | None, new_id: Callable[[], str]) -> ToolCall | None:
+_DECODER = json.JSONDecoder()
+
+
+def _block(text: str, start: int, toolset: ToolSet | None, new_id: Callable[[], str],
+           final: bool) -> tuple[ToolCall | None, int] | None:
+    """The block whose body starts at text[start] (just after <tool_call>): (its call, where it
+    ends) or (None, where it ends) for a bad one; None while more text could still change that
+    (final: never).
+
+    The body is one JSON value read as JSON (so a "</tool_call>" inside one of its strings
+    does not end it), then whitespace and </tool_call>, or the end of the output. A bad block
+    (not such a value, or not an allowed call) ends at the first </tool_call>, or the end.
+    """
+    close = text.find(TOOL_CALL_CLOSE, start)
+    bad = (None, close + len(TOOL_CALL_CLOSE) if close >= 0 else len(text))
     try:
-        value = json.loads(inner)
+        value, end = _DECODER.raw_decode(text, len(text) - len(text[start:].lstrip()))
     except (ValueError, RecursionError):
+        return bad if final else None
+    rest = text[end:].lstrip()
+    after = len(text) - len(rest)
+    if rest.startswith(TOOL_CALL_CLOSE) or (final and not rest):
+        call = call_from_json(value, toolset, new_id)
+        return bad if call is None else (call, after + (len(TOOL_CALL_CLOSE) if rest else 0))
+    if not final and TOOL_CALL_CLOSE.startswith(rest):
         return None
-    return call_from_json(value, toolset, new_id)
+    return bad if final or close >= 0 else None
 
 
 def _bare_calls(text: str, toolset: ToolSet, new_id: Callable[[], str]) -> list[ToolCall] | None:
@@ -67,13 +88,10 @@ def parse_tool_calls(
         start = text.find(TOOL_CALL_OPEN, cursor)
         if start < 0:
             break
-        end = text.find(TOOL_CALL_CLOSE, start + len(TOOL_CALL_OPEN))
-        inner = text[start + len(TOOL_CALL_OPEN): end if end >= 0 else len(text)]
-        block_end = end + len(TOOL_CALL_CLOSE) if end >= 0 else len(text)
-        call = _decode_block(inner, toolset, new_id)
+        call, block_end = _block(text, start + len(TOOL_CALL_OPEN), toolset, new_id, final=True)
         if call is None:
             cursor = block_end
-            if end < 0:
+            if block_end >= len(text):
                 break
             continue
         segment = text[position:start]
@@ -160,44 +178,32 @@ class ToolCallStream:
             for call in calls:
                 out.append(self._emit_call(call))
             return out
-        out += self._drain()
-        if self._inside:
-            call = _decode_block(self._buffer, self.toolset, self.new_id)
-            if call is not None:
-                out += self._call(call)
-            else:
-                out += self._content(TOOL_CALL_OPEN + self._buffer)
-        else:
-            out += self._content(self._buffer)
-        self._buffer = ""
+        out += self._drain(final=True)
         if self._pending_ws:
             out.append({"content": self._pending_ws})
             self._pending_ws = ""
         return out
 
-    def _drain(self) -> list[dict[str, Any]]:
+    def _drain(self, final: bool = False) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         while True:
             if not self._inside:
                 start = self._buffer.find(TOOL_CALL_OPEN)
                 if start < 0:
-                    keep = _partial_open(self._buffer)
+                    keep = 0 if final else _partial_open(self._buffer)
                     out += self._content(self._buffer[: len(self._buffer) - keep])
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     return out
                 out += self._content(self._buffer[:start])
                 self._buffer = self._buffer[start + len(TOOL_CALL_OPEN):]
                 self._inside = True
-            end = self._buffer.find(TOOL_CALL_CLOSE)
-            if end < 0:
-                return out
-            inner, self._buffer = self._buffer[:end], self._buffer[end + len(TOOL_CALL_CLOSE):]
+            resolved = _block(self._buffer, 0, self.toolset, self.new_id, final)
+            if resolved is None:
+                return out   # the block is not settled yet
+            call, end = resolved
+            inner, self._buffer = self._buffer[:end], self._buffer[end:]
             self._inside = False
-            call = _decode_block(inner, self.toolset, self.new_id)
-            if call is None:
-                out += self._content(TOOL_CALL_OPEN + inner + TOOL_CALL_CLOSE)
-            else:
-                out += self._call(call)
+            out += self._content(TOOL_CALL_OPEN + inner) if call is None else self._call(call)
 
     def _content(self, text: str) -> list[dict[str, Any]]:
         if self._after_call and not self._emitted:
