@@ -18,14 +18,17 @@ from skippy_zmq.driver.server import start_in_thread
 
 pytestmark = pytest.mark.slow
 
-instructor = pytest.importorskip("instructor", reason="instructor is not installed (see setup.cfg's test extra)")
-langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is not installed")
+langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is not installed (test extra)")
+try:
+    import instructor
+except ImportError:   # not resolvable beside openai 3.57 by pip: see setup.cfg's test extra
+    instructor = None
 import openai  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
 MAX_TOKENS = 200
-SEEDS = (0, 1)
+SEEDS = (0, 1, 2, 3)
 ASK_CITY = [{"role": "user", "content": "Give me the record of the city of Paris, France."}]
 
 
@@ -80,6 +83,7 @@ def openai_client(url: str, tries: Tries) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600, http_client=tries.http)
 
 
+@pytest.mark.skipif(instructor is None, reason="instructor is not installed (see setup.cfg's test extra)")
 @pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
 def test_instructor_first_try(url, mode):
     counter = Tries()
