@@ -16,7 +16,8 @@ from typing import Any
 import gguf
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from skippy_zmq.model.chat_template import ChatTemplate
+from skippy_zmq.model.chat_template import (
+    ChatTemplates, generation_eos_ids, gguf_templates, merge_ids, read_hf_templates)
 
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "tokenizer_meta.json"
@@ -113,6 +114,7 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> tuple[Tokenizer, dict[str, A
         "chat_template": str(_field(reader, "tokenizer.chat_template", "")),
         "pre": pre,
     }
+    meta["chat_template"], meta["chat_templates"] = gguf_templates(reader)
     return tokenizer, meta
 
 
@@ -149,7 +151,7 @@ class TextTokenizer:
     def __init__(self, tokenizer: Tokenizer, meta: dict[str, Any]) -> None:
         self.tokenizer = tokenizer
         self.meta = dict(meta)
-        self._template = ChatTemplate(self.meta["chat_template"]) if self.meta.get("chat_template") else None
+        self._templates = ChatTemplates(self.meta.get("chat_template") or "", self.meta.get("chat_templates"))
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> TextTokenizer:
@@ -176,7 +178,9 @@ class TextTokenizer:
         meta = {"bos_id": token_id("bos_token"), "eos_id": eos, "eos_ids": [eos] if eos >= 0 else [],
                 "pad_id": token_id("pad_token"), "unk_id": token_id("unk_token"),
                 "add_bos": bool(config.get("add_bos_token", False)),
-                "chat_template": config.get("chat_template") or "", "pre": "hf"}
+                "pre": "hf"}
+        meta["chat_template"], meta["chat_templates"] = read_hf_templates(directory)
+        meta["eos_ids"] = merge_ids(meta["eos_ids"], generation_eos_ids(directory))
         return cls(tokenizer, meta)
 
     @classmethod
@@ -238,15 +242,16 @@ class TextTokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+        chat_template: str | None = None, tools: list[dict[str, Any]] | None = None, **kwargs: Any
     ) -> str:
-        """The rendered conversation; `kwargs`: tools, documents and chat_template_kwargs."""
-        if self._template is None:
-            raise ValueError("this model has no chat template (tokenizer.chat_template)")
-        return self._template.render(
-            messages, add_generation_prompt,
-            bos_token=self.token_text(self.meta["bos_id"]),
-            eos_token=self.token_text(self.meta["eos_id"]), **kwargs)
+        """The rendered conversation, as transformers renders it: `chat_template` names one of the
+        model's templates (with tools, `tool_use` is the default when the model has it); `kwargs`:
+        documents and chat_template_kwargs (e.g. enable_thinking), which may override bos/eos_token."""
+        template = self._templates.select(chat_template, tools)
+        special = {"bos_token": self.token_text(self.meta["bos_id"]),
+                   "eos_token": self.token_text(self.meta["eos_id"])}
+        return template.render(messages, add_generation_prompt, tools=tools, **{**special, **kwargs})
 
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
