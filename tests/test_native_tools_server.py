@@ -135,7 +135,8 @@ def test_forced_native_call_is_constrained_to_the_format(base, templates, name, 
 
 def test_templates_without_tools_keep_the_generic_prompt(base, templates):
     reply = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    with serving(base, (templates / "microsoft-Phi-3.5-mini-instruct.jinja").read_text(), reply) as (client, engine, tok):
+    template = (templates / "microsoft-Phi-3.5-mini-instruct.jinja").read_text()
+    with serving(base, template, reply) as (client, engine, tok):
         message, streamed = both(client, messages=ASK, tools=[WEATHER], max_tokens=200)
         assert "# Tools" in tok.decode(list(engine.requests[-1].prompt_ids))
         assert message.message.tool_calls[0].function.name == "get_weather"
@@ -159,7 +160,8 @@ def test_qwen3_reasoning_content_apart(base, templates):
 
 def test_reasoning_then_a_call(base, templates):
     template = (templates / "Qwen-Qwen3-0.6B.jinja").read_text()
-    reply = '<think>I need the weather.</think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    reply = ('<think>I need the weather.</think>\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
     with serving(base, template, reply) as (client, _, _):
         message, streamed = both(client, messages=ASK, tools=[WEATHER], max_tokens=200)
         assert message.message.content is None and message.finish_reason == "tool_calls"

@@ -80,7 +80,8 @@ PARSE_CASES = [   # (format, text, toolset, content, calls)
      '"arguments": {"city": "Lima"}}]', AUTO, "Checking.", [("get_time", {}), ("get_weather", {"city": "Lima"})]),
     (tools.MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{}',
      AUTO, None, [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
-    (tools.MISTRAL_ARGS, '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', AUTO, None, [("get_weather", {"city": "Oslo"})]),
+    (tools.MISTRAL_ARGS, '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', AUTO,
+     None, [("get_weather", {"city": "Oslo"})]),
     (tools.MISTRAL_ARGS, '[TOOL_CALLS]get_weather[ARGS]{"city": ', AUTO, '[TOOL_CALLS]get_weather[ARGS]{"city": ', []),
     (tools.MISTRAL, "No tools needed.", AUTO, "No tools needed.", []),
 ]
@@ -155,7 +156,8 @@ def test_constrained_prefixes_and_constraints():
     assert tools.MISTRAL_ARGS.constraint(NAMED) == ConstraintSpec("json_schema", WEATHER["function"]["parameters"])
     grammar = tools.MISTRAL_ARGS.constraint(REQUIRED)
     assert grammar.kind == "grammar" and grammar.syntax == "lark"
-    assert grammar.grammar.startswith('start: "get_weather[ARGS]" %json {') and '| "get_time[ARGS]" %json' in grammar.grammar
+    assert grammar.grammar.startswith('start: "get_weather[ARGS]" %json {')
+    assert '| "get_time[ARGS]" %json' in grammar.grammar
 
 
 @pytest.fixture(scope="module")

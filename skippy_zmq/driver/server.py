@@ -300,7 +300,8 @@ class TextStream:
             # The EOS that ends the request (finish "stop" from the engine) is not part of the text.
             if event.logprob is not None and self.request.logprobs is not None and event.finish_reason != "stop":
                 self._logprobs.append(TokenLogprob(event.token_id, event.logprob, tuple(event.top_logprobs or ())))
-            ending = self._keep_special and event.finish_reason == "stop" and event.token_id in self.ctx.tokenizer.eos_ids
+            eos = self.ctx.tokenizer.eos_ids
+            ending = self._keep_special and event.finish_reason == "stop" and event.token_id in eos
             text, hit = self._stops.push("" if ending else self._decoder.push(event.token_id))
             if hit:
                 self.finish_reason = "stop"
