@@ -14,7 +14,7 @@ import pytest
 from jinja2.exceptions import SecurityError, TemplateError
 
 from skippy_zmq.model.chat_template import (
-    ChatTemplate, ChatTemplates, generation_eos_ids, gguf_templates, read_hf_templates)
+    ChatTemplate, ChatTemplates, generation_eos_ids, gguf_templates, read_hf_templates, template_variables)
 from skippy_zmq.model.tokenizer import TextTokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
@@ -196,3 +196,14 @@ def test_gguf_default_and_named_templates(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
     assert gguf_templates(gguf.GGUFReader(str(path))) == (ECHO, {"tool_use": "T"})
+
+
+def test_a_broken_template_fails_at_load_naming_itself() -> None:
+    with pytest.raises(TemplateError, match="chat template 'tool_use' does not compile"):
+        ChatTemplates(ECHO, {"tool_use": "{% if %}"})
+
+
+def test_template_variables_parse_the_generation_tag(llama_cpp_models: Path) -> None:
+    text = (llama_cpp_models / "templates" / "LFM2.5-8B-A1B.jinja").read_text(encoding="utf-8")
+    assert "{%- generation -%}" in text
+    assert {"messages", "tools", "add_generation_prompt"} <= template_variables(text)

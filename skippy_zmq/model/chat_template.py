@@ -22,6 +22,7 @@ from typing import Any
 
 import jinja2.nodes
 import jinja2.utils
+from jinja2 import meta
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -172,6 +173,15 @@ class ChatTemplates:
         self.named = {k: v for k, v in (named or {}).items() if k != DEFAULT}
         self._now = now
         self._compiled: dict[str, ChatTemplate] = {}
+        self.check()
+
+    def check(self) -> None:
+        """Compile every template now, so a broken one fails at load, naming itself."""
+        for name in self.names():
+            try:
+                self.select(name)
+            except TemplateError as err:
+                raise TemplateError(f"chat template {name!r} does not compile: {err}") from err
 
     def __bool__(self) -> bool:
         return bool(self.default or self.named)
@@ -203,6 +213,11 @@ class ChatTemplates:
         if text not in self._compiled:
             self._compiled[text] = ChatTemplate(text, self._now)
         return self._compiled[text]
+
+
+def template_variables(text: str) -> frozenset[str]:
+    """The variables a template reads from its context (e.g. `tools`, `enable_thinking`)."""
+    return frozenset(meta.find_undeclared_variables(chat_environment().parse(text)))
 
 
 def _split_named(templates: Mapping[str, str]) -> tuple[str, dict[str, str]]:
