@@ -192,3 +192,16 @@ def test_bad_template_kwargs_are_400(base, templates, extra, message):
         assert response.status_code == 400
         assert response.json()["error"]["message"] == message
         assert response.json()["error"]["param"] == next(iter(extra))
+
+
+def test_format_comes_from_the_tool_use_template(base, templates):
+    qwen = (templates / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+    plain = (templates / "microsoft-Phi-3.5-mini-instruct.jinja").read_text()
+    engine = FakeEngine([1], [2])
+    named = TextTokenizer(base.tokenizer, {**base.meta, "chat_template": plain, "chat_templates": {"tool_use": qwen}})
+    assert create_app(engine, named).state.ctx.tool_format.name == "hermes"
+    only_plain = TextTokenizer(base.tokenizer, {**base.meta, "chat_template": plain})
+    assert create_app(engine, only_plain).state.ctx.tool_format.name == "generic"
+    qwen3 = (templates / "Qwen-Qwen3-0.6B.jinja").read_text()
+    thinking = TextTokenizer(base.tokenizer, {**base.meta, "chat_template": qwen3})
+    assert create_app(engine, thinking).state.ctx.thinks and not create_app(engine, named).state.ctx.thinks

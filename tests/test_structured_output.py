@@ -235,3 +235,22 @@ def test_tool_round_trip(client):
         model="m", messages=messages, tools=tools, tool_choice="none", max_tokens=40, temperature=0, stream=True)
         if c.choices)
     assert streamed
+
+
+CITY = {"type": "function", "function": {
+    "name": "make_city", "description": "Record a city.",
+    "parameters": {"type": "object", "properties": {"name": {"type": "string"}, "country": {"type": "string"},
+                                                    "population": {"type": "integer"}},
+                   "required": ["name", "country", "population"]}}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_forced_call_without_additional_properties_invents_no_keys(client, stream):
+    """The schema leaves additionalProperties unsaid: the object is closed (as llama.cpp does),
+    so the call has exactly the schema's keys and ends well inside max_tokens."""
+    named = {"type": "function", "function": {"name": "make_city"}}
+    for seed in range(3):
+        content, calls, finish = chat(client, [{"role": "user", "content": "Record the city of Paris."}], stream,
+                                      tools=[CITY], tool_choice=named, temperature=1.0, seed=seed, max_tokens=200)
+        assert finish == "tool_calls" and len(calls) == 1, (content, calls, finish)
+        assert set(check_call(calls[0], [CITY])) == {"name", "country", "population"}
