@@ -423,6 +423,32 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
+def _system_in_first_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """A leading system message folded into the user message after it (None: no such pair)."""
+    if len(messages) < 2 or [m.get("role") for m in messages[:2]] != ["system", "user"]:
+        return None
+    system, user = messages[0].get("content"), messages[1].get("content")
+    if not isinstance(system, str) or not isinstance(user, str):
+        return None
+    return [{**messages[1], "content": f"{system}\n\n{user}" if system else user}, *messages[2:]]
+
+
+def _render_chat(tokenizer: TextTokenizer, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+    """The rendered conversation. A template that refuses a system role (Gemma: "System role not
+    supported") gets the system text at the top of the first user message, as llama.cpp's
+    template polyfills do; any other failure, or a second one, is the request's error."""
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except (TemplateError, ValueError, TypeError) as err:  # e.g. raise_exception() on role order
+        folded = _system_in_first_user(messages) if "system" in str(err).lower() else None
+        if folded is not None:
+            try:
+                return tokenizer.apply_chat_template(folded, **kwargs)
+            except (TemplateError, ValueError, TypeError):
+                pass
+        raise RequestError(f"messages: the chat template failed: {err}", "messages") from None
+
+
 def encode_prompt(tokenizer: TextTokenizer, parsed: ParsedRequest,
                   prompt: str | tuple[int, ...] | None = None) -> list[int]:
     """The prompt's token ids: the chat template over the messages, or `prompt` (default: the
@@ -434,10 +460,7 @@ def encode_prompt(tokenizer: TextTokenizer, parsed: ParsedRequest,
         # call's opening ends the prompt.
         messages, tool_list = parsed.tool_format.template_inputs(parsed.messages, parsed.toolset)
         kwargs = {**parsed.template_kwargs, **({"tools": tool_list} if tool_list is not None else {})}
-        try:
-            text = tokenizer.apply_chat_template(messages, **kwargs)
-        except (TemplateError, ValueError, TypeError) as err:  # e.g. raise_exception() on role order
-            raise RequestError(f"messages: the chat template failed: {err}", "messages") from None
+        text = _render_chat(tokenizer, messages, kwargs)
         # encode_chat's tokenisation (the template writes any BOS itself)
         return tokenizer.encode(text + parsed.output_prefix, add_bos=False)
     if isinstance(prompt, str):
