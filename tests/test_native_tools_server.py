@@ -92,10 +92,14 @@ NATIVE = [   # (template, what the model writes, what the prompt shows of the to
      'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
      '[AVAILABLE_TOOLS][{"type": "function", "function": {"name": "get_weather"',
      '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "'),
+    ("Mistral-Small-3.2-24B-Instruct-2506.jinja",
+     'Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}',
+     '[AVAILABLE_TOOLS][{"type": "function", "function": {"name": "get_weather"',
+     '[TOOL_CALLS]get_weather[CALL_ID]'),
 ]
 
 
-@pytest.mark.parametrize("name, reply, tools_shown, history_shown", NATIVE, ids=[n[0].split("-")[0] for n in NATIVE])
+@pytest.mark.parametrize("name, reply, tools_shown, history_shown", NATIVE, ids=[n[0].split(".jinja")[0] for n in NATIVE])
 def test_native_calls_in_responses_and_deltas(base, templates, name, reply, tools_shown, history_shown):
     with serving(base, (templates / name).read_text(), reply) as (client, engine, tok):
         message, streamed = both(client, messages=HISTORY, tools=[WEATHER], max_tokens=200)
@@ -116,10 +120,11 @@ FORCED = [   # (template, what the model writes after the prefix, the prefix)
      "<|start_header_id|>assistant<|end_header_id|>\n\n"),
     ("mistralai-Mistral-Nemo-Instruct-2407.jinja", '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
      "[/INST][TOOL_CALLS]"),
+    ("Mistral-Small-3.2-24B-Instruct-2506.jinja", '{"city": "Oslo"}', "[/INST][TOOL_CALLS]get_weather[ARGS]"),
 ]
 
 
-@pytest.mark.parametrize("name, reply, prefix", FORCED, ids=[n[0].split("-")[0] for n in FORCED])
+@pytest.mark.parametrize("name, reply, prefix", FORCED, ids=[n[0].split(".jinja")[0] for n in FORCED])
 def test_forced_native_call_is_constrained_to_the_format(base, templates, name, reply, prefix):
     with serving(base, (templates / name).read_text(), reply) as (client, engine, tok):
         for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
@@ -164,8 +169,8 @@ def test_reasoning_then_a_call(base, templates):
     template = (templates / "Qwen-Qwen3-0.6B.jinja").read_text()
     reply = ('<think>I need the weather.</think>\n'
              '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
-    with serving(base, template, reply) as (client, _, _):
-        message, streamed = both(client, messages=ASK, tools=[WEATHER], max_tokens=200)
+    with serving(base, template, reply) as (client, _, _):   # the history's null content renders as ""
+        message, streamed = both(client, messages=HISTORY, tools=[WEATHER], max_tokens=200)
         assert message.message.content is None and message.finish_reason == "tool_calls"
         assert message.message.model_extra["reasoning_content"] == "I need the weather."
         assert streamed == (None, "I need the weather.", [("get_weather", {"city": "Oslo"})], "tool_calls")

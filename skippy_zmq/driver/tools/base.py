@@ -91,14 +91,17 @@ def native_template_inputs(
     """(messages, tools) for a template that renders tools itself (HF convention).
 
     Call arguments become objects (HF templates write them with `| tojson`;
-    vLLM does the same conversion); `call_id` maps the ids of calls and of
-    tool results (Mistral's templates want 9 characters); tools are the
+    vLLM does the same conversion) and a calling message's null content ""
+    (Qwen3's template tests `'</think>' in content`; llama.cpp passes "" too);
+    `call_id` maps the ids of calls and of tool results (Mistral's templates
+    want 9 characters); tools are the
     allowed tools in OpenAI's shape, or None when no tools are active.
     """
     out: list[dict[str, Any]] = []
     for message in messages:
         message = dict(message)
         if message.get("tool_calls"):
+            message["content"] = message.get("content") or ""
             message["tool_calls"] = [
                 {**c, "id": call_id(c["id"]),
                  "function": {"name": c["function"]["name"],
