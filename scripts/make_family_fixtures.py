@@ -58,10 +58,39 @@ FAMILIES = {
     "qwen2-window": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                          use_sliding_window=True, sliding_window=64, max_window_layers=1,
                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Gemma 3 1B style: 4 heads, 1 kv head of 256 (q wider than hidden), local layer 0 (window 64, base 1e4)
+    # and global layer 1 (base 1e6), query_pre_attn_scalar = head_dim.
+    "gemma3": dict(model_type="gemma3_text", num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                   sliding_window=64, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=256,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    # Gemma 3 4B style: GQA 2:1, linear scaling 8 on the global layer; plus what Gemma 3 leaves off but the
+    # config can say: a scalar other than head_dim and a final logit softcap.
+    "gemma3-4b": dict(model_type="gemma3_text", num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                      sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+                      query_pre_attn_scalar=192, final_logit_softcapping=30.0,
+                      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                          "rope_theta": 1000000.0}}),
+    # Phi-4-mini style: GQA 3:1 at head_dim 128 (hidden = 3 heads), partial rotary 0.75, longrope with
+    # short factors away from 1 (the prompts stay under original_max_position_embeddings = 512), tied.
+    "phi3": dict(model_type="phi3", hidden_size=384, num_attention_heads=3, num_key_value_heads=1,
+                 tie_word_embeddings=True, pad_token_id=0, max_position_embeddings=4096,
+                 original_max_position_embeddings=512,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                  "short_factor": [1.0 + 0.05 * i for i in range(48)],
+                                  "long_factor": [1.0 + 0.5 * i for i in range(48)]}),
+    # Phi-3-mini-4k style: multi-head, default rope, a sliding window (64 here).
+    "phi3-window": dict(model_type="phi3", num_attention_heads=4, num_key_value_heads=4, pad_token_id=0,
+                        sliding_window=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
 # Same model run without the feature: its logits must differ on the long prompt.
 WITHOUT = {"llama3": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
-           "mistral": {"sliding_window": None}, "qwen2-window": {"use_sliding_window": False}}
+           "mistral": {"sliding_window": None}, "qwen2-window": {"use_sliding_window": False},
+           "gemma3": {"sliding_window": 4096},
+           "phi3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
+           "phi3-window": {"sliding_window": None}}
+GEMMA = ("gemma3_text",)   # norms compute x * (1 + w): w near 0
 
 
 def prompts() -> list[np.ndarray]:
@@ -70,22 +99,23 @@ def prompts() -> list[np.ndarray]:
 
 
 def build(spec: dict, seed: int) -> torch.nn.Module:
-    spec = dict(spec)
-    config = AutoConfig.for_model(spec.pop("model_type"), **SMALL, **spec)
+    spec = {**SMALL, **spec}
+    kind = spec.pop("model_type")
+    config = AutoConfig.for_model(kind, **spec)
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomise(model, seed)
+    randomise(model, seed, norm_centre=0.0 if kind in GEMMA else 1.0)
     return model.eval()
 
 
-def randomise(model: torch.nn.Module, seed: int) -> None:
+def randomise(model: torch.nn.Module, seed: int, norm_centre: float = 1.0) -> None:
     """O(1) activations and well-separated logits (transformers' init is near zero and its biases zero)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * noise)
+                p.copy_(norm_centre + 0.2 * noise)
             elif p.ndim == 1:
                 p.copy_(0.2 * noise)
             elif "embed_tokens" in name:   # small, so a tied head does not just echo the input token
@@ -164,6 +194,44 @@ def tf4_layout(out: Path) -> None:
         assert np.array_equal(last_logits(a, ids), last_logits(b, ids)), "tf4 layout loads a different model"
 
 
+def tf4_gemma3_layout(out: Path) -> None:
+    """gemma3-tf4/config.json: the gemma3-4b fixture's config as transformers 4 wrote it (rope_theta,
+    rope_local_base_freq, rope_scaling for the global layers, sliding_window_pattern instead of layer_types)."""
+    config = json.loads((out / "gemma3-4b" / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.pop("layer_types")
+    config["sliding_window_pattern"] = 2
+    config["rope_theta"] = rope["full_attention"].pop("rope_theta")
+    config["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+    config["rope_scaling"] = rope["full_attention"]
+    _check_same_model(out, "gemma3-4b", "gemma3-tf4", config)
+
+
+def tf4_phi3_layout(out: Path) -> None:
+    """phi3-tf4/config.json: the phi3 fixture's config as Phi-4-mini's Hub file has it (top-level rope_theta,
+    partial_rotary_factor; rope_scaling with `type`)."""
+    config = json.loads((out / "phi3" / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+    rope.pop("original_max_position_embeddings", None)
+    config["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+    _check_same_model(out, "phi3", "phi3-tf4", config)
+
+
+def _check_same_model(out: Path, source: str, name: str, config: dict) -> None:
+    (out / name).mkdir(exist_ok=True)
+    (out / name / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in (out / source).glob("*.safetensors"):
+            shutil.copy(f, tmp)
+        shutil.copy(out / name / "config.json", tmp)
+        a = AutoModelForCausalLM.from_pretrained(out / source, dtype=torch.float32).eval()
+        b = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        ids = prompts()[-1]
+        assert np.array_equal(last_logits(a, ids), last_logits(b, ids)), f"{name} loads a different model"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "tests/fixtures/families")
@@ -175,6 +243,8 @@ def main() -> None:
         if not args.only or name in args.only:
             print(json.dumps(make(name, spec, args.out, seed)))
     tf4_layout(args.out)
+    tf4_gemma3_layout(args.out)
+    tf4_phi3_layout(args.out)
 
 
 if __name__ == "__main__":

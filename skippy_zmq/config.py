@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROPE_TYPES = ("default", "linear", "llama3")   # model/rope.py turns each into inverse frequencies
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")   # model/rope.py turns each into inverse frequencies
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3).
+    """Shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3/4).
 
     Fields after `name` came with more families; their defaults are the plain
     Llama math, so model.json files written before them load unchanged.
@@ -50,6 +50,15 @@ class ModelConfig:
     qk_norm: bool = False                   # Qwen3: RMSNorm of each q and k head over head_dim, before rope
     sliding_window: int = 0                 # 0: full causal; else a layer sees only the last `sliding_window` keys
     full_attention_layers: tuple[int, ...] = ()   # layers (global indices) that attend fully despite the window
+    ffn_act: str = "silu"                   # "silu" (SwiGLU) | "gelu_tanh" (Gemma's GeGLU, gelu_pytorch_tanh)
+    sandwich_norms: bool = False            # Gemma: norms after attention and MLP too (post_attn_norm, post_ffn_norm)
+    embed_scale: float = 1.0                # Gemma: embeddings times sqrt(d_model), in the compute dtype
+    attn_scale: float = 0.0                 # score scale; 0: 1 / sqrt(head_dim) (Gemma: query_pre_attn_scalar ** -0.5)
+    final_softcap: float = 0.0              # 0: none; else logits -> cap * tanh(logits / cap)
+    rope_local_theta: float = 0.0           # Gemma: windowed layers use default rope at this base (0: the global rope)
+    rotary_dim: int = 0                     # partial rotary (Phi-4-mini): the first rotary_dim dims rotate; 0: head_dim
+    rope_attn_factor: float = 1.0           # longrope: cos and sin are multiplied by it
+    rope_long_freq_factors: tuple[float, ...] = ()   # longrope: divisors for positions >= rope_original_max_pos
 
     def __post_init__(self) -> None:
         problems = []
@@ -62,13 +71,23 @@ class ModelConfig:
             problems.append(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.rope_type not in ROPE_TYPES:
             problems.append(f"rope_type must be one of {', '.join(ROPE_TYPES)}, got {self.rope_type!r}")
-        if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
-            problems.append(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, "
-                            f"expected head_dim / 2 = {self.head_dim // 2}")
+        for key in ("rope_freq_factors", "rope_long_freq_factors"):
+            if getattr(self, key) and len(getattr(self, key)) != self.rope_dim // 2:
+                problems.append(f"{key} has {len(getattr(self, key))} entries, "
+                                f"expected rotary dims / 2 = {self.rope_dim // 2}")
+        if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            problems.append(f"rotary_dim must be even and in 0..head_dim, got {self.rotary_dim}")
+        if self.ffn_act not in ("silu", "gelu_tanh"):
+            problems.append(f"ffn_act must be silu or gelu_tanh, got {self.ffn_act!r}")
         if self.sliding_window < 0:
             problems.append(f"sliding_window must be >= 0, got {self.sliding_window}")
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
+
+    @property
+    def rope_dim(self) -> int:
+        """How many dims of a head rotate (head_dim unless partial rotary)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def kv_width(self) -> int:
@@ -79,6 +98,7 @@ class ModelConfig:
         out["eos_ids"] = list(self.eos_ids)
         out["rope_freq_factors"] = list(self.rope_freq_factors)
         out["full_attention_layers"] = list(self.full_attention_layers)
+        out["rope_long_freq_factors"] = list(self.rope_long_freq_factors)
         return out
 
     @classmethod
@@ -90,8 +110,9 @@ class ModelConfig:
         data = dict(data)
         if "eos_ids" in data:
             data["eos_ids"] = tuple(int(x) for x in data["eos_ids"])
-        if "rope_freq_factors" in data:
-            data["rope_freq_factors"] = tuple(float(x) for x in data["rope_freq_factors"])
+        for key in ("rope_freq_factors", "rope_long_freq_factors"):
+            if key in data:
+                data[key] = tuple(float(x) for x in data[key])
         if "full_attention_layers" in data:
             data["full_attention_layers"] = tuple(int(x) for x in data["full_attention_layers"])
         return cls(**data)

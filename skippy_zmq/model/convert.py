@@ -49,10 +49,38 @@ LAYER_NAMES = {
     "w_gate": ("ffn_gate.weight", "mlp.gate_proj.weight"),
     "w_up": ("ffn_up.weight", "mlp.up_proj.weight"),
     "w_down": ("ffn_down.weight", "mlp.down_proj.weight"),
+    # Gemma 3's extra norms, and the names its ffn_norm has (source_key maps our key there)
+    "post_attn_norm": ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+    "post_ffn_norm": ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"),
+    "pre_ffn_norm": ("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
+    # Phi-3's fused projections (GGUF keeps them fused too): split into our keys by rows
+    "wqkv": ("attn_qkv.weight", "self_attn.qkv_proj.weight"),
+    "w_gate_up": ("ffn_up.weight", "mlp.gate_up_proj.weight"),
 }
 TOP_NAMES = {"embed": ("token_embd.weight", "model.embed_tokens.weight"),
              "norm": ("output_norm.weight", "model.norm.weight"),
              "head": ("output.weight", "lm_head.weight")}
+
+
+def source_key(cfg: ModelConfig, key: str) -> tuple[str, tuple[int, int] | None]:
+    """Where our layer key comes from in cfg's family: (LAYER_NAMES key, rows of it or None for all).
+
+    Phi-3: wq, wk, wv are row blocks of qkv_proj ([q | k | v]); w_gate, w_up of gate_up_proj
+    ([gate | up], transformers' chunk(2)). Gemma 3: our ffn_norm is its pre_feedforward_layernorm.
+    """
+    q, kv, f = cfg.n_heads * cfg.head_dim, cfg.kv_width, cfg.ffn_dim
+    if cfg.arch == "phi3":
+        rows = {"wq": ("wqkv", (0, q)), "wk": ("wqkv", (q, q + kv)), "wv": ("wqkv", (q + kv, q + 2 * kv)),
+                "w_gate": ("w_gate_up", (0, f)), "w_up": ("w_gate_up", (f, 2 * f))}
+        if key in rows:
+            return rows[key]
+    if cfg.arch == "gemma3" and key == "ffn_norm":
+        return "pre_ffn_norm", None
+    return key, None
+
+
+def fused_rows(cfg: ModelConfig, fused: str) -> int:
+    return cfg.n_heads * cfg.head_dim + 2 * cfg.kv_width if fused == "wqkv" else 2 * cfg.ffn_dim
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -82,8 +110,10 @@ def stream_checkpoint(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, 
         return name
 
     heads = {"wq": cfg.n_heads, "bq": cfg.n_heads, "wk": cfg.n_kv_heads, "bk": cfg.n_kv_heads}
+    # Gemma's norms compute x * (1 + w): an HF file holds w, a GGUF (llama.cpp) 1 + w; we keep 1 + w
+    shift = 1.0 if cfg.arch == "gemma3" and isinstance(src, sources.SafetensorsSource) else 0.0
     progress = tqdm(total=cfg.n_layers + 2, desc=f"convert {cfg.name}", unit="item")
-    writer.add_top("norm", src.read(need("top", "norm")))
+    writer.add_top("norm", src.read(need("top", "norm")) + np.float32(shift))
     for key in ("embed",) + (() if cfg.tied_embeddings else ("head",)):
         name = need("top", key)
         for r in range(0, cfg.vocab_size, writer.rows_per_block):
@@ -91,8 +121,15 @@ def stream_checkpoint(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, 
         progress.update(1)
     for i in range(cfg.n_layers):
         layer = {}
-        for key in weights.layer_shapes(cfg):
-            w = src.read(need(i, key))
+        for key, shape in weights.layer_shapes(cfg).items():
+            where, rows = source_key(cfg, key)
+            name = need(i, where)
+            w = src.read(name, *rows) if rows else src.read(name)
+            if rows and src.shape(name)[0] != fused_rows(cfg, where):
+                raise ConvertError(f"tensor {name!r} has {src.shape(name)[0]} rows, the config says "
+                                   f"{fused_rows(cfg, where)} (our {key} is rows {rows[0]}..{rows[1]} of it)")
+            if len(shape) == 1 and key.endswith("norm") and shift:
+                w = w + np.float32(shift)
             layer[key] = _unpermuted(w, heads[key]) if unpermute and key in heads else w
         writer.add_layer(i, layer)
         progress.update(1)

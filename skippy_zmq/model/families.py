@@ -20,6 +20,9 @@ Biases and q/k norms are found by tensor name; `{arch}.rope.scaling.type` may be
 none or linear; Llama 3 scaling comes as the `rope_freqs.weight` tensor, kept
 verbatim as ModelConfig.rope_freq_factors (see model/rope.py).
 
+Gemma 3 (text) and Phi-3/4 are read in model/gemma_phi.py (their own fields,
+both layouts and GGUF); this module dispatches to it.
+
 Any field that would change the math and is not implemented is refused with a
 ConvertError naming it (other activations, MLP biases, yarn/dynamic/longrope
 rope, partial rotary, logit softcapping, per-layer rope), never
@@ -34,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from skippy_zmq.config import ROPE_TYPES, ModelConfig
+from skippy_zmq.model import gemma_phi
 
 
 class ConvertError(ValueError):
@@ -57,8 +61,8 @@ HF_FAMILIES = {
     "qwen2": Family(qkv_bias=True, out_bias=False, window="qwen"),
     "qwen3": Family(qkv_bias=None, out_bias=None, qk_norm=True, head_dim=128, window="qwen"),
 }
-GGUF_ARCHS = ("llama", "qwen2", "qwen3")   # llama.cpp files Mistral under "llama"
-SUPPORTED_HF_TYPES = tuple(HF_FAMILIES)
+GGUF_ARCHS = ("llama", "qwen2", "qwen3") + gemma_phi.GGUF_ARCHS   # llama.cpp files Mistral under "llama"
+SUPPORTED_HF_TYPES = tuple(HF_FAMILIES) + gemma_phi.HF_TYPES
 
 # Fields that change the math and the one value we implement (absent or null: transformers' default, ours).
 HF_MATH_FIELDS = {
@@ -83,6 +87,11 @@ ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "hi
 
 def hf_model_config(config: dict[str, Any], name: str = "") -> ModelConfig:
     kind = config.get("model_type")
+    if kind == "gemma3" and isinstance(config.get("text_config"), dict):
+        raise ConvertError("config.json model_type 'gemma3' (the multimodal model; its text weights live under "
+                           "model.language_model) is not implemented: convert a gemma3_text checkpoint")
+    if kind in gemma_phi.HF_TYPES:
+        return gemma_phi.hf_config(config, name)
     if kind not in HF_FAMILIES:
         raise ConvertError(f"unsupported HF model_type {kind!r} (supported: {', '.join(SUPPORTED_HF_TYPES)})")
     family = HF_FAMILIES[kind]
@@ -196,7 +205,7 @@ def gguf_model_config(reader: Any, name: str = "") -> ModelConfig:
     names = {t.name for t in reader.tensors}
     d_model, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
     head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", d_model // n_heads))
-    _refuse_gguf_unimplemented(reader, arch, head_dim)
+    extra = _gguf_family_fields(reader, arch, head_dim, d_model, n_heads, int(need("block_count")))
     vocab = gguf_field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
@@ -208,7 +217,24 @@ def gguf_model_config(reader: Any, name: str = "") -> ModelConfig:
         attn_bias="blk.0.attn_q.bias" in names, attn_out_bias="blk.0.attn_output.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_id=int(gguf_field(reader, "tokenizer.ggml.bos_token_id", -1)),
-        eos_ids=(int(eos),) if eos is not None else (), name=name, **gguf_rope(reader, arch, head_dim))
+        eos_ids=(int(eos),) if eos is not None else (), name=name,
+        **{**gguf_rope(reader, arch, head_dim), **extra})
+
+
+def _gguf_family_fields(reader: Any, arch: str, head_dim: int, d_model: int, n_heads: int,
+                        n_layers: int) -> dict[str, Any]:
+    """The ModelConfig fields Gemma 3 / Phi-3 add (the others: refuse what we do not implement)."""
+    def field(key: str, default: Any = None) -> Any:
+        return gguf_field(reader, f"{arch}.{key}", default)
+
+    if arch == "gemma3":
+        if field("attn_logit_softcapping") is not None:
+            raise ConvertError(f"GGUF {arch}.attn_logit_softcapping is not implemented")
+        return gemma_phi.gemma3_gguf(reader, field, head_dim, n_layers, d_model, n_heads)
+    if arch == "phi3":
+        return gemma_phi.phi3_gguf(reader, field, head_dim, int(field("context_length", 4096)))
+    _refuse_gguf_unimplemented(reader, arch, head_dim)
+    return {}
 
 
 def _refuse_gguf_unimplemented(reader: Any, arch: str, head_dim: int) -> None:

@@ -8,7 +8,8 @@
 Parameter layout (linear weights stored as [in, out] so that y = x @ w):
     {"embed": [V, D],                      # when first, or last with a tied head
      "layers": ({"attn_norm", "wq", "wk", "wv", "wo", ["bq", "bk", "bv"], ["bo"],
-                 ["q_norm", "k_norm"], "ffn_norm", "w_gate", "w_up", "w_down"}, ...),   # end-start dicts
+                 ["q_norm", "k_norm"], ["post_attn_norm"], "ffn_norm", "w_gate", "w_up", "w_down",
+                 ["post_ffn_norm"]}, ...),   # end-start dicts
      "norm": [D], ["head": [D, V]]}       # when last ("head" only if untied, or int8)
 
 Any linear weight may instead be a QTensor (model/quant.py: weight-only int8);
@@ -26,6 +27,12 @@ Llama attention_bias) and an output bias (Llama attention_bias), a per-head
 RMSNorm of q and k before rope (Qwen3), the rope type (model/rope.py) and a
 sliding attention window (Mistral: every layer; Qwen: the layers not in
 `full_attention_layers`).
+
+Gemma 3 adds: embeddings scaled by sqrt(d_model), norms after attention and after
+the MLP as well as before (`sandwich_norms`; its (1 + w) norm weights arrive with
+the 1 added, as llama.cpp stores them), GeGLU, query_pre_attn_scalar as the score
+scale, an optional final logit softcap, and windowed layers with their own rope base.
+Phi-3/4 adds partial rotary and longrope (model/rope.py).
 """
 
 from __future__ import annotations
@@ -164,15 +171,35 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * xf.astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, inv_freq: Any) -> tuple[jax.Array, jax.Array]:
-    """cos/sin of shape [B, T, head_dim] in the HF rotate-half layout; inv_freq: [head_dim / 2]."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
+def rope_tables(positions: jax.Array, inv_freq: Any, factor: float = 1.0, long_freq: Any = None,
+                long_from: int = 0) -> tuple[jax.Array, jax.Array]:
+    """cos/sin of shape [B, T, rotary dims] in the HF rotate-half layout; inv_freq: [rotary dims / 2].
+
+    long_freq (longrope): the frequencies of tokens at positions >= long_from; factor scales cos and sin.
+    """
+    def angles(freq: Any) -> jax.Array:
+        a = positions.astype(jnp.float32)[..., None] * jnp.asarray(freq, jnp.float32)
+        return jnp.concatenate([a, a], axis=-1)
+
+    a = angles(inv_freq)
+    if long_freq is not None:
+        a = jnp.where((positions >= long_from)[..., None], angles(long_freq), a)
+    if factor != 1.0:
+        return jnp.cos(a) * factor, jnp.sin(a) * factor
+    return jnp.cos(a), jnp.sin(a)
+
+
+def model_rope(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The rope of the config's global (or only) layers."""
+    return rope_tables(positions, rope_freqs.inv_freq(cfg), cfg.rope_attn_factor, rope_freqs.long_inv_freq(cfg),
+                       cfg.rope_original_max_pos)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: [B, T, heads, hd]; cos/sin: [B, T, hd]."""
+    """x: [B, T, heads, hd]; cos/sin: [B, T, rot]: the first rot dims rotate (partial rotary), the rest pass."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
@@ -196,7 +223,7 @@ def attention(p: Params, x: jax.Array, kv: KVCache, layer: int, positions: jax.A
     keys, vals = kv.read(layer, lanes, attn_len)                  # [B, kvh, L, hd]
     qg = q.reshape(b, t, kvh, h // kvh, hd)
     scores = jnp.einsum("btkgd,bkld->bkgtl", qg, keys.astype(x.dtype), preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / (hd ** 0.5))
+    scores = scores * (cfg.attn_scale or 1.0 / (hd ** 0.5))
     scores = jnp.where(visible_keys(positions, attn_len, kv.capacity, window)[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     # probs on the left, so the value slice feeds the dot as it lies (no transpose copy)
@@ -223,15 +250,43 @@ def visible_keys(positions: jax.Array, attn_len: int, capacity: int, window: int
     return visible
 
 
-def mlp(p: Params, x: jax.Array) -> jax.Array:
-    return dense(jax.nn.silu(dense(x, p["w_gate"])) * dense(x, p["w_up"]), p["w_down"])
+def mlp(p: Params, x: jax.Array, act: str = "silu") -> jax.Array:
+    gate = dense(x, p["w_gate"])
+    gate = jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
+    return dense(gate * dense(x, p["w_up"]), p["w_down"])
 
 
 def head(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     x = rms_norm(x, params["norm"], cfg.norm_eps)
     if "head" in params:
-        return dense(x, params["head"]).astype(jnp.float32)
-    return jnp.einsum("...d,vd->...v", x, params["embed"], preferred_element_type=jnp.float32)
+        logits = dense(x, params["head"]).astype(jnp.float32)
+    else:
+        logits = jnp.einsum("...d,vd->...v", x, params["embed"], preferred_element_type=jnp.float32)
+    if cfg.final_softcap:
+        logits = jnp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+    return logits
+
+
+def decoder_layer(p: Params, x: jax.Array, kv: KVCache, i: int, layer: int, positions: jax.Array,
+                  lanes: jax.Array, rope: tuple[jax.Array, jax.Array], attn_len: int,
+                  cfg: ModelConfig) -> tuple[jax.Array, KVCache]:
+    """One block: x + attn(norm(x)), then + mlp(norm(x)); Gemma also norms each branch's output."""
+    a, kv = attention(p, rms_norm(x, p["attn_norm"], cfg.norm_eps), kv, i, positions, lanes, rope,
+                      attn_len, cfg, layer_window(cfg, layer))
+    if cfg.sandwich_norms:
+        a = rms_norm(a, p["post_attn_norm"], cfg.norm_eps)
+    x = x + a
+    m = mlp(p, rms_norm(x, p["ffn_norm"], cfg.norm_eps), cfg.ffn_act)
+    if cfg.sandwich_norms:
+        m = rms_norm(m, p["post_ffn_norm"], cfg.norm_eps)
+    return x + m, kv
+
+
+def embed(params: Params, ids: jax.Array, cfg: ModelConfig) -> jax.Array:
+    dtype = jnp.dtype(cfg.dtype)
+    x = embed_rows(params["embed"], ids).astype(dtype)
+    # Gemma: the scale is rounded to the compute dtype first, as transformers does
+    return x * jnp.asarray(cfg.embed_scale, dtype) if cfg.embed_scale != 1.0 else x
 
 
 def forward_slice(params: Params, kv: KVCache, inputs: jax.Array, positions: jax.Array,
@@ -242,14 +297,13 @@ def forward_slice(params: Params, kv: KVCache, inputs: jax.Array, positions: jax
     output: "hidden" -> [B, T, D] activations; "logits" -> [B, T, V] float32 logits
     at every position (needs end == n_layers; a verify window needs each one); "none" -> KV only.
     """
-    dtype = jnp.dtype(cfg.dtype)
-    x = embed_rows(params["embed"], inputs).astype(dtype) if start == 0 else inputs.astype(dtype)
-    rope = rope_tables(positions, rope_freqs.inv_freq(cfg))
+    x = embed(params, inputs, cfg) if start == 0 else inputs.astype(jnp.dtype(cfg.dtype))
+    rope = model_rope(cfg, positions)
+    local_freq = rope_freqs.local_inv_freq(cfg)
+    local = rope if local_freq is None else rope_tables(positions, local_freq)
     for i, p in enumerate(params["layers"]):
-        a, kv = attention(p, rms_norm(x, p["attn_norm"], cfg.norm_eps), kv, i, positions, lanes, rope,
-                          attn_len, cfg, layer_window(cfg, start + i))
-        x = x + a
-        x = x + mlp(p, rms_norm(x, p["ffn_norm"], cfg.norm_eps))
+        layer_rope = local if layer_window(cfg, start + i) else rope
+        x, kv = decoder_layer(p, x, kv, i, start + i, positions, lanes, layer_rope, attn_len, cfg)
     if output == "none":
         return None, kv
     if output == "logits":

@@ -65,6 +65,32 @@ def _qwen(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, tied: b
             "max_position_embeddings": 32768, "hidden_act": "silu"}
 
 
+def _gemma3(hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, window: int, max_pos: int,
+            vocab: int, scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """google/gemma-3-*: the text model's config (transformers 4 layout, as the Hub files are)."""
+    return {"model_type": "gemma3_text", "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 256, "intermediate_size": ffn,
+            "vocab_size": vocab, "tie_word_embeddings": True, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+            "rope_scaling": scaling, "sliding_window": window, "sliding_window_pattern": 6,
+            "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": max_pos,
+            "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None,
+            "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": [1, 106]}
+
+
+# microsoft/Phi-4-mini-instruct's longrope factors (48 = rotary dims 96 / 2)
+_PHI4_LONG = [1.0, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649,
+              2.446418898, 2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845,
+              5.351743533, 5.984965424, 6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158,
+              11.70738129, 13.09260651, 14.64173252, 16.37415215, 18.31155283, 20.47818807, 22.90118105,
+              25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6, 32.61, 32.64, 32.66, 32.7, 32.71,
+              32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77]
+_PHI4_MINI = {"model_type": "phi3", "hidden_size": 3072, "num_hidden_layers": 32, "num_attention_heads": 24,
+              "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 200064, "tie_word_embeddings": True,
+              "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+              "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+              "rope_scaling": {"type": "longrope", "long_factor": _PHI4_LONG, "short_factor": [1.0] * 48},
+              "sliding_window": 262144, "bos_token_id": 199999, "eos_token_id": 200020}
+
 # The real models' config.json values (HF layout), less their vocabularies' contents.
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": _llama(2048, 16, 32, 8192, tied=True, factor=32.0),
@@ -76,6 +102,10 @@ SHAPES: dict[str, dict[str, Any]] = {
     # Mistral-7B-v0.3: the llama architecture, 32768 tokens, no rope scaling.
     "mistral-7b": _llama(4096, 32, 32, 14336, tied=False, factor=None, theta=1000000.0, vocab=32768,
                          max_pos=32768) | {"model_type": "mistral"},
+    "gemma-3-1b": _gemma3(1152, 26, 4, 1, 6912, window=512, max_pos=32768, vocab=262144, scaling=None),
+    "gemma-3-4b": _gemma3(2560, 34, 8, 4, 10240, window=1024, max_pos=131072, vocab=262208,
+                          scaling={"rope_type": "linear", "factor": 8.0}),
+    "phi-4-mini": _PHI4_MINI,
 }
 
 

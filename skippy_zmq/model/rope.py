@@ -10,6 +10,12 @@ layout, see llama.rope_tables). The types follow transformers'
     llama3   Llama 3.1: wavelengths longer than original_max_pos / low_freq_factor
              are divided by `factor`, shorter than original_max_pos / high_freq_factor
              are kept, and the band between is interpolated smoothly
+    longrope Phi-3/4: default divided by per-frequency factors (rope_freq_factors: the
+             short ones; rope_long_freq_factors for positions >= rope_original_max_pos,
+             see `long_inv_freq`), cos and sin times rope_attn_factor
+
+Partial rotary (Phi-4-mini): only the first `rotary_dim` dims of a head rotate,
+and the frequencies are those of a head of that width.
 
 A GGUF file carries Llama 3 scaling not as parameters but as the tensor
 `rope_freqs.weight`, one divisor per frequency (llama.cpp computes them at
@@ -32,9 +38,11 @@ import numpy as np
 from skippy_zmq.config import ModelConfig
 
 
-def default_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    exponents = np.arange(0, cfg.head_dim, 2, dtype=np.float32) / np.float32(cfg.head_dim)
-    return (np.float32(1.0) / np.float32(cfg.rope_theta) ** exponents).astype(np.float32)
+def default_inv_freq(cfg: ModelConfig, theta: float | None = None) -> np.ndarray:
+    dim = cfg.rope_dim
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    base = np.float32(cfg.rope_theta if theta is None else theta)
+    return (np.float32(1.0) / base ** exponents).astype(np.float32)
 
 
 def linear_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -58,6 +66,7 @@ ROPE_INV_FREQ: dict[str, Callable[[ModelConfig], np.ndarray]] = {
     "default": default_inv_freq,
     "linear": linear_inv_freq,
     "llama3": llama3_inv_freq,
+    "longrope": default_inv_freq,     # its factors come as rope_freq_factors, divided in below
 }
 
 
@@ -68,3 +77,20 @@ def inv_freq(cfg: ModelConfig) -> np.ndarray:
         inv = inv / np.asarray(cfg.rope_freq_factors, np.float32)
     return inv.astype(np.float32)
 
+
+
+def long_inv_freq(cfg: ModelConfig) -> np.ndarray | None:
+    """longrope's frequencies past the pretraining context (None when the config has no long factors).
+
+    transformers switches its whole cache to these once a forward's sequence exceeds
+    original_max_position_embeddings; we switch per token at that position (the same
+    frequencies up to it, and beyond it each new token gets the long ones).
+    """
+    if not cfg.rope_long_freq_factors:
+        return None
+    return (default_inv_freq(cfg) / np.asarray(cfg.rope_long_freq_factors, np.float32)).astype(np.float32)
+
+
+def local_inv_freq(cfg: ModelConfig) -> np.ndarray | None:
+    """Gemma 3's windowed layers: default rope at rope_local_theta (None: they share the global rope)."""
+    return default_inv_freq(cfg, cfg.rope_local_theta) if cfg.rope_local_theta else None

@@ -36,6 +36,8 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(bo=(d,))
     if cfg.qk_norm:   # norms (Qwen3): stay float under every weights format, never quantised
         shapes.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
+    if cfg.sandwich_norms:   # Gemma: a norm after attention and after the MLP (float, like every norm)
+        shapes.update(post_attn_norm=(d,), post_ffn_norm=(d,))
     return shapes
 
 
