@@ -67,8 +67,9 @@ def parse_tool_calls(
     """(content, calls) of a finished output.
 
     Each `<tool_call>JSON</tool_call>` block whose JSON is {"name": str,
-    "arguments": object (or a string holding one)} is a call; a last block
-    left unclosed at the end counts too if its JSON is whole. A block that does
+    "arguments": object (or a string holding one)} is a call (the JSON is read
+    as JSON, so a "</tool_call>" inside its strings does not close it); a last
+    block left unclosed at the end counts too if its JSON is whole. A block that does
     not decode (bad JSON, no name, a function the toolset does not allow)
     stays in the content, tags and all. With `parallel` off, blocks after the
     first call are dropped. Content: the text outside the calls, with the
@@ -127,7 +128,8 @@ class ToolCallStream:
     ``{"content": str}`` or ``{"tool_calls": [{"index", "id", "type":
     "function", "function": {"name", "arguments"}}]}``. A call is sent whole,
     in one delta, once its block closes (its JSON is checked first, so a bad
-    block can still go out as text). Text that might be the start of
+    block can still go out as text; a block whose JSON is not yet whole is
+    held, as its closing tag may be inside a string). Text that might be the start of
     <tool_call>, a block not yet closed, and whitespace that might precede a
     call are held back. Concatenating the content deltas gives
     parse_tool_calls' content ("" for None) and the tool-call deltas give its
