@@ -410,10 +410,12 @@ class Matcher:
             raise ValueError(f"cannot roll back {n} of {self.length} tokens")
         target = self.length - n
         engine_tokens = n
-        if self._eos_at is not None and self._eos_at >= target:
-            # EOS, and the EOS-only tokens after it, never reached the engine.
-            engine_tokens -= self.length - self._eos_at
-            self._eos_at = None
+        if self._eos_at is not None:
+            # EOS, and the EOS-only tokens after it, never reached the engine: only the tokens
+            # before it that are rolled back do (none when EOS stays, _eos_at < target).
+            engine_tokens = max(0, self._eos_at - target)
+            if self._eos_at >= target:
+                self._eos_at = None
         if engine_tokens and not self._engine.rollback(engine_tokens):
             raise self._engine_failure(f"cannot roll back {engine_tokens} tokens")
         if self._mask_state > target:

@@ -13,10 +13,11 @@ vectorised passes; anything sorted is only the surviving candidates.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -520,6 +521,8 @@ class Sampler:
         self._consumed: list[int] = []    # generated tokens the matcher has taken: a prefix of history.generated
         self._dirty = 0                   # generated tokens from this index on may differ from _consumed
         self.refused_at: int | None = None   # generated index of the first token the matcher refused (last sync)
+        # Generated index of a verify window's first draft (sample_window); tokens from it on are drafts.
+        self._drafts_from = 1 << 62
 
     @property
     def generated(self) -> list[int]:
@@ -562,19 +565,44 @@ class Sampler:
         self.refused_at = None
         while len(consumed) < count:
             token = generated[len(consumed)]
-            if not matcher.allows(token):
+            if not self._takes(token, len(consumed)):
                 self.refused_at = len(consumed)
                 return False
-            matcher.advance(token)
             consumed.append(token)
+        return True
+
+    def _takes(self, token: int, index: int) -> bool:
+        """Advance the matcher over generated token `index`; False when it refuses the token. The
+        engine failing (ConstraintError) at a state a draft led to refuses that draft too: the
+        driver rejects the window there, as plain decoding would never have reached it. At a
+        state of accepted tokens only, the failure is the request's and propagates."""
+        from skippy_zmq.constrain import ConstraintError
+
+        try:
+            if not self.matcher.allows(token):
+                return False
+            self.matcher.advance(token)
+        except ConstraintError:
+            if index <= self._drafts_from:   # the state is reached by accepted tokens alone
+                raise
+            return False
         return True
 
     def constraint_mask(self, position: int) -> np.ndarray | None:
         """The matcher's mask (bool, vocab) for the token after `position`; None without a
         matcher, or when a generated token through `position` is one it refuses."""
-        if self.matcher is None or not self._sync(position + 1 - len(self.history.prompt)):
+        count = position + 1 - len(self.history.prompt)
+        if self.matcher is None or not self._sync(count):
             return None
-        return self.matcher.mask()
+        from skippy_zmq.constrain import ConstraintError
+
+        try:
+            return self.matcher.mask()
+        except ConstraintError:   # a dead end a draft led to: refused there (see _takes)
+            if min(count, len(self._consumed)) <= self._drafts_from:
+                raise
+            self.refused_at = len(self._consumed) - 1
+            return None
 
     def choose(self, logits: np.ndarray, position: int) -> int:
         """The token for position + 1 from logits [vocab] at position; no state change (but a
@@ -668,9 +696,10 @@ class Sampler:
         start = int(start)
         history = self.history
         out = []
-        for j, row in enumerate(logits):
-            history.put(start + j, tokens[j : j + 1])
-            out.append(self.choose(row, start + j))
+        with self._window(start):
+            for j, row in enumerate(logits):
+                history.put(start + j, tokens[j : j + 1])
+                out.append(self.choose(row, start + j))
         return out
 
     def sample_window_logprobs(self, logits: np.ndarray, start: int, tokens: Sequence[int],
@@ -685,12 +714,22 @@ class Sampler:
         start = int(start)
         history = self.history
         out, entries = [], []
-        for j, row in enumerate(logits):
-            history.put(start + j, tokens[j : j + 1])
-            token, entry = self.choose_logprobs(row, start + j, top_n)
-            out.append(token)
-            entries.append(entry)
+        with self._window(start):
+            for j, row in enumerate(logits):
+                history.put(start + j, tokens[j : j + 1])
+                token, entry = self.choose_logprobs(row, start + j, top_n)
+                out.append(token)
+                entries.append(entry)
         return out, entries
+
+    @contextlib.contextmanager
+    def _window(self, start: int) -> Iterator[None]:
+        """Inside: generated tokens past the window's first (at start + 1 on) are drafts."""
+        self._drafts_from = start + 1 - len(self.history.prompt)
+        try:
+            yield
+        finally:
+            self._drafts_from = 1 << 62
 
 
 def mask_logits(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:

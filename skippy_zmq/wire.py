@@ -377,7 +377,11 @@ def _check_counts(kind: Kind, dtype: WireDType, n_tokens: int, n_rows: int, widt
 
 def _check_lengths(kind: Kind, extras: dict[str, Any], n_tokens: int, n_rows: int, fail: _Fail) -> None:
     """Rows of more than one token (verify windows) list their lengths; without the list, a DECODE
-    with several rows carries one token per row."""
+    with several rows carries one token per row. A PREFILL is one session's row (a stage writes it
+    into one lane), so it names exactly one session."""
+    if kind == Kind.PREFILL and n_rows != 1:
+        raise fail(f"PREFILL names {n_rows} sessions; a prefill carries one session's tokens "
+                   "(send one PREFILL per session)", "bad_rows")
     if "lengths" not in extras:
         if kind == Kind.DECODE and n_rows > 1 and n_tokens != n_rows:
             raise fail(f"{kind.name} with {n_rows} rows must carry one token per row, got {n_tokens} tokens "

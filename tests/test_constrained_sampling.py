@@ -179,3 +179,76 @@ def test_scheduler_sends_the_constraint_and_ends_constrained_requests_at_eos():
     cached.submit(GenRequest("c", tuple(range(5, 15)), constraint=spec), lambda e: None)
     [fused] = [m for m in cached.tick() if m.kind == Kind.TRY_RESTORE_PREFILL_DECODE]
     assert fused.extras["constraint"] == spec
+
+
+def test_rolling_back_tokens_after_eos_leaves_the_engine_alone(info):
+    """EOS and the EOS-only tokens after it never reach the engine: rolling back only those
+    (EOS stays, `_eos_at < target`) must not roll back the engine's last real token."""
+    ids = info.tokenizer.encode('{"name": "", "n": 1, "tags": []}')
+    eos = info.eos_ids[0]
+    m = Matcher(ConstraintSpec("json_schema", SCHEMA), info)
+    for t in ids:
+        m.advance(t)
+    before_eos = m.mask().copy()
+    m.advance(eos)
+    m.advance(eos)                 # EOS-only after EOS
+    m.rollback(1)                  # the second EOS: nothing of the engine's goes
+    assert m.length == len(ids) + 1 and set(np.flatnonzero(m.mask()).tolist()) == set(info.eos_ids)
+    m.rollback(1)                  # the first EOS: back to the state the JSON ended in
+    assert m.length == len(ids)
+    np.testing.assert_array_equal(m.mask(), before_eos)
+    np.testing.assert_array_equal(m.mask(), reference_mask(info, ids))
+
+
+class DeadAfter:
+    """A matcher wrapper whose engine 'cannot continue' (ConstraintError from _fill) once it has
+    taken `token`: what a limit or a dead end looks like from the sampler."""
+
+    def __init__(self, inner: Matcher, token: int) -> None:
+        self.inner, self.token, self.taken = inner, token, []
+
+    def _check(self) -> None:
+        from skippy_zmq.constrain import ConstraintError
+
+        if self.token in self.taken:
+            raise ConstraintError("the schema cannot continue: injected", "response_format")
+
+    def allows(self, token: int) -> bool:
+        self._check()
+        return self.inner.allows(token)
+
+    def advance(self, token: int) -> None:
+        self.inner.advance(token)
+        self.taken.append(token)
+
+    def rollback(self, n: int) -> None:
+        self.inner.rollback(n)
+        del self.taken[len(self.taken) - n:]
+
+    def mask(self) -> np.ndarray:
+        self._check()
+        return self.inner.mask()
+
+
+def test_a_draft_leading_to_a_dead_end_is_refused_not_fatal(info):
+    ids = info.tokenizer.encode('{"name": "x"')
+    dead = ids[2]                                # the engine dies after this draft
+    s = Sampler(SamplingParams(), PROMPT, matcher=DeadAfter(Matcher(ConstraintSpec("json_schema", SCHEMA), info),
+                                                             dead))
+    start = len(PROMPT) - 1
+    window = [PROMPT[-1]] + ids[:4]
+    rng = np.random.default_rng(5)
+    logits = np.stack([random_logits(rng, info.vocab_size) for _ in window])
+    s.put(start, window)
+    outs = s.sample_window(logits, start, window)   # no ConstraintError out of a draft
+    assert len(outs) == len(window)
+    assert s.refused_at == 3                     # stopped at the dead state draft ids[2] led to
+    for j in range(3):                           # positions before it are masked as plain decoding masks them
+        assert reference_mask(info, ids[:j])[outs[j]]
+    # the same dead state reached by accepted tokens alone is the request's failure
+    from skippy_zmq.constrain import ConstraintError
+
+    s.truncate(start + 1)
+    s.put(start + 1, ids[:3])
+    with pytest.raises(ConstraintError, match="injected"):
+        s.sample_window(logits[:1], start + 3, [ids[2]])
