@@ -24,7 +24,9 @@ from skippy_zmq.model.convert import ConvertError, convert_hf, hf_model_config
 from skippy_zmq.model.runner import SliceRunner
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "families"
-FAMILIES = ("llama", "llama3", "llama-linear", "qwen2", "qwen3", "mistral", "qwen2-window")
+FAMILIES = ("llama", "llama3", "llama-linear", "qwen2", "qwen3", "mistral", "qwen2-window",
+            "gemma3", "gemma3-4b", "phi3", "phi3-window")
+TF4_LAYOUTS = {"llama3-tf4": "llama3", "gemma3-tf4": "gemma3-4b", "phi3-tf4": "phi3"}   # v4 config -> v5 twin
 KV = KVConfig(lanes=1, capacity=512)
 BUCKETS = Buckets(prefill_chunks=(64,), decode_rows=(1,), attn_lens=(512,))   # one shape per step kind
 RTOL = 1e-4          # max|Δ| ≤ RTOL · max|logit|
@@ -124,13 +126,78 @@ def test_families_switch_on_their_features(converted):
     assert weights.layer_shapes(q3)["q_norm"] == (128,)
 
 
-def test_transformers4_layout_converts_to_the_same_model(tmp_path, converted):
-    """llama3-tf4: the llama3 config as transformers 4 wrote it (top-level rope_theta, rope_scaling)."""
+def test_gemma3_and_phi3_switch_on_their_features(converted):
+    g, g4 = (ModelConfig.load(converted(n) / "model.json") for n in ("gemma3", "gemma3-4b"))
+    assert (g.ffn_act, g.sandwich_norms, g.qk_norm, g.tied_embeddings) == ("gelu_tanh", True, True, True)
+    assert (g.embed_scale, g.attn_scale, g.final_softcap) == (128 ** 0.5, 256 ** -0.5, 0.0)
+    assert (g.sliding_window, g.full_attention_layers, g.rope_local_theta, g.rope_theta) == (64, (1,), 1e4, 1e6)
+    assert (g4.rope_type, g4.rope_factor, g4.attn_scale, g4.final_softcap) == ("linear", 8.0, 192 ** -0.5, 30.0)
+    assert set(weights.layer_shapes(g)) >= {"post_attn_norm", "post_ffn_norm", "q_norm", "k_norm"}
+    p, pw = (ModelConfig.load(converted(n) / "model.json") for n in ("phi3", "phi3-window"))
+    assert (p.head_dim, p.rotary_dim, p.rope_type, p.rope_original_max_pos) == (128, 96, "longrope", 512)
+    assert p.rope_attn_factor == pytest.approx((1 + np.log(8) / np.log(512)) ** 0.5)
+    assert p.rope_freq_factors[1] == 1.05 and p.rope_long_freq_factors[1] == 1.5
+    assert (pw.sliding_window, pw.full_attention_layers, pw.rope_type, pw.rotary_dim) == (64, (), "default", 0)
+
+
+def test_gemma3_norms_hold_one_plus_the_hf_weight(converted):
+    """transformers' Gemma3RMSNorm multiplies by (1 + w); the checkpoint keeps 1 + w (as llama.cpp's GGUF)."""
+    from safetensors.numpy import load_file
+
+    hf = load_file(str(FIXTURES / "gemma3" / "model.safetensors"))
+    _, params = weights.load_slice(converted("gemma3"), 0, 2)
+    for ours, theirs in (("post_attn_norm", "post_attention_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),
+                         ("q_norm", "self_attn.q_norm")):
+        np.testing.assert_array_equal(np.asarray(params["layers"][1][ours]),
+                                      1.0 + hf[f"model.layers.1.{theirs}.weight"])
+
+
+def test_phi3_fused_projections_split_by_rows(converted):
+    from safetensors.numpy import load_file
+
+    hf = load_file(str(FIXTURES / "phi3" / "model.safetensors"))
+    _, params = weights.load_slice(converted("phi3"), 0, 2)
+    qkv, gate_up = hf["model.layers.0.self_attn.qkv_proj.weight"], hf["model.layers.0.mlp.gate_up_proj.weight"]
+    layer = params["layers"][0]      # ours [in, out]
+    np.testing.assert_array_equal(np.asarray(layer["wk"]), qkv[384:512].T)     # q: 3 heads * 128, k: 1 * 128
+    np.testing.assert_array_equal(np.asarray(layer["w_up"]), gate_up[256:].T)  # [gate | up], ffn 256
+
+
+def test_longrope_frequencies_equal_transformers_short_and_long():
+    """Both factor sets and the attention factor, against transformers' _compute_longrope_parameters."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from skippy_zmq.model import rope
+
+    config = transformers.AutoConfig.from_pretrained(FIXTURES / "phi3")
+    cfg = hf_model_config(fixture_config("phi3"))
+    short, factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=513)
+    np.testing.assert_allclose(rope.inv_freq(cfg), short.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(rope.long_inv_freq(cfg), long.numpy(), rtol=1e-6)
+    assert cfg.rope_attn_factor == pytest.approx(factor)
+
+
+def test_longrope_switches_to_the_long_factors_at_the_original_context():
+    from skippy_zmq.model import rope
+    from skippy_zmq.model.llama import model_rope
+
+    cfg = hf_model_config(fixture_config("phi3"))
+    cos, _ = model_rope(cfg, np.array([[511, 512]]))
+    want = [np.cos(511 * rope.inv_freq(cfg)), np.cos(512 * rope.long_inv_freq(cfg))]
+    np.testing.assert_allclose(np.asarray(cos)[0, :, :48] / cfg.rope_attn_factor, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tf4,twin", TF4_LAYOUTS.items())
+def test_transformers4_layout_converts_to_the_same_model(tf4, twin, tmp_path, converted):
+    """The v5 fixture's config as transformers 4 wrote it (top-level rope_theta, rope_scaling; Gemma's
+    rope_local_base_freq and sliding_window_pattern; Phi's partial_rotary_factor): the same model."""
     hf = tmp_path / "hf"
-    shutil.copytree(FIXTURES / "llama3", hf)
-    shutil.copy(FIXTURES / "llama3-tf4" / "config.json", hf / "config.json")
+    shutil.copytree(FIXTURES / twin, hf)
+    shutil.copy(FIXTURES / tf4 / "config.json", hf / "config.json")
     cfg = convert_hf(hf, tmp_path / "model")
-    assert dataclasses.replace(cfg, name="llama3") == ModelConfig.load(converted("llama3") / "model.json")
+    assert dataclasses.replace(cfg, name=twin) == ModelConfig.load(converted(twin) / "model.json")
 
 
 def test_sliding_window_mask_keeps_the_last_window_keys_and_spares_padding():
@@ -150,12 +217,13 @@ def fixture_config(name: str) -> dict:
     return json.loads((FIXTURES / name / "config.json").read_text())
 
 
-def test_v4_and_v5_layouts_give_one_model_config():
-    v5, v4 = fixture_config("llama3"), fixture_config("llama3-tf4")
+@pytest.mark.parametrize("tf4,twin", TF4_LAYOUTS.items())
+def test_v4_and_v5_layouts_give_one_model_config(tf4, twin):
+    v5, v4 = fixture_config(twin), fixture_config(tf4)
     assert "rope_parameters" in v5 and "rope_theta" not in v5
     assert "rope_scaling" in v4 and "rope_parameters" not in v4
     assert hf_model_config(v4) == hf_model_config(v5)
-    assert hf_model_config(v5).rope_theta == 500000.0
+    assert hf_model_config(v5).rope_theta == {"llama3": 500000.0, "gemma3-4b": 1e6, "phi3": 1e4}[twin]
 
 
 def test_v5_rope_theta_is_read_from_rope_parameters():
@@ -234,6 +302,19 @@ REFUSED = [
            layer_types=["full_attention", "chunked_attention"]), "layer_types"),
     (_with("qwen3", use_sliding_window=True, sliding_window=32, layer_types=["sliding_attention"]), "layer_types"),
     (_with("qwen2", layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+    (_with("gemma3", attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    (_with("gemma3", hidden_activation="gelu"), "hidden_activation"),
+    (_with("gemma3", rope_parameters={"full_attention": {"rope_type": "default"},
+                                      "sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
+     "sliding_attention"),
+    (_with("gemma3", rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0},
+                                      "sliding_attention": {"rope_type": "default"}}), "yarn"),
+    (_with("gemma3", layer_types=["sliding_attention", "chunked_attention"]), "layer_types"),
+    (_with("gemma3", use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ({"model_type": "gemma3", "text_config": fixture_config("gemma3")}, "multimodal"),
+    (_with("phi3", hidden_act="gelu_new"), "hidden_act"),
+    (_with("phi3", rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "dynamic"),
+    (_with("phi3", rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 48}), "long_factor"),
 ]
 
 

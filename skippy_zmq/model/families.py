@@ -78,6 +78,7 @@ HF_MATH_FIELDS = {
     "partial_rotary_factor": 1.0,
     "use_qk_norm": False,
 }
+HF_ROPE_TYPES = tuple(t for t in ROPE_TYPES if t != "longrope")   # longrope: phi3 only (model/gemma_phi.py)
 ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
              "original_max_position_embeddings", "partial_rotary_factor"}
 
@@ -140,9 +141,9 @@ def hf_rope(config: dict[str, Any], max_pos: int) -> dict[str, Any]:
         raise ConvertError(f"config.json partial_rotary_factor={params['partial_rotary_factor']!r} "
                            "is not implemented (only 1.0)")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
+    if rope_type not in HF_ROPE_TYPES:
         raise ConvertError(f"config.json rope_type {rope_type!r} is not implemented "
-                           f"(implemented: {', '.join(ROPE_TYPES)})")
+                           f"(implemented: {', '.join(HF_ROPE_TYPES)}; longrope for phi3)")
     out: dict[str, Any] = {"rope_theta": float(params["rope_theta"]), "rope_type": rope_type}
     if rope_type in ("linear", "llama3"):
         out["rope_factor"] = float(_rope_need(params, "factor"))

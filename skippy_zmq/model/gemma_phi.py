@@ -135,7 +135,7 @@ def gemma3_gguf(reader: Any, field: Any, head_dim: int, n_layers: int, d_model: 
         raise _error(f"GGUF gemma3.attention.sliding_window_pattern as a per-layer list is not implemented: {pattern!r}")
     full = tuple(i for i in range(n_layers) if not window or (i + 1) % int(pattern) == 0)
     scalar = d_model / n_heads if n_layers == 62 else head_dim     # llama.cpp: the 27B scales by hidden / heads
-    return dict(qk_norm=True, ffn_act="gelu_tanh", sandwich_norms=True, embed_scale=float(d_model ** 0.5),
+    return dict(ffn_act="gelu_tanh", sandwich_norms=True, embed_scale=float(d_model ** 0.5),
                 attn_scale=float(scalar) ** -0.5, final_softcap=float(field("final_logit_softcapping", 0.0) or 0.0),
                 sliding_window=window, full_attention_layers=full if window else (),
                 rope_local_theta=float(field("rope.freq_base_swa", 10000.0)) if window else 0.0)
