@@ -14,6 +14,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
+	# instructor 1.17.0 (the one release that takes openai 3) caps jiter below what openai 3.57 needs:
+	# installed without its resolver, with the dependencies it imports (tests/test_frameworks.py)
+	$(BIN)/pip install -q --no-deps instructor==1.17.0
+	$(BIN)/pip install -q "aiohttp>=3.14.3,<4" "docstring-parser==0.18.0" "rich>=13.7,<15"
 	touch $@
 
 model: install $(MODEL_DIR)/model.json
