@@ -322,3 +322,30 @@ REFUSED = [
 def test_unimplemented_math_is_refused_by_name(config, field):
     with pytest.raises(ConvertError, match=field):
         hf_model_config(config)
+
+
+def test_random_model_shapes_of_gemma3_and_phi4_mini_are_the_real_configs():
+    from skippy_zmq.model.random_model import RandomSpec, model_config
+
+    c = model_config(RandomSpec("gemma-3-1b"))
+    assert (c.arch, c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size) == \
+        ("gemma3", 26, 1152, 4, 1, 256, 6912, 262144)
+    assert (c.sliding_window, c.full_attention_layers, c.rope_theta, c.rope_local_theta, c.attn_scale) == \
+        (512, (5, 11, 17, 23), 1e6, 1e4, 1 / 16)
+    c = model_config(RandomSpec("gemma-3-4b", layers=2))
+    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size, c.sliding_window) == \
+        (2, 2560, 8, 4, 10240, 262208, 1024)
+    assert (c.rope_type, c.rope_factor, c.full_attention_layers) == ("linear", 8.0, ())
+    c = model_config(RandomSpec("phi-4-mini"))
+    assert (c.arch, c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size) == \
+        ("phi3", 32, 3072, 24, 8, 128, 8192, 200064)
+    assert (c.rotary_dim, c.rope_type, c.rope_original_max_pos, c.tied_embeddings) == (96, "longrope", 4096, True)
+    assert c.rope_attn_factor == pytest.approx((1 + np.log(32) / np.log(4096)) ** 0.5)
+    assert len(c.rope_long_freq_factors) == 48 and c.rope_long_freq_factors[-1] == 47.77
+
+
+def test_random_model_gguf_of_gemma3_is_refused_by_name(tmp_path):
+    from skippy_zmq.model.random_model import RandomModelError, RandomSpec, write_random_model
+
+    with pytest.raises(RandomModelError, match="--gguf is not implemented for gemma-3-1b"):
+        write_random_model(RandomSpec("gemma-3-1b", layers=1), tmp_path / "m", gguf="q4_1")

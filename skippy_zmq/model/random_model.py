@@ -34,7 +34,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from skippy_zmq.model.formats import Encoded, q4_blocks
-from skippy_zmq.model.gguf_writer import BLOCK, GGUFStream, TensorSpec
+from skippy_zmq.model.gguf_writer import BLOCK, GGUF_ARCH, GGUFStream, TensorSpec
 
 INIT_STD = 0.02       # std of the 2-D weights (levels uniform in 0..15 have std 4.61)
 LEVEL_STD = float(np.sqrt((16 ** 2 - 1) / 12))
@@ -236,6 +236,9 @@ def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> 
         raise RandomModelError(f"--gguf must be q4_1, got {gguf!r}")
     out = Path(out)
     cfg = model_config(spec)
+    if gguf and cfg.arch not in GGUF_ARCH:    # Gemma 3 / Phi-3 GGUFs (norm shift, fused tensors) are not written
+        raise RandomModelError(f"--gguf is not implemented for {spec.shape} (arch {cfg.arch}; "
+                               f"only {', '.join(sorted(GGUF_ARCH))})")
     specs = tensor_specs(cfg)
     writer = CheckpointWriter(out, cfg, spec.weights)
     stream = GGUFStream(out / "model.gguf", cfg, specs, spec.name) if gguf else None
