@@ -42,6 +42,7 @@ def test_first_stage_forwards_activations_with_tokens(first):
 def test_last_stage_acks_prefill_and_returns_tokens_directly(tiny_tree):
     chain = make_chain(TINY, tiny_tree, [2])
     ids = random_ids(10, TINY.vocab_size)
+    assert chain.send(Message(Kind.CONFIGURE_GENERATION, 1, 1, tokens=ids.astype(np.int32))) == []
     [(stage, ack)] = chain.send(prefill(1, ids[:-1]))
     assert stage == "s1" and ack.kind == Kind.ACK and ack.extras["stats"]["prefilled"] == 9
     [(stage, reply)] = chain.send(decode([1], [int(ids[-1])], [9]))

@@ -202,6 +202,9 @@ class StageWorker:
     def on_prefill(self, msg: Message) -> list[Outbound]:
         if msg.tokens.shape[0] == 0:
             raise StageFault("PREFILL carries no tokens", "empty")
+        if len(msg.session_ids) != 1:   # wire validation refuses these too; an in-process peer gets this
+            raise StageFault(f"PREFILL names {len(msg.session_ids)} sessions; a prefill carries one session's "
+                             f"tokens", "bad_rows")
         return self.on_rows(msg, score=False)
 
     def on_decode(self, msg: Message) -> list[Outbound]:
@@ -305,19 +308,14 @@ class StageWorker:
         answered: list[tuple[int, int]] = []   # (session, row length) of the rows sampled
         logprobs: list[Any] = []   # one entry per sampled token: [logprob, [[id, logprob], ...]] or None
         for sid, start, off, length in keep:
-            sampler = self._sampler(sid)
-            try:
-                if sampler.logprobs is None:
-                    row_tokens = sampler.sample_window(result[off:off + length], start, token_ids[off:off + length])
-                    entries: list[Any] = [None] * length
-                else:
-                    row_tokens, entries = sampler.sample_window_logprobs(result[off:off + length], start,
-                                                                         token_ids[off:off + length])
-                    entries = [_logprob_entry(entry) for entry in entries]
-            except Exception as exc:   # the constraint engine failed (a limit, a dead end): end this request only
-                if sampler.matcher is None:
-                    raise
-                out.append(self.error(msg.request_id, sid, f"constrained decoding failed: {exc}", "constraint_error"))
+            try:   # whatever fails in one row (sampler, constraint, logprobs) ends that row's request alone
+                row_tokens, entries = self._sample_row(sid, result[off:off + length], start,
+                                                       token_ids[off:off + length])
+            except StageFault as fault:
+                out.append(self.error(msg.request_id, sid, fault.reason, fault.code))
+                continue
+            except Exception as exc:
+                out.append(self._row_failure(msg.request_id, sid, exc))
                 continue
             sampled.extend(row_tokens)
             logprobs.extend(entries)
@@ -351,10 +349,32 @@ class StageWorker:
         return {"start": start + 1, "entries": entries}
 
     def _sampler(self, session_id: int) -> Sampler:
+        """The row's sampler; a session never configured is refused, never sampled greedily."""
         session = self.sessions.get(session_id)
         if session.sampler is None:
-            session.set_sampler(Sampler(SamplingParams(seed=0)))
+            raise StageFault(f"session {session_id} has no sampler: no CONFIGURE_GENERATION reached this "
+                             f"final stage before its rows", "not_configured")
         return session.sampler
+
+    def _sample_row(self, session_id: int, logits: np.ndarray, start: int,
+                    tokens: list[int]) -> tuple[list[int], list[Any]]:
+        """One row's sampled tokens and logprob entries (None each without logprobs)."""
+        sampler = self._sampler(session_id)
+        if sampler.logprobs is None:
+            return sampler.sample_window(logits, start, tokens), [None] * len(tokens)
+        row_tokens, entries = sampler.sample_window_logprobs(logits, start, tokens)
+        return row_tokens, [_logprob_entry(entry) for entry in entries]
+
+    def _row_failure(self, request_id: int, session_id: int, exc: Exception) -> Outbound:
+        """The error reply of one row whose sampling raised: the constraint engine (a limit, a dead
+        end) or anything else; the other rows of its message are unaffected."""
+        from skippy_zmq.constrain import ConstraintError
+
+        if isinstance(exc, ConstraintError):
+            return self.error(request_id, session_id, f"constrained decoding failed: {exc}", "constraint_error")
+        logger.opt(exception=exc).error("stage {} failed sampling session {} (request {})", self.info.stage_id,
+                                        session_id, request_id)
+        return self.error(request_id, session_id, f"internal error sampling this row: {exc}", "internal_error")
 
     def on_stop(self, msg: Message) -> list[Outbound]:
         for sid in msg.session_ids.tolist():
