@@ -1,9 +1,10 @@
 """Render llama.cpp's real chat templates with transformers, as fixtures our renderer must equal.
 
-    .venv/bin/python scripts/make_template_fixtures.py [TEMPLATES_DIR]
+    .venv/bin/python scripts/make_template_fixtures.py [MODELS_DIR]
 
-TEMPLATES_DIR defaults to the `templates/` folder of llama.cpp's models/ (fetched from the
-llama-cpp-python sdist by skippy_zmq.fetch). Each template is rendered for every case in
+MODELS_DIR defaults to llama.cpp's models/ folder (fetched from the llama-cpp-python sdist by
+skippy_zmq.fetch): its `templates/*.jinja`, and the templates inside its `ggml-vocab-*.gguf`
+(fixtures named gguf.<vocab>.<name>.json, with the file and field they came from). Each template is rendered for every case in
 tests/fixtures/chat_templates/cases.json (written here too) the way
 `PreTrainedTokenizerBase.apply_chat_template(tokenize=False)` does it: messages normalised by
 `_normalize_chat_messages`, then `render_jinja_template` with the tokenizer's special tokens
@@ -76,12 +77,13 @@ CASES: dict[str, dict] = {
 # (file-name fragment, bos_token, eos_token); first match wins, the last is everyone else's.
 SPECIALS = [
     ("Hermes-2-Pro", "<|begin_of_text|>", "<|im_end|>"),
-    ("Llama-3", "<|begin_of_text|>", "<|eot_id|>"), ("llama-3", "<|begin_of_text|>", "<|eot_id|>"),
+    ("Llama-3", "<|begin_of_text|>", "<|eot_id|>"),
     ("functionary", "<|begin_of_text|>", "<|eot_id|>"), ("Distill-Llama", "<|begin_of_text|>", "<|eot_id|>"),
     ("Qwen", "", "<|im_end|>"), ("QwQ", "", "<|im_end|>"), ("SmolLM3", "", "<|im_end|>"),
     ("deepseek", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
     ("gemma", "<bos>", "<eos>"), ("Phi-3", "<s>", "<|endoftext|>"),
     ("gpt-oss", "<|startoftext|>", "<|return|>"), ("granite", "", "<|end_of_text|>"),
+    ("command-r", "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"), ("Cohere", "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
     ("", "<s>", "</s>"),
 ]
 
@@ -93,7 +95,7 @@ class _FixedDatetime(datetime):
 
 
 def specials_for(name: str) -> tuple[str, str]:
-    return next((bos, eos) for frag, bos, eos in SPECIALS if frag in name)
+    return next((bos, eos) for frag, bos, eos in SPECIALS if frag.lower() in name.lower())
 
 
 def cases_for(text: str) -> dict[str, dict]:
@@ -114,31 +116,49 @@ def render_like_transformers(text: str, case: dict, bos: str, eos: str) -> dict:
     return {"text": rendered[0]}
 
 
-def fixture_for(path: Path) -> dict:
-    text = path.read_text(encoding="utf-8")
-    bos, eos = specials_for(path.stem)
-    return {"template": path.name, "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+def gguf_sources(models_dir: Path) -> list[tuple[str, str, str, str]]:
+    """(fixture stem, file name, GGUF field, text) of every template inside the vocab GGUFs
+    (command-r carries `tool_use` and `rag` beside its default)."""
+    import gguf
+
+    out = []
+    for path in sorted(models_dir.glob("ggml-vocab-*.gguf")):
+        for key, field in gguf.GGUFReader(str(path)).fields.items():
+            if key == "tokenizer.chat_template" or key.startswith("tokenizer.chat_template."):
+                suffix = key.removeprefix("tokenizer.chat_template").lstrip(".") or "default"
+                out.append((f"{path.stem}.{suffix}", path.name, key, field.contents()))
+    return out
+
+
+def fixture_for(name: str, text: str, **source: str) -> dict:
+    bos, eos = specials_for(name)
+    return {"template": name, **source, "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
             "transformers": transformers.__version__, "now": FIXED_NOW.isoformat(),
             "bos_token": bos, "eos_token": eos,
             "renders": {name: render_like_transformers(text, case, bos, eos)
                         for name, case in cases_for(text).items()}}
 
 
-def main(templates_dir: Path) -> None:
+def write_fixture(stem: str, fixture: dict) -> int:
+    out = FIXTURES / f"{stem}.json"
+    out.write_text(json.dumps(fixture, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    return sum("error" in r for r in fixture["renders"].values())
+
+
+def main(models_dir: Path) -> None:
     ctu.datetime = _FixedDatetime  # strftime_now reads the module's datetime when called
     FIXTURES.mkdir(parents=True, exist_ok=True)
     (FIXTURES / "cases.json").write_text(json.dumps(CASES, ensure_ascii=False, indent=1) + "\n",
                                          encoding="utf-8")
-    paths = sorted(templates_dir.glob("*.jinja"))
+    paths = sorted((models_dir / "templates").glob("*.jinja"))
     if not paths:
-        raise SystemExit(f"{templates_dir}: no *.jinja templates")
-    errors = 0
-    for path in paths:
-        fixture = fixture_for(path)
-        errors += sum("error" in r for r in fixture["renders"].values())
-        out = FIXTURES / f"{path.stem}.json"
-        out.write_text(json.dumps(fixture, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
-    print(f"{len(paths)} templates, {errors} cases where transformers raises, written to {FIXTURES}")
+        raise SystemExit(f"{models_dir}/templates: no *.jinja templates")
+    errors = sum(write_fixture(p.stem, fixture_for(p.name, p.read_text(encoding="utf-8"))) for p in paths)
+    embedded = gguf_sources(models_dir)
+    errors += sum(write_fixture(f"gguf.{stem}", fixture_for(stem, text, gguf=file, gguf_field=key))
+                  for stem, file, key, text in embedded)
+    print(f"{len(paths)} templates + {len(embedded)} inside vocab GGUFs, {errors} cases where "
+          f"transformers raises, written to {FIXTURES}")
 
 
 if __name__ == "__main__":
@@ -146,4 +166,4 @@ if __name__ == "__main__":
         main(Path(sys.argv[1]))
     else:
         from skippy_zmq.fetch import fetch_llama_cpp_models
-        main(fetch_llama_cpp_models() / "templates")
+        main(fetch_llama_cpp_models())

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import pytest
@@ -31,10 +33,53 @@ def render_case(template: ChatTemplate, case: dict, bos: str, eos: str) -> str:
         tools=case.get("tools"), documents=case.get("documents"), **case.get("kwargs", {}))
 
 
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _skip_gguf_value(f, kind: int) -> None:
+    if kind == _GGUF_STRING:
+        f.seek(struct.unpack("<Q", f.read(8))[0], 1)
+    elif kind == _GGUF_ARRAY:
+        elem, count = struct.unpack("<IQ", f.read(12))
+        if elem in _GGUF_SCALAR_SIZES:
+            f.seek(_GGUF_SCALAR_SIZES[elem] * count, 1)
+        else:
+            for _ in range(count):
+                _skip_gguf_value(f, elem)
+    else:
+        f.seek(_GGUF_SCALAR_SIZES[kind], 1)
+
+
+def gguf_template_fields(path: Path) -> SimpleNamespace:
+    """A stand-in for gguf.GGUFReader holding only the chat-template strings: the vocab files'
+    token arrays take GGUFReader tens of seconds to parse, these few strings milliseconds."""
+    fields = {}
+    with path.open("rb") as f:
+        magic, _version, _tensors, kv_count = struct.unpack("<4sIQQ", f.read(24))
+        assert magic == b"GGUF", path
+        for _ in range(kv_count):
+            key = f.read(struct.unpack("<Q", f.read(8))[0]).decode("utf-8")
+            kind = struct.unpack("<I", f.read(4))[0]
+            if kind == _GGUF_STRING and key.startswith("tokenizer.chat_template"):
+                value = f.read(struct.unpack("<Q", f.read(8))[0]).decode("utf-8")
+                fields[key] = SimpleNamespace(contents=lambda value=value: value)
+            else:
+                _skip_gguf_value(f, kind)
+    return SimpleNamespace(fields=fields)
+
+
+def template_text(fixture: dict, models: Path) -> str:
+    """The template a fixture was rendered from: templates/<name>.jinja, or a field of a vocab GGUF."""
+    if "gguf" in fixture:
+        return gguf_template_fields(models / fixture["gguf"]).fields[fixture["gguf_field"]].contents()
+    return (models / "templates" / fixture["template"]).read_text(encoding="utf-8")
+
+
 @pytest.mark.parametrize("fixture_path", TEMPLATE_FIXTURES, ids=lambda p: p.stem)
 def test_real_template_renders_as_transformers(fixture_path: Path, llama_cpp_models: Path) -> None:
     fixture = json.loads(fixture_path.read_text(encoding="utf-8"))
-    text = (llama_cpp_models / "templates" / fixture["template"]).read_text(encoding="utf-8")
+    text = template_text(fixture, llama_cpp_models)
     assert hashlib.sha256(text.encode("utf-8")).hexdigest() == fixture["sha256"], (
         f"{fixture['template']} changed: rerun scripts/make_template_fixtures.py")
     now = datetime.fromisoformat(fixture["now"])
@@ -50,8 +95,10 @@ def test_real_template_renders_as_transformers(fixture_path: Path, llama_cpp_mod
 
 
 def test_corpus_covers_every_template_and_tools(llama_cpp_models: Path) -> None:
-    names = {json.loads(p.read_text(encoding="utf-8"))["template"] for p in TEMPLATE_FIXTURES}
+    fixtures = [json.loads(p.read_text(encoding="utf-8")) for p in TEMPLATE_FIXTURES]
+    names = {f["template"] for f in fixtures if "gguf" not in f}
     assert names == {p.name for p in (llama_cpp_models / "templates").glob("*.jinja")}
+    assert len(names) == 70
     rendered = [(json.loads(p.read_text(encoding="utf-8"))["renders"]) for p in TEMPLATE_FIXTURES]
     assert sum("text" in r.get("tool_calls", {}) for r in rendered) >= 50
 
@@ -207,3 +254,9 @@ def test_template_variables_parse_the_generation_tag(llama_cpp_models: Path) -> 
     text = (llama_cpp_models / "templates" / "LFM2.5-8B-A1B.jinja").read_text(encoding="utf-8")
     assert "{%- generation -%}" in text
     assert {"messages", "tools", "add_generation_prompt"} <= template_variables(text)
+
+
+def test_command_r_vocab_carries_named_templates(llama_cpp_models: Path) -> None:
+    default, named = gguf_templates(gguf_template_fields(llama_cpp_models / "ggml-vocab-command-r.gguf"))
+    assert sorted(named) == ["rag", "tool_use"] and default.startswith("{{ bos_token }}")
+    assert ChatTemplates(default, named).text_for(tools=WEATHER) == named["tool_use"]
