@@ -176,7 +176,8 @@ def test_tiny_gpt2_gguf_builds(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("model", "pre", "named"), [("gpt2", "qwen2", "qwen2"), ("llama", "default", "llama")]
+    ("model", "pre", "named"), [("gpt2", "no-such-pre", "no-such-pre"), ("bert", "default", "bert"),
+                                ("rwkv", "default", "rwkv")]
 )
 def test_unsupported_tokenizer_raises(tmp_path: Path, model: str, pre: str, named: str) -> None:
     path = tmp_path / "tiny.gguf"

@@ -7,6 +7,10 @@
     OUT/tokenizer_meta.json  chat template, special ids
     OUT/source.json          what it came from and the model digest
 
+The tokenizer (and template) is read and checked before the first weight, and
+everything is written into a temporary directory beside OUT, renamed to OUT
+only when complete: a failure is a ConvertError and leaves nothing behind.
+
 Conversion streams: one tensor in, one tensor out (the embedding and head in
 blocks of rows), so peak memory is about one layer, whatever the model size.
 """
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,6 +35,7 @@ from skippy_zmq.model.checkpoint import CheckpointError, CheckpointWriter, Encod
 # The families and their config reading live in model/families.py; imported here for callers of convert.
 from skippy_zmq.model.families import (ConvertError, GGUF_ARCHS, SUPPORTED_HF_TYPES,  # noqa: F401
                                        gguf_model_config, hf_model_config)
+from skippy_zmq.model.tokenizer import TextTokenizer, tokenizer_from_gguf
 
 SUPPORTED_GGUF_ARCHS = GGUF_ARCHS
 
@@ -143,8 +150,6 @@ def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
     """GGUF -> our checkpoint in `fmt`; Q4_0 / Q4_1 / Q8_0 blocks keep their levels when `fmt` holds them."""
     import gguf
 
-    from skippy_zmq.model.tokenizer import TextTokenizer, tokenizer_from_gguf
-
     path = Path(path)
     if not path.is_file():
         raise ConvertError(f"{path}: no such file")
@@ -156,13 +161,13 @@ def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
     except Exception as exc:  # the reader raises assorted errors on truncated files
         raise ConvertError(f"{path}: cannot read GGUF: {exc}") from exc
     cfg = gguf_model_config(reader, name=path.stem)
+    tokenizer = _read_tokenizer(path, lambda: TextTokenizer(*tokenizer_from_gguf(reader)))
 
     def name_of(where: str | int, key: str) -> str:
         return TOP_NAMES[key][0] if where == "top" else f"blk.{where}.{LAYER_NAMES[key][0]}"
 
     source = {"format": "gguf", "file": path.name, "weights": fmt, "sha256": sha256_file(path)}
-    _convert(cfg, sources.GGUFSource(path, reader), name_of, out, fmt, cfg.arch == "llama", source,
-             lambda: TextTokenizer(*tokenizer_from_gguf(reader)).save(out))
+    _convert(cfg, sources.GGUFSource(path, reader), name_of, out, fmt, cfg.arch == "llama", source, tokenizer)
     return cfg
 
 
@@ -171,12 +176,11 @@ def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
 
 def convert_hf(directory: Path, out: Path, fmt: str = "f32") -> ModelConfig:
     """HF safetensors directory (f32, f16 or bf16) -> our checkpoint in `fmt`."""
-    from skippy_zmq.model.tokenizer import TextTokenizer
-
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise ConvertError(f"{directory}: no config.json (expected an HF model directory)")
     cfg = hf_model_config(json.loads((directory / "config.json").read_text()), name=directory.name)
+    tokenizer = _read_tokenizer(directory / "tokenizer.json", lambda: TextTokenizer.from_hf_dir(directory))
     try:
         src = sources.SafetensorsSource(directory)
     except sources.SourceError as exc:
@@ -189,20 +193,49 @@ def convert_hf(directory: Path, out: Path, fmt: str = "f32") -> ModelConfig:
     for file in src.files:
         digest.update(sha256_file(file).encode())
     source = {"format": "hf", "dir": str(directory), "weights": fmt, "sha256": digest.hexdigest()}
-    _convert(cfg, src, name_of, out, fmt, False, source, lambda: TextTokenizer.from_hf_dir(directory).save(out))
+    _convert(cfg, src, name_of, out, fmt, False, source, tokenizer)
     return cfg
 
 
-def _convert(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, str], str], out: Path, fmt: str,
-             unpermute: bool, source: dict[str, Any], save_tokenizer: Callable[[], None]) -> None:
+def _read_tokenizer(where: Path, build: Callable[[], TextTokenizer]) -> TextTokenizer:
+    """The tokenizer (and template), read and checked before any weight; a failure names the file."""
     try:
-        writer = CheckpointWriter(out, cfg, fmt)
-        logger.info("writing a {} orbax checkpoint to {}, item by item", fmt, Path(out) / "params")
+        return build()
+    except ConvertError:
+        raise
+    except Exception as exc:  # tokenizers and the GGUF reader raise assorted errors on bad input
+        raise ConvertError(f"{where}: cannot build the tokenizer: {exc}") from exc
+
+
+def _convert(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, str], str], out: Path, fmt: str,
+             unpermute: bool, source: dict[str, Any], tokenizer: TextTokenizer) -> None:
+    """Write the checkpoint into a temporary directory beside `out`, renamed into place only when
+    complete: a failure leaves no partial directory (and an earlier `out` as it was)."""
+    out = Path(out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        writer = CheckpointWriter(work, cfg, fmt)
+        logger.info("writing a {} orbax checkpoint to {}, item by item", fmt, out / "params")
+        tokenizer.save(work)
         stream_checkpoint(cfg, src, name_of, writer, unpermute)
-        save_tokenizer()
         writer.finish(source)   # model.json last: its presence means the conversion finished
+        _replace_dir(work, out)
     except (CheckpointError, sources.SourceError) as exc:
         raise ConvertError(str(exc)) from exc
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Rename `new` to `out`, an existing `out` moved aside first and removed after."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+        out.rename(old / out.name)
+    new.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def model_digest(model_dir: Path) -> str:

@@ -1,10 +1,11 @@
-"""Text tokenizer built from a GGUF file's BPE vocabulary, plus the chat template.
+"""Text tokenizer from a GGUF vocabulary or an HF directory, plus the chat template.
 
-The GGUF stores everything a byte-level BPE tokenizer needs (tokens, token
-types, merges, special ids, and the name of the pre-tokenizer in
-`tokenizer.ggml.pre`); we rebuild the equivalent HF `tokenizers` pipeline from
-it so the driver never needs a model hub. The reference ids in
-`shared/parity/` pin the result.
+A GGUF stores what a tokenizer needs (tokens, token types, merges or scores,
+special ids, the pre-tokenizer's name); model/vocab.py rebuilds the equivalent
+HF `tokenizers` pipeline from it (byte-level BPE and SentencePiece), pinned by
+llama.cpp's own vectors (tests/test_vocab_vectors.py). StreamDecoder turns
+ids into text incrementally, with the preceding ids as context, so the streamed
+pieces concatenate to `decode` of the same ids.
 """
 
 from __future__ import annotations
@@ -14,20 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from skippy_zmq.model.vocab import UnsupportedVocab, build_from_gguf, check_vocab, field  # noqa: F401
 from skippy_zmq.model.chat_template import (
     ChatTemplates, generation_eos_ids, gguf_templates, merge_ids, read_hf_templates)
 
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "tokenizer_meta.json"
 
-# llama.cpp token types (gguf TokenType): CONTROL and USER_DEFINED tokens are
-# matched verbatim in text before BPE runs.
-_SPECIAL_TOKEN_TYPES = (int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED))
-
-# Token texts that end a generation, as llama.cpp's end-of-generation set does:
-# the model's eos plus whichever of these the vocabulary marks as special.
+# Token texts that end a generation, as llama.cpp's end-of-generation set: the model's eos, its
+# eot/eom ids, plus whichever of these the vocabulary matches whole.
 _END_OF_GENERATION_TEXTS = (
     "<|im_end|>",
     "<|eot_id|>",
@@ -35,84 +33,48 @@ _END_OF_GENERATION_TEXTS = (
     "<end_of_turn>",
     "<|endoftext|>",
     "<eos>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<EOT>",
 )
 
 _REPLACEMENT_CHAR = "\ufffd"
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    """The HF pre-tokenizer equivalent to llama.cpp's `tokenizer.ggml.pre`."""
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":
-        # SmolLM2's tokenizer.json: digits split one per token, then GPT-2 bytes.
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    if pre in ("gpt2", "default"):
-        # Plain GPT-2 regex split; "default" is what older converters wrote for
-        # gpt2-model files without a dedicated pre-tokenizer.
-        return byte_level
-    raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r} (supported: smollm, gpt2, default)")
-
-
-def _special_token_ids(tokens: list[str], token_types: list[int]) -> list[int]:
-    return [i for i, kind in enumerate(token_types) if int(kind) in _SPECIAL_TOKEN_TYPES]
-
-
-def _end_of_generation_ids(eos_id: int, tokens: list[str], special_ids: list[int]) -> list[int]:
-    """eos first, then the other special end-of-turn/end-of-text tokens."""
-    ids = [eos_id]
+def _end_of_generation_ids(eos_id: int, end_ids: list[int], tokens: list[str],
+                           special_ids: list[int]) -> list[int]:
+    """eos first, then the file's eot/eom ids, then the other special end-of-turn/end-of-text tokens."""
+    ids = [eos_id, *(i for i in dict.fromkeys(end_ids) if i != eos_id)]
     for token_id in special_ids:
         if tokens[token_id] in _END_OF_GENERATION_TEXTS and token_id not in ids:
             ids.append(token_id)
     return ids
 
 
-def _build_bpe(tokens: list[str], merges: list[str], pre: str) -> Tokenizer:
-    vocab = {text: token_id for token_id, text in enumerate(tokens)}
-    # Byte-level symbols never contain a literal space, so "a b" splits once.
-    merge_pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False))
-    tokenizer.pre_tokenizer = _pre_tokenizer(pre)
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
-
-
 def tokenizer_from_gguf(reader: gguf.GGUFReader) -> tuple[Tokenizer, dict[str, Any]]:
-    """Build the `tokenizers` pipeline and the metadata dict from a GGUF reader."""
-    model = _field(reader, "tokenizer.ggml.model")
+    """Build the `tokenizers` pipeline and the metadata dict from a GGUF reader.
+
+    An unsupported vocabulary type or pre-tokenizer raises vocab.UnsupportedVocab naming it."""
+    model = field(reader, "tokenizer.ggml.model")
     if model == "no_vocab":
         # A GGUF without a vocabulary (random-weight models): the words <t0> ... <tV-1>.
-        arch = _field(reader, "general.architecture")
-        return word_level_tokenizer(int(_field(reader, f"{arch}.vocab_size")))
-    if model != "gpt2":
-        raise ValueError(f"unsupported tokenizer.ggml.model {model!r} (supported: gpt2, no_vocab)")
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
-    _pre_tokenizer(pre)  # fail on an unknown pre-tokenizer before the heavy work
-    tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
-    token_types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges: list[str] = list(_field(reader, "tokenizer.ggml.merges", []))
-
-    tokenizer = _build_bpe(tokens, merges, pre)
-    special_ids = _special_token_ids(tokens, token_types)
-    tokenizer.add_special_tokens(
-        [AddedToken(tokens[i], special=True, normalized=False) for i in special_ids]
-    )
-    eos_id = int(_field(reader, "tokenizer.ggml.eos_token_id"))
+        arch = field(reader, "general.architecture")
+        return word_level_tokenizer(int(field(reader, f"{arch}.vocab_size")))
+    _, pre = check_vocab(reader)
+    tokenizer, kind, special_ids, tokens = build_from_gguf(reader)
+    eos_id = int(field(reader, "tokenizer.ggml.eos_token_id"))
+    end_ids = [int(field(reader, f"tokenizer.ggml.{key}_token_id", eos_id)) for key in ("eot", "eom")]
     meta = {
-        "bos_id": int(_field(reader, "tokenizer.ggml.bos_token_id", eos_id)),
+        "bos_id": int(field(reader, "tokenizer.ggml.bos_token_id", eos_id)),
         "eos_id": eos_id,
-        "eos_ids": _end_of_generation_ids(eos_id, tokens, special_ids),
-        "pad_id": int(_field(reader, "tokenizer.ggml.padding_token_id", eos_id)),
-        "unk_id": int(_field(reader, "tokenizer.ggml.unknown_token_id", eos_id)),
-        "add_bos": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        "chat_template": str(_field(reader, "tokenizer.chat_template", "")),
+        "eos_ids": _end_of_generation_ids(eos_id, end_ids, tokens, special_ids),
+        "pad_id": int(field(reader, "tokenizer.ggml.padding_token_id", eos_id)),
+        "unk_id": int(field(reader, "tokenizer.ggml.unknown_token_id", eos_id)),
+        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+        "add_bos": bool(field(reader, "tokenizer.ggml.add_bos_token", kind == "spm")),
+        "chat_template": str(field(reader, "tokenizer.chat_template", "")),
         "pre": pre,
+        "kind": kind,
     }
     meta["chat_template"], meta["chat_templates"] = gguf_templates(reader)
     return tokenizer, meta
@@ -131,6 +93,25 @@ def word_level_tokenizer(vocab_size: int) -> tuple[Tokenizer, dict[str, Any]]:
     meta = {"bos_id": -1, "eos_id": -1, "eos_ids": [], "pad_id": -1, "unk_id": -1, "add_bos": False,
             "chat_template": "", "pre": "words"}
     return tokenizer, meta
+
+
+def _post_processor_bos(tokenizer: Tokenizer) -> int | None:
+    """The id tokenizer.json's post-processor puts first on a single sequence, or None."""
+    post = json.loads(tokenizer.to_str()).get("post_processor") or {}
+    steps = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
+    for step in steps:
+        single = step.get("single") if step.get("type") == "TemplateProcessing" else None
+        first = (single or [{}])[0].get("SpecialToken")
+        if first is not None:
+            return tokenizer.token_to_id(first["id"])
+    return None
+
+
+def _decoder_kind(tokenizer: Tokenizer) -> str:
+    """"spm" when the decoder maps U+2581 to spaces or falls back to bytes, else "bpe"."""
+    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or ()}
+    return "spm" if {"ByteFallback", "Metaspace"} & kinds else "bpe"
 
 
 def _byte_level_table() -> dict[str, int]:
@@ -175,10 +156,12 @@ class TextTokenizer:
             return -1 if found is None else found
 
         eos = token_id("eos_token")
-        meta = {"bos_id": token_id("bos_token"), "eos_id": eos, "eos_ids": [eos] if eos >= 0 else [],
+        post_bos = _post_processor_bos(tokenizer)
+        meta = {"bos_id": token_id("bos_token") if post_bos is None else post_bos, "eos_id": eos,
+                "eos_ids": [eos] if eos >= 0 else [],
                 "pad_id": token_id("pad_token"), "unk_id": token_id("unk_token"),
-                "add_bos": bool(config.get("add_bos_token", False)),
-                "pre": "hf"}
+                "add_bos": bool(config.get("add_bos_token", False)) or post_bos is not None,
+                "pre": "hf", "kind": _decoder_kind(tokenizer)}
         meta["chat_template"], meta["chat_templates"] = read_hf_templates(directory)
         meta["eos_ids"] = merge_ids(meta["eos_ids"], generation_eos_ids(directory))
         return cls(tokenizer, meta)
@@ -216,11 +199,16 @@ class TextTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (special tokens: their text). Byte-level BPE maps each
         byte to one character of the token's piece, so a token holding part of a UTF-8 character
-        gives exactly those bytes; other tokenizers give the UTF-8 of the token decoded alone."""
+        gives exactly those bytes; a SentencePiece byte piece <0xNN> is that one byte and U+2581
+        a space; other tokenizers give the UTF-8 of the token decoded alone."""
         piece = self.tokenizer.id_to_token(int(token_id))
         table = self._byte_table()
         if piece is not None and table is not None and all(c in table for c in piece):
             return bytes(table[c] for c in piece)
+        if piece is not None and self.meta.get("kind") == "spm":
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode("utf-8")
         return self.decode([int(token_id)]).encode("utf-8")
 
     def _byte_table(self) -> dict[str, int] | None:
@@ -264,29 +252,38 @@ class TextTokenizer:
 
 
 class StreamDecoder:
-    """Incremental detokenizer: emits text only once its UTF-8 bytes are complete.
+    """Incremental detokenizer: each push returns the text the new id adds to `decode` of all ids.
 
-    Byte-level BPE can split one character across tokens, so decoding a token
-    alone may end in U+FFFD. Tokens are held until their decoded text no longer
-    ends with U+FFFD; byte-level decoding is concatenative, so emitting the
-    pending window's text and starting afresh is exact.
+    Decoding a token alone is wrong twice over: byte-level BPE and byte fallback split characters
+    across tokens (the piece ends in U+FFFD), and SentencePiece decoders strip the leading space of
+    a sequence ("Hello world" would stream as "Helloworld"). So, as tokenizers' DecodeStream and
+    vLLM do, the window [prefix, read) of ids already emitted is decoded again with the new ids
+    and only the text past it is emitted, once it no longer ends in an incomplete character.
     """
 
     def __init__(self, tokenizer: TextTokenizer, skip_special: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special
-        self._pending: list[int] = []
+        self._ids: list[int] = []
+        self._prefix = 0   # start of the context window
+        self._read = 0     # ids before this are emitted
+
+    def _text(self, start: int, end: int | None = None) -> str:
+        return self._tokenizer.decode(self._ids[start:end], skip_special=self._skip_special)
 
     def push(self, token_id: int) -> str:
-        self._pending.append(int(token_id))
-        text = self._tokenizer.decode(self._pending, skip_special=self._skip_special)
-        if text.endswith(_REPLACEMENT_CHAR):
+        self._ids.append(int(token_id))
+        done = self._text(self._prefix, self._read)
+        text = self._text(self._prefix)
+        if len(text) <= len(done) or text.endswith(_REPLACEMENT_CHAR) or not text.startswith(done):
             return ""
-        self._pending.clear()
-        return text
+        self._prefix, self._read = self._read, len(self._ids)
+        # keep only the window: the ids before it never change the text again
+        self._ids, self._prefix, self._read = self._ids[self._prefix:], 0, self._read - self._prefix
+        return text[len(done):]
 
     def flush(self) -> str:
         """Whatever is still held (possibly ending in U+FFFD); resets the decoder."""
-        text = self._tokenizer.decode(self._pending, skip_special=self._skip_special)
-        self._pending.clear()
-        return text
+        done, text = self._text(self._prefix, self._read), self._text(self._prefix)
+        self._ids, self._prefix, self._read = [], 0, 0
+        return text[len(done):] if text.startswith(done) else text

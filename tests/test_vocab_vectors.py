@@ -1,0 +1,92 @@
+"""llama.cpp's own tokenizer vectors: every ggml-vocab-*.gguf whose vocabulary is BPE or SentencePiece.
+
+Each `.inp` holds test strings separated by "\\n__ggml_vocab_test__\\n"; each `.out` line holds the
+ids of one string, tokenized without BOS (llama.cpp's convert_hf_to_gguf_update.py writes them with
+`encode(text, add_special_tokens=False)`; tests/test-tokenizer-0.cpp reads them back so). Our ids must
+equal every line, the streamed text must equal `decode`, and the other vocabulary types are refused
+by name.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import gguf
+import pytest
+
+from skippy_zmq.model.tokenizer import TextTokenizer
+from skippy_zmq.model.vocab import UnsupportedVocab, check_vocab
+
+SEPARATOR = "\n__ggml_vocab_test__\n"
+# The vocabulary files with vectors whose tokenizer.ggml.model is gpt2 (BPE) or llama (SentencePiece).
+SUPPORTED = ("command-r", "deepseek-coder", "deepseek-llm", "falcon", "gpt-2", "llama-bpe", "llama-spm",
+             "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder")
+REFUSED = {"bert-bge": "bert", "gemma-4": "gemma4", "nomic-bert-moe": "t5"}
+
+
+def read_vectors(gguf_path: Path) -> list[tuple[str, list[int]]]:
+    """(string, ids) pairs, split as test-tokenizer-0.cpp splits the .inp (a trailing separator
+    leaves no last string)."""
+    raw = Path(f"{gguf_path}.inp").read_text(encoding="utf-8")
+    strings = raw.split(SEPARATOR)
+    if strings and strings[-1] == "":
+        strings.pop()
+    lines = Path(f"{gguf_path}.out").read_text(encoding="utf-8").split("\n")[: len(strings)]
+    assert len(lines) == len(strings), f"{gguf_path}: .inp and .out disagree on the number of strings"
+    return [(s, [int(x) for x in line.split()]) for s, line in zip(strings, lines)]
+
+
+@functools.lru_cache(maxsize=None)
+def load(folder: Path, name: str) -> TextTokenizer:
+    return TextTokenizer.from_gguf(folder / f"ggml-vocab-{name}.gguf")
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_ids_equal_llama_cpp(llama_cpp_models: Path, name: str) -> None:
+    tok = load(llama_cpp_models, name)
+    vectors = read_vectors(llama_cpp_models / f"ggml-vocab-{name}.gguf")
+    wrong = [(s, tok.encode(s, add_bos=False), ids) for s, ids in vectors if tok.encode(s, add_bos=False) != ids]
+    assert not wrong, f"{name}: {len(wrong)}/{len(vectors)} differ, first: {wrong[0]}"
+    assert len(vectors) > 30
+
+
+def stream(tok: TextTokenizer, ids: list[int]) -> str:
+    decoder = tok.stream_decoder(skip_special=False)
+    return "".join(decoder.push(i) for i in ids) + decoder.flush()
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_stream_equals_decode(llama_cpp_models: Path, name: str) -> None:
+    tok = load(llama_cpp_models, name)
+    for text, ids in read_vectors(llama_cpp_models / f"ggml-vocab-{name}.gguf"):
+        assert stream(tok, ids) == tok.decode(ids), f"{name}: {text!r}"
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "phi-3"])
+def test_sentencepiece_spaces_bytes_and_bos(llama_cpp_models: Path, name: str) -> None:
+    tok = load(llama_cpp_models, name)
+    ids = tok.encode("Hello world")
+    assert ids[0] == tok.bos_id == 1 and tok.meta["add_bos"] and tok.meta["kind"] == "spm"
+    assert tok.decode(ids[1:]) == "Hello world" == stream(tok, ids[1:])
+    assert [tok.token_text(i) for i in ids[1:]] == ["\u2581Hello", "\u2581world"]
+    assert b"".join(tok.token_bytes(i) for i in ids[1:]) == b" Hello world"
+    # a character outside the vocabulary falls back to its UTF-8 bytes, one <0xNN> piece each
+    emoji = tok.encode("\U0001f999", add_bos=False)
+    pieces = [tok.token_bytes(i) for i in emoji]
+    assert b"".join(pieces) in (b" \xf0\x9f\xa6\x99", b"\xf0\x9f\xa6\x99") and len(pieces[-1]) == 1
+    assert stream(tok, emoji) == tok.decode(emoji) == "\U0001f999"
+
+
+def test_llama3_ids_and_end_of_generation(llama_cpp_models: Path) -> None:
+    tok = load(llama_cpp_models, "llama-bpe")
+    assert tok.token_text(tok.bos_id) == "<|begin_of_text|>"
+    assert tok.encode("<|eot_id|>", add_bos=False) == [tok.tokenizer.token_to_id("<|eot_id|>")]
+    assert tok.tokenizer.token_to_id("<|eot_id|>") in tok.eos_ids
+
+
+@pytest.mark.parametrize(("name", "model"), sorted(REFUSED.items()))
+def test_other_vocabularies_refused_by_name(llama_cpp_models: Path, name: str, model: str) -> None:
+    reader = gguf.GGUFReader(str(llama_cpp_models / f"ggml-vocab-{name}.gguf"))
+    with pytest.raises(UnsupportedVocab, match=f"tokenizer.ggml.model '{model}'"):
+        check_vocab(reader)
