@@ -260,3 +260,34 @@ def test_command_r_vocab_carries_named_templates(llama_cpp_models: Path) -> None
     default, named = gguf_templates(gguf_template_fields(llama_cpp_models / "ggml-vocab-command-r.gguf"))
     assert sorted(named) == ["rag", "tool_use"] and default.startswith("{{ bos_token }}")
     assert ChatTemplates(default, named).text_for(tools=WEATHER) == named["tool_use"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab", ["qwen2", "phi-3"])
+def test_hf_directory_saved_from_a_real_vocab_renders_as_transformers(
+        vocab: str, llama_cpp_models: Path, tmp_path: Path) -> None:
+    """transformers loads llama.cpp's vocab GGUF and saves it (chat_template.jinja); our
+    from_hf_dir renders every case as its apply_chat_template does."""
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(
+        str(llama_cpp_models), gguf_file=f"ggml-vocab-{vocab}.gguf")
+    reference.save_pretrained(tmp_path)
+    assert (tmp_path / "chat_template.jinja").is_file()
+    ours = TextTokenizer.from_hf_dir(tmp_path)
+    outcomes = {}
+    for name, case in CASES.items():
+        if case.get("when", "") not in reference.chat_template:
+            continue
+        kwargs = {"tools": case.get("tools"), "documents": case.get("documents"), **case.get("kwargs", {})}
+        prompt = case.get("add_generation_prompt", True)
+        try:
+            expected = reference.apply_chat_template(
+                case["messages"], add_generation_prompt=prompt, tokenize=False, **kwargs)
+        except TemplateError:  # e.g. Qwen 2.5's template reads the content a tool call lacks
+            with pytest.raises(TemplateError):
+                ours.apply_chat_template(case["messages"], prompt, **kwargs)
+            outcomes[name] = "raises"
+            continue
+        assert ours.apply_chat_template(case["messages"], prompt, **kwargs) == expected, name
+        outcomes[name] = "equal"
+    assert list(outcomes.values()).count("equal") >= 10, outcomes
