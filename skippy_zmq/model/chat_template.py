@@ -107,7 +107,7 @@ def plain_data(value: Any) -> Any:
     """What a template may see: JSON types rebuilt (subclasses stripped), anything else a placeholder."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    for base in (str, int, float):  # bool is an int subclass only when not exactly bool
+    for base in (str, int, float):  # subclasses (str enums, ...) lose their extra methods
         if isinstance(value, base):
             return base(value)
     if isinstance(value, Mapping):
@@ -165,7 +165,7 @@ class ChatTemplate:
 
 
 class ChatTemplates:
-    """A model's default template and its named ones, compiled on first use."""
+    """A model's default template and its named ones, all compiled at load."""
 
     def __init__(self, default: str = "", named: Mapping[str, str] | None = None,
                  now: Callable[[], datetime] = datetime.now) -> None:
