@@ -364,7 +364,7 @@ def cmd_random_model(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     try:
-        spec = RandomSpec(args.shape, args.seed, args.weights, args.layers)
+        spec = RandomSpec(args.shape, args.seed, args.weights, args.layers, args.vocab)
         cfg = write_random_model(spec, Path(args.out), args.gguf)
     except RandomModelError as exc:
         logger.error("random-model failed: {}", exc)
@@ -386,6 +386,8 @@ def add_random_model_parser(sub: Any) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--gguf", default=None, choices=["q4_1"], help="also write OUT/model.gguf, the same weights")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (fast tests)")
+    p.add_argument("--vocab", default=None, metavar="FILE.gguf",
+                   help="take the tokenizer (and chat template) from this GGUF vocabulary; vocab_size follows it")
     p.set_defaults(func=cmd_random_model)
 
 

@@ -90,3 +90,20 @@ def test_other_vocabularies_refused_by_name(llama_cpp_models: Path, name: str, m
     reader = gguf.GGUFReader(str(llama_cpp_models / f"ggml-vocab-{name}.gguf"))
     with pytest.raises(UnsupportedVocab, match=f"tokenizer.ggml.model '{model}'"):
         check_vocab(reader)
+
+
+@pytest.mark.parametrize(("shape", "name"), [("llama-3.2-1b", "llama-bpe"), ("qwen2.5-0.5b", "qwen2")])
+def test_random_model_takes_a_real_vocabulary(llama_cpp_models: Path, tmp_path: Path, shape: str, name: str) -> None:
+    from skippy_zmq.config import ModelConfig
+    from skippy_zmq.model.random_model import RandomSpec, write_random_model
+
+    vocab = str(llama_cpp_models / f"ggml-vocab-{name}.gguf")
+    real = load(llama_cpp_models, name)
+    cfg = write_random_model(RandomSpec(shape, seed=0, weights="q4", layers=1, vocab=vocab), tmp_path / "m")
+    assert cfg.vocab_size == real.vocab_size == ModelConfig.load(tmp_path / "m" / "model.json").vocab_size
+    assert cfg.bos_id == real.bos_id and list(cfg.eos_ids) == real.eos_ids
+    tok = TextTokenizer.load(tmp_path / "m")
+    text, ids = read_vectors(llama_cpp_models / f"ggml-vocab-{name}.gguf")[-1]
+    assert tok.encode(text, add_bos=False) == ids and tok.decode(ids) == real.decode(ids)
+    assert tok.meta["chat_template"] == real.meta["chat_template"]
+    assert RandomSpec(shape, layers=1, vocab=vocab).digest() != RandomSpec(shape, layers=1).digest()

@@ -19,11 +19,14 @@ the layers.
 
 Tokenizer: a word-level vocabulary `<t0> ... <tV-1>` (whitespace-separated
 words -> their ids; decode gives the words back). No chat template, no BOS or
-EOS: generation runs to max tokens.
+EOS: generation runs to max tokens. With `--vocab FILE.gguf` (e.g. llama.cpp's
+ggml-vocab-llama-bpe.gguf) the tokenizer, its special ids and chat template come
+from that vocabulary instead, and the model's vocab_size follows it.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import zlib
@@ -121,6 +124,7 @@ class RandomSpec:
     seed: int = 0
     weights: str = "q4"
     layers: int | None = None
+    vocab: str | None = None   # a GGUF vocabulary file: the tokenizer (and template) instead of <tN> words
 
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:
@@ -134,6 +138,9 @@ class RandomSpec:
         cfg = dict(SHAPES[self.shape])
         if self.layers is not None:
             cfg["num_hidden_layers"] = self.layers
+        if self.vocab is not None:   # the vocabulary decides the embedding's rows and the special ids
+            tok = vocab_tokenizer(self.vocab)
+            cfg.update(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_ids)
         return cfg
 
     @property
@@ -144,6 +151,8 @@ class RandomSpec:
         """The model's identity (prefix-cache keys): shape, layers, seed, format and generator version."""
         ident = {"shape": self.shape, "config": self.hf_config, "seed": self.seed, "weights": self.weights,
                  "generator": GENERATOR_VERSION}
+        if self.vocab is not None:
+            ident["vocab"] = vocab_digest(self.vocab)
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
@@ -222,6 +231,26 @@ def word_tokenizer(vocab_size: int) -> Any:
     return TextTokenizer(*word_level_tokenizer(vocab_size))
 
 
+@functools.lru_cache(maxsize=4)
+def vocab_tokenizer(path: str) -> Any:
+    """TextTokenizer of a GGUF vocabulary file (read once per path), or RandomModelError naming why not."""
+    from skippy_zmq.model.tokenizer import TextTokenizer
+
+    if not Path(path).is_file():
+        raise RandomModelError(f"--vocab {path}: no such file")
+    try:
+        return TextTokenizer.from_gguf(path)
+    except Exception as exc:  # the GGUF reader and tokenizers raise assorted errors on bad files
+        raise RandomModelError(f"--vocab {path}: cannot build its tokenizer: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=4)
+def vocab_digest(path: str) -> str:
+    from skippy_zmq.fetch import sha256_file
+
+    return sha256_file(Path(path))
+
+
 # ---------------------------------------------------------------- writing
 
 
@@ -234,6 +263,8 @@ def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> 
 
     if gguf not in (None, "q4_1"):
         raise RandomModelError(f"--gguf must be q4_1, got {gguf!r}")
+    if gguf and spec.vocab:   # GGUFStream writes no_vocab metadata (prompts as ids)
+        raise RandomModelError("--gguf with --vocab is not implemented (the GGUF would carry no vocabulary)")
     out = Path(out)
     cfg = model_config(spec)
     if gguf and cfg.arch not in GGUF_ARCH:    # Gemma 3 / Phi-3 GGUFs (norm shift, fused tensors) are not written
@@ -258,7 +289,7 @@ def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> 
         del tensor, value                   # before the next is made: one big tensor in memory at a time
     if stream is not None:
         stream.close()
-    word_tokenizer(cfg.vocab_size).save(out)
+    (vocab_tokenizer(spec.vocab) if spec.vocab else word_tokenizer(cfg.vocab_size)).save(out)
     source = {"format": "random", "shape": spec.shape, "layers": cfg.n_layers, "seed": spec.seed,
               "weights": spec.weights, "generator": GENERATOR_VERSION, "sha256": spec.digest()}
     if gguf:
