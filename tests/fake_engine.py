@@ -33,6 +33,7 @@ class FakeEngine:
         self.fail_mid: EngineError = EngineError("stage 1 went away", 503, "stage_lost")
         self.requests: list[GenRequest] = []
         self.cancelled: list[str] = []
+        self.choices_cancelled: list[int] = []
         self.finished: list[str] = []
         self._cancel_seen = threading.Event()
 
@@ -43,8 +44,10 @@ class FakeEngine:
         """Block the calling (test) thread until some request was cancelled, at most timeout_s."""
         return self._cancel_seen.wait(timeout_s)
 
-    async def generate(self, request: GenRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenRequest, control=None) -> AsyncIterator[TokenEvent]:
         self.requests.append(request)
+        if control is not None:   # choices ended early by their reader (n > 1)
+            control.bind(self.choices_cancelled.append)
         if self.fail is not None:
             raise self.fail
         script = self.script if self.script is not None else list(request.prompt_ids)

@@ -113,3 +113,88 @@ def test_choices_waiting_for_a_fork_end_with_choice_0(tiny_tree):
         for stage_id, reply in chain.send(msg):
             sched.on_reply(stage_id, reply)
     assert all(len(w.sessions) == 0 for w in chain.workers)
+
+
+def test_every_choice_carries_the_prompts_logprobs(tiny_tree):
+    """echo + logprobs with n = 2: choice 0 alone prefills, yet every choice's first event has
+    the prompt entries (not None past the first prompt token), the same values as choice 0's."""
+    prompt = tuple(random_ids(30, TINY.vocab_size, seed=6).tolist())
+    req = GenRequest("e", prompt, SamplingParams(temperature=1.0, seed=2), max_tokens=4, ignore_eos=True, n=2,
+                     logprobs=1, prompt_logprobs=1)
+    events = run_requests(make_scheduler(2), make_chain(TINY, tiny_tree, [2]), [req])["e"]
+    firsts = {}
+    for e in events:
+        if isinstance(e, TokenEvent) and e.choice not in firsts:
+            firsts[e.choice] = e.prompt_logprobs
+    assert sorted(firsts) == [0, 1]
+    for choice, scored in firsts.items():
+        assert len(scored) == len(prompt) and scored[0] is None
+        assert all(entry is not None for entry in scored[1:]), f"choice {choice} lacks prompt logprobs"
+    assert firsts[1] == firsts[0]
+
+
+def test_cancelling_one_choice_frees_its_lane_and_the_others_go_on(tiny_tree):
+    """A choice ended early (its stop string, at the server) is cancelled alone: its lane is
+    freed on every stage at the next tick, the other choice decodes to its max_tokens."""
+    sched = make_scheduler(2, max_sessions=4)
+    chain = make_chain(TINY, tiny_tree, [2])
+    events: list = []
+    prompt = tuple(random_ids(12, TINY.vocab_size, seed=9).tolist())
+    sid = sched.submit(GenRequest("c", prompt, SamplingParams(temperature=1.0, seed=4), max_tokens=30,
+                                  ignore_eos=True, n=2), events.append)
+
+    def step():
+        for msg in sched.tick():
+            for stage_id, reply in chain.send(msg):
+                sched.on_reply(stage_id, reply)
+    for _ in range(200):   # until both choices have a token
+        step()
+        if set(by_choice(events)) == {0, 1}:
+            break
+    assert all(len(w.sessions) == 2 for w in chain.workers)
+    sched.cancel(sid, choice=1)
+    for _ in range(3):
+        step()
+    assert all(len(w.sessions) == 1 for w in chain.workers)   # choice 1's lane is free everywhere
+    cut = len(by_choice(events)[1])
+    for _ in range(500):
+        if not sched.running:
+            break
+        step()
+    step()
+    got = by_choice(events)
+    assert len(got[0]) == 30 and len(got[1]) == cut < 30
+    assert [e.choice for e in events if isinstance(e, TokenEvent) and e.finish_reason] == [0]
+    assert all(len(w.sessions) == 0 for w in chain.workers)
+
+
+def test_a_stop_string_in_one_choice_cancels_that_choice_at_the_engine():
+    """Over HTTP with the official client: n = 2, a stop string only choice 1's text has; choice 1
+    ends with finish_reason "stop" and the engine is told to cancel choice 1 alone."""
+    from fake_engine import FakeEngine
+
+    from conftest import MODEL_DIR
+    from skippy_zmq.driver.server import create_app, start_in_thread
+    from skippy_zmq.model.tokenizer import TextTokenizer
+
+    if not (MODEL_DIR / "tokenizer.json").is_file():
+        pytest.skip(f"no tokenizer at {MODEL_DIR}")
+    import openai
+
+    tok = TextTokenizer.load(MODEL_DIR)
+    words = tok.encode(" alpha beta gamma delta epsilon zeta eta theta")
+    engine = FakeEngine(words, tok.eos_ids, max_context=256)   # choice c: the script shifted by c
+    handle = start_in_thread(create_app(engine, tok, model_name="fake"))
+    try:
+        client = openai.OpenAI(base_url=f"{handle.url}/v1", api_key="x", max_retries=0, timeout=30)
+        n_tokens = len(words) + 1
+        texts = [tok.decode((words * 2)[c:c + n_tokens]) for c in range(2)]
+        stop = tok.decode(words[-1:] + words[:1])   # where the script wraps: choice 0 at its last token,
+        # choice 1 one token earlier, so choice 1 ends before its engine stream does and is cancelled
+        reply = client.completions.create(model="fake", prompt="x", n=2, max_tokens=n_tokens, stop=[stop])
+        by_index = {c.index: c for c in reply.choices}
+        assert by_index[1].finish_reason == "stop"
+        assert by_index[1].text == texts[1][:texts[1].index(stop)]
+        assert engine.choices_cancelled == [1]     # choice 0's stop came with its last event: nothing to cancel
+    finally:
+        handle.stop()

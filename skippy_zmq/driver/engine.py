@@ -7,7 +7,7 @@ into token ids. The pipeline scheduler is one Engine; tests use small fakes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from skippy_zmq.sampling import SamplingParams
 
@@ -62,16 +62,38 @@ class TokenEvent:
     prompt_logprobs: list | None = None
 
 
+class ChoiceControl:
+    """n > 1: lets whoever reads one choice end it early (a stop string matched) while the other
+    choices go on; the engine binds `cancel` when the request is submitted (cancels asked for
+    before that are applied then)."""
+
+    def __init__(self) -> None:
+        self._cancel: Callable[[int], None] | None = None
+        self._pending: list[int] = []
+
+    def bind(self, cancel: Callable[[int], None]) -> None:
+        self._cancel = cancel
+        for choice in self._pending:
+            cancel(choice)
+        self._pending = []
+
+    def cancel(self, choice: int) -> None:
+        if self._cancel is None:
+            self._pending.append(choice)
+        else:
+            self._cancel(choice)
+
+
 class Engine(Protocol):
     model_name: str
     max_context: int
 
     def is_ready(self) -> bool: ...
 
-    def generate(self, request: GenRequest) -> AsyncIterator[TokenEvent]:
+    def generate(self, request: GenRequest, control: ChoiceControl | None = None) -> AsyncIterator[TokenEvent]:
         """Yields TokenEvents; the last one has finish_reason. Raises EngineError on failure.
 
         Closing the iterator early (client went away) must cancel the request
-        and free its session everywhere.
+        and free its session everywhere. `control.cancel(c)` ends choice c alone.
         """
         ...

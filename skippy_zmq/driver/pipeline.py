@@ -123,25 +123,29 @@ class PipelineEngine:
             raise EngineError("the pipeline thread did not answer", 503, "not_ready") from None
         if isinstance(outcome, EngineError):
             raise outcome
-        return lambda: self.call(lambda: self.scheduler.cancel(outcome))
+        return lambda choice=None: self.call(lambda: self.scheduler.cancel(outcome, choice))
 
-    async def generate(self, req: GenRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, req: GenRequest, control: ChoiceControl | None = None) -> AsyncIterator[TokenEvent]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         submitted = asyncio.ensure_future(asyncio.to_thread(
             self.submit, req, lambda item: loop.call_soon_threadsafe(events.put_nowait, item)))
-        finished, open_choices = False, req.n
+        finished, ended = False, set()   # choices finished, or cancelled by their reader
         try:
             # Shielded: a client that leaves during admission still gets its request cancelled below.
             cancel = await asyncio.shield(submitted)
+            if control is not None:
+                control.bind(lambda choice: self._cancel_choice(cancel, choice, ended, events))
             while True:
                 item = await events.get()
                 if isinstance(item, EngineError):
                     finished = True
                     raise item
-                open_choices -= item.finish_reason is not None
-                finished = open_choices == 0
-                yield item
+                if item is not None and item.finish_reason is not None:
+                    ended.add(item.choice)
+                finished = len(ended) >= req.n
+                if item is not None:
+                    yield item
                 if finished:
                     return
         finally:
@@ -150,6 +154,13 @@ class PipelineEngine:
                     submitted.result()()
                 elif not submitted.done():
                     submitted.add_done_callback(lambda f: f.exception() is None and f.result()())
+
+    @staticmethod
+    def _cancel_choice(cancel: Callable[..., None], choice: int, ended: set, events: asyncio.Queue) -> None:
+        """One choice ended early (its reader saw a stop string): cancel its job, count it ended."""
+        ended.add(choice)
+        cancel(choice)
+        events.put_nowait(None)   # wake the reader: this may have been the last open choice
 
     def generate_blocking(self, req: GenRequest) -> Iterator[TokenEvent]:
         events: queue.Queue = queue.Queue()

@@ -94,6 +94,7 @@ class Job:
     choice: int = 0                 # n > 1: this job's choice index (its sampler's key)
     children: list = field(default_factory=list)   # n > 1, on choice 0: the other choices' jobs
     waiting_fork: bool = False      # a child whose prompt KV is not forked from choice 0 yet
+    root: int | None = None         # n > 1, on a child: choice 0's session (the request's handle)
 
     @property
     def history(self) -> list[int]:
@@ -165,15 +166,20 @@ class Scheduler:
             req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, seed=secrets.randbits(63)))
         job = Job(req, next(self._ids), sink, eos, time.monotonic() + timeout, prompt=list(req.prompt_ids),
                   namespace=req.cache_key or DEFAULT_NAMESPACE)
+        # Every choice reports the prompt's logprobs (echo); choice 0 alone prefills, so they share its entries.
         job.children = [Job(req, next(self._ids), sink, eos, job.deadline, prompt=list(req.prompt_ids),
-                            namespace=job.namespace, choice=i, waiting_fork=True) for i in range(1, req.n)]
+                            namespace=job.namespace, choice=i, waiting_fork=True,
+                            prompt_entries=job.prompt_entries, root=job.session_id) for i in range(1, req.n)]
         self.queue.append(job)
         return job.session_id
 
-    def cancel(self, session_id: int) -> None:
-        job = self.running.get(session_id) or next((j for j in self.queue if j.session_id == session_id), None)
-        for one in ([job, *job.children] if job is not None else []):
-            if not one.done:
+    def cancel(self, session_id: int, choice: int | None = None) -> None:
+        """Cancel request `session_id` (its first choice's session), or only its choice `choice`
+        (n > 1: one choice ended early, by a stop string): that choice's lane is freed at the next
+        tick its row is not in flight, while the other choices go on."""
+        jobs = [j for j in [*self.running.values(), *self.queue] if session_id in (j.session_id, j.root)]
+        for one in jobs + [c for j in jobs for c in j.children]:   # (children not admitted yet included)
+            if not one.done and (choice is None or one.choice == choice):
                 one.cancelled = True
 
     @property

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skippy_zmq.driver import tools
 from skippy_zmq.driver.chat_output import ChatOutput, message_fields
-from skippy_zmq.driver.engine import Engine, EngineError, GenRequest, TokenEvent
+from skippy_zmq.driver.engine import ChoiceControl, Engine, EngineError, GenRequest, TokenEvent
 from skippy_zmq.driver.metrics import ServerMetrics, error_kind
 from skippy_zmq.driver.openai_schema import (
     CHAT, COMPLETION, ParsedRequest, RequestError, StopMatcher, TextOffsets, TokenLogprob, check_constraint,
@@ -187,9 +187,10 @@ class ChoiceFanOut:
     not finished.
     """
 
-    def __init__(self, events: AsyncIterator[TokenEvent], n: int) -> None:
+    def __init__(self, events: AsyncIterator[TokenEvent], n: int, control: ChoiceControl | None = None) -> None:
         self._events, self._queues = events, [asyncio.Queue() for _ in range(n)]
         self._task: asyncio.Task | None = None
+        self._control = control   # a choice closed before its finish (a stop string) is cancelled alone
 
     async def _pump(self) -> None:
         try:
@@ -202,13 +203,19 @@ class ChoiceFanOut:
     async def choice(self, index: int) -> AsyncIterator[TokenEvent]:
         if self._task is None:
             self._task = asyncio.ensure_future(self._pump())
-        while True:
-            item = await self._queues[index].get()
-            if isinstance(item, Exception):
-                raise item
-            yield item
-            if item.finish_reason is not None:
-                return
+        ended = False
+        try:
+            while True:
+                item = await self._queues[index].get()
+                ended = isinstance(item, Exception) or item.finish_reason is not None
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if ended:
+                    return
+        finally:
+            if not ended and self._control is not None:
+                self._control.cancel(index)   # this choice's job ends now, freeing its lane
 
     async def aclose(self) -> None:
         if self._task is not None:
@@ -497,7 +504,8 @@ async def _generate(request: Request, parse: Parser) -> Response:
         echo = None
         if parsed.options.echo:   # the prompt as sent (token ids: decoded)
             echo = prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids)
-        fan = ChoiceFanOut(ctx.engine.generate(gen_request), n) if n > 1 else None
+        control = ChoiceControl()
+        fan = ChoiceFanOut(ctx.engine.generate(gen_request, control), n, control) if n > 1 else None
         fans += [fan] if fan is not None else []
         for c in range(n):
             events = fan.choice(c) if fan is not None else None
