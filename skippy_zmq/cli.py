@@ -200,7 +200,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from skippy_zmq.launch import launch
     from skippy_zmq.topology import load_topology
 
-    url = launch(load_topology(args.topology), Path(args.topology), Path(args.run_dir), args.timeout)
+    url = launch(load_topology(args.topology), Path(args.topology), Path(args.run_dir), args.timeout, tied=False)
     print(url)
     return 0
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from skippy_zmq.lifetime import tied_env
 from skippy_zmq.topology import StageConfig, Topology, load_topology
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
@@ -38,13 +39,17 @@ def stage_command(topology_path: Path, stage: StageConfig, extra: list[str] | No
 
 
 def spawn_stage(topology_path: Path, stage: StageConfig, run_dir: Path,
-                extra: list[str] | None = None) -> subprocess.Popen:
-    """One stage in the background, logging to RUN_DIR/<id>.log; its pid in RUN_DIR/<id>.pid."""
+                extra: list[str] | None = None, tied: bool = True) -> subprocess.Popen:
+    """One stage in the background, logging to RUN_DIR/<id>.log; its pid in RUN_DIR/<id>.pid.
+
+    `tied`: a local stage exits when this process dies, by any signal (skippy_zmq/lifetime.py);
+    detached (`launch`, `restart-stage`) and remote stages keep running on their own."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "topology").write_text(f"{Path(topology_path).absolute()}\n")
     log = open(run_dir / f"{stage.id}.log", "ab")
     proc = subprocess.Popen(stage_command(topology_path, stage, extra), stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            env=tied_env(tied and is_local(stage.host)))
     log.close()
     (run_dir / f"{stage.id}.pid").write_text(f"{proc.pid}\n")
     logger.info("started stage {} (pid {}), log {}", stage.id, proc.pid, run_dir / f"{stage.id}.log")
@@ -52,16 +57,17 @@ def spawn_stage(topology_path: Path, stage: StageConfig, run_dir: Path,
 
 
 def spawn_stages(topology: Topology, topology_path: Path, run_dir: Path,
-                 extra: list[str] | None = None) -> list[subprocess.Popen]:
+                 extra: list[str] | None = None, tied: bool = True) -> list[subprocess.Popen]:
     """Every stage, last first (downstream first)."""
-    return [spawn_stage(topology_path, stage, run_dir, extra) for stage in reversed(topology.stages)]
+    return [spawn_stage(topology_path, stage, run_dir, extra, tied) for stage in reversed(topology.stages)]
 
 
 def restart_stage(run_dir: Path, stage_id: str) -> subprocess.Popen:
-    """Start a replacement for a stage of a launched run (it announces a new incarnation)."""
+    """Start a replacement for a stage of a launched run (it announces a new incarnation); like
+    `launch`'s, it runs on its own (the `restart-stage` command exits at once)."""
     topology_path = Path((run_dir / "topology").read_text().strip())
     stage = load_topology(topology_path).stage(stage_id)
-    return spawn_stage(topology_path, stage, run_dir)
+    return spawn_stage(topology_path, stage, run_dir, tied=False)
 
 
 def stop_processes(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:
@@ -99,11 +105,13 @@ def _last_words(pid: int, run_dir: Path) -> tuple[str, str]:
     return "a stage", ""
 
 
-def spawn_driver(topology_path: Path, run_dir: Path, extra: list[str] | None = None) -> subprocess.Popen:
+def spawn_driver(topology_path: Path, run_dir: Path, extra: list[str] | None = None,
+                 tied: bool = True) -> subprocess.Popen:
+    """The driver in the background (`tied`: it exits when this process dies, as spawn_stage's)."""
     log = open(run_dir / "driver.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "skippy_zmq.cli", *(extra or []), "driver", "--topology",
                              str(topology_path)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, env=tied_env(tied))
     log.close()
     (run_dir / "driver.pid").write_text(f"{proc.pid}\n")
     return proc
@@ -128,10 +136,11 @@ def wait_http_ready(url: str, procs: list[subprocess.Popen], run_dir: Path, time
 
 
 def launch(topology: Topology, topology_path: Path, run_dir: Path, timeout: float = 300.0,
-           extra: list[str] | None = None) -> str:
-    """Stages then driver in the background; returns the API base URL once /readyz is 200."""
-    procs = spawn_stages(topology, topology_path, run_dir, extra)
-    procs.append(spawn_driver(topology_path, run_dir, extra))
+           extra: list[str] | None = None, tied: bool = True) -> str:
+    """Stages then driver in the background; returns the API base URL once /readyz is 200.
+    `tied`: they exit with this process (soak); `skippy-zmq launch` leaves them running."""
+    procs = spawn_stages(topology, topology_path, run_dir, extra, tied)
+    procs.append(spawn_driver(topology_path, run_dir, extra, tied))
     url = f"http://{topology.driver.http_host}:{topology.driver.http_port}"
     try:
         wait_http_ready(url, procs, run_dir, timeout)

@@ -18,6 +18,7 @@ from loguru import logger
 from skippy_zmq.driver.engine import EngineError, GenRequest
 from skippy_zmq.driver.pipeline import PipelineEngine
 from skippy_zmq.launch import check_alive, spawn_stages, stop_processes
+from skippy_zmq.lifetime import watch_parent
 from skippy_zmq.model.tokenizer import TextTokenizer
 from skippy_zmq.topology import Topology, load_topology
 
@@ -64,6 +65,7 @@ def install_stop_signals(stop: threading.Event) -> None:
 
 
 def run_driver(args: argparse.Namespace) -> int:
+    watch_parent("driver")   # spawned by a local process (chaos, soak, tests): die with it
     topology = load_topology(args.topology)
     engine, tokenizer = open_engine(topology)
     stop = threading.Event()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -16,6 +17,7 @@ import zmq
 from loguru import logger
 
 from skippy_zmq import transport, wire
+from skippy_zmq.lifetime import arm_hard_exit, watch_parent
 from skippy_zmq.placement import PlacementError
 from skippy_zmq.security import security_for
 from skippy_zmq.stage.factory import build_worker
@@ -24,6 +26,7 @@ from skippy_zmq.stage.worker import DRIVER, StageWorker
 from skippy_zmq.topology import StageConfig, Topology
 
 DRAIN_BATCH = 64
+IDLE_POLL_MS = 1000   # an idle loop's wake-up; driver loss is detected within dead_after_s + this
 
 
 class StageLoop:
@@ -45,7 +48,10 @@ class StageLoop:
             security=security, next_stage_id=nxt.id if nxt else None)
 
     def request_stop(self, *_: Any) -> None:
-        """Signal handler: only sets a flag; the loop drains and exits."""
+        """Signal handler: sets a flag (the loop drains and exits) and arms a hard exit, so a
+        stage asked to stop is gone within seconds whatever it was doing."""
+        if not self.stopping:
+            arm_hard_exit(f"stage {self.stage.id}")
         self.stopping = True
 
     def send(self, out: list, arrival: dict[str, Any] | None = None) -> None:
@@ -105,17 +111,23 @@ class StageLoop:
         transport.send_message(self.sockets.dealer, self.ready_message())
         logger.info("stage {} READY (incarnation {:08x}) listening on {}", self.stage.id, self.incarnation,
                     self.stage.listen)
+        if not self.worker.warm_later:
+            logger.info("stage {} warm-up compiles done", self.stage.id)
         beats = threading.Thread(target=self.heartbeat_thread, name="heartbeat", daemon=True)
         beats.start()
         poller = zmq.Poller()
         poller.register(self.sockets.pull, zmq.POLLIN)
         poller.register(self.sockets.dealer, zmq.POLLIN)
         while not self.stopping:
-            events = dict(poller.poll(20 if self.worker.warm_later else 250))
+            # Idle, the loop blocks: work and driver heartbeats wake it; the timeout only paces
+            # the driver-loss and idle-session checks (a stage with nothing to do costs no CPU).
+            events = dict(poller.poll(20 if self.worker.warm_later else IDLE_POLL_MS))
             if self.sockets.pull in events:
                 self.drain(DRAIN_BATCH)
             elif self.worker.warm_later and not events:
                 self.worker.warm_later.pop(0)()   # idle: compile one more shape (a fraction of a second)
+                if not self.worker.warm_later:
+                    logger.info("stage {} warm-up compiles done", self.stage.id)
             self.check_driver()
             for sid in self.worker.sessions.reclaim_idle():
                 logger.warning("stage {} reclaimed idle session {}", self.stage.id, sid)
@@ -190,6 +202,7 @@ def pin_cpus(stage: StageConfig) -> None:
 
 
 def run_stage(topology: Topology, stage_id: str) -> int:
+    watch_parent(f"stage {stage_id}")   # spawned by a local process: die with it
     stage = topology.stage(stage_id)
     pin_cpus(stage)
     security = security_for(topology, stage_id)   # before loading: missing keys fail fast
@@ -201,4 +214,9 @@ def run_stage(topology: Topology, stage_id: str) -> int:
     loop = StageLoop(topology, stage, worker, security)
     signal.signal(signal.SIGTERM, loop.request_stop)
     signal.signal(signal.SIGINT, loop.request_stop)
-    return loop.run()
+    code = loop.run()
+    # Stopped and said so: leave now. Interpreter teardown (the runtime's threads, the prefix
+    # store's writer) can take seconds on a busy machine, and a stopped stage must free its ports.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
