@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from skippy_zmq.config import KVConfig
-from skippy_zmq.driver.speculative import DraftPolicy, NgramProposer, SpeculativeConfig, accepted_run
+from skippy_zmq.driver.speculative import DraftPolicy, NgramProposer, SpeculativeConfig, judge_window
 from skippy_zmq.model.weights import load_slice
 from skippy_zmq.model.runner import SliceRunner, resolve_device
 from skippy_zmq.model.tokenizer import TextTokenizer
@@ -136,9 +136,7 @@ class LocalEngine:
                 drafts = proposer.propose(fits - 1)
             row = [token] + drafts
             logits = self.runner.step(np.array([0]), np.array(row), np.array([pos]), np.array([len(row)]))
-            run, accepted = accepted_run(drafts, sampler.sample_window(logits, pos, row))
-            if drafts:
-                policy.update(len(drafts), accepted)
+            run, _ = judge_window(policy, drafts, sampler.sample_window(logits, pos, row))
             for token in run:
                 result.token_ids.append(token)
                 if proposer is not None:

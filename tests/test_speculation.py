@@ -250,3 +250,41 @@ def test_local_engine_speculation_on_the_real_model(model_dir, parity):
     assert on.speculative["windows"] > 0
     spec = on.to_json()["speculative"]
     assert spec["accepted_per_step"] == round(spec["accepted"] / spec["windows"], 3) and spec["accepted_per_step"] > 0.5
+
+
+def test_judge_window_tells_the_policy_of_plain_steps_so_a_stopped_session_probes_again():
+    from skippy_zmq.driver.speculative import DraftPolicy, judge_window
+
+    cfg = SpeculativeConfig(method="ngram", probe_every=4, min_acceptance=0.5)
+    policy = DraftPolicy(cfg)
+    while policy.k:   # every draft rejected: the session stops drafting
+        k = policy.k
+        assert judge_window(policy, [1] * k, [2] * (k + 1)) == ([2], 0)
+    for _ in range(cfg.probe_every - 1):
+        assert judge_window(policy, [], [7]) == ([7], 0) and policy.k == 0
+    judge_window(policy, [], [7])
+    assert policy.k >= 1                       # the probe_every-th plain step probes again
+
+
+@pytest.mark.slow
+def test_single_process_generation_uses_the_schedulers_accept_step(model_dir, monkeypatch):
+    """generate.py's speculation loop accepts through judge_window (one implementation), so its
+    draft policy hears of plain steps; the tokens equal plain decoding's."""
+    from skippy_zmq import generate
+    from skippy_zmq.driver.speculative import judge_window
+
+    calls = []
+
+    def spy(policy, drafts, targets):
+        calls.append(len(drafts))
+        return judge_window(policy, drafts, targets)
+    engine = generate.LocalEngine(model_dir, capacity=256)
+    prompt = engine.tokenizer.encode("one two three four one two three four one two three four")
+    plain = engine.generate(prompt, max_tokens=24, ignore_eos=True)
+    monkeypatch.setattr(generate, "judge_window", spy)
+    fast = engine.generate(prompt, max_tokens=24, ignore_eos=True,
+                           speculative=SpeculativeConfig(method="ngram", min_match=1))
+    assert fast.token_ids == plain.token_ids
+    assert calls and any(calls)                # windows with drafts went through the shared step
+    assert sum(n for n in calls) >= fast.speculative["drafted"] and len(calls) == fast.speculative["windows"] + \
+        calls.count(0)

@@ -34,7 +34,7 @@ from loguru import logger
 
 from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
 from skippy_zmq.driver.prefix_index import PrefixIndex
-from skippy_zmq.driver.speculative import (DraftPolicy, NgramProposer, SharedIndex, SpeculativeConfig, accepted_run,
+from skippy_zmq.driver.speculative import (DraftPolicy, NgramProposer, SharedIndex, SpeculativeConfig, judge_window,
                                            propose_draft)
 from skippy_zmq.wire import Kind, Message
 
@@ -280,19 +280,17 @@ class Scheduler:
         an accepted position saw exactly the context plain decoding gives it.
         """
         drafts, job.drafts = job.drafts, []
-        run, accepted = accepted_run(drafts, targets)
-        if drafts:   # counted first, so a request's final event includes the window it ends in
+        # the policy is told first, so a request's final event includes the window it ends in
+        run, accepted = judge_window(job.policy, drafts, targets)
+        if drafts:
             self.spec_counts["windows"] += 1
             self.spec_counts["drafted"] += len(drafts)
             self.spec_counts["accepted"] += accepted
             self.spec_accepted_lengths.append(accepted)
             if len(self.spec_accepted_lengths) > 100_000:
                 del self.spec_accepted_lengths[:50_000]
-            if job.policy is not None:
-                job.policy.update(len(drafts), accepted)
         elif job.policy is not None:
             self.spec_counts["plain_steps"] += 1
-            job.policy.on_plain_step()
         for j, tok in enumerate(run):
             self._accept_token(job, tok, trace, entries[j] if entries is not None else None)
             if job.done:

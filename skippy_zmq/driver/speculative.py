@@ -374,6 +374,19 @@ class DraftPolicy:
         self._stopped, self._probing, self._plain, self._k = True, False, 0, 0
 
 
+def judge_window(policy: DraftPolicy | None, drafts: Sequence[int], targets: Sequence[int]) -> tuple[list[int], int]:
+    """accepted_run, with the session's draft policy told what happened: a verified window
+    (`update`) or a plain step (`on_plain_step`, so a policy that stopped drafting probes again).
+    The one accept step of the scheduler and of single-process generation."""
+    run, accepted = accepted_run(drafts, targets)
+    if policy is not None:
+        if drafts:
+            policy.update(len(drafts), accepted)
+        else:
+            policy.on_plain_step()
+    return run, accepted
+
+
 def accepted_run(drafts: Sequence[int], targets: Sequence[int]) -> tuple[list[int], int]:
     """What a verified window yields: the target's tokens while they match the drafts, then the
     target's own next token; and how many drafts were accepted.
