@@ -12,11 +12,10 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import gguf
 import pytest
 
 from skippy_zmq.model.tokenizer import TextTokenizer
-from skippy_zmq.model.vocab import UnsupportedVocab, check_vocab
+from skippy_zmq.model.vocab import GGUFMetadata, UnsupportedVocab, check_vocab
 
 SEPARATOR = "\n__ggml_vocab_test__\n"
 # The vocabulary files with vectors whose tokenizer.ggml.model is gpt2 (BPE) or llama (SentencePiece).
@@ -87,7 +86,7 @@ def test_llama3_ids_and_end_of_generation(llama_cpp_models: Path) -> None:
 
 @pytest.mark.parametrize(("name", "model"), sorted(REFUSED.items()))
 def test_other_vocabularies_refused_by_name(llama_cpp_models: Path, name: str, model: str) -> None:
-    reader = gguf.GGUFReader(str(llama_cpp_models / f"ggml-vocab-{name}.gguf"))
+    reader = GGUFMetadata(str(llama_cpp_models / f"ggml-vocab-{name}.gguf"))
     with pytest.raises(UnsupportedVocab, match=f"tokenizer.ggml.model '{model}'"):
         check_vocab(reader)
 
@@ -107,3 +106,26 @@ def test_random_model_takes_a_real_vocabulary(llama_cpp_models: Path, tmp_path: 
     assert tok.encode(text, add_bos=False) == ids and tok.decode(ids) == real.decode(ids)
     assert tok.meta["chat_template"] == real.meta["chat_template"]
     assert RandomSpec(shape, layers=1, vocab=vocab).digest() != RandomSpec(shape, layers=1).digest()
+
+
+# transformers (the `parity` extra, with torch) cannot load these GGUF architectures' tokenizers
+HF_UNLOADABLE = {"command-r": "architecture command-r is not supported by transformers' GGUF loader"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_hf_dir_equals_transformers(llama_cpp_models: Path, tmp_path: Path, name: str) -> None:
+    """The tokenizer.json transformers writes from the same vocabulary, read by from_hf_dir: ids, decode
+    and the stream equal transformers' on every string (transformers is only a reference here)."""
+    pytest.importorskip("torch", reason="transformers reads GGUF tokenizers through torch (parity extra)")
+    transformers = pytest.importorskip("transformers", reason="the reference is the parity extra")
+    if name in HF_UNLOADABLE:
+        pytest.skip(HF_UNLOADABLE[name])
+    ref = transformers.AutoTokenizer.from_pretrained(str(llama_cpp_models), gguf_file=f"ggml-vocab-{name}.gguf")
+    ref.save_pretrained(tmp_path)
+    tok = TextTokenizer.from_hf_dir(tmp_path)
+    assert tok.meta["add_bos"] == (ref.encode("a")[:1] == [ref.bos_token_id] and ref.bos_token_id is not None)
+    for text, _ in read_vectors(llama_cpp_models / f"ggml-vocab-{name}.gguf"):
+        ids = ref.encode(text, add_special_tokens=False)
+        assert tok.encode(text, add_bos=False) == ids, f"{name}: {text!r}"
+        assert tok.decode(ids) == ref.decode(ids) == stream(tok, ids), f"{name}: {text!r}"

@@ -17,7 +17,7 @@ from typing import Any
 import gguf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from skippy_zmq.model.vocab import UnsupportedVocab, build_from_gguf, check_vocab, field  # noqa: F401
+from skippy_zmq.model.vocab import GGUFMetadata, UnsupportedVocab, build_from_gguf, check_vocab, field  # noqa: F401
 from skippy_zmq.model.chat_template import (
     ChatTemplates, generation_eos_ids, gguf_templates, merge_ids, read_hf_templates)
 
@@ -51,7 +51,7 @@ def _end_of_generation_ids(eos_id: int, end_ids: list[int], tokens: list[str],
     return ids
 
 
-def tokenizer_from_gguf(reader: gguf.GGUFReader) -> tuple[Tokenizer, dict[str, Any]]:
+def tokenizer_from_gguf(reader: gguf.GGUFReader | GGUFMetadata) -> tuple[Tokenizer, dict[str, Any]]:
     """Build the `tokenizers` pipeline and the metadata dict from a GGUF reader.
 
     An unsupported vocabulary type or pre-tokenizer raises vocab.UnsupportedVocab naming it."""
@@ -136,7 +136,7 @@ class TextTokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> TextTokenizer:
-        return cls(*tokenizer_from_gguf(gguf.GGUFReader(str(path))))
+        return cls(*tokenizer_from_gguf(GGUFMetadata(str(path))))   # metadata only: fast
 
     @classmethod
     def from_hf_dir(cls, directory: str | Path) -> TextTokenizer:

@@ -16,9 +16,11 @@ Any other type is refused by name (`UnsupportedVocab`) before anything heavy.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import gguf
+import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 
@@ -79,12 +81,12 @@ _SPECIAL_TYPES = (int(gguf.TokenType.UNKNOWN), int(gguf.TokenType.CONTROL))
 _USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
 
 
-def field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def field(reader: gguf.GGUFReader | GGUFMetadata, key: str, default: Any = None) -> Any:
     found = reader.fields.get(key)
     return default if found is None else found.contents()
 
 
-def check_vocab(reader: gguf.GGUFReader) -> tuple[str, str]:
+def check_vocab(reader: gguf.GGUFReader | GGUFMetadata) -> tuple[str, str]:
     """(model, pre) of the file's vocabulary, or UnsupportedVocab naming what is not implemented."""
     model = field(reader, "tokenizer.ggml.model")
     if model not in SUPPORTED_MODELS:
@@ -149,7 +151,7 @@ def add_typed_tokens(tokenizer: Tokenizer, tokens: list[str], token_types: list[
     return special + user
 
 
-def build_from_gguf(reader: gguf.GGUFReader) -> tuple[Tokenizer, str, list[int], list[str]]:
+def build_from_gguf(reader: gguf.GGUFReader | GGUFMetadata) -> tuple[Tokenizer, str, list[int], list[str]]:
     """(tokenizer, vocabulary kind "bpe"/"spm", ids matched whole, token texts) of a GGUF vocabulary."""
     model, pre = check_vocab(reader)
     tokens: list[str] = list(field(reader, "tokenizer.ggml.tokens"))
@@ -164,3 +166,65 @@ def build_from_gguf(reader: gguf.GGUFReader) -> tuple[Tokenizer, str, list[int],
                                         bool(field(reader, "tokenizer.ggml.add_space_prefix", True)))
         kind = "spm"
     return tokenizer, kind, add_typed_tokens(tokenizer, tokens, token_types), tokens
+
+
+# ---------------------------------------------------------------- metadata only, fast
+
+# GGUF value types -> numpy dtype (gguf.GGUFValueType: 8 string, 9 array)
+_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8",
+            11: "<i8", 12: "<f8"}
+
+
+class MetaField:
+    """One GGUF metadata value, read as gguf.ReaderField.contents() gives it."""
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def contents(self) -> Any:
+        return self._value
+
+
+class GGUFMetadata:
+    """A GGUF file's key/value metadata without its tensors: gguf.GGUFReader parses every array
+    element into numpy views (half a minute for a 150k-token vocabulary); this reads them at once."""
+
+    def __init__(self, path: str) -> None:
+        self.path = str(path)
+        with open(path, "rb") as f:
+            data = f.read()
+        if data[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (bad magic)")
+        self._data, pos = data, 8
+        _, n_kv = struct.unpack_from("<QQ", data, pos)
+        pos += 16
+        self.fields: dict[str, MetaField] = {}
+        for _ in range(n_kv):
+            key, pos = self._string(pos)
+            (kind,), pos = struct.unpack_from("<I", data, pos), pos + 4
+            value, pos = self._value(kind, pos)
+            self.fields[key] = MetaField(value)
+        del self._data
+
+    def _string(self, pos: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", self._data, pos)
+        return self._data[pos + 8:pos + 8 + n].decode("utf-8"), pos + 8 + n
+
+    def _value(self, kind: int, pos: int) -> tuple[Any, int]:
+        if kind == 8:
+            return self._string(pos)
+        if kind in _SCALARS:
+            value = np.frombuffer(self._data, _SCALARS[kind], 1, pos)[0].item()
+            return (bool(value) if kind == 7 else value), pos + np.dtype(_SCALARS[kind]).itemsize
+        if kind != 9:
+            raise ValueError(f"{self.path}: unknown GGUF value type {kind}")
+        item, n = struct.unpack_from("<IQ", self._data, pos)
+        pos += 12
+        if item in _SCALARS:
+            values = np.frombuffer(self._data, _SCALARS[item], n, pos)
+            return values.tolist(), pos + values.nbytes
+        out = []
+        for _ in range(n):
+            value, pos = self._value(item, pos)
+            out.append(value)
+        return out, pos
