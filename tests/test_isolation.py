@@ -166,3 +166,47 @@ def test_scheduler_one_failing_request_of_eight_the_rest_unaffected_in_the_same_
         if i != 3:
             assert tokens_of(events[i]) == tokens_of(clean[i]) and len(tokens_of(events[i])) == 6
             assert isinstance(events[i][-1], TokenEvent) and events[i][-1].finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_real_stages_one_bad_row_of_eight_the_others_unaffected(model_dir, tmp_path):
+    """2 real stage processes; 8 requests decode together, one with a logit_bias id past the
+    vocabulary (the final stage's sampler raises on its row). That one ends with its own error
+    (no 504, no timeout); the other 7 get exactly the tokens they get in a run without it."""
+    import threading
+
+    from procs import running_pipeline, write_topology
+
+    path = write_topology(tmp_path, model_dir, 2)
+    prompts = [tuple(range(100 + 7 * i, 110 + 7 * i)) for i in range(ROWS)]
+
+    def request(i: int, bad: bool) -> GenRequest:
+        sampling = SamplingParams(logit_bias=((10 ** 7, 1.0),)) if bad else SamplingParams()
+        return GenRequest(f"r{i}", prompts[i], sampling, max_tokens=8, ignore_eos=True)
+
+    def run_all(engine, bad: int | None) -> dict[int, object]:
+        out: dict[int, object] = {}
+
+        def one(i: int) -> None:
+            try:
+                out[i] = [e.token_id for e in engine.generate_blocking(request(i, i == bad))
+                          if e.token_id is not None]
+            except EngineError as exc:
+                out[i] = exc
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(ROWS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    with running_pipeline(path, tmp_path / "run") as (engine, _tok, _topo, _procs):
+        clean = run_all(engine, None)
+        got = run_all(engine, 4)
+    error = got[4]
+    assert isinstance(error, EngineError) and error.code == "internal_error" and error.status == 500
+    assert "logit_bias token ids must be" in str(error)
+    for i in range(ROWS):
+        if i != 4:
+            assert got[i] == clean[i] and len(got[i]) == 8
+    print("7/7 other rows got their tokens; the bad row ended with its own error:", error.code)
