@@ -79,7 +79,7 @@ def test_sentencepiece_spaces_bytes_and_bos(llama_cpp_models: Path, name: str) -
 
 def test_llama3_ids_and_end_of_generation(llama_cpp_models: Path) -> None:
     tok = load(llama_cpp_models, "llama-bpe")
-    assert tok.token_text(tok.bos_id) == "<|begin_of_text|>"
+    assert tok.token_text(tok.bos_id) == "<|begin_of_text|>" and tok.meta["add_bos"]   # as llama.cpp
     assert tok.encode("<|eot_id|>", add_bos=False) == [tok.tokenizer.token_to_id("<|eot_id|>")]
     assert tok.tokenizer.token_to_id("<|eot_id|>") in tok.eos_ids
 
@@ -109,7 +109,8 @@ def test_random_model_takes_a_real_vocabulary(llama_cpp_models: Path, tmp_path: 
 
 
 # transformers (the `parity` extra, with torch) cannot load these GGUF architectures' tokenizers
-HF_UNLOADABLE = {"command-r": "architecture command-r is not supported by transformers' GGUF loader"}
+HF_UNLOADABLE = {arch: f"architecture {arch} is not supported by transformers' GGUF loader"
+                 for arch in ("command-r", "mpt", "refact")}
 
 
 @pytest.mark.slow
@@ -124,7 +125,7 @@ def test_hf_dir_equals_transformers(llama_cpp_models: Path, tmp_path: Path, name
     ref = transformers.AutoTokenizer.from_pretrained(str(llama_cpp_models), gguf_file=f"ggml-vocab-{name}.gguf")
     ref.save_pretrained(tmp_path)
     tok = TextTokenizer.from_hf_dir(tmp_path)
-    assert tok.meta["add_bos"] == (ref.encode("a")[:1] == [ref.bos_token_id] and ref.bos_token_id is not None)
+    assert tok.meta["add_bos"] == (ref.bos_token_id is not None and ref.encode("a")[:1] == [ref.bos_token_id])
     for text, _ in read_vectors(llama_cpp_models / f"ggml-vocab-{name}.gguf"):
         ids = ref.encode(text, add_special_tokens=False)
         assert tok.encode(text, add_bos=False) == ids, f"{name}: {text!r}"

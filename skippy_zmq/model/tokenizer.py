@@ -17,7 +17,7 @@ from typing import Any
 import gguf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from skippy_zmq.model.vocab import GGUFMetadata, UnsupportedVocab, build_from_gguf, check_vocab, field  # noqa: F401
+from skippy_zmq.model.vocab import BOS_BY_DEFAULT, GGUFMetadata, UnsupportedVocab, build_from_gguf, check_vocab, field  # noqa: F401
 from skippy_zmq.model.chat_template import (
     ChatTemplates, generation_eos_ids, gguf_templates, merge_ids, read_hf_templates)
 
@@ -70,8 +70,8 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader | GGUFMetadata) -> tuple[Tokeniz
         "eos_ids": _end_of_generation_ids(eos_id, end_ids, tokens, special_ids),
         "pad_id": int(field(reader, "tokenizer.ggml.padding_token_id", eos_id)),
         "unk_id": int(field(reader, "tokenizer.ggml.unknown_token_id", eos_id)),
-        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
-        "add_bos": bool(field(reader, "tokenizer.ggml.add_bos_token", kind == "spm")),
+        # llama.cpp adds BOS to a SentencePiece or Llama 3 vocabulary that does not say otherwise
+        "add_bos": bool(field(reader, "tokenizer.ggml.add_bos_token", kind == "spm" or pre in BOS_BY_DEFAULT)),
         "chat_template": str(field(reader, "tokenizer.chat_template", "")),
         "pre": pre,
         "kind": kind,

@@ -73,6 +73,9 @@ PRE_TOKENIZERS: dict[str, tuple[list[str], bool]] = {
     "default": (_DEFAULT, False),
 }
 
+# llama.cpp sets add_bos for these pre-tokenizers (the file's add_bos_token, if any, decides)
+BOS_BY_DEFAULT = ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")
+
 SUPPORTED_MODELS = ("gpt2", "llama", "no_vocab")
 
 # gguf.TokenType: 2 UNKNOWN, 3 CONTROL are special (skipped when decoding with skip_special);
