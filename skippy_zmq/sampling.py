@@ -575,14 +575,13 @@ class Sampler:
         """Advance the matcher over generated token `index`; False when it refuses the token. The
         engine failing (ConstraintError) at a state a draft led to refuses that draft too: the
         driver rejects the window there, as plain decoding would never have reached it. At a
-        state of accepted tokens only, the failure is the request's and propagates."""
-        from skippy_zmq.constrain import ConstraintError
-
+        state of accepted tokens only, the failure is the request's and propagates. (A matcher
+        fails with ValueError: constrain.ConstraintError is one; constrain imports this module.)"""
         try:
             if not self.matcher.allows(token):
                 return False
             self.matcher.advance(token)
-        except ConstraintError:
+        except ValueError:
             if index <= self._drafts_from:   # the state is reached by accepted tokens alone
                 raise
             return False
@@ -594,11 +593,9 @@ class Sampler:
         count = position + 1 - len(self.history.prompt)
         if self.matcher is None or not self._sync(count):
             return None
-        from skippy_zmq.constrain import ConstraintError
-
         try:
             return self.matcher.mask()
-        except ConstraintError:   # a dead end a draft led to: refused there (see _takes)
+        except ValueError:   # a dead end a draft led to: refused there (see _takes)
             if min(count, len(self._consumed)) <= self._drafts_from:
                 raise
             self.refused_at = len(self._consumed) - 1
