@@ -50,16 +50,20 @@ def test_ids_equal_llama_cpp(llama_cpp_models: Path, name: str) -> None:
     assert len(vectors) > 30
 
 
-def stream(tok: TextTokenizer, ids: list[int]) -> str:
-    decoder = tok.stream_decoder(skip_special=False)
+def stream(tok: TextTokenizer, ids: list[int], skip_special: bool = False) -> str:
+    decoder = tok.stream_decoder(skip_special=skip_special)
     return "".join(decoder.push(i) for i in ids) + decoder.flush()
 
 
 @pytest.mark.parametrize("name", SUPPORTED)
 def test_stream_equals_decode(llama_cpp_models: Path, name: str) -> None:
+    """Every string, as it is and behind the BOS the server skips (multi-byte characters split
+    across tokens and SentencePiece's leading spaces included)."""
     tok = load(llama_cpp_models, name)
     for text, ids in read_vectors(llama_cpp_models / f"ggml-vocab-{name}.gguf"):
         assert stream(tok, ids) == tok.decode(ids), f"{name}: {text!r}"
+        with_bos = [tok.bos_id, *ids]
+        assert stream(tok, with_bos, True) == tok.decode(with_bos, skip_special=True), f"{name}: {text!r}"
 
 
 @pytest.mark.parametrize("name", ["llama-spm", "phi-3"])
