@@ -16,6 +16,7 @@ Any other type is refused by name (`UnsupportedVocab`) before anything heavy.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from typing import Any
 
@@ -194,20 +195,20 @@ class GGUFMetadata:
 
     def __init__(self, path: str) -> None:
         self.path = str(path)
-        with open(path, "rb") as f:
-            data = f.read()
-        if data[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (bad magic)")
-        self._data, pos = data, 8
-        _, n_kv = struct.unpack_from("<QQ", data, pos)
-        pos += 16
-        self.fields: dict[str, MetaField] = {}
-        for _ in range(n_kv):
-            key, pos = self._string(pos)
-            (kind,), pos = struct.unpack_from("<I", data, pos), pos + 4
-            value, pos = self._value(kind, pos)
-            self.fields[key] = MetaField(value)
-        del self._data
+        # mapped, not read: a whole model's GGUF holds its weights after the metadata
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != b"GGUF":
+                raise ValueError(f"{path} is not a GGUF file (bad magic)")
+            self._data, pos = data, 8
+            _, n_kv = struct.unpack_from("<QQ", data, pos)
+            pos += 16
+            self.fields: dict[str, MetaField] = {}
+            for _ in range(n_kv):
+                key, pos = self._string(pos)
+                (kind,), pos = struct.unpack_from("<I", data, pos), pos + 4
+                value, pos = self._value(kind, pos)
+                self.fields[key] = MetaField(value)
+            del self._data
 
     def _string(self, pos: int) -> tuple[str, int]:
         (n,) = struct.unpack_from("<Q", self._data, pos)
