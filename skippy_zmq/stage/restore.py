@@ -98,7 +98,7 @@ class RestoreRoutes:
         if route == Route.DIRECT_MISS:
             return [self._ack(msg, self._event(route, msg, 0, t0))]
         session = self._restore(msg, entry, prefix)
-        if w.info.last and "sampling" in msg.extras:
+        if w.info.last:   # a fused restore configures the final stage, as CONFIGURE_GENERATION does
             session.set_sampler(w.make_sampler(msg.extras, msg.tokens.tolist()))
         # `current` runs as an ordinary one-token DECODE at its absolute position.
         position = entry.length
