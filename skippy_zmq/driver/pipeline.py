@@ -20,7 +20,7 @@ import zmq
 from loguru import logger
 
 from skippy_zmq import transport, wire
-from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
+from skippy_zmq.driver.engine import ChoiceControl, EngineError, GenRequest, TokenEvent
 from skippy_zmq.driver.prefix_index import PrefixIndex
 from skippy_zmq.driver.scheduler import Scheduler, SchedulerConfig
 from skippy_zmq.fencing import ChainView

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from skippy_zmq.config import ModelConfig
+from skippy_zmq.model.rope_config import ConvertError, hf_rope
 
 HF_TYPES = ("gemma3_text", "phi3")
 GGUF_ARCHS = ("gemma3", "phi3")
@@ -35,8 +36,6 @@ LAYER_KINDS = {"full_attention", "sliding_attention"}
 
 
 def _error(message: str) -> Exception:
-    from skippy_zmq.model.families import ConvertError
-
     return ConvertError(message)
 
 
@@ -80,8 +79,6 @@ def hf_config(config: dict[str, Any], name: str = "") -> ModelConfig:
 
 
 def gemma3_hf(config: dict[str, Any], name: str) -> ModelConfig:
-    from skippy_zmq.model.families import hf_rope
-
     # attn_logit_softcapping: transformers' Gemma 3 stores it but never applies it, llama.cpp asserts it
     # is unset; which of the two a file means is unknown, so it is refused
     _refuse(config, {"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
