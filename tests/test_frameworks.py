@@ -12,9 +12,7 @@ from typing import Literal
 
 import pytest
 
-from procs import running_pipeline, write_topology
-from skippy_zmq.driver.main import build_app
-from skippy_zmq.driver.server import start_in_thread
+from procs import serving, write_topology
 
 pytestmark = pytest.mark.slow
 
@@ -50,12 +48,8 @@ def get_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
 def url(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("frameworks")
     path = write_topology(tmp, model_dir, 2, kv_lanes=2, driver__max_sessions=2)
-    with running_pipeline(path, tmp / "run") as (engine, tokenizer, topology, _):
-        handle = start_in_thread(build_app(topology, engine, tokenizer))
-        try:
-            yield handle.url
-        finally:
-            handle.stop()
+    with serving(path, tmp / "run") as (_, _, _, url):
+        yield url
 
 
 class Tries:

@@ -15,9 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from skippy_zmq.driver.main import build_app
-from skippy_zmq.driver.server import start_in_thread
-from skippy_zmq.harness import running_pipeline, write_topology
+from procs import serving, write_topology
 from skippy_zmq.model.random_model import RandomSpec, write_random_model
 from skippy_zmq.model.tokenizer import META_FILE, TextTokenizer
 
@@ -45,12 +43,8 @@ def served(llama_cpp_models: Path, tmp_path_factory):
     meta["chat_templates"] = {}
     (model / META_FILE).write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
     path = write_topology(tmp, model, 2, weights="q4", kv_lanes=2, driver__max_sessions=2)
-    with running_pipeline(path, tmp / "run") as (engine, tokenizer, topology, _):
-        handle = start_in_thread(build_app(topology, engine, tokenizer))
-        try:
-            yield openai.OpenAI(base_url=handle.url + "/v1", api_key="x", max_retries=0), tokenizer
-        finally:
-            handle.stop()
+    with serving(path, tmp / "run") as (_, tokenizer, _, url):
+        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0), tokenizer
 
 
 def test_template_applied_and_stream_equals_text_equals_decode(served) -> None:

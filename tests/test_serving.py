@@ -11,9 +11,7 @@ import httpx
 import openai
 import pytest
 
-from procs import running_pipeline, write_topology
-from skippy_zmq.driver.main import build_app
-from skippy_zmq.driver.server import start_in_thread
+from procs import serving, write_topology
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Name three primes.",
              "Why is the sky blue?", "Say hello in Spanish.", "What is 7 times 8?", "Describe a cat.",
@@ -24,12 +22,8 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Nam
 def served(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serving")
     path = write_topology(tmp, model_dir, 2, kv_lanes=8, driver__max_sessions=8)
-    with running_pipeline(path, tmp / "run") as (engine, tokenizer, topology, _):
-        handle = start_in_thread(build_app(topology, engine, tokenizer))
-        try:
-            yield engine, handle.url
-        finally:
-            handle.stop()
+    with serving(path, tmp / "run") as (engine, _, _, url):
+        yield engine, url
 
 
 def client(url: str) -> openai.OpenAI:

@@ -13,9 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from procs import running_pipeline, write_topology
-from skippy_zmq.driver.main import build_app
-from skippy_zmq.driver.server import start_in_thread
+from procs import serving, write_topology
 
 pytestmark = pytest.mark.slow
 
@@ -50,13 +48,9 @@ def served(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("structured")
     path = write_topology(tmp, model_dir, 2, kv_lanes=4, driver__max_sessions=4,
                           driver__speculative={"method": "ngram"})
-    with running_pipeline(path, tmp / "run") as (engine, tokenizer, topology, _):
+    with serving(path, tmp / "run") as (engine, _, topology, url):
         assert topology.driver.speculative.enabled
-        handle = start_in_thread(build_app(topology, engine, tokenizer))
-        try:
-            yield engine, handle.url
-        finally:
-            handle.stop()
+        yield engine, url
 
 
 @pytest.fixture(scope="module")
