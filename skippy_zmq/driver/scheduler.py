@@ -491,7 +491,9 @@ class Scheduler:
     def _start(self, job: Job) -> None:
         self.running[job.session_id] = job
         job.next_token, job.next_pos = job.prompt[-1], len(job.prompt) - 1
-        if self.cfg.speculative.enabled and job.req.speculative is not False:
+        # n > 1: only choice 0 drafts (a forked choice's sampled windows drifted from its plain
+        # decode in one measured case; until that is found, the other choices decode plainly)
+        if self.cfg.speculative.enabled and job.req.speculative is not False and not job.choice:
             job.proposer = NgramProposer(self.cfg.speculative, job.prompt)
             job.policy = DraftPolicy(self.cfg.speculative)
 
