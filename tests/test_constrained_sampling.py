@@ -1,4 +1,4 @@
-"""Sampler + constraint matcher (skippy_zmq/sampling.py with skippy_zmq/constrain.py): the mask
+"""Sampler + constraint matcher (skippy_zmq/sampling/ with skippy_zmq/constrain.py): the mask
 follows the generated tokens as the penalty history does, through windows, rejected drafts,
 truncation and puts; greedy and sampled outputs always parse."""
 

@@ -98,7 +98,7 @@ def test_top_p_large_vocab_keeps_smallest_top_prefix(temperature: float) -> None
 
 
 def test_draw_inverse_cdf_across_blocks() -> None:
-    from skippy_zmq.sampling import _draw
+    from skippy_zmq.sampling.transforms import _draw
 
     flat = np.ones(1000, np.float32)
     assert [_draw(flat, u) for u in (0.0, 0.2555, 0.2565, 0.5, 0.9999)] == [0, 255, 256, 500, 999]
