@@ -13,7 +13,6 @@ from skippy_zmq.sampling import (
     TokenHistory,
     adjust_logits,
     candidate_probs,
-    sample_rows,
     token_logprobs,
     uniform,
 )
@@ -26,9 +25,17 @@ def logits() -> np.ndarray:
     return np.random.default_rng(0).normal(0.0, 2.0, VOCAB).astype(np.float32)
 
 
+def decode(sampler: Sampler, logits: np.ndarray) -> int:
+    """One plain decode step as the final stage takes it: choose from the logits at the last held
+    position, then put the chosen token at the next one (the input of the next step)."""
+    token = sampler.choose(logits, sampler.length - 1)
+    sampler.put(sampler.length, [token])
+    return token
+
+
 def draws(params: SamplingParams, logits: np.ndarray, n: int, prompt: tuple[int, ...] = ()) -> list[int]:
     sampler = Sampler(params, prompt)
-    return [sampler.sample(logits) for _ in range(n)]
+    return [decode(sampler, logits) for _ in range(n)]
 
 
 def test_greedy_is_argmax(logits: np.ndarray) -> None:
@@ -37,7 +44,7 @@ def test_greedy_is_argmax(logits: np.ndarray) -> None:
     assert draws(params, logits, 3) == [int(np.argmax(logits))] * 3
     tied = np.zeros(8, np.float32)
     tied[[3, 5]] = 1.0
-    assert Sampler(params).sample(tied) == 3  # ties go to the lowest index
+    assert decode(Sampler(params), tied) == 3  # ties go to the lowest index
 
 
 def test_greedy_flag_off_with_penalties() -> None:
@@ -153,7 +160,7 @@ def test_logit_bias_forces_and_bans(logits: np.ndarray) -> None:
 def test_logit_bias_vocab_checked_at_sample_time(logits: np.ndarray) -> None:
     sampler = Sampler(SamplingParams(temperature=1.0, logit_bias=((VOCAB, 1.0),)))
     with pytest.raises(ValueError, match=r"^logit_bias"):
-        sampler.sample(logits)
+        decode(sampler, logits)
 
 
 def test_repetition_penalty_direction() -> None:
@@ -176,27 +183,26 @@ def test_presence_and_frequency_penalties() -> None:
 def test_sampler_applies_penalties_from_history() -> None:
     # Two equal-best tokens; repetition penalty on the prompt token flips greedy.
     x = np.array([3.0, 3.0, 0.0], np.float32)
-    assert Sampler(SamplingParams(repetition_penalty=1.5), prompt_ids=[0]).sample(x) == 1
+    assert decode(Sampler(SamplingParams(repetition_penalty=1.5), prompt_ids=[0]), x) == 1
     sampler = Sampler(SamplingParams(frequency_penalty=1.0))
-    assert [sampler.sample(x) for _ in range(4)] == [0, 1, 0, 1]
+    assert [decode(sampler, x) for _ in range(4)] == [0, 1, 0, 1]
     assert sampler.generated == [0, 1, 0, 1]
 
 
-def test_accept_records_forced_tokens() -> None:
+def test_put_records_forced_tokens() -> None:
     sampler = Sampler(SamplingParams(presence_penalty=2.0))
-    sampler.accept(0)
-    assert sampler.generated == [0]
-    assert sampler.sample(np.array([1.0, 0.0], np.float32)) == 1
+    sampler.put(0, [0])                # a token chosen elsewhere, at the next position
+    assert sampler.generated == [0] and sampler.length == 1
+    assert decode(sampler, np.array([1.0, 0.0], np.float32)) == 1
 
 
-def test_sample_rows() -> None:
+def test_each_row_with_its_own_sampler() -> None:
+    """Rows of a batch are chosen by their own samplers: a greedy row and a sampled top-k 1 row
+    both give their row's argmax, and neither sampler's history sees the other's token."""
     x = np.array([[0.0, 5.0, 1.0], [9.0, 0.0, 1.0]], np.float32)
     samplers = [Sampler(SamplingParams()), Sampler(SamplingParams(temperature=0.5, top_k=1, seed=0))]
-    out = sample_rows(samplers, x)
-    assert out.dtype == np.int32
-    np.testing.assert_array_equal(out, [1, 0])
-    with pytest.raises(ValueError):
-        sample_rows(samplers[:1], x)
+    assert [decode(s, row) for s, row in zip(samplers, x)] == [1, 0]
+    assert [s.generated for s in samplers] == [[1], [0]]
 
 
 @pytest.mark.parametrize(
@@ -320,7 +326,7 @@ def step_by_step(params: SamplingParams, prompt: list[int], steps: int) -> list[
     sampler = Sampler(params, prompt)
     out: list[int] = []
     for _ in range(steps):
-        out.append(sampler.sample(context_logits(prompt + out)))
+        out.append(decode(sampler, context_logits(prompt + out)))
     return out
 
 
@@ -377,8 +383,7 @@ def test_rejected_windows_reproduce_step_by_step(params: SamplingParams) -> None
     # once the last accepted token is put, the history is a plain decode's, penalties included
     sampler.put(len(seq) - 1, [seq[-1]])
     plain = Sampler(params, prompt)
-    for tok in out:
-        plain.accept(tok)
+    plain.put(len(prompt), out)
     assert sampler.generated == plain.generated == out
     x = context_logits(seq)
     np.testing.assert_array_equal(adjust_logits(x, params, sampler.history), adjust_logits(x, params, plain.history))
@@ -441,7 +446,7 @@ def test_choose_uses_history_through_its_position() -> None:
 def test_sample_window_on_fresh_prompt_window_at_last_prompt_token(logits: np.ndarray) -> None:
     params = SamplingParams(temperature=1.0, seed=5, frequency_penalty=0.5)
     prompt = [1, 2, 3]
-    first = Sampler(params, prompt).sample(logits)
+    first = decode(Sampler(params, prompt), logits)
     sampler = Sampler(params, prompt)
     got = sampler.sample_window(np.stack([logits, logits]), 2, [3, first])
     assert got[0] == first and sampler.length == 4
@@ -525,7 +530,7 @@ def test_window_logprobs_equal_step_by_step(params: SamplingParams) -> None:
         # the values are over the adjusted logits only: temperature and filters do not enter
         assert entry[0] == pytest.approx(reference_logprobs(adjust_logits(row, params, step.history))[token],
                                          abs=1e-9)
-        step.accept(token)
+        step.put(step.length, [token])
         tokens.append(token)
         entries.append(entry)
     # the same in windows of 1..5 positions whose inputs are what step-by-step fed back
@@ -561,4 +566,4 @@ def test_a_tiny_repetition_penalty_never_overflows_to_inf() -> None:
         params = SamplingParams(repetition_penalty=2.300957280988195e-178, temperature=temperature, seed=1)
         adjusted = adjust_logits(logits, params, TokenHistory([0]))
         assert np.isfinite(adjusted).all() and adjusted[0] == np.finfo(np.float32).max and adjusted[3] == -1.0
-        assert Sampler(params, [0]).sample(logits) == 0
+        assert decode(Sampler(params, [0]), logits) == 0

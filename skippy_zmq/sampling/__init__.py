@@ -14,7 +14,7 @@ sequence's state and the calls the final stage makes). The names callers import 
 from skippy_zmq.sampling.history import TokenHistory
 from skippy_zmq.sampling.parameters import MAX_TOP_LOGPROBS, SamplingParams, check_top_logprobs
 from skippy_zmq.sampling.rng import uniform
-from skippy_zmq.sampling.sampler import Sampler, sample_rows
+from skippy_zmq.sampling.sampler import Sampler
 from skippy_zmq.sampling.transforms import (
     TokenLogprobs,
     adjust_logits,
@@ -25,5 +25,5 @@ from skippy_zmq.sampling.transforms import (
 
 __all__ = [
     "MAX_TOP_LOGPROBS", "Sampler", "SamplingParams", "TokenHistory", "TokenLogprobs", "adjust_logits",
-    "candidate_probs", "check_top_logprobs", "mask_logits", "sample_rows", "token_logprobs", "uniform",
+    "candidate_probs", "check_top_logprobs", "mask_logits", "token_logprobs", "uniform",
 ]

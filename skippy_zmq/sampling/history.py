@@ -161,13 +161,6 @@ class TokenHistory:
             self._generated.add(token)
             self._seen.add(token)
 
-    def add(self, token: int) -> None:
-        """Record a token at the next position (put(length, [token]), without the checks)."""
-        token = int(token)
-        self.generated.append(token)
-        self._generated.add(token)
-        self._seen.add(token)
-
     def prefix(self, length: int) -> TokenHistory:
         """A new history of positions [0, length) only (slow path; copies)."""
         length = max(0, int(length))

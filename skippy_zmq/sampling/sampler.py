@@ -218,17 +218,6 @@ class Sampler:
         token = self._pick(scored, position)
         return token, token_logprobs(scored, token, top_n)
 
-    def sample(self, logits: np.ndarray) -> int:
-        """Choose the next token from logits [vocab] at the last held position, and record it."""
-        history = self.history
-        token = self.choose(logits, len(history.prompt) + len(history.generated) - 1)
-        history.add(token)
-        return token
-
-    def accept(self, token: int) -> None:
-        """Record a token chosen elsewhere (forced, or from another sampler) at the next position."""
-        self.history.add(token)
-
     def sample_window(self, logits: np.ndarray, start: int, tokens: Sequence[int]) -> list[int]:
         """Sample every position of a verify window; returns the token after each.
 
@@ -280,10 +269,3 @@ class Sampler:
             yield
         finally:
             self._drafts_from = 1 << 62
-
-
-def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray) -> np.ndarray:
-    """Sample one token per row of logits [rows, vocab], row i with samplers[i]."""
-    if logits.ndim != 2 or logits.shape[0] != len(samplers):
-        raise ValueError(f"logits shape {logits.shape} does not match {len(samplers)} samplers")
-    return np.array([s.sample(row) for s, row in zip(samplers, logits)], dtype=np.int32)
