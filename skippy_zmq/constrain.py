@@ -421,27 +421,3 @@ class Matcher:
         if self._mask_state > target:
             self._mask_state = -1  # computed past the new end: stale
         self.length = target
-
-    def advance_drafts(self, drafts: list[int]) -> tuple[np.ndarray, int]:
-        """Masks for a speculative window: row i is the mask after drafts[:i]. Advances over the
-        drafts the constraint allows and stops at the first it does not; returns (masks of shape
-        (len(drafts) + 1, vocab_size), how many were advanced). Rows after a refused draft allow
-        everything: verification rejects at the refused one. Roll back to the accepted length."""
-        masks = np.ones((len(drafts) + 1, self.info.vocab_size), dtype=bool)
-        masks[0] = self.mask()
-        advanced = 0
-        for i, token in enumerate(drafts):
-            if not masks[i][token]:
-                break
-            self.advance(token)
-            advanced += 1
-            masks[i + 1] = self.mask()
-        return masks, advanced
-
-    def accepts_eos(self) -> bool:
-        """Whether EOS is allowed now (the output so far satisfies the constraint)."""
-        return self._eos_at is not None or self.allows(self.info.eos_ids[0])
-
-    def is_finished(self) -> bool:
-        """Whether the constraint is complete: nothing but EOS may follow (or EOS was taken)."""
-        return self._eos_at is not None or self._engine.is_stopped()

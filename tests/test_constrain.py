@@ -22,6 +22,7 @@ from skippy_zmq.constrain import (
     validate,
 )
 from skippy_zmq.driver.tools import GENERIC, validate_tools
+from skippy_zmq.sampling import Sampler, SamplingParams
 
 SCHEMAS = json.loads((Path(__file__).parent / "fixtures" / "json_schemas.json").read_text())
 
@@ -41,17 +42,24 @@ def closing_tokens(info) -> np.ndarray:
     return np.array([bool(set(t) & CLOSERS) and not set(t) & OPENERS for t in texts])
 
 
+def allows_only_eos(matcher: Matcher) -> bool:
+    """Whether the constraint is complete: its mask allows EOS and nothing else."""
+    return set(np.flatnonzero(matcher.mask()).tolist()) == set(matcher.info.eos_ids)
+
+
 def random_walk(matcher: Matcher, closing: np.ndarray, rng: np.random.Generator,
                 max_tokens: int = 300) -> list[int]:
-    """Sample allowed tokens at random, half the time among closing ones, until EOS."""
+    """Sample allowed tokens at random, half the time among closing ones, until EOS (taken as soon as
+    the mask allows it and nothing else, else half the time it is allowed)."""
     eos = matcher.info.eos_ids[0]
     tokens: list[int] = []
     while len(tokens) < max_tokens:
         mask = matcher.mask()
-        if matcher.accepts_eos() and (matcher.is_finished() or rng.random() < 0.5):
+        eos_allowed = bool(mask[eos])
+        mask[list(matcher.info.eos_ids)] = False
+        if eos_allowed and (not mask.any() or rng.random() < 0.5):
             matcher.advance(eos)
             return tokens
-        mask[list(matcher.info.eos_ids)] = False
         closing_allowed = np.flatnonzero(mask & closing)
         pool = closing_allowed if len(closing_allowed) and rng.random() < 0.5 else np.flatnonzero(mask)
         token = int(rng.choice(pool))
@@ -190,7 +198,7 @@ def test_tool_call_spec(info):
         text = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
         for token in info.tokenizer.encode(text, add_bos=False):
             matcher.advance(token)
-        assert matcher.accepts_eos() and matcher.is_finished()
+        assert allows_only_eos(matcher)
 
 
 def test_tool_call_walk(info, closing_tokens):
@@ -279,10 +287,9 @@ def test_grammar_walk(info, closing_tokens):
 def test_only_eos_when_complete(info):
     matcher = Matcher(ConstraintSpec("json_schema", SCHEMAS["enum"]), info)
     for token in info.tokenizer.encode('{"color": "red", "size": "S", "level": 3}', add_bos=False):
-        assert not matcher.is_finished()
+        assert not allows_only_eos(matcher)
         matcher.advance(token)
-    assert matcher.is_finished() and matcher.accepts_eos()
-    assert set(np.flatnonzero(matcher.mask())) == set(info.eos_ids)
+    assert allows_only_eos(matcher)
     logits = np.zeros(info.vocab_size + 8, np.float32)  # a padded vocabulary
     matcher.apply(logits)
     assert set(np.flatnonzero(np.isfinite(logits))) == set(info.eos_ids)
@@ -327,26 +334,36 @@ def test_rollback_gives_the_same_masks(info, closing_tokens):
         for position in range(k - j, len(tokens)):
             assert (matcher.mask() == masks[position]).all(), position
             matcher.advance(tokens[position])
-        assert matcher.is_finished()
+        assert matcher.length == len(tokens) and allows_only_eos(matcher)   # EOS taken: only EOS follows
     with pytest.raises(ValueError):
         matcher.rollback(matcher.length + 1)
 
 
-def test_advance_drafts(info):
+def test_window_drafts_stop_the_matcher_at_the_first_refused_one(info):
+    """A verify window's drafts, put into the sampler, move its matcher: each position is masked as
+    after the drafts before it, the first draft the constraint refuses stops it there (no mask
+    from there on), and truncating to the drafts the verifier accepted rolls it back to their state."""
     spec = ConstraintSpec("json_schema", SCHEMAS["flat"])
     text = '{"name": "Ada", "age": 36, "score": 1.5, "active": true}'
     tokens = info.tokenizer.encode(text, add_bos=False)
-    matcher = Matcher(spec, info)
     probe = Matcher(spec, info)
+    masks = [probe.mask().copy()]
     for token in tokens[:4]:
         probe.advance(token)
-    bad = int(np.flatnonzero(~probe.mask())[0])
+        masks.append(probe.mask().copy())
+    bad = int(np.flatnonzero(~masks[4])[0])
     drafts = tokens[:4] + [bad] + tokens[5:7]
-    masks, advanced = matcher.advance_drafts(drafts)
-    assert advanced == 4 and matcher.length == 4 and masks.shape == (8, info.vocab_size)
-    assert not masks[4][bad] and masks[5:].all()
-    matcher.rollback(advanced - 2)  # the verifier accepted two drafts
-    assert (matcher.mask() == masks[2]).all()
+    prompt = [1]                                 # the drafts are the generated tokens from position 1 on
+    matcher = Matcher(spec, info)
+    sampler = Sampler(SamplingParams(), prompt, matcher=matcher)
+    sampler.put(len(prompt), drafts)
+    for j in range(5):                           # the mask for the token after drafts[:j]
+        np.testing.assert_array_equal(sampler.constraint_mask(j), masks[j])
+    assert sampler.constraint_mask(5) is None and sampler.constraint_mask(7) is None
+    assert sampler.refused_at == 4 and matcher.length == 4
+    sampler.truncate(len(prompt) + 2)            # the verifier accepted two drafts
+    np.testing.assert_array_equal(sampler.constraint_mask(2), masks[2])
+    assert matcher.length == 2
 
 
 def test_mask_logits_and_stats(info):

@@ -177,7 +177,7 @@ def test_forced_calls_compile_and_accept_their_format(info, fmt):
                "generic": '{"name": "get_time", "arguments": {}}'}[fmt.name]
     matcher = Matcher(fmt.constraint(REQUIRED), info)
     _walk(matcher, info.tokenizer, written)
-    assert matcher.accepts_eos()
+    assert matcher.allows(info.eos_ids[0])
     content, calls = fmt.parse(fmt.constrained_prefix(REQUIRED) + written, REQUIRED, ids())
     assert content is None and _calls(calls) == [("get_time", {})]
 
