@@ -108,13 +108,13 @@ def timeline(model: Path, n_stages: int, fmt: str, index: int, context: int | No
         return wrapper
 
     threading.Thread(target=sample, daemon=True).start()
-    load, warm = factory.weights.load_slice, runner_module.SliceRunner.warmup
-    factory.weights.load_slice = phased(load, "restore", "restored")
+    load, warm = factory.loader.load_slice, runner_module.SliceRunner.warmup
+    factory.loader.load_slice = phased(load, "restore", "restored")
     runner_module.SliceRunner.warmup = phased(warm, "compile", "compiled")
     try:
         runner = factory.build_worker(topology, stage).runner
     finally:
-        factory.weights.load_slice, runner_module.SliceRunner.warmup = load, warm
+        factory.loader.load_slice, runner_module.SliceRunner.warmup = load, warm
     mark("ready")
     width = () if runner.first else (runner.cfg.d_model,)
     dtype = np.int32 if runner.first else np.float32

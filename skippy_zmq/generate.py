@@ -15,7 +15,7 @@ import numpy as np
 
 from skippy_zmq.config import KVConfig
 from skippy_zmq.driver.speculative import DraftPolicy, NgramProposer, SpeculativeConfig, judge_window
-from skippy_zmq.model.weights import load_slice
+from skippy_zmq.model.loader import load_slice
 from skippy_zmq.model.runner import SliceRunner, resolve_device
 from skippy_zmq.model.tokenizer import TextTokenizer
 from skippy_zmq.sampling import Sampler, SamplingParams

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import REPO, TINY
 
-from skippy_zmq.model import checkpoint, quant, sources, weights
+from skippy_zmq.model import checkpoint, loader, quant, sources, weights
 from skippy_zmq.model.checkpoint import CheckpointError, CheckpointWriter
 from skippy_zmq.model.convert import LAYER_NAMES, TOP_NAMES, stream_checkpoint, unpermute_rows
 
@@ -60,7 +60,7 @@ def test_stage_nbytes_is_what_a_stage_holds(converted, fmt):
     import jax
 
     for start, end in [(0, 1), (1, 3), (3, 4), (0, 4)]:
-        _, params = weights.load_slice(converted(fmt), start, end, fmt=fmt)
+        _, params = loader.load_slice(converted(fmt), start, end, fmt=fmt)
         held = sum(np.asarray(a).nbytes for a in jax.tree.leaves(params))
         assert checkpoint.stage_nbytes(TINY, start, end, fmt) == held, (start, end)
 
@@ -68,7 +68,7 @@ def test_stage_nbytes_is_what_a_stage_holds(converted, fmt):
 @pytest.mark.parametrize("fmt", ["f32", "bf16"])
 def test_float_round_trip(converted, fmt, tiny_tree):
     path = converted(fmt)
-    _, got = weights.load_slice(path, fmt=fmt)
+    _, got = loader.load_slice(path, fmt=fmt)
     cast = (lambda a: a) if fmt == "f32" else (lambda a: np.asarray(a, ml_dtypes.bfloat16).astype(np.float32))
     np.testing.assert_array_equal(np.asarray(got["embed"]), cast(tiny_tree["embed"]))
     np.testing.assert_array_equal(np.asarray(got["layers"][2]["w_down"]), cast(tiny_tree["layers"]["2"]["w_down"]))
@@ -79,7 +79,7 @@ def test_float_round_trip(converted, fmt, tiny_tree):
 def test_quantised_checkpoint_keeps_the_levels_quantising_at_load_makes(converted, fmt, tiny_tree):
     """Same levels as weights.to_runtime's quantisation; scales and offsets differ only by f16 rounding."""
     path = converted(fmt)
-    _, got = weights.load_slice(path, fmt=fmt)
+    _, got = loader.load_slice(path, fmt=fmt)
     want = weights.to_runtime(tiny_tree, np.float32, quantize=fmt)
     for g, w in [(got["layers"][1]["wq"], want["layers"][1]["wq"]), (got["head"], want["head"])]:
         assert (g.bits, g.n) == (w.bits, w.n) and g.bits == (8 if w is want["head"] else {"q4": 4, "int8": 8}[fmt])
@@ -112,7 +112,7 @@ def test_last_stage_gets_the_tied_embedding_as_its_int8_head(tmp_path, tiny_tree
     last = checkpoint.restore_stage(path, TINY, 3, 4)
     assert sorted(last) == ["embed", "layers", "norm"] and last["embed"]["q"].dtype == np.int8
     assert last["embed"]["q"].shape == (97, 64)     # three row blocks put back together
-    _, params = weights.load_slice(path, 3, 4, fmt="q4")
+    _, params = loader.load_slice(path, 3, 4, fmt="q4")
     assert params["head"].bits == 8 and params["layers"][0]["w_up"].bits == 4
     assert "embed" not in params      # not first: the int8 head is all it needs of the embedding
     np.testing.assert_array_equal(quant.levels(params["head"]), last["embed"]["q"].T)
@@ -124,19 +124,19 @@ def test_a_finer_format_than_stored_is_refused(converted, fmt):
     finer = checkpoint.FORMATS[:checkpoint.FORMATS.index(fmt)]
     for asked in finer:
         with pytest.raises(CheckpointError) as err:
-            weights.load_slice(path, 0, 1, fmt=asked)
+            loader.load_slice(path, 0, 1, fmt=asked)
         allowed = ", ".join(checkpoint.FORMATS[checkpoint.FORMATS.index(fmt):])
         only = " only" if fmt == "q4" else ""
         assert str(err.value) == (f"checkpoint stores {fmt}; a stage can run {allowed}{only} (asked for {asked}): "
                                   f"re-convert with --weights {asked}")
     if fmt == "q4":
         with pytest.raises(CheckpointError, match=r"^checkpoint stores q4; a stage can run q4 only \(asked for f32\)"):
-            weights.load_slice(path, 0, 1)          # the default (quantize=None) means f32
+            loader.load_slice(path, 0, 1)          # the default (quantize=None) means f32
 
 
 def test_coarser_formats_requantise_at_load(tmp_path, tiny_tree):
     path = write_tree(tmp_path / "m", tiny_tree, "int8")
-    _, got = weights.load_slice(path, 0, 1, fmt="q4")
+    _, got = loader.load_slice(path, 0, 1, fmt="q4")
     stored = checkpoint.restore_stage(path, TINY, 0, 1)["layers"]["0"]["w_gate"]
     want = quant.to_qtensor(checkpoint.to_float(stored).T, bits=4)
     assert got["layers"][0]["w_gate"].bits == 4
@@ -147,9 +147,9 @@ def test_older_single_pytree_checkpoint_still_loads_as_f32(tmp_path, tiny_tree):
     weights.save_params(tmp_path / "params", tiny_tree)
     TINY.save(tmp_path / "model.json")
     assert checkpoint.stored_weights(tmp_path) == "f32"
-    _, got = weights.load_slice(tmp_path, 1, 2)
+    _, got = loader.load_slice(tmp_path, 1, 2)
     np.testing.assert_array_equal(np.asarray(got["layers"][0]["wk"]), tiny_tree["layers"]["1"]["wk"])
-    _, q4 = weights.load_slice(tmp_path, 3, 4, fmt="q4")
+    _, q4 = loader.load_slice(tmp_path, 3, 4, fmt="q4")
     assert q4["layers"][0]["wq"].bits == 4 and q4["head"].bits == 8
 
 
@@ -168,8 +168,8 @@ def test_a_bf16_stage_holds_bf16_matrices_and_computes_like_f32(tmp_path, tiny_t
         path = tmp_path
     else:
         path = converted("f32")
-    _, f32 = weights.load_slice(path, fmt="f32")
-    _, bf16 = weights.load_slice(path, fmt="bf16")
+    _, f32 = loader.load_slice(path, fmt="f32")
+    _, bf16 = loader.load_slice(path, fmt="bf16")
     assert bf16["layers"][1]["w_up"].dtype == jnp.bfloat16 and bf16["embed"].dtype == jnp.bfloat16
     assert bf16["layers"][1]["attn_norm"].dtype == jnp.float32 and bf16["norm"].dtype == jnp.float32
     held = sum(np.asarray(a).nbytes for a in jax.tree.leaves(bf16))
@@ -247,7 +247,7 @@ def test_gguf_q4_levels_reach_the_runtime_unchanged(tmp_path, tiny_tree):
     t = next(t for t in raw if t.name == "blk.0.ffn_up.weight")
     blocks = np.asarray(t.data).reshape(128, 2, 20)              # [out, blocks, d m + 16 bytes]
     levels = np.concatenate([blocks[..., 4:] & 15, blocks[..., 4:] >> 4], axis=-1).reshape(128, 64)
-    _, params = weights.load_slice(path, 0, 1, fmt="q4")
+    _, params = loader.load_slice(path, 0, 1, fmt="q4")
     np.testing.assert_array_equal(quant.levels(params["layers"][0]["w_up"]), levels.T)
     np.testing.assert_array_equal(np.asarray(quant.embed_rows(params["embed"], np.arange(97))),
                                   held["token_embd.weight"])   # Q8_0 rows, exactly
@@ -298,7 +298,7 @@ def test_q4_checkpoint_runs_cached_decode_like_its_full_forward(tmp_path, tiny_t
     from skippy_zmq.model.llama import forward_reference
     from skippy_zmq.model.runner import SliceRunner
 
-    _, params = weights.load_slice(write_tree(tmp_path / "m", tiny_tree, "q4"), fmt="q4")
+    _, params = loader.load_slice(write_tree(tmp_path / "m", tiny_tree, "q4"), fmt="q4")
     ids = np.random.default_rng(3).integers(3, 97, size=24).astype(np.int32)
     want = np.asarray(forward_reference(params, jnp.asarray(ids)[None], TINY))[0]
     r = SliceRunner(TINY, params, 0, TINY.n_layers, KVConfig(lanes=2, capacity=256))

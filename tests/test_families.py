@@ -19,7 +19,7 @@ import pytest
 
 from conftest import MODEL_DIR
 from skippy_zmq.config import Buckets, KVConfig, ModelConfig
-from skippy_zmq.model import weights
+from skippy_zmq.model import loader, weights
 from skippy_zmq.model.convert import ConvertError, convert_hf, hf_model_config
 from skippy_zmq.model.runner import SliceRunner
 
@@ -57,7 +57,7 @@ def stage_runners(model_dir: Path, cuts: tuple[int, ...] = ()) -> list[SliceRunn
     bounds = [0, *cuts, cfg.n_layers]
     runners = []
     for start, end in zip(bounds, bounds[1:]):
-        cfg, params = weights.load_slice(model_dir, start, end)
+        cfg, params = loader.load_slice(model_dir, start, end)
         runners.append(SliceRunner(cfg, params, start, end, KV, BUCKETS))
     return runners
 
@@ -145,7 +145,7 @@ def test_gemma3_norms_hold_one_plus_the_hf_weight(converted):
     from safetensors.numpy import load_file
 
     hf = load_file(str(FIXTURES / "gemma3" / "model.safetensors"))
-    _, params = weights.load_slice(converted("gemma3"), 0, 2)
+    _, params = loader.load_slice(converted("gemma3"), 0, 2)
     for ours, theirs in (("post_attn_norm", "post_attention_layernorm"), ("ffn_norm", "pre_feedforward_layernorm"),
                          ("q_norm", "self_attn.q_norm")):
         np.testing.assert_array_equal(np.asarray(params["layers"][1][ours]),
@@ -156,7 +156,7 @@ def test_phi3_fused_projections_split_by_rows(converted):
     from safetensors.numpy import load_file
 
     hf = load_file(str(FIXTURES / "phi3" / "model.safetensors"))
-    _, params = weights.load_slice(converted("phi3"), 0, 2)
+    _, params = loader.load_slice(converted("phi3"), 0, 2)
     qkv, gate_up = hf["model.layers.0.self_attn.qkv_proj.weight"], hf["model.layers.0.mlp.gate_up_proj.weight"]
     layer = params["layers"][0]      # ours [in, out]
     np.testing.assert_array_equal(np.asarray(layer["wk"]), qkv[384:512].T)     # q: 3 heads * 128, k: 1 * 128

@@ -90,11 +90,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 # Edges tolerated for now, each with its owner's reason; test_tolerated_edges_still_exist makes sure
 # an entry is deleted once the edge is gone.
-TOLERATED = {
-    # weights.load_slice imports checkpoint inside the function while checkpoint builds on weights
-    # (param_shapes, the pre-v2 restore): the model-format work in progress moves one of them.
-    ("skippy_zmq.model.weights", "skippy_zmq.model.checkpoint"),
-}
+TOLERATED: set[tuple[str, str]] = set()
 
 
 def test_no_import_cycle_among_skippy_modules():

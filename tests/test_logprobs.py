@@ -288,9 +288,9 @@ def real_pipeline(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def real_reference(model_dir):
-    """Weights of the whole model in f32 (weights.load_slice), for an independent forward."""
-    from skippy_zmq.model import weights
-    return weights.load_slice(model_dir)
+    """Weights of the whole model in f32 (loader.load_slice), for an independent forward."""
+    from skippy_zmq.model import loader
+    return loader.load_slice(model_dir)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import TINY, counting_compiles, random_ids
 from skippy_zmq.config import Buckets, KVConfig
-from skippy_zmq.model import weights
+from skippy_zmq.model import loader, weights
 from skippy_zmq.model.convert import convert_hf, unpermute_rows
 from skippy_zmq.model.llama import forward_jit, forward_reference
 from skippy_zmq.model.runner import SliceRunner
@@ -181,7 +181,7 @@ def test_hf_layout_random_model_matches_direct_computation(tmp_path, tiny_tree):
     out = tmp_path / "converted"
     cfg = convert_hf(hf, out)
     assert cfg.n_layers == 4 and cfg.n_kv_heads == 2 and cfg.tied_embeddings
-    _, params = weights.load_slice(out)
+    _, params = loader.load_slice(out)
     ids = random_ids(12, 97, seed=5)
     got = np.asarray(forward_reference(params, jnp.asarray(ids)[None], cfg))[0]
     np.testing.assert_allclose(got, numpy_forward(tiny_tree, ids), rtol=1e-4, atol=1e-4)

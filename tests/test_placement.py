@@ -17,7 +17,7 @@ from conftest import TINY
 from procs import free_endpoint, running_pipeline, write_topology
 from skippy_zmq import placement
 from skippy_zmq.config import ModelConfig
-from skippy_zmq.model import weights
+from skippy_zmq.model import loader, weights
 from skippy_zmq.model.llama import KVCache
 from skippy_zmq.placement import GiB, MiB, PlacementError, StageSettings
 from skippy_zmq.planner import PlanRequest, plan, plan_text
@@ -64,7 +64,7 @@ def test_kv_bytes_equal_the_runner_kv_cache(kv_dtype, jnp_dtype):
 def test_predicted_weight_bytes_equal_the_loaded_slice(model_dir, fmt, start, end):
     from skippy_zmq.model.checkpoint import stored_weights
 
-    cfg, params = weights.load_slice(model_dir, start, end, "float32", None, None if fmt == "f32" else fmt)
+    cfg, params = loader.load_slice(model_dir, start, end, "float32", None, None if fmt == "f32" else fmt)
     held = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
     assert placement.weight_bytes(cfg, start, end, fmt, "float32", stored_weights(model_dir)) == held
 

@@ -135,26 +135,3 @@ def restore_params(path: Path, cfg: ModelConfig, start: int = 0, end: int | None
     args = ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True)
     return ckpt.restore(path, args=args)
 
-
-def load_slice(model_dir: Path, start: int = 0, end: int | None = None, dtype: str = "float32",
-               device: Any = None, quantize: str | None = None,
-               fmt: str | None = None) -> tuple[ModelConfig, dict[str, Any]]:
-    """Config (with the runtime dtype) and runtime params of layers [start, end) of a converted model.
-
-    fmt: the weights format the stage runs, "f32" | "bf16" | "int8" | "q4" (see
-    checkpoint.py); it must be the checkpoint's format or a coarser one.
-    None: `quantize` (the older spelling: None for f32, "int8" or "q4").
-    Reads only this stage's items; raises checkpoint.CheckpointError for a finer format.
-    """
-    import dataclasses
-
-    from skippy_zmq.model import checkpoint
-
-    check_quantize(quantize)
-    model_dir = Path(model_dir)
-    if not (model_dir / "model.json").is_file():
-        raise FileNotFoundError(f"{model_dir}: no model.json (convert a model first: `make model`)")
-    cfg = dataclasses.replace(ModelConfig.load(model_dir / "model.json"), dtype=dtype)
-    end = cfg.n_layers if end is None else end
-    fmt = (quantize or "f32") if fmt is None else fmt
-    return cfg, checkpoint.load_stage(model_dir, cfg, start, end, fmt, jnp.dtype(dtype), device)

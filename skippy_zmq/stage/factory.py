@@ -20,7 +20,7 @@ from loguru import logger
 from skippy_zmq import placement
 from skippy_zmq.config import Buckets, KVConfig, ModelConfig
 from skippy_zmq.kv.prefix_store import PrefixStore, StoreConfig, StoreIdentity
-from skippy_zmq.model import checkpoint, weights
+from skippy_zmq.model import checkpoint, loader
 from skippy_zmq.model.convert import model_digest
 from skippy_zmq.model.runner import SliceRunner, resolve_device
 from skippy_zmq.stage.sessions import SessionTable
@@ -124,8 +124,8 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     need = check_budget(topology, stage, where.memory)
     t0 = time.perf_counter()
     device = resolve_device(where.device)
-    cfg, params = weights.load_slice(topology.model_path, stage.start, stage.end, stage.dtype, device,
-                                     fmt=stage.weights)
+    cfg, params = loader.load_slice(topology.model_path, stage.start, stage.end, stage.dtype, device,
+                                    fmt=stage.weights)
     topology.check_model(cfg.n_layers)
     capacity = min(topology.driver.max_context, cfg.max_seq_len)
     buckets = stage_buckets(topology, stage.kv_lanes, capacity)
