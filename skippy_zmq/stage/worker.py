@@ -44,6 +44,10 @@ class RuntimeLock:
                 t2 = time.perf_counter()
                 self.wait_ms, self.hold_ms = 1000 * (t1 - t0), 1000 * (t2 - t1)
 
+    def times(self) -> dict[str, float]:
+        """The last use's wait and hold, for a trace entry or a telemetry event."""
+        return {"lock_wait_ms": round(self.wait_ms, 3), "lock_hold_ms": round(self.hold_ms, 3)}
+
 
 # A logprob JSON can carry: -inf (a masked token, only ever at a window position past a refused
 # draft, whose output the driver never uses) goes out as this, vLLM's value for it.
@@ -54,6 +58,69 @@ def _logprob_entry(entry: tuple[float, list[tuple[int, float]]]) -> list[Any]:
     """token_logprobs' (logprob, [(id, logprob), ...]) as compact JSON: [lp, [[id, lp], ...]]."""
     logprob, top = entry
     return [max(logprob, _LOGPROB_FLOOR), [[token, value] for token, value in top]]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a rows message: a session's tokens [offset, offset + length) of the message,
+    at absolute positions [start, start + length)."""
+
+    session_id: int
+    start: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Rows that run together: the message (narrowed to these rows) and their inputs."""
+
+    msg: Message
+    x: np.ndarray                       # token ids at the first stage, activations elsewhere
+    rows: list[Row]
+    score: bool                         # decode / verify rows: the final stage samples every position
+    prompt_top: int | None              # a final-stage prefill's "prompt_logprobs"
+    lanes: np.ndarray | None = None     # the rows' lanes, once placed in their sessions
+
+
+@dataclass(frozen=True)
+class Ran:
+    """A batch run through this stage's slice."""
+
+    result: Any                         # activations, logits (final stage, scored) or None
+    extras: dict[str, Any]              # the message's extras with this stage's trace entry
+
+
+@dataclass
+class Scored:
+    """The final stage's scores of a batch: the tokens (and logprob entries) of the rows sampled,
+    the ERRORs of rows whose sampling failed, or a prefill's prompt logprobs."""
+
+    answered: list[Row] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)   # per token: [logprob, [[id, logprob], ...]] or None
+    errors: list[Outbound] = field(default_factory=list)
+    sample_ms: float = 0.0
+    prompt_logprobs: dict[str, Any] | None = None
+
+
+def narrow(batch: Batch, keep: list[Row]) -> Batch:
+    """The batch of the rows `keep` alone: tokens, inputs, positions and sessions compacted and
+    the rows' offsets renumbered (the message goes on down the chain as if it named only these)."""
+    if len(keep) == len(batch.rows):
+        return batch
+    msg = batch.msg
+    idx = np.concatenate([np.arange(row.offset, row.offset + row.length) for row in keep])
+    sessions = np.array([row.session_id for row in keep], np.uint64)
+    extras = {k: v for k, v in msg.extras.items() if k != "lengths"}
+    if any(row.length != 1 for row in keep):
+        extras["lengths"] = [row.length for row in keep]
+    msg = replace(msg, sessions=sessions, session_id=int(sessions[0]), tokens=msg.tokens[idx],
+                  positions=msg.positions[idx] if msg.positions is not None else None,
+                  position=keep[0].start, extras=extras)
+    offsets = np.concatenate([[0], np.cumsum([row.length for row in keep])])
+    rows = [replace(row, offset=int(offsets[i])) for i, row in enumerate(keep)]
+    return replace(batch, msg=msg, x=batch.x[idx], rows=rows)
 
 
 class StageWorker:
@@ -155,7 +222,7 @@ class StageWorker:
         trace = msg.extras.get("trace", [])
         trace = list(trace) if isinstance(trace, list) else []   # a peer's bad trace is dropped, not fatal
         trace.append({"stage": self.info.stage_id, "compute_ms": round(compute_ms, 3), "rows": rows,
-                      "lock_wait_ms": round(self.lock.wait_ms, 3), "lock_hold_ms": round(self.lock.hold_ms, 3)})
+                      **self.lock.times()})
         return {**msg.extras, "trace": trace}
 
     # ------------------------------------------------------------ handlers
@@ -210,8 +277,8 @@ class StageWorker:
     def on_decode(self, msg: Message) -> list[Outbound]:
         return self.on_rows(msg, score=True)
 
-    def _rows(self, msg: Message) -> list[tuple[int, int, int, int]]:
-        """(session, start position, offset into tokens, length) of every row, checked."""
+    def _rows(self, msg: Message) -> list[Row]:
+        """Every row of the message, checked: its session, start position, offset into tokens, length."""
         sessions, lengths = msg.session_ids.tolist(), msg.row_lengths
         n = int(msg.tokens.shape[0])
         if n == 0 or (lengths < 1).any():
@@ -230,7 +297,7 @@ class StageWorker:
             if positions is not None and not np.array_equal(positions[offset:offset + length],
                                                             np.arange(start, start + length)):
                 raise StageFault(f"row of session {sid} has positions that are not consecutive", "bad_rows")
-            rows.append((sid, start, offset, length))
+            rows.append(Row(sid, start, offset, length))
             offset += length
         return rows
 
@@ -240,95 +307,122 @@ class StageWorker:
 
         Each row is aligned to its start (truncating KV ahead of it), computed in one jitted call,
         and appended; the final stage samples every scored position with the row's own sampler
-        and returns them to the driver, which alone decides what is accepted.
+        and returns them to the driver, which alone decides what is accepted. A row refused in
+        its session or failing in its sampling gets its own ERROR; the other rows go on.
         """
+        batch = self._check_rows(msg, score)
+        placed, refused = self._place(batch)
+        if placed is None:
+            return refused
+        ran = self._run(placed)
+        scored = self._score(placed, ran) if self.info.last else None
+        return refused + self._reply(placed, ran, scored)
+
+    def _check_rows(self, msg: Message, score: bool) -> Batch:
+        """Step 1: the rows and their inputs checked against the message and this stage's buckets;
+        nothing is taken yet, so a refused message holds no lane."""
         rows = self._rows(msg)
-        n = int(msg.tokens.shape[0])
         if len(rows) > self.runner.buckets.decode_rows[-1]:
             raise StageFault(f"{len(rows)} rows exceed this stage's largest batch of "
                              f"{self.runner.buckets.decode_rows[-1]}", "too_many_rows")
-        longest = max(length for *_, length in rows)
+        longest = max(row.length for row in rows)
         if score and longest > self.runner.buckets.window_lens[-1]:
             raise StageFault(f"a row of {longest} tokens exceeds this stage's largest window of "
                              f"{self.runner.buckets.window_lens[-1]}", "too_many_tokens")
-        x = self._inputs(msg, n)
-        out: list[Outbound] = []
-        keep, lanes = [], []
-        for row in rows:
-            try:
-                lanes.append(self._align(row[0], msg.request_id, row[1], row[3]).lane)
-                keep.append(row)
-            except StageFault as fault:
-                out.append(self.error(msg.request_id, row[0], fault.reason, fault.code))
-        if not keep:
-            return out
-        if len(keep) < len(rows):
-            idx = np.concatenate([np.arange(off, off + length) for _, _, off, length in keep])
-            x, tokens = x[idx], msg.tokens[idx]
-            sessions = np.array([sid for sid, *_ in keep], np.uint64)
-            extras = {k: v for k, v in msg.extras.items() if k != "lengths"}
-            if any(length != 1 for *_, length in keep):
-                extras["lengths"] = [length for *_, length in keep]
-            msg = replace(msg, sessions=sessions, session_id=int(sessions[0]), tokens=tokens,
-                          positions=msg.positions[idx] if msg.positions is not None else None,
-                          position=keep[0][1], extras=extras)
-            offsets = np.concatenate([[0], np.cumsum([length for *_, length in keep])])
-            keep = [(sid, start, int(offsets[i]), length) for i, (sid, start, _, length) in enumerate(keep)]
-        starts = np.array([start for _, start, _, _ in keep])
-        lengths = np.array([length for *_, length in keep])
+        x = self._inputs(msg, int(msg.tokens.shape[0]))
         # echo: a prefill that asks for "prompt_logprobs" (N) is scored at the final stage too
         prompt_top = self._prompt_top(msg) if self.info.last and not score else None
-        output = "logits" if self.info.last and (score or prompt_top is not None) else (
-            "none" if self.info.last else "hidden")
-        lane_arr = np.asarray(lanes, np.int32)
-        t0 = time.perf_counter()
-        if score:
-            result = self.lock.run(lambda: self.runner.step(lane_arr, x, starts, lengths, output))
-        else:   # a prefill: one row of any length, chunked by the runner
-            result = self.lock.run(lambda: self.runner.prefill(int(lane_arr[0]), x, int(starts[0]), output=output))
-        compute_ms = 1000 * (time.perf_counter() - t0)
-        token_ids = msg.tokens.tolist()
-        for sid, _, off, length in keep:
-            self.sessions.get(sid).append(token_ids[off:off + length])
-        self.counters["tokens"] += int(lengths.sum())
-        if not score and "record" in msg.extras:
-            session, namespace = self.sessions.get(keep[0][0]), str(msg.extras["record"])
-            self.deferred.append(lambda: self.record(session, namespace))
-        extras = self._trace(msg, compute_ms, len(keep))
-        if not self.info.last:
-            return out + [Outbound(NEXT, replace(msg, activation=result, extras=extras))]
-        if not score:
-            session = self.sessions.get(keep[0][0])
-            stats = {"prefilled": session.length, "trace": extras["trace"]}
-            if prompt_top is not None:
-                stats["prompt_logprobs"] = self._prompt_logprobs(session, result, int(starts[0]), prompt_top)
-            return out + [Outbound(DRIVER, Message.ack(msg.request_id, msg.session_id, stats))]
-        t1 = time.perf_counter()
-        sampled: list[int] = []
-        answered: list[tuple[int, int]] = []   # (session, row length) of the rows sampled
-        logprobs: list[Any] = []   # one entry per sampled token: [logprob, [[id, logprob], ...]] or None
-        for sid, start, off, length in keep:
-            try:   # whatever fails in one row (sampler, constraint, logprobs) ends that row's request alone
-                row_tokens, entries = self._sample_row(sid, result[off:off + length], start,
-                                                       token_ids[off:off + length])
+        return Batch(msg, x, rows, score, prompt_top)
+
+    def _place(self, batch: Batch) -> tuple[Batch | None, list[Outbound]]:
+        """Step 2: every row aligned in its session's lane; a row refused there (kv_gap,
+        lanes_busy, ...) answers its own ERROR and the batch goes on without it (None: no row left)."""
+        keep, lanes, refused = [], [], []
+        for row in batch.rows:
+            try:
+                lanes.append(self._align(row.session_id, batch.msg.request_id, row.start, row.length).lane)
+                keep.append(row)
             except StageFault as fault:
-                out.append(self.error(msg.request_id, sid, fault.reason, fault.code))
+                refused.append(self.error(batch.msg.request_id, row.session_id, fault.reason, fault.code))
+        if not keep:
+            return None, refused
+        return replace(narrow(batch, keep), lanes=np.asarray(lanes, np.int32)), refused
+
+    def _run(self, batch: Batch) -> Ran:
+        """Step 3: the slice over every placed row in one jitted call, then the rows' tokens
+        appended to their sessions."""
+        starts = np.array([row.start for row in batch.rows])
+        lengths = np.array([row.length for row in batch.rows])
+        last = self.info.last
+        output = "logits" if last and (batch.score or batch.prompt_top is not None) else ("none" if last else "hidden")
+        t0 = time.perf_counter()
+        if batch.score:
+            result = self.lock.run(lambda: self.runner.step(batch.lanes, batch.x, starts, lengths, output))
+        else:   # a prefill: one row of any length, chunked by the runner
+            result = self.lock.run(lambda: self.runner.prefill(int(batch.lanes[0]), batch.x, int(starts[0]),
+                                                               output=output))
+        compute_ms = 1000 * (time.perf_counter() - t0)
+        self._append(batch)
+        return Ran(result, self._trace(batch.msg, compute_ms, len(batch.rows)))
+
+    def _append(self, batch: Batch) -> None:
+        """The rows' token ids into their sessions (a recording prefill records after the reply)."""
+        token_ids = batch.msg.tokens.tolist()
+        for row in batch.rows:
+            self.sessions.get(row.session_id).append(token_ids[row.offset:row.offset + row.length])
+        self.counters["tokens"] += sum(row.length for row in batch.rows)
+        if not batch.score and "record" in batch.msg.extras:
+            self.record_later(self.sessions.get(batch.rows[0].session_id), str(batch.msg.extras["record"]))
+
+    def _score(self, batch: Batch, ran: Ran) -> Scored:
+        """Step 4 (final stage): a prefill's prompt logprobs, or every row's positions sampled with
+        the row's own sampler; whatever fails in one row (sampler, constraint, logprobs) ends that
+        row's request alone."""
+        if not batch.score:
+            if batch.prompt_top is None:
+                return Scored()
+            row = batch.rows[0]
+            return Scored(prompt_logprobs=self._prompt_logprobs(self.sessions.get(row.session_id), ran.result,
+                                                                row.start, batch.prompt_top))
+        t0 = time.perf_counter()
+        scored, token_ids = Scored(), batch.msg.tokens.tolist()
+        for row in batch.rows:
+            try:
+                row_tokens, entries = self._sample_row(row.session_id, ran.result[row.offset:row.offset + row.length],
+                                                       row.start, token_ids[row.offset:row.offset + row.length])
+            except StageFault as fault:
+                scored.errors.append(self.error(batch.msg.request_id, row.session_id, fault.reason, fault.code))
                 continue
             except Exception as exc:
-                out.append(self._row_failure(msg.request_id, sid, exc))
+                scored.errors.append(self._row_failure(batch.msg.request_id, row.session_id, exc))
                 continue
-            sampled.extend(row_tokens)
-            logprobs.extend(entries)
-            answered.append((sid, length))
-        extras["trace"][-1]["sample_ms"] = round(1000 * (time.perf_counter() - t1), 3)
-        if not answered:
-            return out
-        reply = {"trace": extras["trace"]}
-        if any(entry is not None for entry in logprobs):   # aligned with the tokens; None for rows without
-            reply["logprobs"] = logprobs
-        return out + [Outbound(DRIVER, Message.predicted_tokens(
-            msg.request_id, [sid for sid, _ in answered], sampled, reply,
-            lengths=[length for _, length in answered]))]
+            scored.answered.append(row)
+            scored.tokens.extend(row_tokens)
+            scored.logprobs.extend(entries)
+        scored.sample_ms = round(1000 * (time.perf_counter() - t0), 3)
+        return scored
+
+    def _reply(self, batch: Batch, ran: Ran, scored: Scored | None) -> list[Outbound]:
+        """Step 5: the activations down the chain, or the final stage's answer to the driver: a
+        prefill's ACK, or the ERRORs of rows whose sampling failed and one PREDICTED_TOKENS of the rest."""
+        msg = batch.msg
+        if scored is None:
+            return [Outbound(NEXT, replace(msg, activation=ran.result, extras=ran.extras))]
+        trace = ran.extras["trace"]
+        if not batch.score:
+            stats = {"prefilled": self.sessions.get(batch.rows[0].session_id).length, "trace": trace}
+            if scored.prompt_logprobs is not None:
+                stats["prompt_logprobs"] = scored.prompt_logprobs
+            return [Outbound(DRIVER, Message.ack(msg.request_id, msg.session_id, stats))]
+        trace[-1]["sample_ms"] = scored.sample_ms
+        if not scored.answered:
+            return scored.errors
+        reply = {"trace": trace}
+        if any(entry is not None for entry in scored.logprobs):   # aligned with the tokens; None for rows without
+            reply["logprobs"] = scored.logprobs
+        return scored.errors + [Outbound(DRIVER, Message.predicted_tokens(
+            msg.request_id, [row.session_id for row in scored.answered], scored.tokens, reply,
+            lengths=[row.length for row in scored.answered]))]
 
     @staticmethod
     def _prompt_top(msg: Message) -> int | None:
@@ -420,6 +514,10 @@ class StageWorker:
         for fn in work:
             fn()
 
+    def record_later(self, session: Any, namespace: str) -> None:
+        """Record the session's KV once the replies of this message are sent."""
+        self.deferred.append(lambda: self.record(session, namespace))
+
     def record(self, session: Any, namespace: str) -> None:
         """Copy the session's KV into the prefix store; only the device-side copy is on this thread."""
         if self.store is None or session.length < self.store.config.min_tokens:
@@ -427,6 +525,26 @@ class StageWorker:
         length = session.length
         kv = self.lock.run(lambda: self.runner.read_kv_device(session.lane, length))
         self.store.submit(namespace, session.tokens[:length], kv, length)
+
+    # ------------------------------------------------------------ what restore uses (restore.RestoreHost)
+
+    def lookup_prefix(self, namespace: str, prefix: np.ndarray) -> Any:
+        """The prefix store's entry for the longest stored prefix of `prefix`, or None (no store,
+        or one that only records)."""
+        if self.store is None or self.store.config.mode != "lookup-record":
+            return None
+        return self.store.lookup(namespace, prefix)
+
+    def restore_session(self, session_id: int, request_id: int, entry: Any, prefix: np.ndarray) -> Any:
+        """The session, acquired, holding the entry's KV at positions [0, entry.length) and its token ids."""
+        session = self._acquire(session_id, request_id)
+        self.lock.run(lambda: self.runner.write_kv(session.lane, entry.k, entry.v))
+        session.reset([int(t) for t in prefix[:entry.length]])
+        return session
+
+    def restore_telemetry(self) -> dict[str, Any]:
+        """Lock wait and hold of the last runtime use, and the prefix store's evictions so far."""
+        return {**self.lock.times(), "evictions": self.store.stats()["evictions"] if self.store else 0}
 
     def status(self) -> dict[str, Any]:
         out = {"lanes_in_use": len(self.sessions), "lanes": self.sessions.lanes, **self.counters,
