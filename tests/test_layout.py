@@ -1,8 +1,13 @@
-"""Module layout: no import cycle among skippy_zmq modules (lazy imports inside functions included)."""
+"""Module layout: no import cycle among skippy_zmq modules (lazy imports inside functions included),
+and every distribution the package imports at run time is declared in setup.cfg's install_requires."""
 
 from __future__ import annotations
 
 import ast
+import configparser
+import importlib.metadata
+import re
+import sys
 from pathlib import Path
 
 from conftest import REPO
@@ -118,3 +123,107 @@ def test_serving_code_never_imports_the_test_harness():
 def test_tolerated_edges_still_exist():
     graph = import_graph()
     assert [edge for edge in TOLERATED if edge[1] not in graph[edge[0]]] == []
+
+
+# ---------------------------------------------------------------- run-time dependencies
+
+# Imports of distributions that install_requires leaves out on purpose: module -> (the extra that
+# declares its distribution, that distribution). Each is imported only inside the tool that needs it.
+OPTIONAL_IMPORTS = {
+    "matplotlib": ("bench", "matplotlib"),        # bench/plots.py, only where find_spec finds it
+    "llama_cpp": ("peers", "llama-cpp-python"),   # bench: the llama.cpp peer, where installed
+    "openai": ("test", "openai"),                 # soak.py's client, run from the dev venv (scripts/soak.sh)
+}
+# Declared but never imported by name: jax loads jaxlib, its backend.
+IMPORTED_INDIRECTLY = {"jaxlib"}
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirements() -> dict[str, set[str]]:
+    """setup.cfg: "install_requires" and every extra -> the distribution names it declares."""
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(REPO / "setup.cfg")
+    sections = {"install_requires": cfg["options"]["install_requires"], **cfg["options.extras_require"]}
+    return {key: {_normalise(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", line.strip()).group())
+                  for line in value.splitlines() if line.strip()}
+            for key, value in sections.items()}
+
+
+def _guards_imports(node: ast.AST) -> bool:
+    """A try that catches ImportError: what its body imports is optional."""
+    return isinstance(node, ast.Try) and any(
+        h.type is not None and re.search(r"\b(ImportError|ModuleNotFoundError)\b", ast.unparse(h.type))
+        for h in node.handlers)
+
+
+def third_party_imports(source: str, guarded: bool = False) -> set[str]:
+    """Top-level names of the modules `source` imports anywhere (inside functions too) other than
+    the stdlib's and ours; TYPE_CHECKING blocks skipped, and guarded (try / except ImportError)
+    imports unless `guarded`."""
+    found: set[str] = set()
+    stack: list[ast.AST] = [ast.parse(source)]
+    while stack:
+        node = stack.pop()
+        if _type_checking_only(node):
+            continue
+        if not guarded and _guards_imports(node):
+            stack.extend([*node.handlers, *node.orelse, *node.finalbody])
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.partition(".")[0])
+        stack.extend(ast.iter_child_nodes(node))
+    return found - set(sys.stdlib_module_names) - {"__future__", "skippy_zmq"}
+
+
+def package_imports(guarded: bool = False) -> dict[str, list[str]]:
+    """Third-party module -> the skippy_zmq files that import it (see third_party_imports)."""
+    users: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for module in third_party_imports(path.read_text(), guarded):
+            users.setdefault(module, []).append(str(path.relative_to(REPO)))
+    return users
+
+
+def test_third_party_imports_skip_the_stdlib_type_checking_and_guarded_imports():
+    source = """
+import os, numpy.linalg
+from yaml import safe_load
+from . import wire
+if TYPE_CHECKING:
+    import torch
+def f():
+    import zmq
+    try:
+        import jsonschema
+    except ImportError:
+        import httpx
+"""
+    assert third_party_imports(source) == {"numpy", "yaml", "zmq", "httpx"}
+    assert third_party_imports(source, guarded=True) == {"numpy", "yaml", "zmq", "httpx", "jsonschema"}
+
+
+def test_every_run_time_import_is_declared_in_install_requires():
+    declared = requirements()
+    distributions = importlib.metadata.packages_distributions()
+    undeclared = {}
+    for module, users in package_imports().items():
+        if module in OPTIONAL_IMPORTS:
+            extra, dist = OPTIONAL_IMPORTS[module]
+            assert _normalise(dist) in declared[extra], f"{module}: {dist} is not in the {extra} extra"
+            continue
+        names = {_normalise(d) for d in distributions.get(module, [])}
+        if not names & declared["install_requires"]:
+            undeclared[module] = (sorted(names) or "not installed", users)
+    assert undeclared == {}, undeclared
+
+
+def test_every_install_require_is_imported():
+    """A declared distribution nothing imports (safetensors once) is a dependency for nothing."""
+    distributions = importlib.metadata.packages_distributions()
+    imported = {_normalise(d) for module in package_imports(guarded=True) for d in distributions.get(module, [])}
+    assert requirements()["install_requires"] - imported - IMPORTED_INDIRECTLY == set()
