@@ -114,3 +114,52 @@ def test_eviction_keeps_every_store_under_budget(tiny_tree):
     cold, _ = gen(make_scheduler(2), make_chain(TINY, tiny_tree, [2]), [prompt], max_tokens=2)
     warm, _ = gen(sched, chain, [prompt], max_tokens=2)
     assert warm == cold
+
+
+class OnlyTheHost:
+    """A RestoreHost and nothing else: restore reaching for any other part of a worker fails here."""
+
+    def __init__(self, entry, last: bool):
+        from skippy_zmq.stage.types import StageInfo
+
+        self.info = StageInfo("s9", first=True, last=last, width=8)
+        self.entry, self.restored = entry, []
+
+    def lookup_prefix(self, namespace, prefix):
+        return self.entry
+
+    def restore_session(self, session_id, request_id, entry, prefix):
+        self.restored.append((session_id, request_id, entry.length, prefix.tolist()))
+        return object()
+
+    def make_sampler(self, extras, prompt):
+        raise AssertionError("TRY_RESTORE_PREFILL configures no sampler")
+
+    def on_decode(self, msg):
+        raise AssertionError("TRY_RESTORE_PREFILL runs no rows")
+
+    def record_later(self, session, namespace):
+        raise AssertionError("TRY_RESTORE_PREFILL records nothing")
+
+    def restore_telemetry(self):
+        return {"lock_wait_ms": 0.5, "lock_hold_ms": 1.5, "evictions": 3}
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["forward", "direct"])
+def test_restore_routes_use_only_their_host(last):
+    from types import SimpleNamespace
+
+    from skippy_zmq.stage.restore import RestoreRoutes
+
+    msg = Message(Kind.TRY_RESTORE_PREFILL, 7, 4, tokens=np.arange(10, dtype=np.int32), extras={"namespace": "ns"})
+    [miss] = RestoreRoutes(OnlyTheHost(None, last)).on_try_restore_prefill(msg)
+    stats = miss.message.extras["stats"]["restore"]
+    assert miss.to == DRIVER and stats["status"] == "miss" and stats["matched"] == 0
+    assert (stats["stage"], stats["lock_wait_ms"], stats["lock_hold_ms"], stats["evictions"]) == ("s9", 0.5, 1.5, 3)
+    host = OnlyTheHost(SimpleNamespace(length=6), last)
+    [hit] = RestoreRoutes(host).on_try_restore_prefill(msg)
+    assert host.restored == [(4, 7, 6, list(range(10)))]
+    if last:
+        assert hit.to == DRIVER and hit.message.extras["stats"]["restore"]["matched"] == 6
+    else:
+        assert hit.to == NEXT and hit.message is msg
