@@ -19,6 +19,13 @@ run, and its spec-window scenarios kill a stage on the nth DECODE carrying a
 verify window. Every other prompt opts out of drafting (the request's
 `speculative: false`), so those scenarios count plain DECODEs as before.
 
+A scenario sends one kind of request (KINDS): a plain streamed completion,
+whose tokens drive the at_token faults, or one of the newer surfaces, answered
+whole and killed on a message kind: a json_schema-constrained chat, a forced
+tool call, n = 3 sampled choices (fixed seed) and logprobs with echo. Each
+kind reads its answer into an Outcome; the faulted one must equal the
+fault-free one field by field (logprobs within LOGPROB_TOL).
+
 It is a tool, not a test; tests/test_chaos.py plays each scenario once.
 """
 
@@ -32,7 +39,7 @@ import statistics
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -41,6 +48,7 @@ import yaml
 from loguru import logger
 
 from skippy_zmq import launch
+from skippy_zmq.chaos_requests import KINDS, MAX_TOKENS, REQUEST_TIMEOUT_S, Outcome, send
 from skippy_zmq.stage import faults
 from skippy_zmq.topology import Topology, load_topology
 from skippy_zmq.wire import Kind
@@ -50,11 +58,12 @@ SENTENCE = "The quick brown fox jumps over the lazy dog while the river keeps ru
 COPY = ("Repeat the following text exactly: The old lighthouse keeper climbed the stairs every evening to light "
         "the lamp. Ships passing in the night could see its beam from miles away. He kept a log of every ship "
         "he saw.\n\nThe old lighthouse keeper")
+PLANET = "Describe the planet Mars in JSON."
+WEATHER = "What is the weather like in Paris today?"
 SPECULATING = ("copy",)    # the prompts whose requests draft; every other one opts out
 SPECULATIVE = {"method": "ngram"}   # driver.speculative when the topology has it off
-MAX_TOKENS = 40
 DEATH_TIMEOUT_S = 60.0     # bound on waiting for an armed stage to die
-REQUEST_TIMEOUT_S = 180.0  # bound on a whole faulted request (detect + restart + generate)
+WARM_TOKENS = 4            # the warm-up before a kind's fault-free run
 
 
 @dataclass(frozen=True)
@@ -69,8 +78,17 @@ class Fault:
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    prompt: str                # "short" | "long" | "restore" | "copy"
+    prompt: str                # "short" | "long" | "restore" | "copy" | "planet" | "weather"
     faults: tuple[Fault, ...]  # played in order; a later fault on a stage hits its replacement
+    kind: str = "plain"        # the request it sends: a key of KINDS
+
+
+# (scenario prefix, request kind, prompt, the message a stage dies on, its count): DECODEs well inside
+# each fault-free answer; n3-fork dies on the FORK_SESSION that copies choice 0's prompt KV to the others
+SURFACES = (("json-schema", "json-schema", "planet", Kind.DECODE, 6),
+            ("tool-call", "tool-call", "weather", Kind.DECODE, 8),
+            ("n3", "n3", "short", Kind.DECODE, 12), ("n3-fork", "n3", "short", Kind.FORK_SESSION, 1),
+            ("logprobs", "logprobs", "short", Kind.DECODE, 12))
 
 
 def scenarios() -> list[Scenario]:
@@ -82,6 +100,9 @@ def scenarios() -> list[Scenario]:
         out.append(Scenario(f"spec-window/{where}", "copy", (Fault(where, Kind.DECODE, 2, window=True),)))
     out.append(Scenario("two-at-once/first+last", "short", (Fault("first", at_token=12), Fault("last", at_token=12))))
     out.append(Scenario("same-twice/middle", "short", (Fault("middle", Kind.DECODE, 8), Fault("middle", Kind.DECODE, 8))))
+    for prefix, kind, prompt, message, nth in SURFACES:   # answered whole: killed on a message, not a token
+        for where in ("first", "middle", "last"):
+            out.append(Scenario(f"{prefix}/{where}", prompt, (Fault(where, message, nth),), kind))
     return out
 
 
@@ -93,13 +114,6 @@ class Round:
     detect_s: float | None = None
     resume_s: float | None = None
     windows: int | None = None   # verify windows the request ran (speculating prompts only)
-
-
-@dataclass
-class Outcome:
-    text: str = ""
-    error: str = ""
-    tokens: int = 0
 
 
 class ChaosRun:
@@ -136,21 +150,21 @@ class ChaosRun:
                         "long": SENTENCE * max(4, (5 * chunk) // (2 * 18))}
         if self.speculate:
             self.prompts["copy"] = COPY
-        self.clean: dict[str, Outcome] = {}
+        self.clean: dict[tuple[str, str], Outcome] = {}   # (prompt, kind) -> its fault-free outcome
         self.clean_windows: dict[str, int] = {}
-        for name, text in self.prompts.items():
+        for name in list(self.prompts):   # the plain ones now; the other kinds' on first use
             before = self.metric("spec_windows_total") or 0
-            self.clean[name] = self.complete(text, f"clean-{name}", speculative=name in SPECULATING)
+            outcome = self.fault_free(name)
             if name in SPECULATING:
                 self.clean_windows[name] = int((self.metric("spec_windows_total") or 0) - before)
-        for name, outcome in self.clean.items():
-            if outcome.error or not outcome.text:
-                raise RuntimeError(f"the fault-free {name!r} run failed: {outcome.error or 'no text'}")
+            if outcome.error:
+                raise RuntimeError(f"the fault-free {name!r} run failed: {outcome.error}")
+        self.prompts.update(planet=PLANET, weather=WEATHER)
         for name in [n for n in SPECULATING if n in self.prompts]:   # greedy identity: drafts change no token
             off = self.complete(self.prompts[name], f"clean-{name}-off", speculative=False)
-            if off.error or off.text != self.clean[name].text:
+            if off.error or off.text != self.clean[name, "plain"].text:
                 raise RuntimeError(f"the {name!r} prompt's output with speculation on differs from off: "
-                                   f"{self.clean[name].text!r} vs {off.error or off.text!r}")
+                                   f"{self.clean[name, 'plain'].text!r} vs {off.error or off.text!r}")
             if not self.clean_windows[name]:
                 raise RuntimeError(f"the {name!r} prompt ran no verify window: nothing was drafted")
         self.rounds_played = 0
@@ -168,31 +182,25 @@ class ChaosRun:
         stages = self.topology.stages
         return {"first": stages[0], "middle": stages[len(stages) // 2], "last": stages[-1]}[where].id
 
+    def fault_free(self, prompt: str, kind: str = "plain") -> Outcome:
+        """The prompt's clean outcome for this kind of request (computed once; error set when it is
+        unusable: failed, or not showing what the kind tests)."""
+        if (prompt, kind) not in self.clean:
+            namespace = f"clean-{prompt}" if kind == "plain" else f"clean-{prompt}-{kind}"
+            if kind != "plain":   # first uses (the constraint engine's tokenizer, new shapes) can stall a
+                # stage past dead_after on a busy box; a short request of the kind pays them beforehand
+                self.complete(self.prompts[prompt], f"warm-{prompt}-{kind}", kind=kind, max_tokens=WARM_TOKENS)
+            failures = self.failure_metrics()[0]
+            out = self.complete(self.prompts[prompt], namespace, speculative=prompt in SPECULATING, kind=kind)
+            if not out.error and self.failure_metrics()[0] != failures:   # e.g. heartbeats late on a busy box
+                out.error = "the driver saw a stage failure during it: a resumed run is not a fault-free one"
+            out.error = out.error or KINDS[kind].sane(out)
+            self.clean[prompt, kind] = out
+        return self.clean[prompt, kind]
+
     def complete(self, prompt: str, namespace: str, on_token: Callable[[int], None] | None = None,
-                 speculative: bool = False) -> Outcome:
-        body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                "stream": True, "prompt_cache_key": namespace, "speculative": speculative}
-        out = Outcome()
-        try:
-            with httpx.stream("POST", f"{self.base}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as resp:
-                if resp.status_code != 200:
-                    resp.read()
-                    return Outcome(error=f"HTTP {resp.status_code}: {resp.text[:300]}")
-                for line in resp.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        out.error = event["error"].get("message", str(event["error"]))
-                        return out
-                    if event.get("choices"):
-                        out.text += event["choices"][0]["text"]
-                        out.tokens += 1
-                        if on_token:
-                            on_token(out.tokens)
-        except httpx.HTTPError as exc:
-            out.error = f"{type(exc).__name__}: {exc}"
-        return out
+                 speculative: bool = False, kind: str = "plain", max_tokens: int = MAX_TOKENS) -> Outcome:
+        return send(self.base, KINDS[kind], prompt, namespace, on_token, speculative, max_tokens)
 
     def metric(self, name: str, text: str | None = None) -> float | None:
         text = text if text is not None else httpx.get(f"{self.base}/metrics", timeout=10).text
@@ -212,6 +220,9 @@ class ChaosRun:
         if scenario.prompt not in self.prompts:
             return Round(scenario.name, False, f"this run has no {scenario.prompt!r} prompt (speculate=False)")
         prompt = self.prompts[scenario.prompt]
+        clean = self.fault_free(scenario.prompt, scenario.kind)
+        if clean.error:
+            return Round(scenario.name, False, f"the fault-free run is unusable: {clean.error}")
         if scenario.prompt == "restore":
             namespace = f"restore-{self.rounds_played}"
             warm = self.complete(prompt, namespace)   # every stage records the prompt; the next try restores it
@@ -238,7 +249,7 @@ class ChaosRun:
         if first.kind is not None:
             faults.arm(self.fault_dir, self.stage_id(first.stage), first.kind, first.nth, first.window)
         request = threading.Thread(target=lambda: result.append(
-            self.complete(prompt, namespace, on_token, speculative=speculating)))
+            self.complete(prompt, namespace, on_token, speculative=speculating, kind=scenario.kind)))
         request.start()
         error = self.reap_and_restart(scenario, request)
         request.join(REQUEST_TIMEOUT_S)
@@ -250,9 +261,10 @@ class ChaosRun:
         error = error or outcome.error
         if not error and windows == 0:
             error = "no verify window ran"
-        identical = not error and outcome.text == self.clean[scenario.prompt].text
-        if not identical and not error:
-            error = "output differs from the fault-free run"
+        differs = "" if error else outcome.differs(clean)
+        if differs:
+            error = f"output differs from the fault-free run: {differs}"
+        identical = not error
         self.wait_ready()
         return Round(scenario.name, identical, error, detect if count > failures_before else None,
                      resume if count > failures_before else None, windows)
