@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,27 @@ def test_sigterm_stops_a_serving_stage_promptly(model_dir, tmp_path):
     print(f"stage stopped {seconds:.2f} s after SIGTERM (code {stage.returncode})")
     assert seconds < GONE_WITHIN_S and stage.returncode == 0
     assert "stopped" in (tmp_path / "run" / f"{topo.stages[-1].id}.log").read_text(errors="replace")
+
+
+def test_settle_heap_keeps_full_collections_off_what_is_alive():
+    """After settle_heap, a full collection no longer scans the objects alive at the call (they are
+    frozen), and garbage made before it is freed, not frozen."""
+    import gc
+
+    from skippy_zmq.lifetime import settle_heap
+
+    class Node:
+        pass
+
+    kept = [Node() for _ in range(1000)]
+    garbage = Node()
+    garbage.self = garbage          # a cycle only the collector frees
+    probe = weakref.ref(garbage)
+    del garbage
+    try:
+        frozen = settle_heap()
+        assert probe() is None                          # collected first
+        assert frozen == gc.get_freeze_count() >= len(kept)
+        assert all(not any(o is k for o in gc.get_objects(2)) for k in kept[:3])   # out of generation 2
+    finally:
+        gc.unfreeze()

@@ -18,7 +18,7 @@ from loguru import logger
 from skippy_zmq.driver.engine import EngineError, GenRequest
 from skippy_zmq.driver.pipeline import PipelineEngine
 from skippy_zmq.launch import check_alive, spawn_stages, stop_processes
-from skippy_zmq.lifetime import watch_parent
+from skippy_zmq.lifetime import settle_heap, watch_parent
 from skippy_zmq.model.tokenizer import TextTokenizer
 from skippy_zmq.topology import Topology, load_topology
 
@@ -51,6 +51,7 @@ def serve_http(topology: Topology, engine: PipelineEngine, tokenizer: TextTokeni
 
     handle = start_in_thread(build_app(topology, engine, tokenizer, api_key), topology.driver.http_host,
                              topology.driver.http_port)
+    settle_heap()   # the tokenizer, templates and app live as long as we do: keep full GC passes off them
     logger.info("OpenAI API at http://{}:{}/v1 (ready when /readyz says so)", handle.host, handle.port)
     try:
         while not stop.wait(0.5):

@@ -17,7 +17,7 @@ import zmq
 from loguru import logger
 
 from skippy_zmq import transport, wire
-from skippy_zmq.lifetime import arm_hard_exit, watch_parent
+from skippy_zmq.lifetime import arm_hard_exit, settle_heap, watch_parent
 from skippy_zmq.placement import PlacementError
 from skippy_zmq.security import security_for
 from skippy_zmq.stage.factory import build_worker
@@ -108,6 +108,7 @@ class StageLoop:
         return wire.Message.ready(self.stage.id, self.incarnation, info)
 
     def run(self) -> int:
+        settle_heap()   # what was restored and compiled lives as long as we do (heartbeats must not stall)
         transport.send_message(self.sockets.dealer, self.ready_message())
         logger.info("stage {} READY (incarnation {:08x}) listening on {}", self.stage.id, self.incarnation,
                     self.stage.listen)
@@ -126,6 +127,7 @@ class StageLoop:
                 self.drain(DRAIN_BATCH)
             elif self.worker.warm_later and not events:
                 self.worker.warm_later.pop(0)()   # idle: compile one more shape (a fraction of a second)
+                settle_heap(collect=False)   # its executable lives as long as we do; no full pass over it
                 if not self.worker.warm_later:
                     logger.info("stage {} warm-up compiles done", self.stage.id)
             self.check_driver()
