@@ -14,6 +14,7 @@ from loguru import logger
 
 from skippy_zmq.bench import SUITES
 from skippy_zmq.bench.common import int_list
+from skippy_zmq.lifetime import watch_parent
 
 DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct")
 DEFAULT_GGUF_DIR = Path("models")
@@ -424,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_json)
+    if args.command not in ("stage", "driver"):   # those tie themselves, under their own names
+        watch_parent(args.command)   # a no-op from a shell; spawned tied by a local process: die with it
     if args.command not in ("fetch-model", "plan", "keys"):
         configure_jax()
     return int(args.func(args) or 0)

@@ -74,6 +74,25 @@ def random_ids(n: int, vocab: int, seed: int = 0) -> np.ndarray:
 
 
 @pytest.fixture(scope="session")
+def shared_pipelines(model_dir, tmp_path_factory) -> Iterator:
+    """`get(n_stages)`: a real SmolLM2 pipeline on that many stage processes with the HTTP API
+    (procs.Served), started on first use and kept for the session, so the modules that only send
+    it requests share one start (procs.SHARED says how it is configured). A test that changes a
+    pipeline (kills a stage, changes its topology) starts its own."""
+    from procs import SHARED, serving, write_topology
+
+    made: dict[int, object] = {}
+    with contextlib.ExitStack() as stack:
+        def get(n_stages: int):
+            if n_stages not in made:
+                tmp = tmp_path_factory.mktemp(f"shared-{n_stages}stage")
+                path = write_topology(tmp, model_dir, n_stages, name=f"shared{n_stages}", **SHARED)
+                made[n_stages] = stack.enter_context(serving(path, tmp / "run"))
+            return made[n_stages]
+        yield get
+
+
+@pytest.fixture(scope="session")
 def llama_cpp_models() -> Path:
     """llama.cpp's models/ folder (vocab test vectors, real chat templates) from the sdist, cached once."""
     from skippy_zmq.fetch import FetchError, fetch_llama_cpp_models

@@ -3,6 +3,7 @@
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from skippy_zmq.harness import free_base_port, running_pipeline, write_topology  # noqa: F401
 
@@ -12,15 +13,30 @@ def free_endpoint() -> str:
     return f"tcp://127.0.0.1:{free_base_port(1)}"
 
 
+class Served(NamedTuple):
+    """A running pipeline with the OpenAI HTTP server in front of it."""
+
+    engine: Any
+    tokenizer: Any
+    topology: Any
+    procs: list
+    url: str
+
+
 @contextmanager
-def serving(topology_path: Path, run_dir: Path) -> Iterator:
-    """running_pipeline plus the OpenAI HTTP server in a thread: yields (engine, tokenizer, topology, url)."""
+def serving(topology_path: Path, run_dir: Path) -> Iterator[Served]:
+    """running_pipeline plus the OpenAI HTTP server in a thread."""
     from skippy_zmq.driver.main import build_app
     from skippy_zmq.driver.server import start_in_thread
 
-    with running_pipeline(topology_path, run_dir) as (engine, tokenizer, topology, _):
+    with running_pipeline(topology_path, run_dir) as (engine, tokenizer, topology, procs):
         handle = start_in_thread(build_app(topology, engine, tokenizer))
         try:
-            yield engine, tokenizer, topology, handle.url
+            yield Served(engine, tokenizer, topology, procs, handle.url)
         finally:
             handle.stop()
+
+
+# The configuration of the shared pipelines (conftest.shared_pipelines): 8 lanes and sessions for
+# concurrency tests, speculation on as in the shipped topologies (requests opt out per call).
+SHARED = dict(kv_lanes=8, driver__max_sessions=8, driver__speculative={"method": "ngram", "max_draft": 8})

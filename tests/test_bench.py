@@ -359,8 +359,11 @@ def test_bench_spec_quick_end_to_end(tmp_path, model_dir):
     from skippy_zmq.bench.peers import llama_cpp_available
 
     cli = Path(sys.executable).parent / "skippy-zmq"
+    from skippy_zmq.lifetime import tied_env
+
+    # tied: if pytest dies, the bench and its stages go too; the bound stops a hang on a busy machine
     run = subprocess.run([str(cli), "bench", "spec", "--quick", "--model", str(model_dir), "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=400)
+                         capture_output=True, text=True, timeout=1800, env=tied_env())
     assert run.returncode == 0, run.stderr[-3000:]
     assert "[spec] spec-1-0: start" in run.stderr            # phase timings on stderr
     got = json.loads((tmp_path / "spec.json").read_text())

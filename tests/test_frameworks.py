@@ -12,7 +12,6 @@ from typing import Literal
 
 import pytest
 
-from procs import serving, write_topology
 
 pytestmark = pytest.mark.slow
 
@@ -45,11 +44,8 @@ def get_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
 
 
 @pytest.fixture(scope="module")
-def url(model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("frameworks")
-    path = write_topology(tmp, model_dir, 2, kv_lanes=2, driver__max_sessions=2)
-    with serving(path, tmp / "run") as (_, _, _, url):
-        yield url
+def url(shared_pipelines):
+    return shared_pipelines(2).url
 
 
 class Tries:

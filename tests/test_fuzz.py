@@ -25,7 +25,6 @@ from hypothesis import strategies as st
 
 from conftest import TINY, first_mismatch
 from pipeline_helpers import make_worker
-from procs import running_pipeline, write_topology
 from skippy_zmq import transport, wire
 from skippy_zmq.driver.engine import GenRequest
 from skippy_zmq.stage.sessions import SessionTable
@@ -302,10 +301,8 @@ def test_worker_answers_hostile_messages_without_raising(tiny_workers, steps):
 
 
 @pytest.fixture(scope="module")
-def live(model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fuzz-live")
-    with running_pipeline(write_topology(tmp, model_dir, 2), tmp / "run") as running:
-        yield running
+def live(shared_pipelines):
+    return shared_pipelines(2)
 
 
 def vm_rss_mb(pid: int) -> float:
@@ -354,7 +351,7 @@ def live_frames(width: int, vocab: int) -> st.SearchStrategy:
 
 
 def test_live_stages_survive_a_malformed_barrage(live, parity):
-    engine, _, topology, procs = live
+    engine, topology, procs = live.engine, live.topology, live.procs
     case = parity["prompts"][0]
     before = greedy(engine, case["prompt_ids"])
     assert first_mismatch(before, case["transformers_fp32_ids"]) == 16
@@ -448,25 +445,32 @@ LIVE_PROBES = ["trace_not_a_list", "logit_bias_outside_vocab", "repetition_penal
                "prefill_past_kv_capacity", "decode_rows_beyond_largest_bucket"]
 
 
-def test_live_stage_survives_well_formed_hostile_messages(model_dir, tmp_path):
-    with running_pipeline(write_topology(tmp_path, model_dir, 1), tmp_path / "run") as (engine, _, topology, procs):
-        replies: list[int] = []
-        engine.on_reply_hooks.append(lambda _, m: replies.append(m.request_id))
-        push = transport.make_socket(transport.context(), zmq.PUSH, topology.first.connect, bind=False)
-        died = []
-        try:
-            for n, name in enumerate(LIVE_PROBES):
-                for frames in _live_probe(topology, name, n):
-                    push.send_multipart(frames)
-                push.send_multipart(sentinel(SENTINEL_ID + n))
-                if not wait_for(lambda: SENTINEL_ID + n in replies or procs[0].poll() is not None, 60) \
-                        or procs[0].poll() is not None:
-                    died.append(name)
-                    break
-        finally:
-            push.close(linger=0)
-        print(f"\nwell-formed hostile probes: the stage died on {died or 'none'}")
-        assert not died, f"the stage process died on {died[0]} (exit code {procs[0].poll()})"
+def test_live_stage_survives_well_formed_hostile_messages(shared_pipelines):
+    live = shared_pipelines(1)
+    engine, topology, procs = live.engine, live.topology, live.procs
+    replies: list[int] = []
+
+    def hook(_: str, m: Message) -> None:
+        replies.append(m.request_id)
+    engine.on_reply_hooks.append(hook)
+    push = transport.make_socket(transport.context(), zmq.PUSH, topology.first.connect, bind=False)
+    died = []
+    try:
+        for n, name in enumerate(LIVE_PROBES):
+            for frames in _live_probe(topology, name, n):
+                push.send_multipart(frames)
+            push.send_multipart(sentinel(SENTINEL_ID + n))
+            if not wait_for(lambda: SENTINEL_ID + n in replies or procs[0].poll() is not None, 60) \
+                    or procs[0].poll() is not None:
+                died.append(name)
+                break
+        probes = np.arange(FUZZ_ID + 100, FUZZ_ID + 100 + len(LIVE_PROBES), dtype=np.uint64)
+        transport.send_message(push, Message(Kind.STOP, FUZZ_ID, int(probes[0]), sessions=probes))   # free lanes
+    finally:
+        push.close(linger=2000)   # the STOP above still goes out
+        engine.on_reply_hooks.remove(hook)
+    print(f"\nwell-formed hostile probes: the stage died on {died or 'none'}")
+    assert not died, f"the stage process died on {died[0]} (exit code {procs[0].poll()})"
 
 
 # ---------------------------------------------------------------- c) malformed HTTP

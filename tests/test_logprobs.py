@@ -276,14 +276,9 @@ COPY = ("Repeat the following text exactly, then stop: The committee met on Tues
 
 
 @pytest.fixture(scope="module")
-def real_pipeline(model_dir, tmp_path_factory):
-    from procs import running_pipeline, write_topology
-
-    tmp = tmp_path_factory.mktemp("logprobs")
+def real_pipeline(shared_pipelines):
     # Speculation on, as the shipped topologies: logprobs of accepted window positions are used.
-    path = write_topology(tmp, model_dir, 2, driver__speculative={"method": "ngram", "max_draft": 8})
-    with running_pipeline(path, tmp / "run") as running:
-        yield running
+    return shared_pipelines(2)
 
 
 @pytest.fixture(scope="module")

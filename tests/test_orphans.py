@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from procs import write_topology
+from skippy_zmq.lifetime import tied_env
 
 READY_TIMEOUT_S = 300.0   # stages load and compile the real model on a shared machine
 GONE_WITHIN_S = 5.0       # the issue's goal
@@ -22,6 +23,8 @@ HARNESS_PARENT = """
 import sys
 from pathlib import Path
 from skippy_zmq.harness import running_pipeline
+from skippy_zmq.lifetime import watch_parent
+watch_parent("harness")   # tied to the test: if pytest dies, this parent goes, and so do its stages
 with running_pipeline(Path(sys.argv[1]), Path(sys.argv[2])):
     sys.stdin.read()   # held until killed
 """
@@ -80,7 +83,7 @@ def parent_command(kind: str, topology: Path, run_dir: Path) -> list[str]:
 def test_spawned_stages_exit_when_their_parent_is_sigkilled(model_dir, tmp_path, kind):
     topology = write_topology(tmp_path, model_dir, 2, name="orphans")
     run_dir = tmp_path / "run"
-    parent = subprocess.Popen(parent_command(kind, topology, run_dir), stdin=subprocess.PIPE,
+    parent = subprocess.Popen(parent_command(kind, topology, run_dir), stdin=subprocess.PIPE, env=tied_env(),
                               stdout=subprocess.DEVNULL, stderr=(tmp_path / "parent.log").open("wb"))
     try:
         pids = stage_pids(run_dir, ["s0", "s1"], parent)

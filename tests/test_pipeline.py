@@ -10,7 +10,6 @@ import pytest
 import zmq
 
 from conftest import first_mismatch
-from procs import running_pipeline, write_topology
 from skippy_zmq import transport, wire
 from skippy_zmq.driver.engine import GenRequest
 from skippy_zmq.driver.server import create_app, start_in_thread
@@ -25,13 +24,10 @@ def local(model_dir):
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=["1stage", "2stage", "3stage"])
-def pipeline(request, model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(f"p{request.param}")
+def pipeline(request, shared_pipelines):
     # Speculation on: every test below runs through verify windows; requests with
     # speculative=False decode plainly on the same stages.
-    path = write_topology(tmp, model_dir, request.param, driver__speculative={"method": "ngram", "max_draft": 8})
-    with running_pipeline(path, tmp / "run") as running:
-        yield running
+    return shared_pipelines(request.param)
 
 
 def pipeline_tokens(engine, ids, max_tokens=32, ignore_eos=True, speculative=None, sampling=None):
@@ -101,7 +97,11 @@ def test_concurrent_requests_match_solo_runs(pipeline, parity):
 def test_malformed_messages_get_error_replies_and_stage_keeps_serving(pipeline, parity):
     engine, topology = pipeline[0], pipeline[2]
     errors: list[tuple[str, Message]] = []
-    engine.on_reply_hooks.append(lambda sid, m: errors.append((sid, m)) if m.kind == Kind.ERROR else None)
+
+    def hook(sid: str, m: Message) -> None:
+        if m.kind == Kind.ERROR:
+            errors.append((sid, m))
+    engine.on_reply_hooks.append(hook)
     good = wire.encode(Message(Kind.STOP, 77, 77))
     header = bytearray(good[0])
     bad_version = bytearray(header)
@@ -128,6 +128,7 @@ def test_malformed_messages_get_error_replies_and_stage_keeps_serving(pipeline, 
             time.sleep(0.05)
     finally:
         push.close(linger=0)
+        engine.on_reply_hooks.remove(hook)
     codes = sorted(m.extras["code"] for _, m in errors)
     assert codes == sorted(cases), [m.extras for _, m in errors]
     assert all(sid == topology.first.id for sid, _ in errors)

@@ -43,8 +43,8 @@ def served(llama_cpp_models: Path, tmp_path_factory):
     meta["chat_templates"] = {}
     (model / META_FILE).write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
     path = write_topology(tmp, model, 2, weights="q4", kv_lanes=2, driver__max_sessions=2)
-    with serving(path, tmp / "run") as (_, tokenizer, _, url):
-        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0), tokenizer
+    with serving(path, tmp / "run") as served:
+        yield openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0), served.tokenizer
 
 
 def test_template_applied_and_stream_equals_text_equals_decode(served) -> None:

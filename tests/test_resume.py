@@ -20,13 +20,18 @@ BODY = {"model": "m", "prompt": "List the planets of the solar system and descri
         "ignore_eos": True, "temperature": 0, "stream": True}
 
 
+# Bounds on waits for a process to load and compile the real model on a busy 2-core machine (a restart
+# included): they stop a hang, they assume no speed.
+START_S = 900.0
+
+
 @pytest.fixture()
 def launched(model_dir, tmp_path, request):
-    overrides = getattr(request, "param", {})
+    overrides = {"driver__resume_timeout_s": START_S, **getattr(request, "param", {})}
     topo = write_topology(tmp_path, model_dir, 2, name="resume", **overrides)
     run_dir = tmp_path / "run"
     out = subprocess.run([str(REPO / "scripts" / "launch.sh"), str(topo), str(run_dir)], capture_output=True,
-                         text=True, timeout=400, cwd=REPO)
+                         text=True, timeout=START_S, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     try:
         yield out.stdout.strip().splitlines()[-1], run_dir
@@ -36,7 +41,7 @@ def launched(model_dir, tmp_path, request):
 
 def stream(url: str, on_event=None) -> tuple[str, list[dict]]:
     events = []
-    with httpx.stream("POST", url + "/completions", json=BODY, timeout=120) as resp:
+    with httpx.stream("POST", url + "/completions", json=BODY, timeout=START_S) as resp:   # a restart streams nothing
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if line.startswith("data: {"):

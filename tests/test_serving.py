@@ -11,7 +11,6 @@ import httpx
 import openai
 import pytest
 
-from procs import serving, write_topology
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Name three primes.",
              "Why is the sky blue?", "Say hello in Spanish.", "What is 7 times 8?", "Describe a cat.",
@@ -19,11 +18,9 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Nam
 
 
 @pytest.fixture(scope="module")
-def served(model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serving")
-    path = write_topology(tmp, model_dir, 2, kv_lanes=8, driver__max_sessions=8)
-    with serving(path, tmp / "run") as (engine, _, _, url):
-        yield engine, url
+def served(shared_pipelines):
+    shared = shared_pipelines(2)
+    return shared.engine, shared.url
 
 
 def client(url: str) -> openai.OpenAI:

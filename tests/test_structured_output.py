@@ -13,7 +13,6 @@ import jsonschema
 import openai
 import pytest
 
-from procs import serving, write_topology
 
 pytestmark = pytest.mark.slow
 
@@ -44,13 +43,10 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def served(model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("structured")
-    path = write_topology(tmp, model_dir, 2, kv_lanes=4, driver__max_sessions=4,
-                          driver__speculative={"method": "ngram"})
-    with serving(path, tmp / "run") as (engine, _, topology, url):
-        assert topology.driver.speculative.enabled
-        yield engine, url
+def served(shared_pipelines):
+    shared = shared_pipelines(2)
+    assert shared.topology.driver.speculative.enabled
+    return shared.engine, shared.url
 
 
 @pytest.fixture(scope="module")
