@@ -1,0 +1,112 @@
+"""The values a rows message passes through in a stage (StageWorker.on_rows): check the rows,
+place them in sessions, run the slice, sample and score, reply. Pure data and one pure function
+(`narrow`); the worker owns the steps."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import numpy as np
+
+from skippy_zmq.stage.types import Outbound
+from skippy_zmq.wire import Message
+
+
+@dataclass
+class RuntimeLock:
+    """Serialises runtime use and measures wait and hold (telemetry)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    wait_ms: float = 0.0
+    hold_ms: float = 0.0
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        with self.lock:
+            t1 = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                t2 = time.perf_counter()
+                self.wait_ms, self.hold_ms = 1000 * (t1 - t0), 1000 * (t2 - t1)
+
+    def times(self) -> dict[str, float]:
+        """The last use's wait and hold, for a trace entry or a telemetry event."""
+        return {"lock_wait_ms": round(self.wait_ms, 3), "lock_hold_ms": round(self.hold_ms, 3)}
+
+
+# A logprob JSON can carry: -inf (a masked token, only ever at a window position past a refused
+# draft, whose output the driver never uses) goes out as this, vLLM's value for it.
+LOGPROB_FLOOR = -9999.0
+
+
+def logprob_entry(entry: tuple[float, list[tuple[int, float]]]) -> list[Any]:
+    """token_logprobs' (logprob, [(id, logprob), ...]) as compact JSON: [lp, [[id, lp], ...]]."""
+    logprob, top = entry
+    return [max(logprob, LOGPROB_FLOOR), [[token, value] for token, value in top]]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a rows message: a session's tokens [offset, offset + length) of the message,
+    at absolute positions [start, start + length)."""
+
+    session_id: int
+    start: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Rows that run together: the message (narrowed to these rows) and their inputs."""
+
+    msg: Message
+    x: np.ndarray                       # token ids at the first stage, activations elsewhere
+    rows: list[Row]
+    score: bool                         # decode / verify rows: the final stage samples every position
+    prompt_top: int | None              # a final-stage prefill's "prompt_logprobs"
+    lanes: np.ndarray | None = None     # the rows' lanes, once placed in their sessions
+
+
+@dataclass(frozen=True)
+class Ran:
+    """A batch run through this stage's slice."""
+
+    result: Any                         # activations, logits (final stage, scored) or None
+    extras: dict[str, Any]              # the message's extras with this stage's trace entry
+
+
+@dataclass
+class Scored:
+    """The final stage's scores of a batch: the tokens (and logprob entries) of the rows sampled,
+    the ERRORs of rows whose sampling failed, or a prefill's prompt logprobs."""
+
+    answered: list[Row] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)   # per token: [logprob, [[id, logprob], ...]] or None
+    errors: list[Outbound] = field(default_factory=list)
+    sample_ms: float = 0.0
+    prompt_logprobs: dict[str, Any] | None = None
+
+
+def narrow(batch: Batch, keep: list[Row]) -> Batch:
+    """The batch of the rows `keep` alone: tokens, inputs, positions and sessions compacted and
+    the rows' offsets renumbered (the message goes on down the chain as if it named only these)."""
+    if len(keep) == len(batch.rows):
+        return batch
+    msg = batch.msg
+    idx = np.concatenate([np.arange(row.offset, row.offset + row.length) for row in keep])
+    sessions = np.array([row.session_id for row in keep], np.uint64)
+    extras = {k: v for k, v in msg.extras.items() if k != "lengths"}
+    if any(row.length != 1 for row in keep):
+        extras["lengths"] = [row.length for row in keep]
+    msg = replace(msg, sessions=sessions, session_id=int(sessions[0]), tokens=msg.tokens[idx],
+                  positions=msg.positions[idx] if msg.positions is not None else None,
+                  position=keep[0].start, extras=extras)
+    offsets = np.concatenate([[0], np.cumsum([row.length for row in keep])])
+    rows = [replace(row, offset=int(offsets[i])) for i, row in enumerate(keep)]
+    return replace(batch, msg=msg, x=batch.x[idx], rows=rows)
