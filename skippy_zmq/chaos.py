@@ -62,7 +62,7 @@ PLANET = "Describe the planet Mars in JSON."
 WEATHER = "What is the weather like in Paris today?"
 SPECULATING = ("copy",)    # the prompts whose requests draft; every other one opts out
 SPECULATIVE = {"method": "ngram"}   # driver.speculative when the topology has it off
-DEATH_TIMEOUT_S = 60.0     # bound on waiting for an armed stage to die
+DEATH_TIMEOUT_S = 300.0    # bound on waiting for an armed stage to die (a busy machine reaches its nth message late)
 WARM_TOKENS = 4            # the warm-up before a kind's fault-free run
 
 

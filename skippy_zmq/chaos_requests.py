@@ -23,8 +23,13 @@ from typing import Any, Callable
 import httpx
 
 MAX_TOKENS = 40
-REQUEST_TIMEOUT_S = 180.0  # bound on a whole faulted request (detect + restart + generate)
-LOGPROB_TOL = 1e-5         # a resumed request's logprobs are recomputed, not replayed: equal to f32 noise
+REQUEST_TIMEOUT_S = 900.0  # bound on a hang of a faulted request (detect + restart + generate), not a speed
+# A resumed request re-prefills its generated tokens, whose KV then rounds differently in f32 than
+# the one-token decodes that first wrote it: its logprobs moved by up to 1.06e-5 (text identical).
+# Decoding the same request beside another one moves them by up to 3.0e-5 with no fault at all
+# (another batch shape, another summation order), so equality to 1e-5 is not a property the system
+# has even without faults; 1e-4 is three times that spread.
+LOGPROB_TOL = 1e-4
 SEED = 1234                # the n3 kind samples (temperature 0.8) with this fixed seed
 
 
