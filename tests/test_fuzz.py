@@ -478,16 +478,8 @@ def test_live_stage_survives_well_formed_hostile_messages(shared_pipelines):
 
 @pytest.fixture(scope="module")
 def http(live):
-    from skippy_zmq.driver.main import build_app
-    from skippy_zmq.driver.server import start_in_thread
-
-    engine, tokenizer, topology, _ = live
-    handle = start_in_thread(build_app(topology, engine, tokenizer))
-    try:
-        with httpx.Client(base_url=handle.url, timeout=60) as client:
-            yield client, topology
-    finally:
-        handle.stop()
+    with httpx.Client(base_url=live.url, timeout=60) as client:   # the shared pipeline's own server
+        yield client, live.topology
 
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
