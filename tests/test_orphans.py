@@ -169,7 +169,7 @@ def test_settle_heap_keeps_full_collections_off_what_is_alive():
     try:
         frozen = settle_heap()
         assert probe() is None                          # collected first
-        assert frozen == gc.get_freeze_count() >= len(kept)
+        assert frozen >= len(kept)   # (other threads may free frozen objects right after: no equality)
         assert all(not any(o is k for o in gc.get_objects(2)) for k in kept[:3])   # out of generation 2
     finally:
         gc.unfreeze()
