@@ -35,6 +35,20 @@ def counting_compiles() -> Iterator[list[float]]:
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
 
+# `slow` (left out of `make test-quick`): every test that reads the real model or llama.cpp's files
+# (the model_dir / llama_cpp_models fixtures, the shared pipelines through them) and every module
+# whose tests start processes without them.
+SLOW_FIXTURES = {"model_dir", "llama_cpp_models"}
+SPAWNING_MODULES = {"test_quant_kernel", "test_orphans"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or module in SPAWNING_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 TINY = ModelConfig(arch="llama", n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
                    vocab_size=97, rope_theta=10000.0, norm_eps=1e-5, tied_embeddings=True, max_seq_len=512,
                    eos_ids=(2,), bos_id=1, name="tiny")

@@ -5,7 +5,21 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from skippy_zmq.harness import free_base_port, running_pipeline, write_topology  # noqa: F401
+from skippy_zmq import harness
+from skippy_zmq.harness import free_base_port, running_pipeline  # noqa: F401
+
+# Every test pipeline holds 512 positions a session (the shipped default is 2048): its stages compile
+# every prefill chunk and 1- and 2-row decode at each attention length before READY, and verify windows
+# at each after it, so two lengths (256, 512) instead of four halve a stage's start. Every prompt the
+# suite sends is far shorter; a test that needs more context says so.
+TEST_CONTEXT = 512
+
+
+def write_topology(tmp: Path, model_dir: Path | str, n_stages: int, name: str = "topo",
+                   n_layers: int | None = None, **overrides) -> Path:
+    """harness.write_topology with the suite's context (TEST_CONTEXT) unless `driver__max_context` is given."""
+    overrides.setdefault("driver__max_context", TEST_CONTEXT)
+    return harness.write_topology(tmp, model_dir, n_stages, name, n_layers, **overrides)
 
 
 def free_endpoint() -> str:

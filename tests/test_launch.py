@@ -22,7 +22,9 @@ def pgrep(pattern: str) -> list[int]:
 
 @pytest.fixture()
 def launched(model_dir, tmp_path):
-    topo = write_topology(tmp_path, model_dir, 2, name="launch-test", driver__resume_timeout_s=1.0)
+    # 1024 positions: the stream below must outlast the kill and its detection (1000 tokens)
+    topo = write_topology(tmp_path, model_dir, 2, name="launch-test", driver__resume_timeout_s=1.0,
+                          driver__max_context=1024)
     run_dir = tmp_path / "run"
     out = subprocess.run([str(REPO / "scripts" / "launch.sh"), str(topo), str(run_dir)], capture_output=True,
                          text=True, timeout=400, cwd=REPO)
@@ -40,7 +42,7 @@ def test_killed_stage_fails_the_stream_quickly_and_stop_leaves_nothing(launched)
     assert httpx.get(url.removesuffix("/v1") + "/readyz").status_code == 200
     pids = {f.stem: int(f.read_text()) for f in run_dir.glob("*.pid")}
     assert set(pids) == {"s0", "s1", "driver"}
-    body = {"model": "m", "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True,
+    body = {"model": "m", "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True,
             "temperature": 0, "stream": True}
     events = []
     with httpx.stream("POST", url + "/completions", json=body, timeout=30) as resp:

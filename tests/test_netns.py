@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from conftest import REPO, first_mismatch
+from procs import TEST_CONTEXT
 from skippy_zmq.driver.engine import GenRequest
 from skippy_zmq.launch import check_alive, stop_processes
 from skippy_zmq.topology import load_topology, plan_topology
@@ -89,6 +90,7 @@ def write_netns_topology(tmp: Path, model_dir: Path, addresses: list[str]) -> Pa
     data = plan_topology(30, N_STAGES, model=str(model_dir)).to_dict()
     data["driver"]["return"] = f"tcp://{SUBNET}.1:{free_port()}"
     data["driver"]["http"] = "127.0.0.1:1"     # the driver here is in-process; no HTTP server is started
+    data["driver"]["max_context"] = TEST_CONTEXT   # the suite's stage shapes (procs.TEST_CONTEXT)
     for stage, address in zip(data["stages"], addresses):
         stage["listen"] = f"tcp://{address}:{PORT}"
         stage["host"] = address

@@ -26,16 +26,21 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 # and the dequantised matmul, for int8 and q4, on decode rows, small row tiles
 # (M up to 16), one group, out not a multiple of 64, a shape big enough to run
 # on the thread pool, and a prefill chunk; scales and offsets are float16.
+# A forced or auto-picked ISA runs every shape (its loops are what it tests); the cases that test
+# how a path is chosen or built run two (SHAPES=short: a small tile and the pool).
+FULL = [(1, 576, 192), (2, 64, 97), (3, 1536, 64), (5, 96, 130), (33, 128, 64), (1, 32, 65),
+        (4, 32, 200), (7, 160, 127), (16, 96, 70), (1, 2048, 2100), (2, 2048, 2100)]
+SHORT = [(5, 96, 130), (2, 2048, 2100)]
 CHILD = """
-import json, sys
+import json, os, sys
 import jax, jax.numpy as jnp, numpy as np
 from skippy_zmq.model import quant
 
+shapes = json.loads(os.environ["SHAPES"])
 rng = np.random.default_rng(0)
 worst = 0.0
 for bits in (8, 4):
-    for m, k, n in [(1, 576, 192), (2, 64, 97), (3, 1536, 64), (5, 96, 130), (33, 128, 64), (1, 32, 65),
-                    (4, 32, 200), (7, 160, 127), (16, 96, 70), (1, 2048, 2100), (2, 2048, 2100)]:
+    for m, k, n in shapes:
         w = rng.standard_normal((k, n)).astype(np.float32)
         x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
         kernel, xla = (jax.tree.map(jnp.asarray, quant.to_qtensor(w, impl, bits)) for impl in ("kernel", "xla"))
@@ -48,8 +53,8 @@ print(json.dumps({"available": quant.kernel_available(), "isa": quant.kernel_isa
 """
 
 
-def run_child(tmp_path: Path, **env: str) -> tuple[dict, str]:
-    full = {**os.environ, "JAX_PLATFORMS": "cpu", **env}
+def run_child(tmp_path: Path, shapes: list = SHORT, **env: str) -> tuple[dict, str]:
+    full = {**os.environ, "JAX_PLATFORMS": "cpu", "SHAPES": json.dumps(shapes), **env}
     out = subprocess.run([sys.executable, "-c", CHILD], cwd=tmp_path, env=full, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -71,7 +76,7 @@ def test_forced_isa_runs_and_matches_the_xla_fallback(tmp_path, isa):
         pytest.skip("no C++ compiler")
     if isa == "avx2" and not (X86 and {"avx2", "fma", "f16c"} <= cpu_flags()):
         pytest.skip("this CPU has no AVX2")
-    got, _ = run_child(tmp_path, SKIPPY_KERNEL_ISA=isa)
+    got, _ = run_child(tmp_path, FULL, SKIPPY_KERNEL_ISA=isa)
     assert got["available"] and got["isa"] == isa
     assert got["worst"] < 1e-5
 
@@ -86,7 +91,7 @@ def test_auto_picks_the_best_isa_this_cpu_supports(tmp_path):
         best = "avx2"
     else:
         best = "generic"
-    got, stderr = run_child(tmp_path, SKIPPY_KERNEL_ISA="auto")
+    got, stderr = run_child(tmp_path, FULL, SKIPPY_KERNEL_ISA="auto")   # the loops this CPU runs
     assert got["isa"] == best and got["worst"] < 1e-5
     got, stderr = run_child(tmp_path, SKIPPY_KERNEL_ISA="sse9")
     assert got["isa"] == best and "SKIPPY_KERNEL_ISA=sse9 is unknown or not supported" in stderr

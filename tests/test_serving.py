@@ -11,6 +11,8 @@ import httpx
 import openai
 import pytest
 
+from procs import TEST_CONTEXT
+
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Name three primes.",
              "Why is the sky blue?", "Say hello in Spanish.", "What is 7 times 8?", "Describe a cat.",
@@ -56,7 +58,7 @@ def test_eight_concurrent_streams_equal_solo_runs(served):
 
 def test_disconnect_frees_lanes_on_every_stage(served):
     _, url = served
-    body = {"model": "m", "prompt": "Count to one thousand:", "max_tokens": 1000, "ignore_eos": True,
+    body = {"model": "m", "prompt": "Count to one thousand:", "max_tokens": 400, "ignore_eos": True,
             "temperature": 0, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
         lines = resp.iter_lines()     # keep a reference: a collected iterator closes the connection
@@ -121,7 +123,50 @@ def test_metrics_show_each_stage_weight_kv_and_rss_bytes(served):
     for stage, weight_bytes in expected.items():
         label = f'stage="{stage}"'
         assert metric(url, "skippy_stage_weight_bytes", label) == weight_bytes
-        assert metric(url, "skippy_stage_kv_bytes", label) == 2 * 15 * 3 * 64 * 2048 * 8 * 4   # K+V, f32, 8 lanes
-        assert metric(url, "skippy_stage_rss_bytes", label) > weight_bytes + 377_487_360
-        assert metric(url, "skippy_stage_predicted_bytes", label) > weight_bytes + 377_487_360 + 256 * 2**20
+        kv = 2 * 15 * 3 * 64 * TEST_CONTEXT * 8 * 4   # K+V, f32, 8 lanes
+        assert metric(url, "skippy_stage_kv_bytes", label) == kv
+        assert metric(url, "skippy_stage_rss_bytes", label) > weight_bytes + kv
+        assert metric(url, "skippy_stage_predicted_bytes", label) > weight_bytes + kv + 256 * 2**20
         assert metric(url, "skippy_stage_memory_budget_bytes", label) == 0
+
+
+def running_choices(engine) -> list[int]:
+    """The choice index of every job the driver is running, read on its loop thread."""
+    import queue
+
+    out: queue.Queue = queue.Queue(maxsize=1)
+    engine.call(lambda: out.put(sorted(j.choice for j in engine.scheduler.running.values())))
+    return out.get(timeout=60)
+
+
+def test_a_stop_string_ends_one_choice_job_at_once_while_the_other_decodes(served):
+    """n = 2 on real stages with the official client: choice 1's stop string (in its first words,
+    not in choice 0's text) ends choice 1's job while choice 0 still has over a hundred tokens to go;
+    choice 0's text is the same as without the stop, and every lane is free at the end."""
+    engine, url = served
+    kwargs = dict(model="m", prompt="Once upon a time, in a small village,", n=2, max_tokens=160,
+                  temperature=1.0, seed=11, extra_body={"ignore_eos": True, "speculative": False})
+    free = {c.index: c.text for c in client(url).completions.create(**kwargs).choices}
+    words = [w for w in re.findall(r"[A-Za-z]{4,}", free[1][:80]) if w not in free[0]]
+    assert words, free           # the seed gives choice 1 a word of its own early on
+    stop = words[0]
+    texts, finish, seen_running = {0: "", 1: ""}, {}, None
+    for chunk in client(url).completions.create(stream=True, stop=[stop], **kwargs):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+            if c.index == 1 and c.finish_reason and seen_running is None:
+                deadline = time.monotonic() + 60   # bound on a hang: the cancel is the loop's next command
+                while (seen_running := running_choices(engine)) != [0] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+    assert seen_running == [0]   # choice 1's job was gone while choice 0 decoded on
+    assert finish == {0: "length", 1: "stop"}
+    assert texts[1] == free[1][:free[1].index(stop)] and texts[0] == free[0]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lanes = [metric(url, "skippy_stage_kv_lanes_in_use", f'stage="s{i}"') for i in (0, 1)]
+        if lanes == [0.0, 0.0]:
+            break
+        time.sleep(0.1)
+    assert lanes == [0.0, 0.0]

@@ -57,6 +57,7 @@ from skippy_zmq.bench.pipeline import steady_tok_s
 
 SPECULATIVE: dict[str, Any] = {"method": "ngram"}   # the defaults (driver/speculative.py SpeculativeConfig)
 NEW_TOKENS, QUICK_TOKENS = 128, 32
+CONTEXT, QUICK_CONTEXT = 1024, 512   # driver.max_context of the pipelines
 QUICK_PROMPTS = 2
 LOOKUP = (2, 10)                # LlamaPromptLookupDecoding(num_pred_tokens=...)
 LLAMA_THREADS = 2
@@ -429,8 +430,8 @@ def pipeline_topology(tmp: Path, model: Path, stages: int, name: str, on: dict[s
     from skippy_zmq.harness import write_topology
     from skippy_zmq.topology import TopologyError
 
-    base = dict(kv_lanes=LANES, driver__max_sessions=LANES, driver__dead_after_s=30.0,
-                driver__request_timeout_s=900.0, driver__max_context=1024, **on)
+    base = {**dict(kv_lanes=LANES, driver__max_sessions=LANES, driver__dead_after_s=30.0,
+                   driver__request_timeout_s=900.0, driver__max_context=CONTEXT), **on}
     for spec in (SPECULATIVE, {"method": SPECULATIVE["method"]}):
         try:
             return write_topology(tmp, model, stages, name=name, driver__speculative=dict(spec), **base), dict(spec)
@@ -598,6 +599,8 @@ def bench_spec(args: argparse.Namespace, tables: list[str], _prior: dict[str, An
     weights = spec_weights(args)
     ours_model = q4_model(model, gguf) if weights == "q4" else model
     on = {**stage_overrides(args), "weights": weights}
+    if quick:   # its prompts and 32 tokens fit 512 positions: one attention length fewer to compile
+        on["driver__max_context"] = QUICK_CONTEXT
     work = workloads(TextTokenizer.load(model), QUICK_PROMPTS if quick else None)
     mixed = work["copy"][:STREAMS // 2] + work["chat"][:STREAMS // 2]
     tmp = Path(tempfile.mkdtemp(prefix="skippy-spec-"))
