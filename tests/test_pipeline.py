@@ -30,6 +30,13 @@ def pipeline(request, shared_pipelines):
     return shared_pipelines(request.param)
 
 
+@pytest.fixture(scope="module", params=[2, 3], ids=["2stage", "3stage"])
+def hops(request, shared_pipelines):
+    """The pipelines with hops: batching, restores and forks across stages add information there;
+    on one stage they are the in-process paths the unit tests already run."""
+    return shared_pipelines(request.param)
+
+
 def pipeline_tokens(engine, ids, max_tokens=32, ignore_eos=True, speculative=None, sampling=None):
     extra = {"sampling": sampling} if sampling is not None else {}
     events = list(engine.generate_blocking(GenRequest("t", tuple(ids), max_tokens=max_tokens,
@@ -42,10 +49,10 @@ COPY = ("Repeat the following text exactly, then stop: The committee met on Tues
         "delay the renovation of the reading room until next spring.")
 
 
-def test_speculation_on_and_off_give_identical_tokens(pipeline, parity):
+def test_speculation_on_and_off_give_identical_tokens(hops, parity):
     """Reference prompts and a copy prompt (whose windows are mostly accepted), greedy and seeded:
     the same tokens with verify windows as with one token per round trip."""
-    engine, tokenizer = pipeline[0], pipeline[1]
+    engine, tokenizer = hops[0], hops[1]
     copy = tokenizer.encode_chat([{"role": "user", "content": COPY}])
     for ids in [c["prompt_ids"] for c in parity["prompts"]] + [copy]:
         assert pipeline_tokens(engine, ids, 48) == pipeline_tokens(engine, ids, 48, speculative=False)
@@ -83,8 +90,8 @@ def test_chat_over_http_equals_single_process(pipeline, local):
         handle.stop()
 
 
-def test_concurrent_requests_match_solo_runs(pipeline, parity):
-    engine = pipeline[0]
+def test_concurrent_requests_match_solo_runs(hops, parity):
+    engine = hops[0]
     prompts = [c["prompt_ids"] for c in parity["prompts"]]
     solo = [pipeline_tokens(engine, ids, 16)[0] for ids in prompts]
     import concurrent.futures as cf
@@ -148,8 +155,8 @@ SYSTEM = ("You are a meticulous assistant for a shipping company. Always answer 
           "11) pick-up points keep parcels for 10 days; 12) complaints are answered within 48 hours.")
 
 
-def test_prefix_cache_restore_equals_recompute(pipeline, local):
-    engine, tokenizer = pipeline[0], pipeline[1]
+def test_prefix_cache_restore_equals_recompute(hops, local):
+    engine, tokenizer = hops[0], hops[1]
 
     def chat(question):
         return tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
@@ -171,10 +178,10 @@ def test_prefix_cache_restore_equals_recompute(pipeline, local):
     assert cached_cold == 0 and cached_warm == len(first) - 1 and cached_shared == common // 128 * 128
 
 
-def test_n_choices_and_batched_prompts_over_http(pipeline, local):
+def test_n_choices_and_batched_prompts_over_http(hops, local):
     """n choices share one prefill (the stages fork its KV) and each samples its own stream; a
     batched completions prompt gives one choice per prompt. Greedy choices equal the single run."""
-    engine, tokenizer = pipeline[0], pipeline[1]
+    engine, tokenizer = hops[0], hops[1]
     handle = start_in_thread(create_app(engine, tokenizer, model_name="smollm2"))
     try:
         client = openai.OpenAI(base_url=handle.url + "/v1", api_key="x", max_retries=0)

@@ -27,8 +27,9 @@ compares every prompt's tokens on against off (a mismatch is reported, never fat
 Stages run q4 weights by default: the GGUF's own Q4_1 levels (a q4 checkpoint converted from the
 same GGUF, found beside the model or converted once into models/<name>-q4), so ours and llama.cpp
 compute from the same weights; `--weights` names another format (that one runs off the model
-directory as given). `--quick`: 2 prompts per workload, 32 tokens, no 3-stage rows, and the
-concurrent row as 2 streams on 2 stages at 20 ms per hop (a test of the paths, not of the speed).
+directory as given). `--quick`: 2 prompts per workload, 32 tokens, one pipeline (2 stages at 20 ms
+per hop: both workloads one stream at a time, and the concurrent row as 2 streams), 512 positions
+a session (a test of the paths, not of the speed).
 
 Phase timings go to stderr ("[spec] ..."), so a long run can be followed.
 """
@@ -606,9 +607,17 @@ def bench_spec(args: argparse.Namespace, tables: list[str], _prior: dict[str, An
     tmp = Path(tempfile.mkdtemp(prefix="skippy-spec-"))
     measured: list[Measured] = []
 
-    one, spec_used = run_pipeline_case(ours_model, tmp, 1, 0.0, on, [("1 stage", "copy", work["copy"], 1),
-                                                                  ("1 stage", "chat", work["chat"], 1)],
-                                       new_tokens, work["copy"] + work["chat"])
+    if quick:   # one pipeline: every kind of row, on the paths a hop adds
+        hop = "2 stages, 20 ms/hop"
+        one, spec_used = run_pipeline_case(
+            ours_model, tmp, 2, 20.0, on,
+            [(hop, "copy", work["copy"], 1), (hop, "chat", work["chat"], 1),
+             ("2 stages, 2 streams, 20 ms/hop", "mixed", [work["copy"][0], work["chat"][0]], 2)],
+            new_tokens, work["copy"] + work["chat"])
+    else:
+        one, spec_used = run_pipeline_case(ours_model, tmp, 1, 0.0, on, [("1 stage", "copy", work["copy"], 1),
+                                                                      ("1 stage", "chat", work["chat"], 1)],
+                                           new_tokens, work["copy"] + work["chat"])
     measured += one
     llama_status = "ok"
     if llama_cpp_available() and gguf is not None:
@@ -616,13 +625,7 @@ def bench_spec(args: argparse.Namespace, tables: list[str], _prior: dict[str, An
     else:
         llama_status = "not installed (make bench-peers)" if gguf is not None else f"no GGUF found for {model}"
         print(f"[spec] llama.cpp {llama_status}; its rows skipped", file=sys.stderr, flush=True)
-    if quick:
-        got, _ = run_pipeline_case(ours_model, tmp, 2, 20.0, on,
-                                   [("2 stages, 20 ms/hop", "copy", work["copy"][:1], 1),
-                                    ("2 stages, 2 streams, 20 ms/hop", "mixed", [work["copy"][0], work["chat"][0]], 2)],
-                                   new_tokens, work["copy"][:1])
-        measured += got
-    else:
+    if not quick:
         for delay in DELAYS:
             got, _ = run_pipeline_case(ours_model, tmp, 3, delay, on,
                                        [(f"3 stages, {delay:g} ms/hop", "copy", work["copy"], 1)],
