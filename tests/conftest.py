@@ -72,6 +72,21 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_model_dir(model_dir, tmp_path_factory) -> Path:
+    """A 4-layer random model of SmolLM2's shape with its real vocabulary and template (from the
+    GGUF): for the tests of processes (lifetimes, restarts, one row's failure), whose stages start
+    in seconds where the real model's take tens of seconds on 2 cores. Its tokens are noise."""
+    from skippy_zmq.model.random_model import RandomSpec, write_random_model
+
+    gguf = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf.is_file():
+        pytest.skip(f"no GGUF at {gguf} (run `make model`)")
+    out = tmp_path_factory.mktemp("small-model") / "smollm2-L4"
+    write_random_model(RandomSpec("smollm2-135m", seed=0, weights="f32", layers=4, vocab=str(gguf)), out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def parity() -> dict:
     if not PARITY.is_file():
         pytest.skip(f"parity reference not found at {PARITY}")

@@ -169,7 +169,7 @@ def test_scheduler_one_failing_request_of_eight_the_rest_unaffected_in_the_same_
 
 
 @pytest.mark.slow
-def test_real_stages_one_bad_row_of_eight_the_others_unaffected(model_dir, tmp_path):
+def test_real_stages_one_bad_row_of_eight_the_others_unaffected(small_model_dir, tmp_path):
     """2 real stage processes; 8 requests decode together, one with a logit_bias id past the
     vocabulary (the final stage's sampler raises on its row). That one ends with its own error
     (no 504, no timeout); the other 7 get exactly the tokens they get in a run without it."""
@@ -177,7 +177,7 @@ def test_real_stages_one_bad_row_of_eight_the_others_unaffected(model_dir, tmp_p
 
     from procs import running_pipeline, write_topology
 
-    path = write_topology(tmp_path, model_dir, 2)
+    path = write_topology(tmp_path, small_model_dir, 2)   # real processes, the small model's shapes
     prompts = [tuple(range(100 + 7 * i, 110 + 7 * i)) for i in range(ROWS)]
 
     def request(i: int, bad: bool) -> GenRequest:

@@ -80,8 +80,11 @@ def parent_command(kind: str, topology: Path, run_dir: Path) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["generate --spawn", "up", "harness"])
-def test_spawned_stages_exit_when_their_parent_is_sigkilled(model_dir, tmp_path, kind):
-    topology = write_topology(tmp_path, model_dir, 2, name="orphans")
+def test_spawned_stages_exit_when_their_parent_is_sigkilled(request, tmp_path, kind):
+    # `generate` must still be decoding when it is killed: the real model's 200 tokens take seconds
+    # (the small one's could end first); the others hold their stages until killed
+    model = request.getfixturevalue("model_dir" if kind == "generate --spawn" else "small_model_dir")
+    topology = write_topology(tmp_path, model, 2, name="orphans")
     run_dir = tmp_path / "run"
     parent = subprocess.Popen(parent_command(kind, topology, run_dir), stdin=subprocess.PIPE, env=tied_env(),
                               stdout=subprocess.DEVNULL, stderr=(tmp_path / "parent.log").open("wb"))
@@ -134,12 +137,12 @@ def test_a_tied_child_is_stopped_by_sigterm_when_its_parent_dies(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_a_serving_stage_promptly(model_dir, tmp_path):
+def test_sigterm_stops_a_serving_stage_promptly(small_model_dir, tmp_path):
     """SIGTERM: the stage drains, says it stopped and exits within GONE_WITHIN_S (the issue saw
     stages outlive 8 s); its ports are then free for the next run."""
     from procs import running_pipeline
 
-    topology = write_topology(tmp_path, model_dir, 2, name="sigterm")
+    topology = write_topology(tmp_path, small_model_dir, 2, name="sigterm")
     with running_pipeline(topology, tmp_path / "run") as (_engine, _tok, topo, procs):
         stage = procs[0]   # the last stage (spawned first)
         t0 = time.monotonic()

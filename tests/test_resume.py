@@ -26,9 +26,10 @@ START_S = 900.0
 
 
 @pytest.fixture()
-def launched(model_dir, tmp_path, request):
+def launched(small_model_dir, tmp_path, request):
+    # the small random model of SmolLM2's shape: a restart's identity is the point, not the tokens
     overrides = {"driver__resume_timeout_s": START_S, **getattr(request, "param", {})}
-    topo = write_topology(tmp_path, model_dir, 2, name="resume", **overrides)
+    topo = write_topology(tmp_path, small_model_dir, 2, name="resume", **overrides)
     run_dir = tmp_path / "run"
     out = subprocess.run([str(REPO / "scripts" / "launch.sh"), str(topo), str(run_dir)], capture_output=True,
                          text=True, timeout=START_S, cwd=REPO)

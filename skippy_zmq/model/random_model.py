@@ -96,6 +96,12 @@ _PHI4_MINI = {"model_type": "phi3", "hidden_size": 3072, "num_hidden_layers": 32
 
 # The real models' config.json values (HF layout), less their vocabularies' contents.
 SHAPES: dict[str, dict[str, Any]] = {
+    # HuggingFaceTB/SmolLM2-135M(-Instruct): the default model's shape; with `--vocab` its GGUF and
+    # `--layers 4`, a model the suite's process tests start in seconds
+    "smollm2-135m": {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+                     "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152,
+                     "tie_word_embeddings": True, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+                     "max_position_embeddings": 8192, "hidden_act": "silu"},
     "llama-3.2-1b": _llama(2048, 16, 32, 8192, tied=True, factor=32.0),
     "llama-3.2-3b": _llama(3072, 28, 24, 8192, tied=True, factor=32.0),
     "llama-3.1-8b": _llama(4096, 32, 32, 14336, tied=False, factor=8.0),
