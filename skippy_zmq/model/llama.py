@@ -267,12 +267,13 @@ def head(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return logits
 
 
-def decoder_layer(p: Params, x: jax.Array, kv: KVCache, i: int, layer: int, positions: jax.Array,
+def decoder_layer(p: Params, x: jax.Array, kv: KVCache, i: int, window: int, positions: jax.Array,
                   lanes: jax.Array, rope: tuple[jax.Array, jax.Array], attn_len: int,
                   cfg: ModelConfig) -> tuple[jax.Array, KVCache]:
-    """One block: x + attn(norm(x)), then + mlp(norm(x)); Gemma also norms each branch's output."""
+    """One block: x + attn(norm(x)), then + mlp(norm(x)); Gemma also norms each branch's output.
+    `i` indexes `kv`'s layers; `window` is the layer's sliding window (0: none)."""
     a, kv = attention(p, rms_norm(x, p["attn_norm"], cfg.norm_eps), kv, i, positions, lanes, rope,
-                      attn_len, cfg, layer_window(cfg, layer))
+                      attn_len, cfg, window)
     if cfg.sandwich_norms:
         a = rms_norm(a, p["post_attn_norm"], cfg.norm_eps)
     x = x + a
@@ -280,6 +281,19 @@ def decoder_layer(p: Params, x: jax.Array, kv: KVCache, i: int, layer: int, posi
     if cfg.sandwich_norms:
         m = rms_norm(m, p["post_ffn_norm"], cfg.norm_eps)
     return x + m, kv
+
+
+def _block(p: Params, x: jax.Array, kv: KVCache, positions: jax.Array, lanes: jax.Array,
+           rope: tuple[jax.Array, jax.Array], *, window: int, attn_len: int,
+           cfg: ModelConfig) -> tuple[jax.Array, KVCache]:
+    return decoder_layer(p, x, kv, 0, window, positions, lanes, rope, attn_len, cfg)
+
+
+# One block over its own layer's KV, jitted on its own so that a slice's trace holds one traced block
+# per distinct (shapes, window), reused by every layer like it: unrolled in the slice's trace, each of a
+# stage's layers was traced and lowered again for every compiled shape (two thirds of a warm stage
+# start, measured by scripts/stage_start.py). XLA inlines the calls, so the compiled step is the same.
+_block_jit = jax.jit(_block, static_argnames=("window", "attn_len", "cfg"))
 
 
 def embed(params: Params, ids: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -301,9 +315,14 @@ def forward_slice(params: Params, kv: KVCache, inputs: jax.Array, positions: jax
     rope = model_rope(cfg, positions)
     local_freq = rope_freqs.local_inv_freq(cfg)
     local = rope if local_freq is None else rope_tables(positions, local_freq)
+    ks, vs = list(kv.k), list(kv.v)
     for i, p in enumerate(params["layers"]):
-        layer_rope = local if layer_window(cfg, start + i) else rope
-        x, kv = decoder_layer(p, x, kv, i, start + i, positions, lanes, layer_rope, attn_len, cfg)
+        window = layer_window(cfg, start + i)
+        one = KVCache(k=(ks[i],), v=(vs[i],), dtype=kv.dtype)
+        x, one = _block_jit(p, x, one, positions, lanes, local if window else rope, window=window,
+                            attn_len=attn_len, cfg=cfg)
+        ks[i], vs[i] = one.k[0], one.v[0]
+    kv = KVCache(k=tuple(ks), v=tuple(vs), dtype=kv.dtype)
     if output == "none":
         return None, kv
     if output == "logits":
