@@ -48,7 +48,7 @@ import yaml
 from loguru import logger
 
 from skippy_zmq import launch
-from skippy_zmq.chaos_requests import KINDS, MAX_TOKENS, REQUEST_TIMEOUT_S, Outcome, send
+from skippy_zmq.chaos_requests import KINDS, REQUEST_TIMEOUT_S, Outcome, send
 from skippy_zmq.stage import faults
 from skippy_zmq.topology import Topology, load_topology
 from skippy_zmq.wire import Kind
@@ -199,7 +199,7 @@ class ChaosRun:
         return self.clean[prompt, kind]
 
     def complete(self, prompt: str, namespace: str, on_token: Callable[[int], None] | None = None,
-                 speculative: bool = False, kind: str = "plain", max_tokens: int = MAX_TOKENS) -> Outcome:
+                 speculative: bool = False, kind: str = "plain", max_tokens: int | None = None) -> Outcome:
         return send(self.base, KINDS[kind], prompt, namespace, on_token, speculative, max_tokens)
 
     def metric(self, name: str, text: str | None = None) -> float | None:

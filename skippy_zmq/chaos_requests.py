@@ -69,12 +69,15 @@ def _close(a: float | None, b: float | None) -> bool:
 
 
 Body = dict[str, Any]
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "moons": {"type": "integer"},
+# Bounded strings and numbers: a model that never closes a string (the suite's random-weight model
+# does not) still ends its answer within MAX_TOKENS, and the real model's answers fit the bounds.
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                           "moons": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "ringed": {"type": "boolean"}},
           "required": ["name", "moons", "ringed"], "additionalProperties": False}
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
                    "required": ["city", "unit"]}}}
 
@@ -88,6 +91,7 @@ class RequestKind:
     fields: Callable[[str], Body]
     read: Callable[[Body], Outcome] | None = None
     sane: Callable[[Outcome], str] = lambda o: "" if o.text else "no text"
+    max_tokens: int = MAX_TOKENS
 
 
 def _chat(prompt: str, **fields: Any) -> Body:
@@ -127,7 +131,10 @@ KINDS: dict[str, RequestKind] = {
         _read_chat, _json_object),
     "tool-call": RequestKind("/v1/chat/completions", lambda p: _chat(p, tools=[WEATHER_TOOL], tool_choice={
         "type": "function", "function": {"name": "get_weather"}}), _read_chat,
-        lambda o: "" if [name for name, _ in o.calls] == ["get_weather"] else f"calls {o.calls}"),
+        lambda o: "" if [name for name, _ in o.calls] == ["get_weather"] else f"calls {o.calls}, text {o.text!r}",
+        # the call's fixed text plus the longest whitespace the grammar allows between its JSON tokens
+        # (a random-weight model takes it every time: 40 tokens ended inside the arguments)
+        max_tokens=128),
     "n3": RequestKind("/v1/completions", lambda p: {"prompt": p, "n": 3, "temperature": 0.8, "seed": SEED,
                                                     "ignore_eos": True}, _read_text,
                       lambda o: "" if len(set(o.choices)) == 3 else f"the 3 choices are not distinct: {o.choices}"),
@@ -140,9 +147,10 @@ KINDS: dict[str, RequestKind] = {
 
 def send(base: str, request: RequestKind, prompt: str, namespace: str,
          on_token: Callable[[int], None] | None = None, speculative: bool = False,
-         max_tokens: int = MAX_TOKENS) -> Outcome:
-    """One request of this kind to the driver at `base`; an HTTP failure is the Outcome's error."""
-    body = {"model": "m", "max_tokens": max_tokens, "prompt_cache_key": namespace, "speculative": speculative,
+         max_tokens: int | None = None) -> Outcome:
+    """One request of this kind to the driver at `base` (max_tokens: the kind's unless given); an HTTP
+    failure is the Outcome's error."""
+    body = {"model": "m", "max_tokens": max_tokens or request.max_tokens, "prompt_cache_key": namespace, "speculative": speculative,
             **request.fields(prompt)}
     url = f"{base}{request.endpoint}"
     try:

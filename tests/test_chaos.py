@@ -33,9 +33,9 @@ PARAMS = [pytest.param(s, id=s.name, marks=marks(s)) for s in SCENARIOS]
 
 
 @pytest.fixture(scope="module")
-def run(model_dir, tmp_path_factory):
+def run(small_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("chaos")
-    topo = write_topology(tmp, model_dir, 3, name="chaos", driver__prefill_chunk=64, driver__heartbeat_s=0.25,
+    topo = write_topology(tmp, small_model_dir, 3, name="chaos", driver__prefill_chunk=64, driver__heartbeat_s=0.25,
                           driver__dead_after_s=DEAD_AFTER_S, driver__resume_timeout_s=RESTART_S,
                           driver__request_timeout_s=chaos.REQUEST_TIMEOUT_S,
                           cache={"mode": "lookup-record", "max_bytes": 64 << 20, "stride": 64, "min_tokens": 32})
