@@ -28,13 +28,18 @@ $(GGUF): | $(VENV)/.installed
 $(MODEL_DIR)/model.json: | $(GGUF)
 	$(BIN)/skippy-zmq convert --gguf $(GGUF) --out $(MODEL_DIR)
 
+# The suite runs on PYTEST_WORKERS parallel workers (pytest-xdist): a module's tests stay on one worker,
+# and the modules that share the session's pipelines stay on one (tests/conftest.py). 0: one process.
+PYTEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadscope
+
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
 test: install model
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
+	$(PYTEST) tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
 
 # The fast part of the suite: no process spawning, no real-model runs (pytest -m "not slow").
 test-quick: install model
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
+	$(PYTEST) -m "not slow" tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
 
 serve: install model
 	$(BIN)/skippy-zmq up $(TOPOLOGY)

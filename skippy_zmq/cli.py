@@ -25,6 +25,10 @@ def configure_logging(level: str = "INFO", json_lines: bool = False) -> None:
     logger.add(sys.stderr, level=level, serialize=json_lines, backtrace=False, diagnose=False)
 
 
+CACHE_MIN_S_ENV = "SKIPPY_JAX_CACHE_MIN_S"
+DEFAULT_CACHE_MIN_S = 0.5
+
+
 def configure_jax(cache_dir: str | None = None) -> None:
     """Persistent compilation cache: a restarted stage skips XLA compiles.
 
@@ -40,7 +44,10 @@ def configure_jax(cache_dir: str | None = None) -> None:
     cache = cache_dir or os.environ.get("SKIPPY_JAX_CACHE", str(Path.home() / ".cache" / "skippy_zmq" / "jax"))
     if cache and cache != "off":
         jax.config.update("jax_compilation_cache_dir", cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        # compiles shorter than this are not written (SKIPPY_JAX_CACHE_MIN_S; the suite sets 0: its small
+        # models' many short compiles are most of an in-process test's time, and a cache read is ms)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                          float(os.environ.get(CACHE_MIN_S_ENV, DEFAULT_CACHE_MIN_S)))
 
 
 def cmd_fetch_model(args: argparse.Namespace) -> int:

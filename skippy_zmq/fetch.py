@@ -8,6 +8,7 @@ under the final name.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -141,13 +142,23 @@ def fetch_llama_cpp_models(cache: Path | None = None) -> Path:
     from the llama-cpp-python sdist on the package registry, extracted once into the cache.
 
     Returns the folder; raises FetchError when the registry cannot be reached."""
-    import tarfile
-
     package, version = LLAMA_CPP_SDIST
     target = (cache or default_cache()) / f"llama.cpp-models-{version}"
     if (target / ".complete").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    # one fetch at a time per cache (the suite's parallel workers ask at once): a second waits for the
+    # first and finds the folder complete, rather than replacing it while the first one's readers read
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / ".complete").is_file():
+            return target
+        return _extract_llama_cpp_models(target, package, version)
+
+
+def _extract_llama_cpp_models(target: Path, package: str, version: str) -> Path:
+    import tarfile
+
     with tempfile.TemporaryDirectory(prefix="skippy-sdist-", dir=target.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                f"{package}=={version}", "-d", tmp]

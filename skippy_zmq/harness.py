@@ -8,6 +8,7 @@ and driver/main.py (the engine).
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import subprocess
@@ -30,10 +31,10 @@ def free_base_port(count: int) -> int:
     (a PUSH socket reconnecting somewhere) can take one of them between this
     check and the stage's bind.
     """
-    low, _ = _ephemeral_range()
+    lo, hi = port_slice(max(1024, _ephemeral_range()[0] - 12_000), _ephemeral_range()[0])
     rng = random.Random()
     for _ in range(200):
-        base = rng.randrange(max(1024, low - 12_000), low - count)
+        base = rng.randrange(lo, hi - count)
         try:
             for p in range(base, base + count):
                 with socket.socket() as t:
@@ -42,6 +43,24 @@ def free_base_port(count: int) -> int:
         except OSError:
             continue
     raise RuntimeError("no run of free ports")
+
+
+PORT_SLICE_ENV = "SKIPPY_PORT_SLICE"
+
+
+def port_slice(low: int, high: int) -> tuple[int, int]:
+    """[low, high), or its slice `i` of `n` when SKIPPY_PORT_SLICE is "i/n": processes that pick ports
+    side by side (the suite's parallel workers) each pick from their own slice, so no two can take
+    the same free port between one's check and its stage's bind."""
+    spec = os.environ.get(PORT_SLICE_ENV, "")
+    try:
+        i, n = (int(v) for v in spec.split("/")) if spec else (0, 1)
+    except ValueError:
+        raise RuntimeError(f"{PORT_SLICE_ENV}={spec!r}: expected 'i/n', e.g. '0/2'") from None
+    if not 0 <= i < n:
+        raise RuntimeError(f"{PORT_SLICE_ENV}={spec!r}: i must be in [0, n)")
+    width = (high - low) // n
+    return low + i * width, low + (i + 1) * width
 
 
 def _ephemeral_range() -> tuple[int, int]:

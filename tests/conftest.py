@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 import pytest
 
 from skippy_zmq.config import ModelConfig
+from skippy_zmq.cli import CACHE_MIN_S_ENV, configure_jax
+from skippy_zmq.harness import PORT_SLICE_ENV
 from skippy_zmq.model import weights
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,10 +48,52 @@ SLOW_FIXTURES = {"model_dir", "llama_cpp_models"}
 SPAWNING_MODULES = {"test_quant_kernel", "test_orphans"}
 
 
+# The suite runs on parallel workers (pytest-xdist, the Makefile's PYTEST_WORKERS) scheduled by module:
+# a module's tests stay on one worker (its module-scoped pipelines start once), and the modules that
+# send their requests to the session's shared pipelines (SHARED_MODULES) are one unit, on one worker,
+# so each of those pipelines still starts once. Each worker picks ports from its own slice.
+# (xdist's own `--dist loadgroup` does nothing under pytest 9.2: it renames node ids through an
+# attribute pytest no longer reads.)
+SHARED_MODULES = {"test_frameworks", "test_fuzz", "test_logprobs", "test_pipeline", "test_serving",
+                  "test_structured_output"}
+SHARED_UNIT = "shared-pipelines"
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ[PORT_SLICE_ENV] = (f"{int(os.environ['PYTEST_XDIST_WORKER'].removeprefix('gw'))}/"
+                                  f"{int(os.environ['PYTEST_XDIST_WORKER_COUNT'])}")
+# The persistent compile cache (~/.cache/skippy_zmq/jax unless SKIPPY_JAX_CACHE says otherwise) for this
+# process and the stages it spawns, every compile written: on a machine that ran the suite before,
+# test_warmup + test_families took 31 s instead of 98 s (the XLA compiles are reads).
+os.environ.setdefault(CACHE_MIN_S_ENV, "0")
+configure_jax()
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit a worker takes whole: the test's module, or SHARED_UNIT for the shared pipelines' users."""
+    module = Path(nodeid.split("::", 1)[0]).stem
+    return SHARED_UNIT if module in SHARED_MODULES else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByWorkUnit(config, log)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
+    def module(item) -> str:
+        return item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+
+    sharing = {module(item) for item in items if "shared_pipelines" in getattr(item, "fixturenames", ())}
+    if sharing - SHARED_MODULES:
+        raise pytest.UsageError(f"tests/conftest.py: add {sorted(sharing - SHARED_MODULES)} to SHARED_MODULES "
+                                "(they use shared_pipelines: on another worker they would start them again)")
     for item in items:
-        module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
-        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or module in SPAWNING_MODULES:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or module(item) in SPAWNING_MODULES:
             item.add_marker(pytest.mark.slow)
 
 
@@ -110,15 +158,44 @@ def shared_pipelines(model_dir, tmp_path_factory) -> Iterator:
     pipeline (kills a stage, changes its topology) starts its own."""
     from procs import SHARED, serving, write_topology
 
-    made: dict[int, object] = {}
     with contextlib.ExitStack() as stack:
         def get(n_stages: int):
-            if n_stages not in made:
+            if n_stages not in SHARED_RUNNING:
                 tmp = tmp_path_factory.mktemp(f"shared-{n_stages}stage")
                 path = write_topology(tmp, model_dir, n_stages, name=f"shared{n_stages}", **SHARED)
-                made[n_stages] = stack.enter_context(serving(path, tmp / "run"))
-            return made[n_stages]
-        yield get
+                SHARED_RUNNING[n_stages] = stack.enter_context(serving(path, tmp / "run"))
+            return SHARED_RUNNING[n_stages]
+        try:
+            yield get
+        finally:
+            SHARED_RUNNING.clear()
+
+
+SHARED_RUNNING: dict[int, Any] = {}   # stage count -> procs.Served, while the session's pipelines run
+LANES_FREE_WITHIN_S = 60.0            # a bound on a hang: heartbeats report a stage's lanes every 0.5 s
+
+
+@pytest.fixture(autouse=True)
+def shared_lanes_are_freed(request) -> Iterator[None]:
+    """After each test that used the shared pipelines: every lane of every stage is free again (the
+    next test may need all of them), so a test that leaks one fails itself, not a later one."""
+    yield
+    if "shared_pipelines" not in request.fixturenames:
+        return
+    for n, served in list(SHARED_RUNNING.items()):
+        deadline = time.monotonic() + LANES_FREE_WITHIN_S
+        while (busy := lanes_in_use(served.url)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not busy, f"the shared {n}-stage pipeline still holds lanes after this test: {busy}"
+
+
+def lanes_in_use(url: str) -> dict[str, float]:
+    """The stages whose lanes are not all free, from the driver's /metrics (the stages' heartbeats)."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {sid: float(v) for sid, v in re.findall(r'^skippy_stage_kv_lanes_in_use\{stage="(\w+)"\} ([0-9.e+-]+)$',
+                                                   text, re.M) if float(v)}
 
 
 @pytest.fixture(scope="session")

@@ -10,14 +10,15 @@ import numpy as np
 import yaml
 import zmq
 
-from conftest import first_mismatch
 from procs import running_pipeline, write_topology
 from skippy_zmq import transport, wire
 from skippy_zmq.driver.engine import GenRequest
 
 
-def test_curve_pipeline_serves_and_rejects_rogue_peers(model_dir, parity, tmp_path):
-    topo = write_topology(tmp_path, model_dir, 2, name="curve")
+def test_curve_pipeline_serves_and_rejects_rogue_peers(small_model_dir, tmp_path):
+    """The 4-layer random model of SmolLM2's shape: what is checked is the links, not the tokens (the
+    real model's tokens through 2 and 3 plain-TCP stages are tests/test_pipeline.py's)."""
+    topo = write_topology(tmp_path, small_model_dir, 2, name="curve")
     data = yaml.safe_load(topo.read_text())
     data.update(security="curve", keys_dir=str(tmp_path / "keys"))
     topo.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -25,11 +26,10 @@ def test_curve_pipeline_serves_and_rejects_rogue_peers(model_dir, parity, tmp_pa
     assert sorted(p.name for p in (tmp_path / "keys").iterdir()) == sorted(
         f"{n}.key{s}" for n in ("driver", "s0", "s1") for s in ("", "_secret"))
     with running_pipeline(topo, tmp_path / "run") as (engine, _, topology, procs):
-        case = parity["prompts"][0]
-        events = list(engine.generate_blocking(GenRequest("c", tuple(case["prompt_ids"]), max_tokens=12,
-                                                          ignore_eos=True)))
+        prompt = tuple(range(100, 140))
+        events = list(engine.generate_blocking(GenRequest("c", prompt, max_tokens=12, ignore_eos=True)))
         tokens = [e.token_id for e in events if e.token_id is not None]
-        assert first_mismatch(tokens, case["transformers_fp32_ids"]) == 12
+        assert len(tokens) == 12 and events[-1].finish_reason == "length"
         replies = []
         engine.on_reply_hooks.append(lambda sid, m: replies.append(m) if m.kind == wire.Kind.ERROR else None)
         ctx = zmq.Context()                       # a rogue process: plain TCP, no keys
@@ -50,6 +50,5 @@ def test_curve_pipeline_serves_and_rejects_rogue_peers(model_dir, parity, tmp_pa
             time.sleep(0.05)
         assert replies == []                      # a message that got through would be answered with ERROR
         assert all(p.poll() is None for p in procs)
-        events = list(engine.generate_blocking(GenRequest("d", tuple(case["prompt_ids"]), max_tokens=4,
-                                                          ignore_eos=True)))
-        assert [e.token_id for e in events if e.token_id is not None] == case["transformers_fp32_ids"][:4]
+        events = list(engine.generate_blocking(GenRequest("d", prompt, max_tokens=4, ignore_eos=True)))
+        assert [e.token_id for e in events if e.token_id is not None] == tokens[:4]   # greedy: the same again

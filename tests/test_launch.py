@@ -13,6 +13,9 @@ import pytest
 
 from conftest import REPO
 from procs import write_topology
+from skippy_zmq.bench.hops import DELAY_ENV
+
+HOP_DELAY_MS = 20
 
 
 def pgrep(pattern: str) -> list[int]:
@@ -21,13 +24,14 @@ def pgrep(pattern: str) -> list[int]:
 
 
 @pytest.fixture()
-def launched(model_dir, tmp_path):
-    # 1024 positions: the stream below must outlast the kill and its detection (1000 tokens)
-    topo = write_topology(tmp_path, model_dir, 2, name="launch-test", driver__resume_timeout_s=1.0,
+def launched(small_model_dir, tmp_path):
+    # The stream below must outlast the kill and its detection (dead_after 2 s + resume 1 s): 1000 tokens
+    # (1024 positions) with every hop delayed HOP_DELAY_MS take at least 20 s on any machine.
+    topo = write_topology(tmp_path, small_model_dir, 2, name="launch-test", driver__resume_timeout_s=1.0,
                           driver__max_context=1024)
     run_dir = tmp_path / "run"
     out = subprocess.run([str(REPO / "scripts" / "launch.sh"), str(topo), str(run_dir)], capture_output=True,
-                         text=True, timeout=400, cwd=REPO)
+                         text=True, timeout=400, cwd=REPO, env={**os.environ, DELAY_ENV: str(HOP_DELAY_MS)})
     assert out.returncode == 0, out.stderr[-3000:]
     url = out.stdout.strip().splitlines()[-1]
     assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from procs import write_topology
+from skippy_zmq.bench.hops import DELAY_ENV
 from skippy_zmq.lifetime import tied_env
 
 READY_TIMEOUT_S = 300.0   # stages load and compile the real model on a shared machine
@@ -80,13 +81,13 @@ def parent_command(kind: str, topology: Path, run_dir: Path) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["generate --spawn", "up", "harness"])
-def test_spawned_stages_exit_when_their_parent_is_sigkilled(request, tmp_path, kind):
-    # `generate` must still be decoding when it is killed: the real model's 200 tokens take seconds
-    # (the small one's could end first); the others hold their stages until killed
-    model = request.getfixturevalue("model_dir" if kind == "generate --spawn" else "small_model_dir")
-    topology = write_topology(tmp_path, model, 2, name="orphans")
+def test_spawned_stages_exit_when_their_parent_is_sigkilled(small_model_dir, tmp_path, kind):
+    # `generate` must still be decoding when it is killed: its 200 tokens with every hop delayed 50 ms
+    # take at least 10 s on any machine; the others hold their stages until killed
+    topology = write_topology(tmp_path, small_model_dir, 2, name="orphans")
     run_dir = tmp_path / "run"
-    parent = subprocess.Popen(parent_command(kind, topology, run_dir), stdin=subprocess.PIPE, env=tied_env(),
+    env = {**tied_env(), DELAY_ENV: "50"}
+    parent = subprocess.Popen(parent_command(kind, topology, run_dir), stdin=subprocess.PIPE, env=env,
                               stdout=subprocess.DEVNULL, stderr=(tmp_path / "parent.log").open("wb"))
     try:
         pids = stage_pids(run_dir, ["s0", "s1"], parent)

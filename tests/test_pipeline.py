@@ -23,18 +23,17 @@ def local(model_dir):
     return LocalEngine(model_dir)
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=["1stage", "2stage", "3stage"])
-def pipeline(request, shared_pipelines):
-    # Speculation on: every test below runs through verify windows; requests with
-    # speculative=False decode plainly on the same stages.
-    return shared_pipelines(request.param)
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=["2stage", "3stage"])
-def hops(request, shared_pipelines):
-    """The pipelines with hops: batching, restores and forks across stages add information there;
-    on one stage they are the in-process paths the unit tests already run."""
+def pipeline(request, shared_pipelines):
+    """The pipelines with hops (a first and a last stage; 3: a middle one too). Speculation on: every
+    test below runs through verify windows; requests with speculative=False decode plainly on the
+    same stages. One stage holding every layer is the single process's path (`local`, LocalEngine)
+    and the in-process chains of the unit tests: a third real pipeline would add its start, not
+    information."""
     return shared_pipelines(request.param)
+
+
+hops = pipeline   # batching, restores and forks across stages
 
 
 def pipeline_tokens(engine, ids, max_tokens=32, ignore_eos=True, speculative=None, sampling=None):
