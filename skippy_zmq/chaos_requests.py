@@ -150,8 +150,8 @@ def send(base: str, request: RequestKind, prompt: str, namespace: str,
          max_tokens: int | None = None) -> Outcome:
     """One request of this kind to the driver at `base` (max_tokens: the kind's unless given); an HTTP
     failure is the Outcome's error."""
-    body = {"model": "m", "max_tokens": max_tokens or request.max_tokens, "prompt_cache_key": namespace, "speculative": speculative,
-            **request.fields(prompt)}
+    body = {"model": "m", "max_tokens": max_tokens or request.max_tokens, "prompt_cache_key": namespace,
+            "speculative": speculative, **request.fields(prompt)}
     url = f"{base}{request.endpoint}"
     try:
         if request.read is None:

@@ -1,0 +1,64 @@
+"""What lets the suite run on parallel workers: each worker picks ports from its own slice, the
+llama.cpp sdist is fetched once however many ask at once, and the shared pipelines' users are one unit."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+
+from conftest import LONGEST_FIRST, SHARED_MODULES, SHARED_UNIT, work_unit
+from skippy_zmq import fetch, harness
+
+
+def test_port_slices_are_disjoint_and_cover_the_range(monkeypatch):
+    slices = []
+    for i in range(3):
+        monkeypatch.setenv(harness.PORT_SLICE_ENV, f"{i}/3")
+        slices.append(harness.port_slice(20_000, 32_000))
+    assert slices == [(20_000, 24_000), (24_000, 28_000), (28_000, 32_000)]
+    monkeypatch.delenv(harness.PORT_SLICE_ENV)
+    assert harness.port_slice(20_000, 32_000) == (20_000, 32_000)
+
+
+def test_a_worker_picks_free_ports_inside_its_slice(monkeypatch):
+    monkeypatch.setenv(harness.PORT_SLICE_ENV, "1/2")
+    low = harness._ephemeral_range()[0]
+    lo, hi = harness.port_slice(max(1024, low - 12_000), low)
+    assert all(lo <= harness.free_base_port(4) and harness.free_base_port(4) + 4 <= hi for _ in range(20))
+
+
+@pytest.mark.parametrize("spec, message", [("1", "expected 'i/n'"), ("a/b", "expected 'i/n'"),
+                                           ("2/2", "i must be in [0, n)"), ("-1/2", "i must be in [0, n)")])
+def test_a_bad_port_slice_is_refused_by_name(monkeypatch, spec, message):
+    monkeypatch.setenv(harness.PORT_SLICE_ENV, spec)
+    with pytest.raises(RuntimeError, match=f"SKIPPY_PORT_SLICE={re.escape(repr(spec))}: {re.escape(message)}"):
+        harness.port_slice(20_000, 32_000)
+
+
+def test_concurrent_fetches_of_the_sdist_extract_it_once(monkeypatch, tmp_path):
+    calls = []
+
+    def slow_extract(target, package, version):
+        calls.append(threading.get_ident())
+        time.sleep(0.3)                          # the other caller arrives while this one works
+        (target / "templates").mkdir(parents=True)
+        (target / ".complete").write_text("x")
+        return target
+
+    monkeypatch.setattr(fetch, "_extract_llama_cpp_models", slow_extract)
+    got: list = []
+    threads = [threading.Thread(target=lambda: got.append(fetch.fetch_llama_cpp_models(tmp_path))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(calls) == 1 and len(got) == 3 and len(set(got)) == 1 and (got[0] / ".complete").is_file()
+
+
+def test_the_shared_pipelines_users_are_one_unit_and_every_other_module_its_own():
+    assert {work_unit(f"tests/{m}.py::test_x[a::b]") for m in SHARED_MODULES} == {SHARED_UNIT}
+    assert work_unit("tests/test_chaos.py::test_scenario[prefill-chunk/first]") == "test_chaos"
+    assert LONGEST_FIRST[0] == SHARED_UNIT and len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
