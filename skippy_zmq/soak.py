@@ -15,6 +15,16 @@ soak.json and soak.md in --out, and a verdict: zero errors, and memory flat
 after warm-up (mean RSS over the last minute within --flat-pct of the mean
 over the warm-up's last minute, minute 2 by default).
 
+--mix names the kinds of request the clients take turns at (client i's n-th
+request is kind (i + n) mod the count): "plain" (the default: a streamed chat at
+--temperature), "json-schema" (a strict json_schema chat), "tool-call" (a forced
+function call), "n2" (two seeded sampled choices), "logprobs" (greedy, logprobs 2
+with echo) and "copy" (a greedy streamed chat whose answer repeats its prompt, so
+speculation drafts), or "all". Every answer is checked for its kind's shape (the
+JSON parses to the schema's keys, the call names the function with parseable
+arguments, two choices, a logprob for every prompt and completion token after
+the first); a malformed answer counts as an error.
+
 A benchmark, not a test: it only measures and reports (exit code 1 when the
 verdict fails).
 """
@@ -31,14 +41,18 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from skippy_zmq.bench.common import format_table
+from skippy_zmq.chaos import COPY
+from skippy_zmq.chaos_requests import SCHEMA, SEED, WEATHER_TOOL
 
 PROMPTS = ("Tell me a short story about a lighthouse keeper.", "Explain how rain forms, step by step.",
            "List some good names for a grey cat and say why.", "Describe the city of Lisbon to a child.",
            "Write a haiku about autumn, then explain it.", "What makes a good cup of tea?")
 MAX_ERROR_SAMPLES = 50
+# json-schema and tool-call answers end when their JSON closes; the bound only stops a runaway answer
+CONSTRAINED_MAX_TOKENS = 128
 
 
 # ---------------------------------------------------------------- recording
@@ -52,6 +66,7 @@ class Recorder:
     tokens: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     requests: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     errors: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))   # completed requests per kind
     error_samples: list[str] = field(default_factory=list)
     rss: list[dict[str, Any]] = field(default_factory=list)       # {"t": s, "rss_mb": {name: MB}}
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -63,9 +78,10 @@ class Recorder:
         with self.lock:
             self.tokens[self.minute()] += n
 
-    def finish_request(self) -> None:
+    def finish_request(self, kind: str = "plain") -> None:
         with self.lock:
             self.requests[self.minute()] += 1
+            self.by_kind[kind] += 1
 
     def error(self, message: str) -> None:
         with self.lock:
@@ -81,30 +97,121 @@ class Recorder:
 # ---------------------------------------------------------------- clients
 
 
+class BadAnswer(RuntimeError):
+    """An answer that came back but does not have its kind's shape."""
+
+
+def _streamed_chat(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: Recorder,
+                   temperature: float) -> None:
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
+        temperature=temperature, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": args.ignore_eos})
+    seen = total = 0
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            seen += 1          # text chunks credit the minute they arrive in ...
+            rec.add_tokens(1)
+        if chunk.usage is not None:
+            total = chunk.usage.completion_tokens
+    if total <= 0:
+        raise BadAnswer("stream ended without a usage chunk")
+    rec.add_tokens(total - seen)   # ... and usage makes the total exact
+
+
+def _plain(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: Recorder) -> None:
+    _streamed_chat(client, model, prompt, args, rec, args.temperature)
+
+
+def _copy(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: Recorder) -> None:
+    _streamed_chat(client, model, f"{COPY} ({prompt})", args, rec, 0.0)
+
+
+def _json_schema(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: Recorder) -> None:
+    resp = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": f"Describe a planet as JSON. {prompt}"}],
+        max_tokens=CONSTRAINED_MAX_TOKENS, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "planet", "schema": SCHEMA, "strict": True}})
+    text = resp.choices[0].message.content or ""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise BadAnswer(f"json-schema: not JSON ({resp.choices[0].finish_reason}): {text[:120]!r}") from None
+    if not isinstance(value, dict) or value.keys() != SCHEMA["properties"].keys():
+        raise BadAnswer(f"json-schema: not the schema's keys: {value!r}"[:200])
+    rec.add_tokens(resp.usage.completion_tokens)
+
+
+def _tool_call(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: Recorder) -> None:
+    resp = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": f"What is the weather like? {prompt}"}],
+        max_tokens=CONSTRAINED_MAX_TOKENS, temperature=0, tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    calls = resp.choices[0].message.tool_calls or []
+    if [c.function.name for c in calls] != ["get_weather"]:
+        raise BadAnswer(f"tool-call: calls {[c.function.name for c in calls]}, finish {resp.choices[0].finish_reason}")
+    try:
+        arguments = json.loads(calls[0].function.arguments)
+    except ValueError:
+        raise BadAnswer(f"tool-call: arguments not JSON: {calls[0].function.arguments[:120]!r}") from None
+    if not isinstance(arguments, dict) or set(arguments) != {"city", "unit"}:
+        raise BadAnswer(f"tool-call: arguments {arguments!r}"[:200])
+    rec.add_tokens(resp.usage.completion_tokens)
+
+
+def _n2(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: Recorder) -> None:
+    resp = client.completions.create(model=model, prompt=prompt, n=2, max_tokens=args.max_tokens,
+                                     temperature=max(args.temperature, 0.5), seed=SEED,
+                                     extra_body={"ignore_eos": args.ignore_eos})
+    if sorted(c.index for c in resp.choices) != [0, 1]:
+        raise BadAnswer(f"n2: choices {[c.index for c in resp.choices]}")
+    rec.add_tokens(resp.usage.completion_tokens)
+
+
+def _logprobs(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: Recorder) -> None:
+    resp = client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens, temperature=0,
+                                     logprobs=2, echo=True, extra_body={"ignore_eos": args.ignore_eos})
+    lp, usage = resp.choices[0].logprobs, resp.usage
+    values = lp.token_logprobs if lp else []
+    if len(values) != usage.prompt_tokens + usage.completion_tokens or values[0] is not None \
+            or any(v is None for v in values[1:]) or not all(lp.top_logprobs[1:]):
+        raise BadAnswer(f"logprobs: {len(values)} entries for {usage.prompt_tokens} + {usage.completion_tokens} "
+                        f"tokens, {sum(v is None for v in values)} without a logprob")
+    rec.add_tokens(usage.completion_tokens)
+
+
+# name -> one request of that kind: raises on a failure or a malformed answer, credits its tokens
+KINDS: dict[str, Callable[[Any, str, str, argparse.Namespace, Recorder], None]] = {
+    "plain": _plain, "json-schema": _json_schema, "tool-call": _tool_call, "n2": _n2, "logprobs": _logprobs,
+    "copy": _copy}
+
+
+def parse_mix(text: str) -> tuple[str, ...]:
+    """--mix: "all" or kind names separated by commas (in order, each once)."""
+    names = tuple(KINDS) if text.strip() == "all" else tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in KINDS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"--mix {text!r}: give 'all' or distinct names from {', '.join(KINDS)}")
+    return names
+
+
+def kind_for(index: int, n: int, mix: Sequence[str]) -> str:
+    """Client `index`'s `n`-th request's kind: the clients start staggered, so every kind runs at once."""
+    return mix[(index + n) % len(mix)]
+
+
 def run_client(index: int, client: Any, model: str, args: argparse.Namespace, stop_at: float, rec: Recorder) -> None:
-    """One stream after another until `stop_at`; tokens are counted from the usage chunk."""
+    """One request after another until `stop_at`, taking turns at the kinds of --mix."""
     n = 0
     while time.monotonic() < stop_at:
+        kind = kind_for(index, n, args.mix)
         prompt = f"{PROMPTS[(index + n) % len(PROMPTS)]} (client {index}, request {n})"
         n += 1
         try:
-            stream = client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
-                temperature=args.temperature, stream=True, stream_options={"include_usage": True},
-                extra_body={"ignore_eos": args.ignore_eos})
-            seen = total = 0
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    seen += 1          # text chunks credit the minute they arrive in ...
-                    rec.add_tokens(1)
-                if chunk.usage is not None:
-                    total = chunk.usage.completion_tokens
-            if total <= 0:
-                raise RuntimeError("stream ended without a usage chunk")
-            rec.add_tokens(total - seen)   # ... and usage makes the total exact
-            rec.finish_request()
+            KINDS[kind](client, model, prompt, args, rec)
+            rec.finish_request(kind)
         except Exception as exc:  # every failure is a data point; the client carries on
-            rec.error(f"client {index}: {type(exc).__name__}: {exc}"[:300])
+            rec.error(f"client {index} {kind}: {type(exc).__name__}: {exc}"[:300])
 
 
 def read_pids(run_dir: Path | None) -> dict[str, int]:
@@ -185,7 +292,7 @@ def report(rec: Recorder, args: argparse.Namespace, url: str, duration_s: float,
     total_tokens, total_errors = sum(rec.tokens.values()), sum(rec.errors.values())
     memory = memory_verdict(rec, duration_s, args.warmup_minutes, args.flat_pct)
     summary = {"url": url, "streams": args.streams, "duration_s": round(duration_s, 1),
-               "requests": sum(rec.requests.values()), "tokens": total_tokens,
+               "requests": sum(rec.requests.values()), "requests_by_kind": dict(rec.by_kind), "tokens": total_tokens,
                "tok_s": round(total_tokens / duration_s, 1) if duration_s else 0.0, "errors": total_errors,
                "zero_errors": total_errors == 0, "memory": memory}
     summary["ok"] = summary["zero_errors"] and memory["flat"] is not False
@@ -194,7 +301,8 @@ def report(rec: Recorder, args: argparse.Namespace, url: str, duration_s: float,
                f"{'not judged (run too short)' if memory['flat'] is None else memory['flat']}; "
                f"{'OK' if summary['ok'] else 'FAILED'}")
     text = (format_table(f"Soak: {args.streams} streams for {duration_s / 60:.1f} min against {url}", rows,
-                         f"{summary['requests']} requests, {total_tokens} tokens, {summary['tok_s']} tok/s overall")
+                         f"{summary['requests']} requests ({', '.join(f'{k} {v}' for k, v in sorted(rec.by_kind.items()))}), "
+                         f"{total_tokens} tokens, {summary['tok_s']} tok/s overall")
             + "\n" + format_table("Memory (MB)", mem_rows, verdict))
     print(text, flush=True)
     for line in rec.error_samples[:10]:
@@ -306,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", type=Path, help="run directory (pid files, logs); default runs/soak-<time>")
     p.add_argument("--out", type=Path, help="where soak.json and soak.md go; default the run directory")
     p.add_argument("--streams", type=int, default=16, help="concurrent streaming clients")
+    p.add_argument("--mix", type=parse_mix, default=("plain",),
+                   help=f"kinds of request the clients take turns at: 'all' or names from {', '.join(KINDS)}")
     p.add_argument("--minutes", type=float, default=10.0, help="how long to keep starting requests")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     p.add_argument("--temperature", type=float, default=0.8)
