@@ -108,7 +108,7 @@ def main() -> int:
     path = write_topology(tmp, args.model_dir, args.stages, kv_lanes=2, driver__max_sessions=2,
                           driver__speculative={"method": args.speculative})
     result: dict = {"stages": args.stages, "speculative": args.speculative, "runs": args.runs}
-    with running_pipeline(path, tmp / "run") as (engine, tokenizer, topology, _):
+    with running_pipeline(path, tmp / "run", warm=True) as (engine, tokenizer, topology, _):
         handle = start_in_thread(build_app(topology, engine, tokenizer))
         try:
             client = openai.OpenAI(base_url=handle.url + "/v1", api_key="x", max_retries=0, timeout=600)

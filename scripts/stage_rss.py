@@ -5,7 +5,7 @@ For each stage count and weights format: start real stage processes (harness.run
 prefix cache off so the cache term is 0), run a few greedy requests, read every stage's VmRSS
 from /proc, and print RSS now and at its peak (VmHWM: the load, compiles and requests included), the
 predicted weight and KV bytes, the runtime overhead this implies (peak - weights - KV) and RSS and peak
-over the predicted total. placement.OVERHEAD_BASE and OVERHEAD_PER_LAYER come from this script.
+over the predicted total. (placement.py's overhead constants now come from scripts/rss_shapes.py.)
 
     .venv/bin/python scripts/stage_rss.py --stages 1,2,3 --weights f32,int8,q4 --requests 4
 
@@ -156,7 +156,8 @@ def main() -> int:
     overheads = sorted(r["overhead_mib"] for r in rows)
     print(json.dumps({"overhead_mib_min": overheads[0], "overhead_mib_median": overheads[len(overheads) // 2],
                       "overhead_mib_max": overheads[-1], "base_mib": placement.OVERHEAD_BASE / placement.MiB,
-                      "per_layer_mib": placement.OVERHEAD_PER_LAYER / placement.MiB}))
+                      "per_shape_mib": placement.OVERHEAD_PER_SHAPE / placement.MiB,
+                      "per_shape_layer_mib": placement.OVERHEAD_PER_SHAPE_LAYER / placement.MiB}))
     return 0
 
 

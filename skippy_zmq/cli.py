@@ -362,6 +362,7 @@ def add_bench_parser(sub: Any) -> None:
                    help="stage weights for the pipeline, hops and prefix suites (default f32) and spec (default q4, "
                         "the GGUF's levels); single runs all of them")
     p.add_argument("--stages", type=int_list, default=(1, 2, 3), help="pipeline stage counts, e.g. 2 or 1,2,3")
+    p.add_argument("--shapes", default="", help="scale: only these model shapes, e.g. llama-3.2-1b (default: all)")
     p.set_defaults(func=cmd_bench)
 
 

@@ -148,6 +148,32 @@ class KVConfig:
             raise ValueError(f"invalid KVConfig: dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
 
+# A DECODE with several rows pads them all to its longest verify window; the driver holds rows x
+# window to this many padded tokens (driver/scheduler.py), so the stages know which shapes can come.
+BATCH_TOKENS = 16
+_GROUP_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def widest_window(group: int, window_lens: tuple[int, ...], batch_tokens: int = BATCH_TOKENS) -> int:
+    """The longest window bucket a DECODE of `group` rows may carry: rows (rounded up to a power of
+    two) x window within batch_tokens; one row may use any window."""
+    rows = next((n for n in _GROUP_ROWS if n >= group), group)
+    return max([n for n in window_lens if rows * n <= max(batch_tokens, rows)] or [1])
+
+
+def decode_shapes(decode_rows: tuple[int, ...], windows: tuple[int, ...],
+                  batch_tokens: int = BATCH_TOKENS) -> tuple[tuple[int, int], ...]:
+    """Every (rows, tokens) a DECODE can reach a stage with: each row bucket with one token a row,
+    and with each verify window (`windows`, > 1 token) that the driver lets a group of that many rows
+    carry (the smallest group padded to a bucket is the one allowed the widest window)."""
+    shapes, below = [], 0
+    for r in decode_rows:
+        widest = widest_window(below + 1, tuple(sorted({1, *windows})), batch_tokens)
+        shapes += [(r, 1)] + [(r, t) for t in windows if t <= widest]
+        below = r
+    return tuple(sorted(shapes, key=lambda s: (s[0] * s[1], s)))
+
+
 @dataclass(frozen=True)
 class Buckets:
     """Shape buckets so the steady state never recompiles."""
@@ -181,3 +207,34 @@ class Buckets:
             if n <= size and size <= capacity:
                 return size
         return capacity
+
+    def attn_sizes(self, capacity: int, upto: int | None = None) -> tuple[int, ...]:
+        """The attention lengths a step can use for sequences of up to `upto` positions (default:
+        the capacity), smallest first: every bucket attn_for can return on the way there."""
+        upto = capacity if upto is None else max(1, min(upto, capacity))
+        out = []
+        for size in sorted({b for b in self.attn_lens if b <= capacity} | {capacity}):
+            out.append(size)
+            if size >= upto:
+                break
+        return tuple(out)
+
+    @classmethod
+    def for_stage(cls, prefill_chunk: int, lanes: int, capacity: int) -> Buckets:
+        """Prefill chunks up to the driver's chunk, decode rows up to the stage's lanes. A chunk never
+        exceeds the stage's KV capacity: a 256 chunk over a 128-position cache cannot compile (its KV
+        write is a dynamic_update_slice larger than the cache), and no prompt that fits needs it."""
+        chunk = min(prefill_chunk, capacity)
+        chunks = tuple(c for c in (16, 64, 256, 512, 1024) if c < chunk) + (chunk,)
+        rows = tuple(r for r in (1, 2, 4, 8, 16, 32, 64) if r < lanes) + (lanes,)
+        return cls(prefill_chunks=tuple(sorted(set(chunks))), decode_rows=tuple(sorted(set(rows))))
+
+    def spec_windows(self, max_draft: int) -> tuple[int, ...]:
+        """The verify windows (> 1 token) a driver drafting up to max_draft tokens sends (0: none)."""
+        return tuple(n for n in self.window_lens if 1 < n <= max_draft + 1) if max_draft > 0 else ()
+
+    def step_shapes(self, capacity: int, max_draft: int) -> int:
+        """How many step shapes a warmed stage has compiled: every prefill chunk and every decode shape
+        (decode_shapes) at every attention length up to the capacity."""
+        decode = decode_shapes(self.decode_rows, self.spec_windows(max_draft))
+        return len(self.attn_sizes(capacity)) * (len(self.prefill_chunks) + len(decode))

@@ -117,8 +117,8 @@ class LocalEngine:
         result = GenerationResult(prompt_ids=list(prompt_ids))
         sampler = Sampler(sampling, prompt_ids)
         eos = set(self.tokenizer.eos_ids)
-        windows = tuple(n for n in self.runner.buckets.window_lens if 1 < n <= speculative.max_draft + 1)
-        result.warmup_s = self.warmup(len(prompt_ids), max_tokens, windows=windows if speculative.enabled else ())
+        windows = self.runner.buckets.spec_windows(speculative.max_draft if speculative.enabled else 0)
+        result.warmup_s = self.warmup(len(prompt_ids), max_tokens, windows=windows)
         t0 = time.perf_counter()
         if len(prompt_ids) > 1:
             self.runner.prefill(0, np.asarray(prompt_ids[:-1], np.int32), 0, output="none")

@@ -12,9 +12,10 @@ import os
 import random
 import socket
 import subprocess
+import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import yaml
 
@@ -31,7 +32,8 @@ def free_base_port(count: int) -> int:
     (a PUSH socket reconnecting somewhere) can take one of them between this
     check and the stage's bind.
     """
-    lo, hi = port_slice(max(1024, _ephemeral_range()[0] - 12_000), _ephemeral_range()[0])
+    ephemeral_low = _ephemeral_range()[0]
+    lo, hi = port_slice(max(1024, ephemeral_low - 12_000), ephemeral_low)
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(lo, hi - count)
@@ -100,9 +102,26 @@ def write_topology(tmp: Path, model_dir: Path | str, n_stages: int, name: str = 
     return path
 
 
+def wait_warmed(engine: Any, timeout: float, procs: list[subprocess.Popen] | None = None,
+                run_dir: Path | None = None) -> float:
+    """Wait until every stage reports (in its heartbeats) no idle warm-up compile left, so what is
+    measured next neither waits on a compile nor misses the memory the compiles take; seconds waited."""
+    t0 = time.monotonic()
+    while True:
+        pending = {sid: s.info.get("warmups_pending", 0) for sid, s in engine.stages.items()}
+        if not any(pending.values()):
+            return time.monotonic() - t0
+        if procs and run_dir is not None:
+            check_alive(procs, run_dir)
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"stages still warming up after {timeout:g} s: {pending}")
+        time.sleep(0.25)    # heartbeats refresh the counts every heartbeat_s; nothing to block on
+
+
 @contextmanager
-def running_pipeline(topology_path: Path, run_dir: Path, timeout: float = 240.0) -> Iterator:
-    """Stage processes + an in-process PipelineEngine; yields (engine, tokenizer, topology, procs)."""
+def running_pipeline(topology_path: Path, run_dir: Path, timeout: float = 240.0, warm: bool = False) -> Iterator:
+    """Stage processes + an in-process PipelineEngine; yields (engine, tokenizer, topology, procs).
+    `warm`: also wait for every stage's idle warm-up compiles (benchmarks: no compile in a timing)."""
     topology = load_topology(topology_path)
     procs: list[subprocess.Popen] = spawn_stages(topology, topology_path, run_dir, ["--log-level", "INFO"])
     engine = None
@@ -114,6 +133,8 @@ def running_pipeline(topology_path: Path, run_dir: Path, timeout: float = 240.0)
             waited += 0.5
             if waited > timeout:
                 raise TimeoutError(f"pipeline not ready: {engine.not_ready_reason()}")
+        if warm:
+            wait_warmed(engine, timeout, procs, run_dir)
         yield engine, tokenizer, topology, procs
     finally:
         if engine is not None:

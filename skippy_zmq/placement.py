@@ -4,13 +4,16 @@ A stage process's peak resident set (VmHWM over restore, compile and serving; RE
 
     total    = max(serving, loading)
     serving  = weights + KV + cache + overhead
-    loading  = weights + OVERHEAD_BASE + load transient
+    loading  = weights + LOAD_BASE + load transient
     weights  = Σ its layers' tensors in their runtime format (below), the embedding on stage 0 (and
                on the last stage when tied), the final norm and the head on the last stage
     KV       = 2 · layers · kv_heads · head_dim · capacity · lanes · KV dtype bytes,
                capacity = min(driver.max_context, the model's max_seq_len)
-    cache    = the prefix store's budget, cache.max_bytes (0 when the cache is disabled)
-    overhead = OVERHEAD_BASE + OVERHEAD_PER_LAYER · layers: Python, JAX and XLA, compiled buckets
+    cache    = CACHE_RSS · the prefix store's budget, cache.max_bytes (0 when the cache is disabled)
+    overhead = OVERHEAD_BASE + OVERHEAD_PER_LAYER · layers
+               + shapes · (OVERHEAD_PER_SHAPE + OVERHEAD_PER_SHAPE_LAYER · layers):
+               Python, JAX and XLA, running the layers, and every step shape the stage compiles
+               (Buckets.step_shapes)
     load transient (what restoring holds beyond the weights for a moment):
                checkpoint levels packed as they are (int8 / q4 stored, run int8 / q4):
                    LOAD_ITEMS · one layer's runtime bytes, or on the last stage, where the head
@@ -31,28 +34,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from skippy_zmq.config import ModelConfig
+from skippy_zmq.config import Buckets, ModelConfig
 
 MiB, GiB = 1 << 20, 1 << 30
 
-# Peak resident bytes of a stage beyond its weights, KV and prefix store: Python, JAX and XLA, the
-# compiled buckets (the jitted step unrolls its layers, so code grows with them; factory.py compiles
-# every prefill chunk and 1- and 2-row decode at every attention length before READY) and allocator
-# slack. Measured 2026-12-01 on this CPU as VmHWM (the peak: restore, compiles and requests included)
-# minus weight and KV bytes, prefix cache off, warm JAX compilation cache:
-#   scripts/stage_rss.py, SmolLM2-135M (30 layers of width 576, 2048 context), 1 and 3 stages x f32/q4:
-#     30 layers 982 (f32) / 1204 (q4) MiB, 10 layers 541-588 MiB;
-#   /proc/self/status sampled every 0.2 s through build_worker and 2 requests (scripts/stage_rss.py
-#   --timeline), random Llama shapes, q4: Llama-3.2-1B at 528 context, 16 layers 902 MiB, 8 layers
-#   (last stage) 626 MiB; Llama-3.1-8B at 304 context, 16 layers 898 (s0) and 913 (s1) MiB.
-# Of that, ~310-350 MiB is there once the weights are in (Python, JAX, orbax, XLA's CPU client); the
-# rest comes with the compiles: +0.3 GiB compiling 16 layers, +0.2 GiB more on first requests. Per
-# layer it is ~21 MiB at SmolLM2's width and ~35 MiB at the 1B and 8B's; 28 MiB a layer over a
-# 360 MiB base keeps peak / predicted within 0.91-1.04 for all of them (SmolLM2 f32 lowest, the 1B
-# highest). Not separated: how much of the per-layer part scales with width or with the count of
-# compiled shapes (the 1B compiled 15 shapes, the 8B 10, SmolLM2 20).
-OVERHEAD_BASE = 360 * MiB
-OVERHEAD_PER_LAYER = 28 * MiB
+# Peak resident bytes of a stage beyond its weights and KV: Python, JAX and XLA's CPU client, what
+# running a step holds, and each compiled step shape. A stage compiles every shape it can be sent:
+# before READY, decode of 1 and 2 rows and every prefill chunk at every attention length; while idle
+# after READY, every other (rows, tokens) a DECODE can bring, verify windows of several rows included
+# (config.decode_shapes, stage/factory.idle_warmups); Buckets.step_shapes counts them, so lanes,
+# max_draft, prefill_chunk and max_context all move it (SmolLM2 at 8 lanes and 2048 positions: 68
+# shapes with max_draft 15, 28 without). The prefix store's RSS is CACHE_RSS times its budget once
+# full (its entries' arrays plus what their churn leaves in the allocator: 1.59x on SmolLM2, 1.85x on
+# the 1B shape, measured as the difference between a run with the store and one without).
+# Fitted 2026-12-03 on this CPU to 13 stage processes after their idle warm-up and bench scale's
+# requests (a 512-token prompt, one stream of 128 tokens, 8 streams of 128; VmHWM): the Llama-3.2-1B
+# shape q4 at 656 positions on 1, 2 and 3 stages (bench scale --shapes llama-3.2-1b) and on 2 stages
+# with max_draft 8, SmolLM2 f32 at 2048 on 1 stage (store on and off) and on 2 stages with max_draft
+# 15, the 1B on 1 stage without the store: every peak within 0.94-1.06 of its prediction
+# (tests/test_placement.py keeps the table). scripts/rss_shapes.py splits a stage in process: each
+# idle-warmed shape added 3-28 MiB, more with more layers and for f32 than q4.
+OVERHEAD_BASE = 100 * MiB
+OVERHEAD_PER_LAYER = 42 * MiB
+OVERHEAD_PER_SHAPE = 12 * MiB
+OVERHEAD_PER_SHAPE_LAYER = int(0.15 * MiB)
+CACHE_RSS = 1.75
+# What a stage holds while restoring, beside the weights and the load transient (Python, JAX, orbax).
+LOAD_BASE = 360 * MiB
 # The load transient, measured by the same timeline (restore's VmHWM minus RSS at its end):
 # q4 checkpoints of the 1B and 8B: 0.08-0.38 GiB, 2.2-2.7x one layer's runtime bytes (a layer's
 # stored levels, unpacked levels, panels and the JAX copy at once; the embedding and head come
@@ -62,7 +70,7 @@ OVERHEAD_PER_LAYER = 28 * MiB
 # The last stage of the 1B on 3 stages (tied: the int8 head packed from the embedding's levels)
 # peaked while loading at 1.08 GiB, its restore ending at 0.73: the stored rows, the zeroed panel
 # rows, their transpose and JAX's copy of it, ~3x the head's 0.28 GiB over ~0.19 GiB of Python and
-# JAX; counted over OVERHEAD_BASE, LOAD_HEAD = 2.5 puts that stage at 1.04 of its prediction.
+# JAX; counted over LOAD_BASE, LOAD_HEAD = 2.5 puts that stage at 1.04 of its prediction.
 LOAD_ITEMS = 3
 LOAD_HEAD = 2.5
 LOAD_QUANTISE = 4
@@ -154,10 +162,18 @@ class StageSettings:
     lanes: int = 8
     cache_bytes: int = 256 * MiB     # cache.max_bytes; 0 when the prefix store is disabled
     stored: str | None = None        # the checkpoint's format (checkpoint.stored_weights); None: `weights`
+    prefill_chunk: int = 256         # driver.prefill_chunk
+    max_draft: int = 0               # driver.speculative.max_draft when it speculates, else 0
+
+    def step_shapes(self, cfg: ModelConfig) -> int:
+        """The step shapes this stage compiles by the end of its idle warm-up (config.Buckets)."""
+        capacity = min(self.context, cfg.max_seq_len)
+        return Buckets.for_stage(self.prefill_chunk, self.lanes, capacity).step_shapes(capacity, self.max_draft)
 
 
-def overhead_bytes(layers: int) -> int:
-    return OVERHEAD_BASE + OVERHEAD_PER_LAYER * layers
+def overhead_bytes(layers: int, shapes: int) -> int:
+    """Python, JAX and XLA, running `layers` layers, and `shapes` compiled steps of them (module docstring)."""
+    return OVERHEAD_BASE + OVERHEAD_PER_LAYER * layers + shapes * (OVERHEAD_PER_SHAPE + OVERHEAD_PER_SHAPE_LAYER * layers)
 
 
 def load_transient_bytes(cfg: ModelConfig, start: int, end: int, s: StageSettings) -> int:
@@ -204,7 +220,7 @@ class StageNeed:
 
     @property
     def loading(self) -> int:
-        return self.weights + OVERHEAD_BASE + self.load
+        return self.weights + LOAD_BASE + self.load
 
     @property
     def total(self) -> int:
@@ -214,15 +230,15 @@ class StageNeed:
         text = (f"weights {format_bytes(self.weights)} + KV {format_bytes(self.kv)} + cache "
                 f"{format_bytes(self.cache)} + overhead {format_bytes(self.overhead)} = {format_bytes(self.serving)}")
         if self.loading > self.serving:
-            text += (f"; loading it peaks higher: weights + base {format_bytes(OVERHEAD_BASE)} + load transient "
+            text += (f"; loading it peaks higher: weights + base {format_bytes(LOAD_BASE)} + load transient "
                      f"{format_bytes(self.load)} = {format_bytes(self.loading)}")
         return text
 
 
 def stage_need(cfg: ModelConfig, start: int, end: int, s: StageSettings) -> StageNeed:
     return StageNeed(start, end, weight_bytes(cfg, start, end, s.weights, s.dtype, s.stored),
-                     kv_bytes(cfg, end - start, s.context, s.lanes, s.kv_dtype), s.cache_bytes,
-                     overhead_bytes(end - start), load_transient_bytes(cfg, start, end, s))
+                     kv_bytes(cfg, end - start, s.context, s.lanes, s.kv_dtype), int(CACHE_RSS * s.cache_bytes),
+                     overhead_bytes(end - start, s.step_shapes(cfg)), load_transient_bytes(cfg, start, end, s))
 
 
 def budget_error(stage_id: str, need: StageNeed, budget: int) -> str:

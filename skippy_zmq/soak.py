@@ -6,11 +6,14 @@
 With --topology the stages and the driver are launched into a run directory
 (as scripts/launch.sh does) and stopped at the end (as scripts/stop.sh does);
 with --url an already running server is used, and --run-dir, if given, names
-its pid files. Every client loops over streaming chat completions (the
-official `openai` client) until the time is up; each request is bounded by
-max_tokens and a client timeout, so the run ends within one request of the
-deadline. Recorded: tokens/s and errors per minute, and the RSS of every
-process named by RUN_DIR/*.pid every --sample-s seconds. At the end: a table,
+its pid files. The clients start once every stage has finished its idle
+warm-up compiles (skippy_stage_warmups_pending), so compiles are not counted as
+growth. Every client loops over requests (the official `openai` client) until
+the time is up; each request is bounded by max_tokens and a client timeout, so
+the run ends within one request of the deadline. Recorded: tokens/s and errors
+per minute, the RSS of every process named by RUN_DIR/*.pid and each stage's
+prefix-store bytes (the driver's /metrics; the store fills up to its
+cache.max_bytes, which is growth by design) every --sample-s seconds. At the end: a table,
 soak.json and soak.md in --out, and a verdict: zero errors, and memory flat
 after warm-up (mean RSS over the last minute within --flat-pct of the mean
 over the warm-up's last minute, minute 2 by default).
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import threading
@@ -89,9 +93,10 @@ class Recorder:
             if len(self.error_samples) < MAX_ERROR_SAMPLES:
                 self.error_samples.append(f"{time.monotonic() - self.start:.1f}s {message}")
 
-    def sample(self, rss_mb: dict[str, float]) -> None:
+    def sample(self, rss_mb: dict[str, float], cache_mb: dict[str, float] | None = None) -> None:
         with self.lock:
-            self.rss.append({"t": round(time.monotonic() - self.start, 1), "rss_mb": rss_mb})
+            self.rss.append({"t": round(time.monotonic() - self.start, 1), "rss_mb": rss_mb,
+                             "cache_mb": cache_mb or {}})
 
 
 # ---------------------------------------------------------------- clients
@@ -231,15 +236,37 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-def sample_memory(run_dir: Path | None, rec: Recorder, every_s: float, done: threading.Event) -> None:
-    """RSS of every process in the run's pid files, now and every `every_s` seconds until `done`."""
+def stage_gauges(url: str, name: str) -> dict[str, float]:
+    """One per-stage gauge from the driver's /metrics (skippy_stage_<name>{stage=...}); {} when unreadable."""
+    import httpx
+
+    try:
+        text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    return {sid: float(v) for sid, v in re.findall(rf'^skippy_stage_{name}\{{stage="(\w+)"\}} ([0-9.e+-]+)$', text, re.M)}
+
+
+def wait_warmed(url: str, timeout: float) -> float:
+    """Wait until no stage has idle warm-up compiles left (skippy_stage_warmups_pending), so the
+    memory baseline is not taken in the middle of them; seconds waited."""
+    t0 = time.monotonic()
+    while any(stage_gauges(url, "warmups_pending").values()) and time.monotonic() - t0 < timeout:
+        time.sleep(1.0)    # heartbeats refresh the gauge; nothing to block on
+    return time.monotonic() - t0
+
+
+def sample_memory(run_dir: Path | None, url: str, rec: Recorder, every_s: float, done: threading.Event) -> None:
+    """RSS of every process in the run's pid files and each stage's prefix-store bytes (the driver's
+    /metrics), now and every `every_s` seconds until `done`."""
     pids = read_pids(run_dir)
     while True:
         sample = {name: rss_mb(pid) for name, pid in pids.items()}
         for name, value in sample.items():
             if value is None:
                 rec.error(f"process {name} (pid {pids[name]}) is gone")
-        rec.sample({name: round(v, 1) for name, v in sample.items() if v is not None})
+        cache = {sid: round(v / 2**20, 1) for sid, v in stage_gauges(url, "cache_bytes").items()}
+        rec.sample({name: round(v, 1) for name, v in sample.items() if v is not None}, cache)
         if done.wait(every_s):
             return
 
@@ -256,6 +283,8 @@ def minute_rows(rec: Recorder, duration_s: float) -> list[dict[str, Any]]:
         row = {"minute": m + 1, "requests": rec.requests.get(m, 0), "tokens": rec.tokens.get(m, 0),
                "tok_s": round(rec.tokens.get(m, 0) / seconds, 1), "errors": rec.errors.get(m, 0)}
         row.update({f"{name}_rss_mb": value for name, value in (last[-1] if last else {}).items()})
+        caches = [s.get("cache_mb", {}) for s in rec.rss if m * 60 <= s["t"] < (m + 1) * 60]
+        row.update({f"{name}_cache_mb": value for name, value in (caches[-1] if caches else {}).items()})
         rows.append(row)
     return rows
 
@@ -381,11 +410,12 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         client = openai.OpenAI(base_url=url, api_key=args.api_key or os.environ.get("SKIPPY_API_KEY", "unused"),
                                max_retries=0, timeout=args.request_timeout)
         model = client.models.list().data[0].id
+        print(f"stages' idle warm-up compiles done after {wait_warmed(url, args.ready_timeout):.0f} s", flush=True)
         print(f"soaking {url} (model {model}) with {args.streams} streams for {args.minutes:g} min", flush=True)
         rec = Recorder(start=time.monotonic())
         stop_at = rec.start + 60 * args.minutes
         done = threading.Event()
-        sampler = threading.Thread(target=sample_memory, args=(run_dir, rec, args.sample_s, done), daemon=True)
+        sampler = threading.Thread(target=sample_memory, args=(run_dir, url, rec, args.sample_s, done), daemon=True)
         sampler.start()
         clients = [threading.Thread(target=run_client, args=(i, client, model, args, stop_at, rec), daemon=True)
                    for i in range(args.streams)]

@@ -54,4 +54,7 @@ def test_a_short_mixed_soak_has_no_errors(shared_pipelines, tmp_path):
     assert summary["errors"] == 0, result["error_samples"]
     assert set(summary["requests_by_kind"]) == set(soak.KINDS), summary["requests_by_kind"]
     assert summary["tokens"] > 0 and rc == 0
-    assert {name for s in result["rss_samples"] for name in s["rss_mb"]} == {f"s{i}" for i in range(len(served.procs))}
+    stages = {f"s{i}" for i in range(len(served.procs))}
+    assert {name for s in result["rss_samples"] for name in s["rss_mb"]} == stages
+    assert set(result["rss_samples"][-1]["cache_mb"]) == stages      # the prefix stores, from /metrics
+    assert soak.stage_gauges(served.url + "/v1", "warmups_pending") == dict.fromkeys(stages, 0.0)

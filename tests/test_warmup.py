@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY, counting_compiles, random_ids
-from skippy_zmq.config import Buckets, KVConfig
+from skippy_zmq.config import Buckets, KVConfig, decode_shapes, widest_window
 from skippy_zmq.model import quant, weights
 from skippy_zmq.model.runner import SliceRunner
 from skippy_zmq.stage.factory import warm_before_ready
@@ -19,9 +19,9 @@ from skippy_zmq.stage.factory import warm_before_ready
 BUCKETS = Buckets(prefill_chunks=(16, 64), decode_rows=(1, 2), attn_lens=(128, 256, 1024))
 
 
-def runner(tree: dict, capacity: int = 384) -> SliceRunner:
+def runner(tree: dict, capacity: int = 384, lanes: int = 2) -> SliceRunner:
     params = weights.to_runtime(tree, jnp.float32)
-    return SliceRunner(TINY, params, 0, TINY.n_layers, KVConfig(lanes=2, capacity=capacity), BUCKETS)
+    return SliceRunner(TINY, params, 0, TINY.n_layers, KVConfig(lanes=lanes, capacity=capacity), BUCKETS)
 
 
 def test_attn_buckets_run_up_to_the_capacity(tiny_tree):
@@ -118,21 +118,36 @@ def test_weights_on_another_device_take_the_xla_path():
 
 def test_verify_windows_warm_at_the_first_length_before_ready_and_the_rest_while_idle(tiny_tree):
     """A speculating stage compiles 1-row windows at the first attention length before READY and
-    leaves the other lengths to `window_warmups` (the loop runs them while idle); after both, no
-    window at any length compiles."""
-    from skippy_zmq.stage.factory import window_warmups
+    leaves the other lengths, more rows and windows of several rows to `idle_warmups` (the loop runs
+    them while idle); after both, no shape a DECODE can reach compiles at any length."""
+    from skippy_zmq.stage.factory import idle_warmups
 
-    r = runner(tiny_tree)
+    r = runner(tiny_tree, lanes=BUCKETS.decode_rows[-1])
     warm_before_ready(r, windows=(2, 4))
     windows = {(shape, attn) for shape, attn, out in r.stats.shapes if shape[1] > 1 and out == "logits"}
     assert windows == {((1, 2), 128), ((1, 4), 128)}
-    later = window_warmups(r, (2, 4))
-    assert len(later) == 2 * len(r.attn_buckets())
+    shapes = decode_shapes(r.buckets.decode_rows, (2, 4))
+    later = idle_warmups(r, shapes)
+    assert len(later) == len(shapes) * len(r.attn_buckets())
     for fn in later:
         fn()
-    ids = random_ids(8, TINY.vocab_size, seed=3)
+    ids = random_ids(64, TINY.vocab_size, seed=3)
     with counting_compiles() as compiles:
         for start in (5, 200, 379):
-            for t in (2, 4):
-                r.step(np.array([0]), ids[:t], np.array([start]), np.array([t]))
+            for rows, t in shapes:
+                r.step(np.arange(rows), ids[:rows * t], np.full(rows, start), np.full(rows, t))
     assert compiles == []
+
+
+@pytest.mark.parametrize("rows", [(1, 2, 4, 8), (1, 2, 4, 6), (1, 2, 3), (1, 2, 4, 8, 16)])
+@pytest.mark.parametrize("windows", [(), (2,), (2, 4, 8), (2, 4, 8, 16)])
+def test_decode_shapes_hold_every_batch_the_scheduler_can_draft(rows, windows):
+    """For every group size a stage's lanes allow, the stage's bucket for those rows and every window
+    the scheduler's rule lets that group carry (config.widest_window, up to max_draft's bucket) is
+    one of config.decode_shapes: the idle warm-up compiles all that a DECODE can bring."""
+    shapes = set(decode_shapes(rows, windows))
+    buckets = Buckets(decode_rows=rows)
+    for group in range(1, rows[-1] + 1):
+        widest = widest_window(group, (1, 2, 4, 8, 16))
+        reach = {1} | {t for t in windows if t <= widest}
+        assert {(buckets.rows_for(group), t) for t in reach} <= shapes, (group, reach)

@@ -82,7 +82,7 @@ def ms_per_token(model: Path, tmp: Path, stages: int, delay_ms: float, new_token
     `on` is the stages' device and dtype."""
     name = f"hops-{stages}-{delay_ms:g}"
     path = write_topology(tmp, model, stages, name=name, **BENCH_TOPOLOGY, **on)
-    with hop_delay(delay_ms), running_pipeline(path, tmp / name) as (engine, tokenizer, topology, _):
+    with hop_delay(delay_ms), running_pipeline(path, tmp / name, warm=True) as (engine, tokenizer, topology, _):
         log = TraceLog()
         engine.on_reply_hooks.append(log)
         prompt = synthetic_prompt(tokenizer, 64)

@@ -261,7 +261,7 @@ def bench_pipeline(args: argparse.Namespace, tables: list[str], prior: dict[str,
     agreement: list[dict[str, Any]] = []
     for n in args.stages:
         path = write_topology(tmp, model, n, name=f"bench-{n}", **BENCH_TOPOLOGY, **stage_overrides(args))
-        with running_pipeline(path, tmp / f"run-{n}") as (engine, tokenizer, topology, _procs):
+        with running_pipeline(path, tmp / f"run-{n}", warm=True) as (engine, tokenizer, topology, _procs):
             if check:
                 got = greedy.pipeline_tokens(engine, prompts)
                 agreement.append(dict(greedy.agreement_row(n, got, want), tokens=got))

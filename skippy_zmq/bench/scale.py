@@ -1,7 +1,7 @@
 """Scale: models of real sizes (random weights, q4) over 1-3 stage processes, and llama.cpp on the
 very same weights (the random model's GGUF), in one run.
 
-    skippy-zmq bench scale [--quick] [--out bench-out]
+    skippy-zmq bench scale [--quick] [--shapes llama-3.2-1b] [--out bench-out]
 
 Cases: the Llama-3.2-1B shape on 1, 2 and 3 stages (512 tokens of context, 128 new) and the
 Llama-3.1-8B shape on 1 and 2 stages (256 of context, 32 new); `--quick`: 2 layers of the 1B shape
@@ -108,18 +108,11 @@ def topology_for(tmp: Path, model: Path, n: int, case: ScaleCase) -> Path:
                           driver__reply_timeout_s=900.0)
 
 
-def predicted_bytes(topology: Any, stage: Any) -> int | None:
-    """placement.py's prediction of a stage's resident bytes (None where placement.py is not there)."""
-    try:
-        from skippy_zmq.config import ModelConfig
-        from skippy_zmq.placement import StageSettings, stage_need
-    except ImportError:
-        return None
-    cfg = ModelConfig.load(Path(topology.model_path) / "model.json")
-    settings = StageSettings(weights=stage.weights, dtype=stage.dtype, kv_dtype=stage.kv_dtype,
-                             context=min(topology.driver.max_context, cfg.max_seq_len), lanes=stage.kv_lanes,
-                             cache_bytes=0 if stage.cache.mode == "disabled" else stage.cache.max_bytes)
-    return stage_need(cfg, stage.start, stage.end, settings).total
+def predicted_bytes(topology: Any, stage: Any) -> int:
+    """placement.py's prediction of a stage's peak resident bytes, as the stage itself computes it."""
+    from skippy_zmq.stage.factory import predict
+
+    return predict(topology, stage).total
 
 
 def one_stream(engine: Any, prompt: list[int], new_tokens: int) -> dict[str, Any]:
@@ -231,8 +224,17 @@ def run_case(case: ScaleCase, tmp: Path, root: Path = RANDOM_ROOT) -> dict[str, 
     return {"case": asdict(case), "model_dir": str(model), "rows": rows, "stages": stages, "steps": steps}
 
 
+def select_cases(cases: tuple[ScaleCase, ...], shapes: str) -> tuple[ScaleCase, ...]:
+    """The cases of these comma-separated shapes ("": all); an unknown name is an error that lists them."""
+    wanted = [n.strip() for n in shapes.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in {c.shape for c in cases}]
+    if unknown:
+        raise SystemExit(f"bench scale --shapes: unknown {unknown}; the cases are {[c.shape for c in cases]}")
+    return tuple(c for c in cases if not wanted or c.shape in wanted)
+
+
 def bench_scale(args: argparse.Namespace, tables: list[str], _prior: dict[str, Any] | None = None) -> dict[str, Any]:
-    cases = QUICK if args.quick else FULL
+    cases = select_cases(QUICK if args.quick else FULL, getattr(args, "shapes", ""))
     tmp = Path(tempfile.mkdtemp(prefix="skippy-scale-"))
     results = []
     for case in cases:

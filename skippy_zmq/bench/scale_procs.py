@@ -67,6 +67,7 @@ def staggered_pipeline(topology_path: Path, run_dir: Path, timeout: float = 1800
     not once per stage at the same time, and each stage's start time is its own. Yields (engine,
     topology, procs by stage id, seconds from spawn to READY by stage id)."""
     from skippy_zmq.driver.main import open_engine
+    from skippy_zmq.harness import wait_warmed
     from skippy_zmq.launch import spawn_stage, stop_processes
     from skippy_zmq.topology import load_topology
 
@@ -82,6 +83,7 @@ def staggered_pipeline(topology_path: Path, run_dir: Path, timeout: float = 1800
             ready_s[stage.id] = round(time.perf_counter() - t0, 1)
         if not engine.wait_ready(timeout):
             raise TimeoutError(engine.not_ready_reason())
+        wait_warmed(engine, timeout, list(procs.values()), run_dir)   # peaks include every reachable shape
         yield engine, topology, procs, ready_s
     finally:
         engine.close()

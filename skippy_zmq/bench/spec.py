@@ -454,7 +454,7 @@ def run_pipeline_case(model: Path, tmp: Path, stages: int, delay_ms: float, on: 
     with ExitStack() as stack:
         with phase(f"{name}: start ({stages} stage(s), {delay_ms:g} ms/hop)"), hop_delay(delay_ms):
             engine, _tok, _topo, _procs = stack.enter_context(
-                running_pipeline(path, tmp / name, timeout=PIPELINE_START_S))
+                running_pipeline(path, tmp / name, timeout=PIPELINE_START_S, warm=True))
         with phase(f"{name}: warm-up"):
             warm_up(engine, warm, new_tokens, [j[2] for j in jobs if j[3] > 1])
         for config, workload, prompts, streams in jobs:

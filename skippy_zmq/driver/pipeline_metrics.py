@@ -31,7 +31,9 @@ STAGE_GAUGES = {"cache_bytes": "bytes held by the prefix store", "cache_entries"
                 "weight_bytes": "bytes of the weights it holds", "kv_bytes": "bytes of its KV arena",
                 "rss_bytes": "resident set of the stage process (heartbeats)",
                 "predicted_bytes": "bytes placement.py predicts it needs (0: not predicted)",
-                "memory_budget_bytes": "its topology memory budget (0: none)"}
+                "memory_budget_bytes": "its topology memory budget (0: none)",
+                "warmups_pending": "shape compiles it still runs while idle after READY (0: every decode shape a "
+                                   "driver can send is compiled, and its memory has reached what the plan counts)"}
 
 
 class PipelineCollector(Collector):

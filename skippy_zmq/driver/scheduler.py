@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 from loguru import logger
 
+from skippy_zmq.config import BATCH_TOKENS, widest_window
 from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
 from skippy_zmq.driver.prefix_index import PrefixIndex
 from skippy_zmq.driver.speculative import (DraftPolicy, NgramProposer, SharedIndex, SpeculativeConfig, judge_window,
@@ -61,7 +62,7 @@ class SchedulerConfig:
     resume_timeout_s: float = 60.0   # how long paused requests wait for a replacement stage
     speculative: SpeculativeConfig = SpeculativeConfig()
     window_lens: tuple[int, ...] = (1, 2, 4, 8, 16)   # the stages' row buckets (config.Buckets.window_lens)
-    batch_tokens: int = 16           # a DECODE with several rows pads them all to its longest window: cap rows x window
+    batch_tokens: int = BATCH_TOKENS  # a DECODE with several rows pads them all to its longest window: cap rows x window
 
 
 @dataclass(eq=False)
@@ -609,8 +610,7 @@ class Scheduler:
         max_tokens or the context, so no draft position is wasted on a token that cannot be kept.
         """
         buckets = [n for n in self.cfg.window_lens if n >= 1]
-        rows = next((n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n >= len(group)), len(group))
-        widest = max([n for n in buckets if rows * n <= max(self.cfg.batch_tokens, rows)] or [1])
+        widest = widest_window(len(group), tuple(buckets), self.cfg.batch_tokens)
         for job in group:
             job.drafts = []
             if job.proposer is None or job.policy is None or job.policy.k <= 0:

@@ -156,14 +156,7 @@ class SliceRunner:
     def attn_buckets(self, upto: int | None = None) -> tuple[int, ...]:
         """The attention lengths a step can use for sequences of up to `upto` positions (default:
         the capacity), smallest first: every bucket attn_for can return on the way there."""
-        upto = self.capacity if upto is None else max(1, min(upto, self.capacity))
-        sizes = sorted({b for b in self.buckets.attn_lens if b <= self.capacity} | {self.capacity})
-        out = []
-        for size in sizes:
-            out.append(size)
-            if size >= upto:
-                break
-        return tuple(out)
+        return self.buckets.attn_sizes(self.capacity, upto)
 
     def request_shapes(self, start_pos: int, n_prefill: int, n_decode: int,
                        rows: int = 1) -> tuple[set[tuple[int, int]], set[int]]:
@@ -183,7 +176,8 @@ class SliceRunner:
 
     def warmup(self, rows: tuple[int, ...] = (1,), chunks: tuple[int, ...] | None = None,
                attn_lens: tuple[int, ...] | None = None,
-               pairs: set[tuple[int, int]] | None = None, windows: tuple[int, ...] = ()) -> float:
+               pairs: set[tuple[int, int]] | None = None, windows: tuple[int, ...] = (),
+               shapes: tuple[tuple[int, int], ...] = ()) -> float:
         """Compile the step for the shapes traffic can bring, ahead of it; runs nothing.
 
         The decode step for every row bucket in `rows` and every prefill chunk in `chunks` (default:
@@ -194,7 +188,8 @@ class SliceRunner:
         compiled (or read from the persistent cache) but not executed: an 8B stage's 256-token
         prefill alone computes for seconds. Shapes this runner has already compiled are skipped, so
         a second call, or one after traffic, costs nothing. `windows`: one-row verify windows of
-        these lengths (window buckets), scored like decode rows. Returns the seconds spent.
+        these lengths (window buckets), scored like decode rows; `shapes`: any (rows, tokens) a DECODE
+        can bring (config.decode_shapes: several rows, each a window). Returns the seconds spent.
         """
         t0 = time.perf_counter()
         chunks = chunks if chunks is not None else self.buckets.prefill_chunks
@@ -207,8 +202,8 @@ class SliceRunner:
         for attn in sorted(attn_lens):
             for r in rows:
                 self._compile(np.zeros((r, 1) + width, dtype), attn, decode_out)
-            for t in windows:
-                self._compile(np.zeros((1, t) + width, dtype), attn, decode_out)
+            for r, t in [(1, t) for t in windows] + list(shapes):
+                self._compile(np.zeros((r, t) + width, dtype), attn, decode_out)
         for c, attn in sorted(pairs, key=lambda p: (p[1], p[0])):
             self._compile(np.zeros((1, c) + width, dtype), attn, prefill_out)
         return time.perf_counter() - t0

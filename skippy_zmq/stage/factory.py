@@ -18,7 +18,7 @@ import jax
 from loguru import logger
 
 from skippy_zmq import placement
-from skippy_zmq.config import Buckets, KVConfig, ModelConfig
+from skippy_zmq.config import Buckets, KVConfig, ModelConfig, decode_shapes
 from skippy_zmq.kv.prefix_store import PrefixStore, StoreConfig, StoreIdentity
 from skippy_zmq.model import checkpoint, loader
 from skippy_zmq.model.convert import model_digest
@@ -44,7 +44,8 @@ def stage_settings(topology: Topology, stage: StageConfig) -> placement.StageSet
     """What placement.py needs to size this stage, read from the topology and the checkpoint."""
     cache = 0 if stage.cache.mode == "disabled" else stage.cache.max_bytes
     return placement.StageSettings(stage.weights, stage.dtype, stage.kv_dtype, topology.driver.max_context,
-                                   stage.kv_lanes, cache, checkpoint.stored_weights(topology.model_path))
+                                   stage.kv_lanes, cache, checkpoint.stored_weights(topology.model_path),
+                                   topology.driver.prefill_chunk, max_draft(topology))
 
 
 def predict(topology: Topology, stage: StageConfig) -> placement.StageNeed:
@@ -70,30 +71,37 @@ def memory_report(worker: StageWorker, need: placement.StageNeed | None, budget:
 
 
 def stage_buckets(topology: Topology, lanes: int, capacity: int | None = None) -> Buckets:
-    """Prefill chunks up to the driver's chunk, decode rows up to the stage's lanes. A chunk never
-    exceeds the stage's KV capacity: a 256 chunk over a 128-position cache cannot compile (its KV
-    write is a dynamic_update_slice larger than the cache), and no prompt that fits needs it."""
-    chunk = min(topology.driver.prefill_chunk, capacity or topology.driver.prefill_chunk)
-    chunks = tuple(c for c in (16, 64, 256, 512, 1024) if c < chunk) + (chunk,)
-    rows = tuple(r for r in (1, 2, 4, 8, 16, 32, 64) if r < lanes) + (lanes,)
-    return Buckets(prefill_chunks=tuple(sorted(set(chunks))), decode_rows=tuple(sorted(set(rows))))
+    """Prefill chunks up to the driver's chunk, decode rows up to the stage's lanes (Buckets.for_stage)."""
+    return Buckets.for_stage(topology.driver.prefill_chunk, lanes, capacity or topology.driver.prefill_chunk)
+
+
+def max_draft(topology: Topology) -> int:
+    """The most tokens the driver drafts a window (0: it does not speculate)."""
+    spec = topology.driver.speculative
+    return spec.max_draft if spec.enabled else 0
 
 
 def spec_windows(topology: Topology, buckets: Buckets) -> tuple[int, ...]:
     """The one-row verify windows the driver can send (window buckets up to max_draft + 1), or ()
     with speculation off."""
-    spec = topology.driver.speculative
-    if not spec.enabled:
-        return ()
-    return tuple(n for n in buckets.window_lens if 1 < n <= spec.max_draft + 1)
+    return buckets.spec_windows(max_draft(topology))
 
 
-def window_warmups(runner: SliceRunner, windows: tuple[int, ...]) -> list[Callable[[], float]]:
-    """One compile per (verify window, attention length), for the stage loop to run while idle after
-    READY: before READY they would add ~3 s to every restart (16 shapes), and a window the driver
-    sends before its shape is warm just compiles on first use."""
-    return [functools.partial(runner.warmup, rows=(), windows=(t,), attn_lens=(a,), pairs=set())
-            for a in runner.attn_buckets() for t in windows]
+def reachable_shapes(topology: Topology, buckets: Buckets) -> tuple[tuple[int, int], ...]:
+    """Every (rows, tokens) a DECODE can reach this stage with: each row bucket, with the verify
+    windows the driver lets that many rows carry when it speculates (config.decode_shapes)."""
+    return decode_shapes(buckets.decode_rows, spec_windows(topology, buckets))
+
+
+def idle_warmups(runner: SliceRunner, shapes: tuple[tuple[int, int], ...]) -> list[Callable[[], float]]:
+    """One compile per (decode shape, attention length) that the warm-up before READY left out, for
+    the stage loop to run while idle after READY, shortest lengths and smallest shapes first. Before
+    READY they would lengthen every restart (a SmolLM2 stage of 8 lanes reaches 13 shapes at each of
+    4 lengths); after them, no DECODE a driver can send compiles, and the stage has reached the
+    memory its plan counts (placement.py: compiled shapes). Shapes compiled before READY are
+    in the list too and cost nothing."""
+    return [functools.partial(runner.warmup, rows=(), shapes=(shape,), attn_lens=(a,), pairs=set())
+            for a in runner.attn_buckets() for shape in shapes]   # a shape already compiled costs nothing
 
 
 def warm_before_ready(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
@@ -103,7 +111,7 @@ def warm_before_ready(runner: SliceRunner, windows: tuple[int, ...] = ()) -> flo
     or a persistent-cache read (scripts/stage_start.py splits them): about 0.3 s a shape with the
     cache warm, so 1- and 2-row decode at every length is cheap enough to do before READY. `windows`:
     one-row verify windows at the first attention length (contexts up to 256 tokens); the other
-    lengths are `window_warmups`, run after READY, and windows of several rows compile on first use."""
+    lengths, more rows and windows of several rows are `idle_warmups`, run after READY."""
     rows = runner.buckets.decode_rows[:2]
     spent = runner.warmup(rows=rows, chunks=runner.buckets.prefill_chunks, attn_lens=runner.attn_buckets())
     return spent + runner.warmup(rows=(), windows=windows, attn_lens=runner.attn_buckets(1), pairs=set())
@@ -138,7 +146,7 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     info = StageInfo(stage.id, first=stage.start == 0, last=stage.end == cfg.n_layers, width=cfg.d_model)
     worker = StageWorker(info, runner, SessionTable(stage.kv_lanes), make_store(topology, stage))
     worker.memory.update(memory_report(worker, need, where.memory))
-    worker.warm_later = window_warmups(runner, spec_windows(topology, buckets))
+    worker.warm_later = idle_warmups(runner, reachable_shapes(topology, buckets))
     if info.last:
         worker.tokenizer_source = (topology.model_path, cfg.vocab_size)
         prepare_constraints(worker)

@@ -451,7 +451,8 @@ class StageWorker:
 
     def status(self) -> dict[str, Any]:
         out = {"lanes_in_use": len(self.sessions), "lanes": self.sessions.lanes, **self.counters,
-               "fenced": self.fence.dropped, **self.memory, "rss_bytes": rss_bytes()}
+               "fenced": self.fence.dropped, **self.memory, "rss_bytes": rss_bytes(),
+               "warmups_pending": len(self.warm_later)}
         if self.store is not None:
             out.update({f"cache_{k}": v for k, v in self.store.stats().items()})
         if self.info.last:   # constrained decoding: time spent computing token masks, and how many
