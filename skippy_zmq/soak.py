@@ -16,7 +16,8 @@ prefix-store bytes (the driver's /metrics; the store fills up to its
 cache.max_bytes, which is growth by design) every --sample-s seconds. At the end: a table,
 soak.json and soak.md in --out, and a verdict: zero errors, and memory flat
 after warm-up (mean RSS over the last minute within --flat-pct of the mean
-over the warm-up's last minute, minute 2 by default).
+over the first minute after warm-up). Warm-up lasts --warmup-minutes (2) or until
+every stage's prefix store has stopped filling, whichever is later.
 
 --mix names the kinds of request the clients take turns at (client i's n-th
 request is kind (i + n) mod the count): "plain" (the default: a streamed chat at
@@ -298,22 +299,43 @@ def mean_rss(rec: Recorder, t0: float, t1: float) -> dict[str, float]:
     return {name: statistics.fmean(v) for name, v in values.items()}
 
 
-def memory_verdict(rec: Recorder, duration_s: float, warmup_min: float, flat_pct: float) -> dict[str, Any]:
-    """Mean RSS over the last minute against the mean over the warm-up's last minute.
+STORE_FULL = 0.98   # a prefix store this close to the most it held in the run has stopped filling
 
-    A run no longer than the warm-up plus one minute cannot be judged (`flat` None); its
-    numbers compare the run's second half with its first instead.
+
+def store_full_s(rec: Recorder) -> float:
+    """When the last stage's prefix store stopped filling: the first sample at which every store held
+    STORE_FULL of the most it held in the run (0 when no store held anything)."""
+    peaks: dict[str, float] = defaultdict(float)
+    for s in rec.rss:
+        for sid, mb in s.get("cache_mb", {}).items():
+            peaks[sid] = max(peaks[sid], mb)
+    full = 0.0
+    for sid, peak in peaks.items():
+        if peak > 0:
+            full = max(full, next(s["t"] for s in rec.rss if s.get("cache_mb", {}).get(sid, 0.0) >= STORE_FULL * peak))
+    return full
+
+
+def memory_verdict(rec: Recorder, duration_s: float, warmup_min: float, flat_pct: float) -> dict[str, Any]:
+    """Mean RSS over the last minute against the mean over the first minute after warm-up.
+
+    Warm-up ends after `warmup_min` minutes or when the prefix stores stop filling (they grow
+    up to their budget by design), whichever is later. A run that leaves less than two minutes
+    after it cannot be judged (`flat` None); its numbers compare the run's second half with its
+    first instead.
     """
-    judged = duration_s >= 60 * (warmup_min + 1)
+    end = max(60 * warmup_min, store_full_s(rec))
+    judged = duration_s >= end + 120
     if judged:
-        base, last = mean_rss(rec, 60 * (warmup_min - 1), 60 * warmup_min), mean_rss(rec, duration_s - 60, 1e9)
+        base, last = mean_rss(rec, end, end + 60), mean_rss(rec, duration_s - 60, 1e9)
     else:
         base, last = mean_rss(rec, 0, duration_s / 2), mean_rss(rec, duration_s / 2, 1e9)
     per_process = {name: {"baseline_mb": round(base[name], 1), "last_mb": round(last[name], 1),
                           "growth_pct": round(100 * (last[name] - base[name]) / base[name], 2)}
                    for name in sorted(base) if name in last and base[name] > 0}
     flat = all(abs(p["growth_pct"]) <= flat_pct for p in per_process.values()) if judged and per_process else None
-    return {"judged": judged, "flat": flat, "flat_pct": flat_pct, "processes": per_process}
+    return {"judged": judged, "flat": flat, "flat_pct": flat_pct, "warmup_end_min": round(end / 60, 2),
+            "processes": per_process}
 
 
 def report(rec: Recorder, args: argparse.Namespace, url: str, duration_s: float, out: Path) -> dict[str, Any]:
@@ -326,7 +348,7 @@ def report(rec: Recorder, args: argparse.Namespace, url: str, duration_s: float,
                "zero_errors": total_errors == 0, "memory": memory}
     summary["ok"] = summary["zero_errors"] and memory["flat"] is not False
     mem_rows = [{"process": name, **p} for name, p in memory["processes"].items()]
-    verdict = (f"errors: {total_errors}; memory flat after warm-up: "
+    verdict = (f"errors: {total_errors}; memory flat after warm-up (to minute {memory['warmup_end_min']}): "
                f"{'not judged (run too short)' if memory['flat'] is None else memory['flat']}; "
                f"{'OK' if summary['ok'] else 'FAILED'}")
     text = (format_table(f"Soak: {args.streams} streams for {duration_s / 60:.1f} min against {url}", rows,
@@ -452,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate max_tokens every time, so every request costs the same")
     p.add_argument("--sample-s", type=float, default=10.0, help="RSS sampling period")
-    p.add_argument("--warmup-minutes", type=float, default=2.0, help="memory baseline: the warm-up's last minute")
+    p.add_argument("--warmup-minutes", type=float, default=2.0, help="shortest warm-up; it also lasts until the prefix stores stop filling")
     p.add_argument("--flat-pct", type=float, default=5.0, help="allowed RSS change after warm-up, percent")
     p.add_argument("--request-timeout", type=float, default=120.0, help="client timeout per request, seconds")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="how long a launch may take to be ready")

@@ -163,3 +163,18 @@ def test_restore_routes_use_only_their_host(last):
         assert hit.to == DRIVER and hit.message.extras["stats"]["restore"]["matched"] == 6
     else:
         assert hit.to == NEXT and hit.message is msg
+
+
+def test_driver_index_is_bounded_by_the_stores():
+    """The driver's index remembers at most KEYS_PER_ENTRY prefixes per entry a store can hold, oldest
+    forgotten first, so its memory stops growing once the stores are full."""
+    from skippy_zmq.driver.prefix_index import KEYS_PER_ENTRY, PrefixIndex
+
+    configs = [StoreConfig(max_entries=8, stride=16, min_tokens=4), StoreConfig(max_entries=4, stride=16, min_tokens=4)]
+    index = PrefixIndex(configs)
+    prompts = [[1000 + i] * 40 for i in range(50)]
+    for p in prompts:
+        index.add("ns", p)
+    assert len(index._keys) == KEYS_PER_ENTRY * 8 == index.max_keys
+    assert index.longest("ns", prompts[-1], 40) == 40
+    assert index.longest("ns", prompts[0], 40) == 0

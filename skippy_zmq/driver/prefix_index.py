@@ -16,7 +16,7 @@ import numpy as np
 
 from skippy_zmq.kv.prefix_store import StoreConfig, recorded_lengths
 
-MAX_KEYS = 200_000
+KEYS_PER_ENTRY = 2   # the index may remember this many prefixes per entry the largest store can hold
 
 
 def _hash(tokens: Sequence[int]) -> bytes:
@@ -29,6 +29,9 @@ class PrefixIndex:
         self.enabled = bool(self.configs) and all(c.mode == "lookup-record" for c in self.configs)
         self.strides = sorted({c.stride for c in self.configs}, reverse=True)
         self._keys: OrderedDict[tuple[str, bytes], int] = OrderedDict()
+        # No stage holds more than its max_entries, so older keys could only turn into misses;
+        # bounding the index by them keeps the driver's memory flat once the stores are full.
+        self.max_keys = KEYS_PER_ENTRY * max((c.max_entries for c in self.configs), default=0)
 
     def add(self, namespace: str, tokens: Sequence[int]) -> list[int]:
         """Note that every stage recorded `tokens`; returns the lengths all stages should now hold."""
@@ -39,7 +42,7 @@ class PrefixIndex:
             key = (namespace, _hash(tokens[:length]))
             self._keys[key] = length
             self._keys.move_to_end(key)
-        while len(self._keys) > MAX_KEYS:
+        while len(self._keys) > self.max_keys:
             self._keys.popitem(last=False)
         return sorted(lengths)
 
