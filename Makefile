@@ -6,7 +6,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 TOPOLOGY ?= topologies/smollm2-2stage.yaml
 
-.PHONY: install model test test-quick serve bench bench-quick bench-peers bench-scale bench-spec gpu-check clean
+.PHONY: install model test test-quick serve bench bench-quick peers bench-peers bench-scale bench-spec gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -53,11 +53,18 @@ bench-quick: install model
 	$(BIN)/pip install -q -e '.[test,bench]'
 	$(BIN)/skippy-zmq bench all --quick --out bench-out
 
-# Side by side with llama.cpp: llama-cpp-python builds from source (about 10 minutes on 2 cores).
-# Pipeline stages use int8 weights here (bench single runs f32, int8 and q4 in one process).
-bench-peers: install model
-	$(BIN)/pip install -e '.[test,bench,peers]'
-	$(BIN)/skippy-zmq bench all --weights int8 --out bench-out
+# The llama.cpp a user deploys: llama-server, llama-bench and rpc-server built from the llama-cpp-python
+# sdist's vendored source with cmake and ninja from PyPI, CPU only, once, into ~/.cache/skippy_zmq
+# ($$SKIPPY_PEERS_DIR); about 10-15 minutes on 2 cores, reused afterwards.
+peers: install
+	$(BIN)/pip install -q -e '.[peers-build]'
+	$(BIN)/python -c "from skippy_zmq.bench.llama_build import build; build()"
+
+# Ours beside llama-server on the same GGUF through both HTTP APIs: single stream, speculation, concurrency;
+# writes bench-out/peers.{json,md}.
+bench-peers: peers model
+	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/skippy-zmq bench peers --out bench-out
 
 # Random models of real shapes (Llama-3.2-1B, Llama-3.1-8B; q4) on 1-3 stages beside llama.cpp on the very
 # same weights: about 12 minutes on 2 cores once models/random/ holds them (making the 8B adds 2.5).

@@ -14,7 +14,8 @@ from skippy_zmq.bench.common import format_table, int_list
 from skippy_zmq.bench import gpu_check
 from skippy_zmq.bench.greedy import agreement_row, pipeline_tokens
 from skippy_zmq.bench.hops import corrected_base, hop_delay, hop_model, hop_row
-from skippy_zmq.bench.peers import NOT_INSTALLED, bench_peers, peer_rows, ratio, run_llama_cpp
+from skippy_zmq.bench import llama_build
+from skippy_zmq.bench.peers import llama_server_command, ratio, ratio_rows
 from skippy_zmq.bench.pipeline import (BENCH_TOPOLOGY, STREAMS, bubble, one_stream_rows, per_hop_overhead_us,
                                        percentile, stage_busy_ms, step_compute_ms, wire_rows)
 from skippy_zmq.bench.plots import matplotlib_available, write_plots
@@ -150,41 +151,26 @@ def test_hop_delay_sets_and_restores_the_variable(monkeypatch):
     assert "SKIPPY_HOP_DELAY_MS" not in os.environ
 
 
-def test_peers_rows_and_skip_without_llama_cpp(monkeypatch, tmp_path):
-    rows = peer_rows({"prefill_tok_s": 100.0, "decode_tok_s": 50.0},
-                     {"engine": "llama.cpp", "prefill_tok_s": 400.0, "decode_tok_s": 100.0})
-    assert rows[-1]["prefill_tok_s"] == 0.25 and rows[-1]["decode_tok_s"] == 0.5
+def test_peers_commands_ratios_and_the_build_record(tmp_path):
+    cmd = llama_server_command("/b/llama-server", Path("m.gguf"), 9000, slots=8, context=256, spec_type="ngram-mod")
+    assert cmd[:3] == ["/b/llama-server", "-m", "m.gguf"] and cmd[-2:] == ["--spec-type", "ngram-mod"]
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags["-np"] == "8" and flags["-c"] == str(8 * 256) and flags["-t"] == flags["-tb"] == "2"
+    conc = [{"engine": "skippy_zmq q4, 1 stage(s)", "streams": 8, "agg_tok_s": 300.0},
+            {"engine": "skippy_zmq q4, 2 stage(s)", "streams": 32, "agg_tok_s": 100.0},
+            {"engine": "llama-server -np 8", "streams": 8, "agg_tok_s": 200.0}]
+    assert ratio_rows(conc) == [{"engine": "skippy_zmq q4, 1 stage(s)", "streams": 8, "ratio": 1.5}]
     assert ratio(1.0, 0.0) is None
-    monkeypatch.setattr("skippy_zmq.bench.peers.llama_cpp_available", lambda: False)
-    (tmp_path / "source.json").write_text('{"file": "m.gguf"}')
-    (tmp_path / "m.gguf").write_bytes(b"")
-    args = argparse.Namespace(model=str(tmp_path), prompt_tokens=8, new_tokens=4, quick=True, repeats=1)
-    tables: list[str] = []
-    out = bench_peers(args, tables, {"single": {"prefill_tok_s": 1.0, "decode_tok_s": 2.0}})
-    assert out == {"status": NOT_INSTALLED} and NOT_INSTALLED in tables[0]
-
-
-def test_llama_cpp_path_with_a_stand_in_module(monkeypatch, tmp_path):
-    """The peers code path against a fake llama_cpp: greedy arguments, reset between runs, counts."""
-    calls: list[dict] = []
-
-    class FakeLlama:
-        def __init__(self, **kwargs):
-            calls.append(kwargs)
-            self.resets = 0
-
-        def reset(self):
-            self.resets += 1
-
-        def generate(self, tokens, **sampling):
-            assert sampling["temp"] == 0.0 and self.resets
-            while True:
-                yield 7
-
-    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama, __version__="0.0"))
-    out = run_llama_cpp(tmp_path / "m.gguf", list(range(16)), new_tokens=4, repeats=2)
-    assert calls[0]["n_threads"] == 2 and calls[0]["n_ctx"] >= 20
-    assert out["prefill_tok_s"] > 0 and out["decode_tok_s"] > 0 and "m.gguf" in out["engine"]
+    configure = llama_build.configure_command("cmake", "ninja", tmp_path / "src", tmp_path / "b")
+    assert "-DGGML_RPC=ON" in configure and "-DLLAMA_USE_PREBUILT_UI=OFF" in configure and "Ninja" in configure
+    assert llama_build.build_command("cmake", tmp_path / "b", 2)[-3:] == list(llama_build.BINARIES.values())
+    assert llama_build.built(tmp_path) is None
+    (tmp_path / "build.json").write_text(json.dumps({"version": llama_build.SDIST_VERSION, "seconds": 1.0}))
+    assert llama_build.built(tmp_path) is None          # the record alone is not a build
+    for path in llama_build.binary_paths(tmp_path).values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"")
+    assert set(llama_build.built(tmp_path)["binaries"]) == {"llama-server", "llama-bench", "rpc-server"}
 
 
 @pytest.mark.skipif(not matplotlib_available(), reason="matplotlib not installed (the bench extra)")
@@ -218,7 +204,9 @@ def test_goal_rows_read_one_run_and_say_what_is_missing():
     from skippy_zmq.bench.goals import goal_rows
 
     result = {"single": {"decode_tok_s": 40.0}, "single_int8": {"decode_tok_s": 70.0},
-              "single_q4": {"decode_tok_s": 95.0}, "peers": {"llama_cpp": {"decode_tok_s": 90.0}},
+              "single_q4": {"decode_tok_s": 95.0}, "peers": {"llama_cpp": {"decode_tok_s": 90.0}, "concurrency": [
+                  {"engine": "skippy_zmq q4, 2 stage(s)", "streams": 8, "agg_tok_s": 300.0},
+                  {"engine": "llama-server -np 8", "streams": 8, "agg_tok_s": 250.0}]},
               "pipeline": {"one_stream": [{"stages": 1, "decode_tok_s": 50.0, "per_hop_overhead_us": None,
                                            "ratio_to_1_stage": None},
                                           {"stages": 2, "decode_tok_s": 48.0, "per_hop_overhead_us": 833.3,
@@ -234,7 +222,7 @@ def test_goal_rows_read_one_run_and_say_what_is_missing():
     assert rows["3-stage ÷ 1-stage, 1 stream"]["met"] == "n/a"
     assert rows["per-hop overhead, loopback (ms)"]["measured"] == 0.833
     assert rows["per-hop overhead, loopback (ms)"]["met"] == "**no**"
-    assert rows["aggregate decode, 8 streams, 2 stages ÷ llama.cpp 1 stream"]["measured"] == 3.333
+    assert rows["aggregate decode, 8 streams, 2 stages ÷ llama-server -np 8"]["measured"] == 1.2
     assert rows["aggregate at 16 streams ≥ at 8, 2 stage(s)"]["met"] == "**no**"
     assert rows["warm ÷ cold TTFT, 1024-token shared prefix"]["met"] == "yes"
     assert rows["0%-hit overhead of the prefix cache"]["met"] == "**no**"
@@ -290,7 +278,7 @@ def test_scale_cases_and_tables():
 def test_scale_quick_path_end_to_end(tmp_path):
     """One tiny case through everything the scale bench does: make the model, 2 stage processes,
     llama.cpp when installed, the conversion subprocess."""
-    from skippy_zmq.bench.peers import llama_cpp_available
+    from skippy_zmq.bench.common import llama_cpp_available
     from skippy_zmq.bench.scale import ScaleCase, run_case
 
     case = ScaleCase("qwen2.5-0.5b", (2,), context=16, new_tokens=4, layers=2, streams=2)
@@ -356,7 +344,7 @@ def test_bench_spec_quick_end_to_end(tmp_path, model_dir):
     time, and 2 streams), llama.cpp when installed; the JSON has every row, acceptance and the identity counts."""
     import subprocess
 
-    from skippy_zmq.bench.peers import llama_cpp_available
+    from skippy_zmq.bench.common import llama_cpp_available
 
     cli = Path(sys.executable).parent / "skippy-zmq"
     from skippy_zmq.lifetime import tied_env

@@ -4,7 +4,9 @@ Speed is measured here, never in tests. Suites (`skippy-zmq bench SUITE`), one
 module each in this package:
 
 - single    the whole model in one process: prefill tok/s, decode tok/s, TTFT
-- peers     llama.cpp (llama-cpp-python) on the same GGUF, same prompt, same run
+- peers     llama-server (`make peers` builds it) on the same GGUF, through both HTTP APIs: single
+            stream, n-gram speculation, 1-32 streams against `-np N`; SmolLM2 (`bench peers`
+            alone adds the random 1B and 8B shapes)
 - pipeline  1/2/3 stage processes: decode tok/s, per-hop overhead, wire bytes,
             concurrency sweep (1 to 32 streams) with inter-token latency and
             pipeline bubble; off cpu/float32, greedy tokens against the CPU

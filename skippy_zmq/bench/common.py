@@ -4,6 +4,7 @@ Markdown tables, and the stage settings a run's `--device`/`--dtype` imply."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -83,3 +84,20 @@ def write_report(out_dir: str | Path, name: str, title: str, result: dict[str, A
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{name}.md").write_text(f"# {title}\n\n" + "\n".join(text))
+
+
+def llama_cpp_available() -> bool:
+    """llama-cpp-python, where a Python API is the point (bench scale and spec still use it)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def find_gguf(model: Path) -> Path | None:
+    """The GGUF a converted model came from (source.json), next to or inside the model directory."""
+    try:
+        name = json.loads((model / "source.json").read_text()).get("file", "")
+    except (OSError, ValueError):
+        return None
+    for candidate in (model / name, model.parent / name):
+        if name.endswith(".gguf") and candidate.is_file():
+            return candidate
+    return None

@@ -1,107 +1,389 @@
-"""Peers: llama.cpp (through llama-cpp-python) on the same GGUF, in the same run.
+"""Peers: the llama.cpp a user deploys, `llama-server` (built by `make peers`), beside ours, in one run.
 
-Same prompt ids (the GGUF's vocabulary is ours), same lengths, greedy, 2
-threads. llama-cpp-python is optional (`make bench-peers` installs the `peers`
-extra, a ~10 minute source build); without it the suite says so and skips.
+Both engines are driven through their OpenAI-compatible `/v1/completions` with the same client code
+(`stream_completion`): the same prompt ids (the GGUF's vocabulary is ours), greedy, `ignore_eos`,
+streamed, on the same GGUF (ours runs its Q4_1 levels as q4) and the same cores (2 threads for
+llama.cpp). Every prompt is used once per engine, so neither engine's prompt cache can serve it.
+
+- single stream: prefill tok/s (prompt ÷ time to first token) and decode tok/s (tokens after the
+  first ÷ the time they took), SmolLM2 and the random 1B / 8B shapes;
+- speculation: copy and chat workloads, ours on vs off, `llama-server --spec-type T` for every
+  n-gram type it has vs plain; greedy text compared with plain for both engines;
+- concurrency: 1, 8, 16, 32 streams at once, ours on 1/2/3 stages vs `llama-server -np N`
+  (continuous batching): aggregate tok/s and p50/p99 time between streamed tokens.
+
+Without a build (`make peers`, or `bench peers --build`) the llama.cpp side says so and is skipped.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
+import subprocess
+import threading
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from skippy_zmq.bench.common import print_table, synthetic_prompt
-from skippy_zmq.bench.single import bench_single
+from skippy_zmq.bench.common import find_gguf, print_table, synthetic_prompt, write_report
+from skippy_zmq.bench.pipeline import percentile
 
-NOT_INSTALLED = "not installed (make bench-peers)"
-
-
-def llama_cpp_available() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-def find_gguf(model: Path) -> Path | None:
-    """The GGUF a converted model came from (source.json), next to or inside the model directory."""
-    try:
-        name = json.loads((model / "source.json").read_text()).get("file", "")
-    except (OSError, ValueError):
-        return None
-    for candidate in (model / name, model.parent / name):
-        if name.endswith(".gguf") and candidate.is_file():
-            return candidate
-    return None
+NOT_BUILT = "not built (make peers)"
+SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+STREAM_COUNTS = (1, 8, 16, 32)
+THREADS = 2
+START_S = 600.0
 
 
-def ratio(ours: float, theirs: float) -> float | None:
+def ratio(ours: float | None, theirs: float | None) -> float | None:
     return round(ours / theirs, 3) if ours and theirs else None
 
 
-def time_generation(llm: Any, prompt_ids: list[int], new_tokens: int) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s) measured like ours: prefill up to the first token, then the rest."""
-    llm.reset()   # no KV reuse from the previous run (generate() would match the common prefix)
+# ---------------------------------------------------------------- the client, the same for both engines
+
+
+@dataclass
+class Streamed:
+    start: float
+    first: float | None = None       # first token's arrival
+    end: float = 0.0
+    tokens: int = 0                  # completion tokens (the usage, else the chunks)
+    text: str = ""
+    arrivals: list[float] = field(default_factory=list)   # one per chunk that carried text
+    error: str | None = None
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        if self.first is None or self.tokens < 2 or self.end <= self.first:
+            return None
+        return (self.tokens - 1) / (self.end - self.first)
+
+
+def stream_completion(base: str, prompt: list[int], max_tokens: int, extra: dict[str, Any] | None = None,
+                      timeout: float = 600.0) -> Streamed:
+    """One streamed greedy /v1/completions request over token ids; arrival times on the client."""
+    import httpx
+
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}, **(extra or {})}
+    got = Streamed(start=time.perf_counter())
+    usage = None
+    try:
+        with httpx.stream("POST", base + "/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                got.error = f"HTTP {r.status_code}: {r.read()[:300]!r}"
+                return got
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                usage = event.get("usage") or usage
+                piece = "".join(c.get("text") or "" for c in event.get("choices") or [])
+                if piece:
+                    now = time.perf_counter()
+                    got.first = got.first or now
+                    got.arrivals.append(now)
+                    got.text += piece
+    except (httpx.HTTPError, ValueError) as exc:
+        got.error = f"{type(exc).__name__}: {exc}"
+    got.end = got.arrivals[-1] if got.arrivals else time.perf_counter()
+    got.tokens = int((usage or {}).get("completion_tokens") or len(got.arrivals))
+    return got
+
+
+def run_together(base: str, prompts: list[list[int]], max_tokens: int, extra: dict[str, Any] | None = None
+                 ) -> tuple[list[Streamed], float]:
+    """All prompts at once, one thread each; (results, wall seconds)."""
+    out: list[Streamed | None] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        out[i] = stream_completion(base, prompts[i], max_tokens, extra)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     t0 = time.perf_counter()
-    t_first, n = 0.0, 0
-    for _token in llm.generate(prompt_ids, temp=0.0, top_k=1, top_p=1.0, repeat_penalty=1.0):
-        n += 1
-        if n == 1:
-            t_first = time.perf_counter()
-        if n >= new_tokens:
-            break
-    t_end = time.perf_counter()
-    return len(prompt_ids) / max(t_first - t0, 1e-9), (n - 1) / max(t_end - t_first, 1e-9)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [o for o in out if o is not None], time.perf_counter() - t0
 
 
-def run_llama_cpp(gguf: Path, prompt_ids: list[int], new_tokens: int, repeats: int,
-                  threads: int = 2) -> dict[str, Any]:
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(gguf), n_ctx=len(prompt_ids) + new_tokens + 16, n_batch=512,
-                n_threads=threads, n_threads_batch=threads, verbose=False)
-    time_generation(llm, prompt_ids[:32], 4)   # warm up
-    runs = [time_generation(llm, prompt_ids, new_tokens) for _ in range(repeats)]
-    import llama_cpp
-
-    return {"engine": f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, {gguf.name}, {threads} threads)",
-            "prefill_tok_s": round(statistics.median(r[0] for r in runs), 1),
-            "decode_tok_s": round(statistics.median(r[1] for r in runs), 1)}
+def _check(results: list[Streamed], what: str) -> None:
+    bad = [r.error for r in results if r.error]
+    if bad:
+        raise RuntimeError(f"{what}: {len(bad)} request(s) failed, first: {bad[0]}")
 
 
-def peer_rows(ours: dict[str, Any], theirs: dict[str, Any] | None) -> list[dict[str, Any]]:
-    rows = [{"engine": "skippy_zmq, 1 process (fp32 JAX)", "prefill_tok_s": ours.get("prefill_tok_s"),
-             "decode_tok_s": ours.get("decode_tok_s")}]
-    if theirs is None:
-        rows.append({"engine": f"llama.cpp: {NOT_INSTALLED}", "prefill_tok_s": None, "decode_tok_s": None})
-        return rows
-    rows.append({k: theirs[k] for k in ("engine", "prefill_tok_s", "decode_tok_s")})
-    rows.append({"engine": "ratio skippy_zmq / llama.cpp",
-                 "prefill_tok_s": ratio(ours.get("prefill_tok_s", 0), theirs["prefill_tok_s"]),
-                 "decode_tok_s": ratio(ours.get("decode_tok_s", 0), theirs["decode_tok_s"])})
+def single_stream(base: str, prompts: list[list[int]], new_tokens: int, extra: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
+    """Each prompt alone, one after another: medians of prefill and decode tok/s, and the texts."""
+    runs = [stream_completion(base, p, new_tokens, extra) for p in prompts]
+    _check(runs, "single stream")
+    return {"prefill_tok_s": round(statistics.median(len(p) / (r.first - r.start) for p, r in zip(prompts, runs)), 1),
+            "decode_tok_s": round(statistics.median(r.decode_tok_s or 0.0 for r in runs), 2),
+            "texts": [r.text for r in runs], "tokens": [r.tokens for r in runs]}
+
+
+def concurrent(base: str, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """All at once: aggregate tok/s (every completion token over the wall time) and the time between
+    a stream's tokens (p50/p99 over every stream)."""
+    runs, wall = run_together(base, prompts, new_tokens)
+    _check(runs, f"{len(prompts)} streams")
+    gaps = sorted(b - a for r in runs for a, b in zip(r.arrivals, r.arrivals[1:])) or [0.0]
+    return {"streams": len(prompts), "agg_tok_s": round(sum(r.tokens for r in runs) / wall, 1),
+            "itl_p50_ms": round(1000 * percentile(gaps, 0.5), 1), "itl_p99_ms": round(1000 * percentile(gaps, 0.99), 1)}
+
+
+# ---------------------------------------------------------------- the engines
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{log.stem} exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready after {timeout:g} s; see {log}")
+        time.sleep(0.2)    # the server is loading; nothing to block on
+
+
+def llama_server_command(binary: str, gguf: Path, port: int, slots: int, context: int,
+                         spec_type: str | None = None) -> list[str]:
+    """llama-server as a user runs it on this CPU: THREADS threads, `slots` parallel slots with
+    `context` positions each (the total is divided among slots), continuous batching (its default)."""
+    cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(THREADS),
+           "-tb", str(THREADS), "-np", str(slots), "-c", str(context * slots), "-ngl", "0", "--no-webui"]
+    return cmd + (["--spec-type", spec_type] if spec_type else [])
+
+
+@contextmanager
+def llama_server(binary: str, gguf: Path, port: int, run_dir: Path, slots: int = 1, context: int = 1024,
+                 spec_type: str | None = None) -> Iterator[str]:
+    """A llama-server process; yields its API base URL; always stopped."""
+    from skippy_zmq.launch import stop_processes
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / f"llama-server-np{slots}{'-' + spec_type if spec_type else ''}.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(llama_server_command(binary, gguf, port, slots, context, spec_type),
+                                stdout=f, stderr=subprocess.STDOUT)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", proc, log, START_S)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        stop_processes([proc])
+
+
+@contextmanager
+def our_server(model: Path, stages: int, run_dir: Path, lanes: int, context: int) -> Iterator[str]:
+    """Our stages and driver (speculation available per request), warmed; yields the API base URL."""
+    from skippy_zmq.harness import write_topology
+    from skippy_zmq.launch import spawn_driver, spawn_stages, stop_processes
+    from skippy_zmq.soak import wait_warmed
+    from skippy_zmq.topology import load_topology
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = write_topology(run_dir, model.absolute(), stages, name=f"peers-{stages}", weights="q4",
+                          kv_lanes=lanes, driver__max_sessions=lanes, driver__max_context=context,
+                          driver__speculative={"method": "ngram"}, driver__request_timeout_s=900.0,
+                          driver__reply_timeout_s=300.0, driver__dead_after_s=60.0)
+    topology = load_topology(path)
+    procs = spawn_stages(topology, path, run_dir, ["--log-level", "INFO"])
+    try:
+        procs.append(spawn_driver(path, run_dir, ["--log-level", "INFO"]))
+        url = f"http://{topology.driver.http_host}:{topology.driver.http_port}"
+        _wait_http(url + "/readyz", procs[-1], run_dir / "driver.log", START_S)
+        wait_warmed(url + "/v1", START_S)
+        yield url + "/v1"
+    finally:
+        stop_processes(procs)
+
+
+# ---------------------------------------------------------------- the models and prompts
+
+
+@dataclass(frozen=True)
+class PeerModel:
+    name: str
+    ours: Path           # q4 checkpoint holding the GGUF's levels
+    gguf: Path
+    vocab_ids: Any       # callable(n, seed) -> prompt ids
+
+
+def peer_models(args: argparse.Namespace, names: list[str]) -> list[PeerModel]:
+    from skippy_zmq.bench.spec import q4_model
+    from skippy_zmq.model.tokenizer import TextTokenizer
+
+    out = []
+    for name in names:
+        if name == "smollm2":
+            model = Path(args.model)
+            gguf = find_gguf(model)
+            if gguf is None:
+                print(f"[peers] no GGUF found for {model}; SmolLM2 skipped", flush=True)
+                continue
+            tok = TextTokenizer.load(model)
+            filler = synthetic_prompt(tok, 4096)
+            out.append(PeerModel(name, q4_model(model, gguf), gguf,
+                                 lambda n, seed, f=filler: [f[(seed * 37) % 512]] + f[1 + seed:n + seed]))
+        else:
+            from skippy_zmq.bench.scale import ScaleCase, _vocab, ensure_model, prompt_ids
+
+            model, _made = ensure_model(ScaleCase(name, (1,), 256, 32))
+            vocab = _vocab(model)
+            out.append(PeerModel(name, model, model / "model.gguf",
+                                 lambda n, seed, v=vocab: prompt_ids(v, n, seed=seed + 10)))
+    return out
+
+
+# ---------------------------------------------------------------- the bench
+
+
+def _port() -> int:
+    from skippy_zmq.harness import free_base_port
+
+    return free_base_port(1)
+
+
+def single_rows(m: PeerModel, binary: str | None, args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    prompts = [m.vocab_ids(args.prompt_tokens, seed) for seed in range(1, 1 + args.repeats)]
+    warm = m.vocab_ids(args.prompt_tokens, 99)
+    context = args.prompt_tokens + args.new_tokens + 64
+    rows = []
+    with our_server(m.ours, 1, tmp / f"ours-{m.name}", 1, context) as base:
+        stream_completion(base, warm, 8)
+        ours = single_stream(base, prompts, args.new_tokens, {"speculative": False})
+    rows.append({"model": m.name, "engine": "skippy_zmq q4, 1 stage", **_speeds(ours)})
+    if binary:
+        with llama_server(binary, m.gguf, _port(), tmp / f"llama-{m.name}", 1, context) as base:
+            stream_completion(base, warm, 8)
+            theirs = single_stream(base, prompts, args.new_tokens)
+        rows.append({"model": m.name, "engine": "llama-server", **_speeds(theirs)})
+        rows.append({"model": m.name, "engine": "ratio ours ÷ llama-server",
+                     "prefill_tok_s": ratio(ours["prefill_tok_s"], theirs["prefill_tok_s"]),
+                     "decode_tok_s": ratio(ours["decode_tok_s"], theirs["decode_tok_s"])})
     return rows
 
 
-def bench_peers(args: argparse.Namespace, tables: list[str], prior: dict[str, Any] | None = None
-                ) -> dict[str, Any]:
-    model = Path(args.model)
-    title = f"side by side with llama.cpp ({args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, greedy)"
-    gguf = find_gguf(model)
-    if not llama_cpp_available() or gguf is None:
-        status = NOT_INSTALLED if gguf is not None else f"no GGUF found for {model}"
-        print(f"[bench] peers: llama.cpp {status}; skipped", flush=True)
-        ours = (prior or {}).get("single") or {}
-        if ours:
-            tables.append(print_table(title, peer_rows(ours, None)))
-        return {"status": status}
-    ours = (prior or {}).get("single") or bench_single(model, args.prompt_tokens, args.new_tokens,
-                                                        1 if args.quick else args.repeats)
+def _speeds(run: dict[str, Any]) -> dict[str, Any]:
+    return {"prefill_tok_s": run["prefill_tok_s"], "decode_tok_s": run["decode_tok_s"]}
+
+
+def spec_rows(m: PeerModel, binary: str | None, args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    """Copy and chat, one stream: decode tok/s with speculation and without, and whether greedy text
+    with it equals the text without it, for both engines."""
+    from skippy_zmq.bench.spec import workloads
     from skippy_zmq.model.tokenizer import TextTokenizer
 
-    prompt = synthetic_prompt(TextTokenizer.load(model), args.prompt_tokens)
-    theirs = run_llama_cpp(gguf, prompt, args.new_tokens, 1 if args.quick else args.repeats)
-    tables.append(print_table(title, peer_rows(ours, theirs),
-                              "llama.cpp runs the Q4_1 weights as stored; skippy_zmq dequantises them to fp32."))
-    return {"status": "ok", "llama_cpp": theirs, "ours": ours}
+    work = workloads(TextTokenizer.load(m.ours), 2 if args.quick else None)
+    new = args.new_tokens
+    context = max(len(p) for ps in work.values() for p in ps) + new + 64
+    rows = []
+    with our_server(m.ours, 1, tmp / f"ours-spec-{m.name}", 1, context) as base:
+        stream_completion(base, work["chat"][0], 8)
+        for workload, prompts in work.items():
+            off = single_stream(base, prompts, new, {"speculative": False})
+            on = single_stream(base, prompts, new, {"speculative": True})
+            rows.append(_spec_row("skippy_zmq q4, 1 stage", "ngram (ours)", workload, off, on))
+    if binary:
+        plain: dict[str, dict[str, Any]] = {}
+        with llama_server(binary, m.gguf, _port(), tmp / "llama-spec", 1, context) as base:
+            stream_completion(base, work["chat"][0], 8)
+            for workload, prompts in work.items():
+                plain[workload] = single_stream(base, prompts, new)
+        for spec_type in SPEC_TYPES:
+            with llama_server(binary, m.gguf, _port(), tmp / "llama-spec", 1, context, spec_type) as base:
+                stream_completion(base, work["chat"][0], 8)
+                for workload, prompts in work.items():
+                    on = single_stream(base, prompts, new)
+                    rows.append(_spec_row("llama-server", spec_type, workload, plain[workload], on))
+    return rows
+
+
+def _spec_row(engine: str, method: str, workload: str, off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+    same = sum(a == b for a, b in zip(off["texts"], on["texts"]))
+    return {"engine": engine, "speculation": method, "workload": workload, "off_tok_s": off["decode_tok_s"],
+            "on_tok_s": on["decode_tok_s"], "speedup": ratio(on["decode_tok_s"], off["decode_tok_s"]),
+            "greedy_same": f"{same}/{len(off['texts'])}"}
+
+
+def concurrency_rows(m: PeerModel, binary: str | None, args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    counts = (1, 4) if args.quick else STREAM_COUNTS
+    new, prompt_len = (16, 32) if args.quick else (64, 64)
+    context = prompt_len + new + 64
+    rows = []
+    salt = iter(range(1000, 100000))
+    for stages in args.stages:
+        with our_server(m.ours, stages, tmp / f"ours-conc-{stages}", max(counts), context) as base:
+            run_together(base, [m.vocab_ids(prompt_len, next(salt)) for _ in range(max(counts))], 8)
+            for n in counts:
+                got = concurrent(base, [m.vocab_ids(prompt_len, next(salt)) for _ in range(n)], new)
+                rows.append({"engine": f"skippy_zmq q4, {stages} stage(s)", **got})
+    if binary:
+        for n in counts:
+            with llama_server(binary, m.gguf, _port(), tmp / "llama-conc", n, context) as base:
+                run_together(base, [m.vocab_ids(prompt_len, next(salt)) for _ in range(n)], 8)
+                got = concurrent(base, [m.vocab_ids(prompt_len, next(salt)) for _ in range(n)], new)
+            rows.append({"engine": f"llama-server -np {n}", **got})
+    return rows
+
+
+def ratio_rows(conc: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ours ÷ llama-server at each stream count, per stage count."""
+    theirs = {r["streams"]: r["agg_tok_s"] for r in conc if r["engine"].startswith("llama-server")}
+    return [{"engine": r["engine"], "streams": r["streams"], "ratio": ratio(r["agg_tok_s"], theirs.get(r["streams"]))}
+            for r in conc if r["engine"].startswith("skippy_zmq") and r["streams"] in theirs]
+
+
+def bench_peers(args: argparse.Namespace, tables: list[str], _prior: dict[str, Any] | None = None) -> dict[str, Any]:
+    import tempfile
+
+    from skippy_zmq.bench import llama_build
+
+    if getattr(args, "build", False):
+        llama_build.build()
+    record = llama_build.built()
+    binary = record["binaries"]["llama-server"] if record else None
+    if binary is None:
+        print(f"[peers] llama-server {NOT_BUILT}: only our rows", flush=True)
+    everything = args.suite == "peers" and not args.quick
+    names = [n for n in (getattr(args, "peer_models", "") or ("smollm2,llama-3.2-1b,llama-3.1-8b" if everything
+             else "smollm2")).split(",") if n]
+    models = peer_models(args, names)
+    result: dict[str, Any] = {"llama_server": record or NOT_BUILT, "threads": THREADS}
+    with tempfile.TemporaryDirectory(prefix="skippy-peers-") as t:
+        tmp = Path(t)
+        single = [row for m in models for row in single_rows(m, binary, args, tmp)]
+        result["single"] = single
+        tables.append(print_table(f"single stream, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, "
+                                  "greedy", single))
+        if models and models[0].name == "smollm2":
+            spec = spec_rows(models[0], binary, args, tmp)
+            result["speculation"] = spec
+            tables.append(print_table("speculation, SmolLM2, 1 stream, greedy", spec,
+                                      "greedy_same: prompts whose text with speculation equals the text without"))
+            conc = concurrency_rows(models[0], binary, args, tmp)
+            result["concurrency"] = conc
+            tables.append(print_table("concurrency, SmolLM2 (64-token prompts, 64 new tokens each)", conc))
+            tables.append(print_table("aggregate ÷ llama-server -np N", ratio_rows(conc)))
+    smol = [r for r in single if r["model"] == "smollm2"]
+    if binary and len(smol) >= 2:
+        result["llama_cpp"] = {"engine": "llama-server", "decode_tok_s": smol[1]["decode_tok_s"],
+                               "prefill_tok_s": smol[1]["prefill_tok_s"]}
+    if args.suite == "peers":
+        from skippy_zmq.bench.common import machine
+
+        result["machine"] = machine()
+        write_report(args.out, "peers", "skippy_zmq beside llama-server (same GGUF, same cores, one run)",
+                     result, tables)
+    return result

@@ -37,8 +37,7 @@ from typing import Any
 import numpy as np
 
 from skippy_zmq.bench import greedy
-from skippy_zmq.bench.common import print_table, write_report
-from skippy_zmq.bench.peers import llama_cpp_available
+from skippy_zmq.bench.common import llama_cpp_available, print_table, write_report
 from skippy_zmq.bench.pipeline import measure, stream_prompts
 from skippy_zmq.bench.scale_procs import (logged_peak_gib, peak_rss_bytes, run_measured, stage_start_times,
                                            staggered_pipeline)

@@ -49,11 +49,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from skippy_zmq.bench.common import print_table, stage_overrides, write_report
+from skippy_zmq.bench.common import find_gguf, llama_cpp_available, print_table, stage_overrides, write_report
 from skippy_zmq.bench.goals import _ratio, _row
 from skippy_zmq.bench.greedy import first_mismatch
 from skippy_zmq.bench.hops import hop_delay
-from skippy_zmq.bench.peers import find_gguf, llama_cpp_available
 from skippy_zmq.bench.pipeline import steady_tok_s
 
 SPECULATIVE: dict[str, Any] = {"method": "ngram"}   # the defaults (driver/speculative.py SpeculativeConfig)
