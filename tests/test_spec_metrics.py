@@ -77,6 +77,8 @@ def test_counters_and_accepted_length_histogram_follow_the_scheduler():
     assert got[("skippy_spec_rejected_tokens_total", ())] == counts["drafted"] - counts["accepted"]
     assert got[("skippy_spec_windows_total", ())] == counts["windows"]
     assert got[("skippy_spec_plain_steps_total", ())] == counts["plain_steps"]
+    assert got[("skippy_spec_ahead_windows_total", ())] == counts["ahead_sent"]
+    assert got[("skippy_spec_ahead_retired_total", ())] == counts["ahead_retired"]
     assert got[("skippy_spec_accepted_length_count", ())] == counts["windows"]
     assert got[("skippy_spec_accepted_length_sum", ())] == counts["accepted"]
     for bound in ACCEPTED_LENGTH_BUCKETS:

@@ -288,3 +288,74 @@ def test_single_process_generation_uses_the_schedulers_accept_step(model_dir, mo
     assert calls and any(calls)                # windows with drafts went through the shared step
     assert sum(n for n in calls) >= fast.speculative["drafted"] and len(calls) == fast.speculative["windows"] + \
         calls.count(0)
+
+
+def _one_stream(spec: SpeculativeConfig | None, sampling: SamplingParams, cuts: list[int], prompt: list[int],
+                max_tokens: int = 48) -> tuple[list[int], dict, int]:
+    """One request alone through an in-process chain; (tokens, spec counts, the most DECODEs of that
+    session one tick sent at once)."""
+    sched = make_scheduler(len(cuts) + 1, speculative=spec or SpeculativeConfig())
+    chain = make_chain(TINY, tiny_tree_of(), cuts)
+    events: list = []
+    sched.submit(GenRequest("one", tuple(prompt), sampling, max_tokens=max_tokens, ignore_eos=True), events.append)
+    most = 0
+    for _ in range(10_000):
+        out = sched.tick()
+        most = max(most, sum(m.kind == Kind.DECODE for m in out))
+        for msg in out:
+            for stage_id, reply in chain.send(msg):
+                sched.on_reply(stage_id, reply)
+        if not sched.running and events:
+            break
+    return tokens_of(events), dict(sched.spec_counts), most
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=7,
+                                                                       repetition_penalty=1.1)],
+                         ids=["greedy", "seeded"])
+def test_pipelined_windows_give_the_tokens_of_plain_decoding(sampling):
+    """One stream on 3 stages keeps up to 3 windows in flight (each drafted as if the ones before were
+    accepted); windows behind a rejection are retired. Tokens equal plain decoding at every depth."""
+    looped = (random_ids(5, TINY.vocab_size, seed=4).tolist() * 6)[:27]
+    mixed = looped[:12] + random_ids(12, TINY.vocab_size, seed=8).tolist() + looped[:6]
+    counts = {}
+    for name, prompt in (("looped", looped), ("mixed", mixed)):
+        plain, _, _ = _one_stream(None, sampling, [1, 3], prompt)
+        one, counts1, most1 = _one_stream(dataclasses.replace(SPEC, depth=1), sampling, [1, 3], prompt)
+        three, counts[name], most3 = _one_stream(SPEC, sampling, [1, 3], prompt)   # depth 0: one per stage
+        assert one == plain and three == plain and len(plain) == 48
+        assert counts1["ahead_sent"] == 0 and most1 == 1
+        assert counts[name]["ahead_sent"] > 0 and most3 == 3
+    assert counts["mixed"]["ahead_retired"] > 0              # behind a rejection: retired, tokens unchanged
+    if sampling.temperature == 0:                            # greedy copies: most windows ahead were kept
+        assert counts["looped"]["ahead_retired"] < counts["looped"]["ahead_sent"] / 2
+
+
+def test_deeper_than_the_stages_and_never_ahead_in_a_busy_pipeline():
+    """A depth beyond the stage count still gives plain tokens; while as many streams decode as there
+    are stages nothing is sent ahead (every stage already has a stream)."""
+    mixed = random_ids(6, TINY.vocab_size, seed=4).tolist() * 3 + random_ids(10, TINY.vocab_size, seed=5).tolist()
+    plain, _, _ = _one_stream(None, SamplingParams(), [2], mixed)
+    deep, counts, most = _one_stream(dataclasses.replace(SPEC, depth=4), SamplingParams(), [2], mixed)
+    assert deep == plain and most >= 3 and counts["ahead_sent"] > 0
+    sched = make_scheduler(2, speculative=SPEC)
+    looped = random_ids(5, TINY.vocab_size, seed=4).tolist() * 5
+    sched.submit(GenRequest("a", tuple(looped), SamplingParams(), max_tokens=16, ignore_eos=True), lambda e: None)
+    sched.submit(GenRequest("b", tuple(looped[1:]), SamplingParams(), max_tokens=16, ignore_eos=True), lambda e: None)
+    chain = make_chain(TINY, tiny_tree_of(), [2])
+    for _ in range(200):   # while both run (the first to finish would then pipeline alone)
+        if sched.running and any(len(j.generated) >= 14 for j in sched.running.values()):
+            break
+        for msg in sched.tick():
+            for stage_id, reply in chain.send(msg):
+                sched.on_reply(stage_id, reply)
+    assert sched.spec_counts["windows"] > 0 and sched.spec_counts["ahead_sent"] == 0   # two streams, two stages
+
+
+def test_a_proposal_can_assume_tokens_still_in_flight():
+    from skippy_zmq.driver.speculative import NgramProposer, propose_draft
+
+    p = NgramProposer(SPEC, [5, 6, 7, 8, 5, 6])
+    assert p.propose(2) == [7, 8]
+    assert p.propose(3, assumed=[7, 8]) == [5, 6, 7]       # as if 7, 8 were accepted
+    assert propose_draft(p, None, 3, [7, 8]) == [5, 6, 7] and len(p) == 6   # nothing kept

@@ -271,7 +271,7 @@ def test_config_defaults_and_round_trip():
 
 
 @pytest.mark.parametrize("raw, text", [
-    ({"max_drafts": 4}, "max_drafts: unknown key (allowed: max_draft, max_match, method, min_acceptance,"),
+    ({"max_drafts": 4}, "max_drafts: unknown key (allowed: depth, max_draft, max_match, method, min_acceptance,"),
     ({"method": "eagle"}, "method: expected one of off, ngram, got 'eagle'"),
     ({"method": True}, "method: expected one of off, ngram, got True"),
     ({"max_draft": "eight"}, "max_draft: expected an integer, got 'eight'"),
@@ -286,6 +286,8 @@ def test_config_defaults_and_round_trip():
     ({"min_acceptance": 1.5}, "min_acceptance: must be between 0 and 1, got 1.5"),
     ({"min_acceptance": "high"}, "min_acceptance: expected a number, got 'high'"),
     ({"probe_every": 2.5}, "probe_every: expected an integer, got 2.5"),
+    ({"depth": 17}, "depth: must be at most 16, got 17"),
+    ({"depth": -1}, "depth: must be at least 0, got -1"),
     ([1, 2], "expected a mapping, got [1, 2]"),
 ])
 def test_config_errors_name_the_key_and_value(raw, text):

@@ -184,6 +184,52 @@ def llama_server(binary: str, gguf: Path, port: int, run_dir: Path, slots: int =
         stop_processes([proc])
 
 
+def _wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{log.stem} exited with {proc.returncode}; see {log}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"port {port} not open after {timeout:g} s; see {log}") from None
+        time.sleep(0.1)    # the server is starting; nothing to block on
+
+
+@contextmanager
+def llama_rpc(binaries: dict[str, str], gguf: Path, hosts: int, run_dir: Path, context: int) -> Iterator[str]:
+    """llama.cpp's pipeline across processes: `hosts` rpc-servers on localhost (THREADS threads each)
+    and a llama-server that puts every layer on them, split evenly (`-ts 1,1,...`), as a user splits
+    a model across machines; yields the API base URL."""
+    from skippy_zmq.launch import stop_processes
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen] = []
+    try:
+        ports = []
+        for i in range(hosts):
+            port, log = _port(), run_dir / f"rpc-server-{hosts}-{i}.log"
+            with open(log, "w") as f:
+                procs.append(subprocess.Popen([binaries["rpc-server"], "-H", "127.0.0.1", "-p", str(port), "-t",
+                                               str(THREADS)], stdout=f, stderr=subprocess.STDOUT))
+            _wait_port(port, procs[-1], log, START_S)
+            ports.append(port)
+        port, log = _port(), run_dir / f"llama-server-rpc{hosts}.log"
+        cmd = llama_server_command(binaries["llama-server"], gguf, port, 1, context)
+        cmd[cmd.index("-ngl") + 1] = "999"
+        cmd += ["--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-ts", ",".join(["1"] * hosts)]
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT))
+        _wait_http(f"http://127.0.0.1:{port}/health", procs[-1], log, START_S)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        stop_processes(procs[::-1])
+
+
 @contextmanager
 def our_server(model: Path, stages: int, run_dir: Path, lanes: int, context: int) -> Iterator[str]:
     """Our stages and driver (speculation available per request), warmed; yields the API base URL."""
@@ -338,6 +384,26 @@ def concurrency_rows(m: PeerModel, binary: str | None, args: argparse.Namespace,
     return rows
 
 
+def rpc_rows(m: PeerModel, record: dict[str, Any] | None, args: argparse.Namespace, tmp: Path,
+             conc: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One stream through 2 and 3 processes: ours (the concurrency table's 1-stream rows, same prompts'
+    shape) beside llama-server over 2 and 3 rpc-servers with the same even layer split."""
+    new, prompt_len = (16, 32) if args.quick else (64, 64)
+    ours = {r["engine"]: r for r in conc if r["streams"] == 1}
+    rows = []
+    for stages in (s for s in args.stages if s > 1):
+        mine = ours.get(f"skippy_zmq q4, {stages} stage(s)")
+        row = {"stages": stages, "ours_tok_s": mine["agg_tok_s"] if mine else None}
+        if record:
+            with llama_rpc(record["binaries"], m.gguf, stages, tmp / "llama-rpc", prompt_len + new + 64) as base:
+                run_together(base, [m.vocab_ids(prompt_len, 5000 + stages)], 8)
+                got = concurrent(base, [m.vocab_ids(prompt_len, 6000 + stages)], new)
+            row["llama_rpc_tok_s"] = got["agg_tok_s"]
+            row["ratio"] = ratio(row["ours_tok_s"], got["agg_tok_s"])
+        rows.append(row)
+    return rows
+
+
 def ratio_rows(conc: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Ours ÷ llama-server at each stream count, per stage count."""
     theirs = {r["streams"]: r["agg_tok_s"] for r in conc if r["engine"].startswith("llama-server")}
@@ -376,6 +442,10 @@ def bench_peers(args: argparse.Namespace, tables: list[str], _prior: dict[str, A
             result["concurrency"] = conc
             tables.append(print_table("concurrency, SmolLM2 (64-token prompts, 64 new tokens each)", conc))
             tables.append(print_table("aggregate ÷ llama-server -np N", ratio_rows(conc)))
+            rpc = rpc_rows(models[0], record, args, tmp, conc)
+            result["rpc"] = rpc
+            tables.append(print_table("pipeline, 1 stream, 0 ms per hop: ours on N stages ÷ llama-server over N "
+                                      "rpc-servers (same even layer split)", rpc))
     smol = [r for r in single if r["model"] == "smollm2"]
     if binary and len(smol) >= 2:
         result["llama_cpp"] = {"engine": "llama-server", "decode_tok_s": smol[1]["decode_tok_s"],

@@ -119,7 +119,11 @@ class SpecCollector(Collector):
                 ("windows", counts["windows"], "verify windows that carried at least one draft; windows per "
                  "second: rate(skippy_spec_windows_total[1m])"),
                 ("plain_steps", counts["plain_steps"], "decode steps of speculating sessions that carried no "
-                 "draft")):
+                 "draft"),
+                ("ahead_windows", counts["ahead_sent"], "windows sent ahead of one still in flight (pipelined "
+                 "windows)"),
+                ("ahead_retired", counts["ahead_retired"], "windows sent ahead whose earlier window was not fully "
+                 "accepted (their work was wasted)")):
             yield CounterMetricFamily(f"{NAMESPACE}_spec_{name}", f"Speculative decoding: {help_text}.",
                                       value=float(value))
         yield from lengths

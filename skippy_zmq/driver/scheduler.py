@@ -16,6 +16,16 @@ The final stage returns the target's token at every position of the row; only
 here is the longest matching prefix accepted, plus the target's next token.
 The rejected tail needs no message: the session's next row starts where the
 accepted run ended and every stage truncates to it.
+
+Pipelined windows: while fewer streams run than there are stages, a stream
+keeps up to `speculative.depth` windows in flight (default: one per stage), so
+every stage works on it at once. A window sent ahead is drafted as if the ones
+before it were fully accepted: its first token is the guess of the previous
+window's bonus token. When a window comes back not fully accepted (or with
+another bonus token), the windows behind it are retired: their replies are
+ignored, and the session's next window starts at the accepted position,
+overwriting what they wrote, as a rejected tail is overwritten. The tokens
+accepted are the same for any depth.
 """
 
 from __future__ import annotations
@@ -91,6 +101,7 @@ class Job:
     proposer: NgramProposer | None = None      # speculation on: drafts from prompt + output
     policy: DraftPolicy | None = None
     drafts: list[int] = field(default_factory=list)   # the drafts of the window in flight
+    ahead: list[Ahead] = field(default_factory=list)  # later windows in flight behind it, oldest first
     prompt_entries: dict[int, list] = field(default_factory=dict)   # echo: prompt position -> logprob entry
     choice: int = 0                 # n > 1: this job's choice index (its sampler's key)
     children: list = field(default_factory=list)   # n > 1, on choice 0: the other choices' jobs
@@ -118,9 +129,18 @@ class Job:
 
 
 @dataclass
+class Ahead:
+    """A verify window sent while an earlier window of the same stream is still in flight."""
+    bid: int
+    start: int          # position of row[0]
+    row: list[int]      # the guessed bonus token of the window before, then drafts
+
+
+@dataclass
 class Batch:
     sessions: set[int]
     sent_at: float
+    ahead: bool = False   # windows sent ahead do not count against micro_batches
 
 
 class Scheduler:
@@ -140,7 +160,8 @@ class Scheduler:
         self._ids = itertools.count(1)
         spec = cfg.speculative
         self.shared = SharedIndex(spec) if spec.enabled and spec.shared else None
-        self.spec_counts = {"windows": 0, "drafted": 0, "accepted": 0, "plain_steps": 0}
+        self.spec_counts = {"windows": 0, "drafted": 0, "accepted": 0, "plain_steps": 0, "ahead_sent": 0,
+                            "ahead_retired": 0}
         # Accepted drafts per window since /metrics last drained it (swapped for []); bounded when nobody does.
         self.spec_accepted_lengths: list[int] = []
 
@@ -268,6 +289,7 @@ class Scheduler:
                 continue
             entries = logprobs[offsets[i]:offsets[i + 1]] if logprobs is not None else None
             self._accept_window(job, targets, trace, entries)
+            self._next_ahead(job)
         if not batch.sessions:
             del self.batches[msg.request_id]
 
@@ -296,6 +318,24 @@ class Scheduler:
             self._accept_token(job, tok, trace, entries[j] if entries is not None else None)
             if job.done:
                 break
+
+    def _next_ahead(self, job: Job) -> None:
+        """After a window's reply: the next window sent ahead becomes the one in flight if it started
+        where the accepted run ended, with the token accepted last; otherwise every window ahead is
+        retired (its reply will be ignored; the next window overwrites what it wrote)."""
+        if not job.ahead:
+            return
+        nxt = job.ahead[0]
+        if not job.done and not job.cancelled and nxt.start == job.next_pos and nxt.row[0] == job.next_token:
+            job.ahead.pop(0)
+            job.drafts, job.in_flight = nxt.row[1:], True
+            return
+        for window in job.ahead:
+            batch = self.batches.get(window.bid)
+            if batch is not None:
+                batch.sessions.discard(job.session_id)
+        self.spec_counts["ahead_retired"] += len(job.ahead)
+        job.ahead = []
 
     def _accept_token(self, job: Job, tok: int, trace: list, entry: list | None = None) -> None:
         job.generated.append(tok)
@@ -377,7 +417,7 @@ class Scheduler:
     def _replay(self, job: Job) -> None:
         """Forget what the stages hold for `job` and prefill it again from its token history."""
         job.fence_rid = next(self._ids)
-        job.in_flight, job.restoring, job.drafts = False, None, []
+        job.in_flight, job.restoring, job.drafts, job.ahead = False, None, [], []
         job.waiting_fork = False   # a re-prefill from its own history needs no fork
         job.prefill_sent, job.cached = 0, 0
         self.outbox.append(self._configure(job))
@@ -426,7 +466,7 @@ class Scheduler:
         self.restores.clear()
         self.prefill_in_flight.clear()
         for job in self.running.values():
-            job.in_flight, job.restoring, job.drafts = False, None, []
+            job.in_flight, job.restoring, job.drafts, job.ahead = False, None, [], []
 
     def resume(self) -> float:
         """Every stage is back: re-prefill each paused session from its token history. Returns pause length."""
@@ -452,7 +492,8 @@ class Scheduler:
         self._admit()
         self._send_decode_batches(now)      # running streams first ...
         self._send_prefill(now)             # ... then prefill within its credit ...
-        self._send_decode_batches(now)      # ... then first decodes of prompts fully sent
+        self._send_decode_batches(now)      # ... then first decodes of prompts fully sent ...
+        self._send_ahead(now)               # ... then windows ahead, where stages would idle
         out, self.outbox = self.outbox, []
         return out
 
@@ -584,7 +625,7 @@ class Scheduler:
         decoding = sum(1 for j in self.running.values() if j.prefill_sent >= j.prefill_total)
         in_flight = self.cfg.micro_batches or self.cfg.n_stages
         rows = max(1, math.ceil(decoding / in_flight))
-        while ready and len(self.batches) < in_flight:
+        while ready and sum(not b.ahead for b in self.batches.values()) < in_flight:
             group, ready = ready[:rows], ready[rows:]
             bid = next(self._ids)
             self._draft(group)
@@ -601,6 +642,56 @@ class Scheduler:
                 Kind.DECODE, bid, group[0].session_id, position=group[0].next_pos,
                 tokens=np.array(tokens, np.int32), positions=np.array(positions, np.int32),
                 sessions=np.array([j.session_id for j in group], np.uint64), extras=extras))
+
+    def _send_ahead(self, now: float) -> None:
+        """Pipelined windows: while fewer streams run than there are stages, each stream that is
+        drafting sends windows ahead of the one in flight, up to `speculative.depth` in all."""
+        depth = self.cfg.speculative.depth or self.cfg.n_stages
+        if depth <= 1:
+            return
+        if len(self.running) >= self.cfg.n_stages:   # independent streams already keep every stage busy
+            return
+        for job in list(self.running.values()):
+            while 1 + len(job.ahead) < depth and self._may_send_ahead(job):
+                window = self._draft_ahead(job)
+                if window is None:
+                    break
+                bid = next(self._ids)
+                window.bid = bid
+                job.ahead.append(window)
+                self.spec_counts["ahead_sent"] += 1
+                self.batches[bid] = Batch({job.session_id}, now, ahead=True)
+                n = len(window.row)
+                self.outbox.append(Message(
+                    Kind.DECODE, bid, job.session_id, position=window.start,
+                    tokens=np.array(window.row, np.int32), positions=np.arange(window.start, window.start + n,
+                                                                                dtype=np.int32),
+                    sessions=np.array([job.session_id], np.uint64), extras={"lengths": [n]} if n > 1 else {}))
+
+    @staticmethod
+    def _may_send_ahead(job: Job) -> bool:
+        """A window in flight whose own drafts (or the last window ahead's) give a guess to build on;
+        never for constrained requests (a guessed token could be one the constraint refuses)."""
+        last_drafts = job.ahead[-1].row[1:] if job.ahead else job.drafts
+        return (job.in_flight and not job.restoring and not job.cancelled and not job.done
+                and job.proposer is not None and job.policy is not None and job.policy.k > 0
+                and job.req.constraint is None and bool(last_drafts))
+
+    def _draft_ahead(self, job: Job) -> Ahead | None:
+        """The next window ahead: as if every window in flight were fully accepted, the guess of the
+        last one's bonus token, then drafts; None when there is no room or no proposal."""
+        assumed = job.drafts + [t for w in job.ahead for t in w.row]
+        start = job.next_pos + 1 + len(assumed)
+        produced = len(job.generated) + 1 + len(assumed)     # generated tokens once those are accepted
+        room = min(job.req.max_tokens - produced, self.cfg.max_context - 1 - start)
+        want = min(job.policy.k, self.cfg.speculative.max_draft, room - 1)
+        buckets = [n for n in self.cfg.window_lens if n >= 1]
+        widest = widest_window(1, tuple(buckets), self.cfg.batch_tokens)
+        fits = max([n for n in buckets if n <= min(want + 1, widest)] or [1])
+        if fits <= 1:
+            return None
+        row = propose_draft(job.proposer, self.shared, fits, assumed)
+        return Ahead(0, start, row) if len(row) >= 2 else None
 
     def _draft(self, group: list[Job]) -> None:
         """Give each job in a DECODE its drafts (job.drafts), within what the batch can carry.

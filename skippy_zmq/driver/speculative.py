@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 METHODS = ("off", "ngram")
 MAX_DRAFT_LIMIT = 32
+MAX_DEPTH = 16
 _TOKEN_BITS = 32   # a packed n-gram holds token + 1 in 32 bits per position
 _MAX_TOKEN = (1 << 31) - 1
 
@@ -55,6 +56,7 @@ class SpeculativeConfig:
     shared_tokens: int = 65536     # size bound of that index
     min_acceptance: float = 0.25   # below this (moving average) a session stops drafting
     probe_every: int = 16          # plain decode steps between probes of a stopped session
+    depth: int = 0                 # verify windows of one stream in flight at once (0: one per stage; 1: off)
 
     def override(self, method: str | None = None, max_draft: int | None = None) -> SpeculativeConfig:
         """This config with the command line's --speculative / --max-draft (None: unchanged), checked."""
@@ -91,6 +93,7 @@ class SpeculativeConfig:
         _integer("max_match", cfg.max_match, cfg.min_match, low_is="min_match")
         _integer("shared_tokens", cfg.shared_tokens, 1)
         _integer("probe_every", cfg.probe_every, 1)
+        _integer("depth", cfg.depth, 0, MAX_DEPTH)
         value = cfg.min_acceptance
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SpeculativeConfigError("min_acceptance", f"expected a number, got {value!r}")
@@ -195,13 +198,14 @@ class NgramProposer:
             self._tokens, self._index = [], _GramIndex(self.cfg.min_match, self.cfg.max_match)
             self.extend(kept)
 
-    def propose(self, k: int) -> list[int]:
+    def propose(self, k: int, assumed: Sequence[int] = ()) -> list[int]:
         """The k tokens that followed the latest earlier occurrence of the longest suffix; [] if none.
 
         Always k on a match: where the occurrence's continuation runs into the current end,
-        the drafts so far are read in its place (the match's period repeats).
+        the drafts so far are read in its place (the match's period repeats). `assumed`: tokens
+        taken as following the kept ones for this lookup only (windows still in flight).
         """
-        toks = self._tokens
+        toks = self._tokens + list(assumed) if assumed else self._tokens
         found = self._index.matches(toks, len(toks)) if k > 0 else []
         if not found:
             return []
@@ -277,11 +281,12 @@ class SharedIndex:
             note(self._flat, end, lo, end + self._base)
 
 
-def propose_draft(own: NgramProposer, shared: SharedIndex | None, k: int) -> list[int]:
-    """The request's own lookup first, then the shared index (when there is one)."""
-    draft = own.propose(k)
+def propose_draft(own: NgramProposer, shared: SharedIndex | None, k: int, assumed: Sequence[int] = ()) -> list[int]:
+    """The request's own lookup first, then the shared index (when there is one); `assumed` as in
+    NgramProposer.propose."""
+    draft = own.propose(k, assumed)
     if not draft and shared is not None:
-        draft = shared.propose(own.tail(), k)
+        draft = shared.propose((own.tail() + list(assumed))[-own.cfg.max_match:], k)
     return draft
 
 
