@@ -140,20 +140,33 @@ def concurrent(base: str, prompts: list[list[int]], new_tokens: int) -> dict[str
 # ---------------------------------------------------------------- the engines
 
 
-def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+def _http_ok(url: str) -> bool:
     import httpx
 
+    try:
+        return httpx.get(url, timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _port_open(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
+
+
+def _wait(ready: Any, what: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Until `ready()` (a server answering), failing at once if its process exits, or at the deadline."""
     deadline = time.monotonic() + timeout
-    while True:
+    while not ready():
         if proc.poll() is not None:
             raise RuntimeError(f"{log.stem} exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} not ready after {timeout:g} s; see {log}")
+            raise TimeoutError(f"{what} not ready after {timeout:g} s; see {log}")
         time.sleep(0.2)    # the server is loading; nothing to block on
 
 
@@ -178,26 +191,10 @@ def llama_server(binary: str, gguf: Path, port: int, run_dir: Path, slots: int =
         proc = subprocess.Popen(llama_server_command(binary, gguf, port, slots, context, spec_type),
                                 stdout=f, stderr=subprocess.STDOUT)
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health", proc, log, START_S)
+        _wait(lambda: _http_ok(f"http://127.0.0.1:{port}/health"), f"llama-server on port {port}", proc, log, START_S)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         stop_processes([proc])
-
-
-def _wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{log.stem} exited with {proc.returncode}; see {log}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"port {port} not open after {timeout:g} s; see {log}") from None
-        time.sleep(0.1)    # the server is starting; nothing to block on
 
 
 @contextmanager
@@ -216,7 +213,7 @@ def llama_rpc(binaries: dict[str, str], gguf: Path, hosts: int, run_dir: Path, c
             with open(log, "w") as f:
                 procs.append(subprocess.Popen([binaries["rpc-server"], "-H", "127.0.0.1", "-p", str(port), "-t",
                                                str(THREADS)], stdout=f, stderr=subprocess.STDOUT))
-            _wait_port(port, procs[-1], log, START_S)
+            _wait(lambda p=port: _port_open(p), f"rpc-server on port {port}", procs[-1], log, START_S)
             ports.append(port)
         port, log = _port(), run_dir / f"llama-server-rpc{hosts}.log"
         cmd = llama_server_command(binaries["llama-server"], gguf, port, 1, context)
@@ -224,7 +221,8 @@ def llama_rpc(binaries: dict[str, str], gguf: Path, hosts: int, run_dir: Path, c
         cmd += ["--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-ts", ",".join(["1"] * hosts)]
         with open(log, "w") as f:
             procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT))
-        _wait_http(f"http://127.0.0.1:{port}/health", procs[-1], log, START_S)
+        _wait(lambda: _http_ok(f"http://127.0.0.1:{port}/health"), f"llama-server on port {port}", procs[-1], log,
+              START_S)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         stop_processes(procs[::-1])
@@ -234,7 +232,7 @@ def llama_rpc(binaries: dict[str, str], gguf: Path, hosts: int, run_dir: Path, c
 def our_server(model: Path, stages: int, run_dir: Path, lanes: int, context: int) -> Iterator[str]:
     """Our stages and driver (speculation available per request), warmed; yields the API base URL."""
     from skippy_zmq.harness import write_topology
-    from skippy_zmq.launch import spawn_driver, spawn_stages, stop_processes
+    from skippy_zmq.launch import spawn_driver, spawn_stages, stop_processes, wait_http_ready
     from skippy_zmq.soak import wait_warmed
     from skippy_zmq.topology import load_topology
 
@@ -248,7 +246,7 @@ def our_server(model: Path, stages: int, run_dir: Path, lanes: int, context: int
     try:
         procs.append(spawn_driver(path, run_dir, ["--log-level", "INFO"]))
         url = f"http://{topology.driver.http_host}:{topology.driver.http_port}"
-        _wait_http(url + "/readyz", procs[-1], run_dir / "driver.log", START_S)
+        wait_http_ready(url, procs, run_dir, START_S)
         wait_warmed(url + "/v1", START_S)
         yield url + "/v1"
     finally:

@@ -317,6 +317,9 @@ def spec_goal_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     three = "3 stages, 20 ms/hop"
     out.append(goal("copy, 1 stream, 3 stages, 20 ms per hop: on ÷ off", "≥ 2.5", tok("ours", three, "copy", "on"),
                     tok("ours", three, "copy", "off"), 2.5, "aggregate decode tok/s"))
+    out.append(goal("copy, 1 stream, 3 stages, 20 ms per hop: pipelined windows (depth 3) ÷ one at a time",
+                    "≥ 1.8", tok("ours", three, "copy", "on"), tok("ours", three + ", depth 1", "copy", "on"), 1.8,
+                    "speculation on in both; depth 1 = a window goes down and back before the next"))
     out.append(goal("chat, 1 stream, 1 stage: on ÷ off", "≥ 0.97", tok("ours", one, "chat", "on"),
                     tok("ours", one, "chat", "off"), 0.97, "aggregate decode tok/s"))
     many = f"2 stages, {STREAMS} streams"
@@ -423,16 +426,18 @@ def warm_up(engine: Any, prompts: list[list[int]], new_tokens: int, together: li
             concurrent(engine, group, new_tokens, spec)
 
 
-def pipeline_topology(tmp: Path, model: Path, stages: int, name: str, on: dict[str, Any]
+def pipeline_topology(tmp: Path, model: Path, stages: int, name: str, on: dict[str, Any], depth: int | None = None
                       ) -> tuple[Path, dict[str, Any] | None]:
     """A topology with speculation in the driver when this build accepts it: the full settings, else just
-    the method, else none (then "on" requests decode plainly). Returns (path, the settings used)."""
+    the method, else none (then "on" requests decode plainly). `depth`: verify windows of one stream in
+    flight (None: the default, one per stage). Returns (path, the settings used)."""
     from skippy_zmq.harness import write_topology
     from skippy_zmq.topology import TopologyError
 
     base = {**dict(kv_lanes=LANES, driver__max_sessions=LANES, driver__dead_after_s=30.0,
                    driver__request_timeout_s=900.0, driver__max_context=CONTEXT), **on}
-    for spec in (SPECULATIVE, {"method": SPECULATIVE["method"]}):
+    full = {**SPECULATIVE, **({"depth": depth} if depth is not None else {})}
+    for spec in (full, {"method": SPECULATIVE["method"]}):
         try:
             return write_topology(tmp, model, stages, name=name, driver__speculative=dict(spec), **base), dict(spec)
         except TopologyError as exc:
@@ -442,13 +447,13 @@ def pipeline_topology(tmp: Path, model: Path, stages: int, name: str, on: dict[s
 
 def run_pipeline_case(model: Path, tmp: Path, stages: int, delay_ms: float, on: dict[str, Any],
                       jobs: list[tuple[str, str, list[list[int]], int]], new_tokens: int,
-                      warm: list[list[int]]) -> tuple[list[Measured], dict[str, Any] | None]:
+                      warm: list[list[int]], depth: int | None = None) -> tuple[list[Measured], dict[str, Any] | None]:
     """One pipeline (started under the hop delay, bounded, always shut down) and its jobs:
     (config label, workload, prompts, streams); streams 1 = the prompts one after another."""
     from skippy_zmq.harness import running_pipeline
 
-    name = f"spec-{stages}-{delay_ms:g}"
-    path, spec = pipeline_topology(tmp, model, stages, name, on)
+    name = f"spec-{stages}-{delay_ms:g}" + (f"-d{depth}" if depth is not None else "")
+    path, spec = pipeline_topology(tmp, model, stages, name, on, depth)
     out = []
     with ExitStack() as stack:
         with phase(f"{name}: start ({stages} stage(s), {delay_ms:g} ms/hop)"), hop_delay(delay_ms):
@@ -625,11 +630,12 @@ def bench_spec(args: argparse.Namespace, tables: list[str], _prior: dict[str, An
         llama_status = "not installed (make bench-peers)" if gguf is not None else f"no GGUF found for {model}"
         print(f"[spec] llama.cpp {llama_status}; its rows skipped", file=sys.stderr, flush=True)
     if not quick:
-        for delay in DELAYS:
-            got, _ = run_pipeline_case(ours_model, tmp, 3, delay, on,
-                                       [(f"3 stages, {delay:g} ms/hop", "copy", work["copy"], 1)],
-                                       new_tokens, work["copy"])
-            measured += got
+        for delay in DELAYS:   # windows pipelined (depth 3, the default), and at 20 ms one at a time too
+            for depth in (None, 1) if delay == 20.0 else (None,):
+                label = f"3 stages, {delay:g} ms/hop" + (", depth 1" if depth == 1 else "")
+                got, _ = run_pipeline_case(ours_model, tmp, 3, delay, on, [(label, "copy", work["copy"], 1)],
+                                           new_tokens, work["copy"], depth)
+                measured += got
         got, _ = run_pipeline_case(ours_model, tmp, 2, 0.0, on,
                                    [(f"2 stages, {STREAMS} streams", "copy", work["copy"][:STREAMS], STREAMS),
                                     (f"2 stages, {STREAMS} streams", "mixed", mixed, STREAMS)],
