@@ -359,3 +359,31 @@ def test_a_proposal_can_assume_tokens_still_in_flight():
     assert p.propose(2) == [7, 8]
     assert p.propose(3, assumed=[7, 8]) == [5, 6, 7]       # as if 7, 8 were accepted
     assert propose_draft(p, None, 3, [7, 8]) == [5, 6, 7] and len(p) == 6   # nothing kept
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.7, seed=5)], ids=["greedy", "seeded"])
+def test_a_resume_with_windows_ahead_in_flight_gives_the_same_tokens(sampling):
+    """Stages lose every session while windows of one stream are in flight ahead of each other
+    (messages sent, replies not yet read); the driver re-prefills from history and pipelines again."""
+    looped = (random_ids(5, TINY.vocab_size, seed=4).tolist() * 6)[:27]
+    want, _, _ = _one_stream(None, sampling, [1, 3], looped)
+    sched = make_scheduler(3, speculative=SPEC)
+    chain = make_chain(TINY, tiny_tree_of(), [1, 3])
+    events: list = []
+    sched.submit(GenRequest("one", tuple(looped), sampling, max_tokens=48, ignore_eos=True), events.append)
+    paused = False
+    for _ in range(10_000):
+        out = sched.tick()
+        if not paused and len(tokens_of(events)) >= 12 and sum(m.kind == Kind.DECODE for m in out) >= 2:
+            paused = True            # these DECODEs never arrive: the stages were replaced
+            sched.pause("test: every stage was replaced")
+            for w in chain.workers:
+                w.sessions.release_all()
+            sched.resume()
+            continue
+        for msg in out:
+            for stage_id, reply in chain.send(msg):
+                sched.on_reply(stage_id, reply)
+        if not sched.running and events:
+            break
+    assert paused and tokens_of(events) == want and sched.spec_counts["ahead_sent"] > 0
