@@ -1,7 +1,9 @@
 """Hop benchmark: a simulated per-hop network delay against the hop-count model.
 
-Every stage sleeps SKIPPY_HOP_DELAY_MS before forwarding to the next stage
-(stage/loop.py); replies to the driver are not delayed. With S stages a
+Every stage holds what it forwards to the next stage for SKIPPY_HOP_DELAY_MS
+while it goes on working (stage/loop.py: a link's latency, not its bandwidth, so
+several messages can be on the way at once); replies to the driver are not
+delayed. With S stages a
 decoded token crosses S - 1 inter-stage hops, then the final stage returns the
 token straight to the driver, so
 

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import zmq
@@ -38,8 +39,11 @@ class StageLoop:
         self.stopping = False
         self._beats_done = threading.Event()
         self.driver_seen, self.driver_lost = 0.0, False
-        # Benchmarks simulate network latency per hop with SKIPPY_HOP_DELAY_MS (never set in serving).
+        # Benchmarks simulate network latency per hop with SKIPPY_HOP_DELAY_MS (never set in serving):
+        # what goes to the next stage leaves that long after it was ready, while the stage goes on
+        # working (a link's latency, not its bandwidth: several messages can be on the way at once).
         self.hop_delay_s = float(os.environ.get("SKIPPY_HOP_DELAY_MS", "0")) / 1000
+        self.delayed: deque[tuple[float, Any, dict[str, Any] | None]] = deque()   # (due, output, arrival)
         self.faults = FaultInjector.from_env(stage.id)   # chaos runs and tests only
         nxt = topology.next_stage(stage.id)
         self.sockets = transport.open_stage_sockets(
@@ -55,23 +59,35 @@ class StageLoop:
         self.stopping = True
 
     def send(self, out: list, arrival: dict[str, Any] | None = None) -> None:
-        if self.hop_delay_s and any(o.to != DRIVER for o in out):
-            time.sleep(self.hop_delay_s)   # benchmark only: simulate a slow link before forwarding
         for o in out:
-            own = _own_trace_entry(o.message, self.stage.id)
-            if own is not None:   # per-hop telemetry: when it arrived, how long decoding took, when it left
-                own.update(arrival or {})
-                own["send_ns"] = time.time_ns()
-            t0 = time.perf_counter()
-            if o.to == DRIVER:
-                transport.send_message(self.sockets.dealer, o.message)
+            if self.hop_delay_s and o.to != DRIVER:   # benchmark only: a slow link to the next stage
+                self.delayed.append((time.monotonic() + self.hop_delay_s, o, arrival))
             else:
-                transport.send_message(self.sockets.push, o.message, self.dtype)
-                self.worker.counters["encode_send_us"] += int(1e6 * (time.perf_counter() - t0))
-                self.worker.counters["forwarded"] += 1
-                if o.message.activation is not None:
-                    self.worker.counters["bytes_forwarded"] += o.message.activation.shape[0] * \
-                        wire.bytes_per_token(self.dtype, o.message.activation.shape[1])
+                self._send_now(o, arrival)
+
+    def send_due(self, everything: bool = False) -> float | None:
+        """Send the delayed messages whose time has come (all of them: `everything`), in order;
+        seconds until the next one is due, or None when none waits."""
+        while self.delayed and (everything or self.delayed[0][0] <= time.monotonic()):
+            _due, o, arrival = self.delayed.popleft()
+            self._send_now(o, arrival)
+        return max(0.0, self.delayed[0][0] - time.monotonic()) if self.delayed else None
+
+    def _send_now(self, o: Any, arrival: dict[str, Any] | None) -> None:
+        own = _own_trace_entry(o.message, self.stage.id)
+        if own is not None:   # per-hop telemetry: when it arrived, how long decoding took, when it left
+            own.update(arrival or {})
+            own["send_ns"] = time.time_ns()
+        t0 = time.perf_counter()
+        if o.to == DRIVER:
+            transport.send_message(self.sockets.dealer, o.message)
+        else:
+            transport.send_message(self.sockets.push, o.message, self.dtype)
+            self.worker.counters["encode_send_us"] += int(1e6 * (time.perf_counter() - t0))
+            self.worker.counters["forwarded"] += 1
+            if o.message.activation is not None:
+                self.worker.counters["bytes_forwarded"] += o.message.activation.shape[0] * \
+                    wire.bytes_per_token(self.dtype, o.message.activation.shape[1])
 
     def handle_frames(self, frames: list, recv_ns: int = 0) -> None:
         t0 = time.perf_counter()
@@ -122,10 +138,14 @@ class StageLoop:
         while not self.stopping:
             # Idle, the loop blocks: work and driver heartbeats wake it; the timeout only paces
             # the driver-loss and idle-session checks (a stage with nothing to do costs no CPU).
-            events = dict(poller.poll(20 if self.worker.warm_later else IDLE_POLL_MS))
+            wait_ms = 20 if self.worker.warm_later else IDLE_POLL_MS
+            due = self.send_due()
+            if due is not None:
+                wait_ms = min(wait_ms, max(1, int(1000 * due + 0.999)))
+            events = dict(poller.poll(wait_ms))
             if self.sockets.pull in events:
                 self.drain(DRAIN_BATCH)
-            elif self.worker.warm_later and not events:
+            elif self.worker.warm_later and not events and not self.delayed:
                 self.worker.warm_later.pop(0)()   # idle: compile one more shape (a fraction of a second)
                 settle_heap(collect=False)   # its executable lives as long as we do; no full pass over it
                 if not self.worker.warm_later:
@@ -134,6 +154,7 @@ class StageLoop:
             for sid in self.worker.sessions.reclaim_idle():
                 logger.warning("stage {} reclaimed idle session {}", self.stage.id, sid)
         self.drain(10_000)   # finish what already arrived, then say goodbye
+        self.send_due(everything=True)
         self._beats_done.set()
         beats.join(timeout=2)
         transport.send_message(self.sockets.dealer, self.heartbeat_message("stopping"))
@@ -177,6 +198,7 @@ class StageLoop:
             except zmq.Again:
                 return
             self.handle_frames(frames, time.time_ns())
+            self.send_due()
 
 
 def _own_trace_entry(msg: wire.Message, stage_id: str) -> dict[str, Any] | None:
