@@ -374,3 +374,28 @@ def test_bench_spec_quick_end_to_end(tmp_path, model_dir):
         # greedy: on == off, one stream at a time (concurrent rows batch differently: reported, not asserted)
         assert all(i["identical_count"] == i["prompts"] for i in ours if "streams" not in i["config"]), ours
         assert any(a["drafted"] for a in got["acceptance"] if a["engine"] == "ours")
+
+
+def test_a_hop_delay_is_latency_not_bandwidth():
+    """SKIPPY_HOP_DELAY_MS holds each message for the next stage that long while the stage goes on:
+    two messages sent back to back leave together after one delay, in order; replies to the driver
+    leave at once."""
+    import time
+    from collections import deque
+    from types import SimpleNamespace
+
+    from skippy_zmq.stage.loop import StageLoop
+    from skippy_zmq.stage.worker import DRIVER, NEXT
+
+    sent: list[tuple[str, float]] = []
+    loop = SimpleNamespace(hop_delay_s=0.05, delayed=deque(),
+                           _send_now=lambda o, arrival: sent.append((o.message, time.monotonic())))
+    t0 = time.monotonic()
+    StageLoop.send(loop, [SimpleNamespace(to=NEXT, message="a")])
+    StageLoop.send(loop, [SimpleNamespace(to=NEXT, message="b"), SimpleNamespace(to=DRIVER, message="reply")])
+    assert [m for m, _ in sent] == ["reply"]      # nothing slept: the next stage's messages wait in the queue
+    wait = StageLoop.send_due(loop)
+    assert wait is not None and 0 <= wait <= 0.05
+    time.sleep(wait + 0.01)
+    assert StageLoop.send_due(loop) is None
+    assert [m for m, _ in sent] == ["reply", "a", "b"] and all(t - t0 >= 0.05 for _, t in sent[1:])
