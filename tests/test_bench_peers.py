@@ -39,7 +39,7 @@ def test_bench_peers_quick_beside_llama_server(tmp_path, model_dir):
     tables: list[str] = []
     result = bench_peers(args, tables)
     engines = [r["engine"] for r in result["single"]]
-    assert engines == ["skippy_zmq q4, 1 stage", "llama-server", "ratio ours ÷ llama-server"]
+    assert engines == ["skippy_zmq q4, 1 stage", "llama-server", "ratio ours ÷ llama.cpp"]
     assert all(r["decode_tok_s"] > 0 for r in result["single"])
     spec = result["speculation"]
     assert {r["speculation"] for r in spec if r["engine"] == "llama-server"} == set(__import__(
