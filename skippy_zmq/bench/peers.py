@@ -6,11 +6,14 @@ streamed, on the same GGUF (ours runs its Q4_1 levels as q4) and the same cores 
 llama.cpp). Every prompt is used once per engine, so neither engine's prompt cache can serve it.
 
 - single stream: prefill tok/s (prompt ÷ time to first token) and decode tok/s (tokens after the
-  first ÷ the time they took), SmolLM2 and the random 1B / 8B shapes;
+  first ÷ the time they took), SmolLM2 and the random 1B / 8B shapes (their GGUFs carry no
+  vocabulary, on which llama-server aborts detokenizing: llama.cpp's rows come from llama-bench);
 - speculation: copy and chat workloads, ours on vs off, `llama-server --spec-type T` for every
-  n-gram type it has vs plain; greedy text compared with plain for both engines;
-- concurrency: 1, 8, 16, 32 streams at once, ours on 1/2/3 stages vs `llama-server -np N`
-  (continuous batching): aggregate tok/s and p50/p99 time between streamed tokens.
+  n-gram type it has vs plain, tokens over request time; greedy text compared with plain for both;
+- concurrency: 1, 8, 16, 32 streams at once, plain decoding, ours on 1/2/3 stages vs
+  `llama-server -np N` (continuous batching): aggregate tok/s and p50/p99 time between tokens;
+- pipeline: one stream through 2 and 3 processes, ours vs llama-server over as many rpc-servers
+  with the same even layer split (0 ms per hop).
 
 Without a build (`make peers`, or `bench peers --build`) the llama.cpp side says so and is skipped.
 """
