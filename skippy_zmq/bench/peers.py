@@ -374,7 +374,7 @@ def spec_rows(m: PeerModel, binary: str | None, args: argparse.Namespace, tmp: P
             stream_completion(base, work["chat"][0], 8)
             for workload, prompts in work.items():
                 plain[workload] = single_stream(base, prompts, new)
-        for spec_type in SPEC_TYPES:
+        for spec_type in SPEC_TYPES[:2] if args.quick else SPEC_TYPES:   # quick: two types, the path is the same
             with llama_server(binary, m.gguf, _port(), tmp / "llama-spec", 1, context, spec_type) as base:
                 stream_completion(base, work["chat"][0], 8)
                 for workload, prompts in work.items():

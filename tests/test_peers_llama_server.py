@@ -1,0 +1,32 @@
+"""The whole quick `bench peers` beside llama-server, where `make peers` has built it here (CI does
+not: it skips). Its own module, so it runs beside the shared pipelines' unit, not after it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from skippy_zmq.bench import llama_build
+from skippy_zmq.bench.peers import SPEC_TYPES, bench_peers
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.skipif(llama_build.built() is None, reason="llama-server not built here (make peers)")
+def test_bench_peers_quick_beside_llama_server(tmp_path, model_dir):
+    args = argparse.Namespace(suite="peers", model=str(model_dir), out=str(tmp_path), quick=True, repeats=2,
+                              prompt_tokens=64, new_tokens=16, stages=(1,), peer_models="smollm2", build=False)
+    tables: list[str] = []
+    result = bench_peers(args, tables)
+    engines = [r["engine"] for r in result["single"]]
+    assert engines == ["skippy_zmq q4, 1 stage", "llama-server", "ratio ours ÷ llama.cpp"]
+    assert all(r["decode_tok_s"] > 0 for r in result["single"])
+    spec = result["speculation"]
+    assert {r["speculation"] for r in spec if r["engine"] == "llama-server"} == set(SPEC_TYPES[:2])
+    ours = [r for r in spec if r["engine"].startswith("skippy_zmq")]
+    assert all(r["greedy_same"] == "2/2" for r in ours), ours        # speculation never changes greedy text
+    assert [r["streams"] for r in result["concurrency"]] == [1, 4, 1, 4]
+    saved = json.loads((tmp_path / "peers.json").read_text())
+    assert saved["llama_cpp"]["decode_tok_s"] > 0 and (tmp_path / "peers.md").read_text().count("|") > 20
