@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from loguru import logger
 
 from skippy_zmq.config import ModelConfig
 from skippy_zmq.cli import CACHE_MIN_S_ENV, configure_jax
@@ -188,6 +189,10 @@ def shared_pipelines(model_dir, tmp_path_factory) -> Iterator:
             if n_stages not in SHARED_RUNNING:
                 tmp = tmp_path_factory.mktemp(f"shared-{n_stages}stage")
                 path = write_topology(tmp, model_dir, n_stages, name=f"shared{n_stages}", **SHARED)
+                # The driver runs in this process: its log (and this worker's) goes beside the stages' logs,
+                # so a failure late in a long run can be read afterwards, not only in pytest's report.
+                sink = logger.add(tmp / "run" / "driver.log", level="INFO")
+                stack.callback(logger.remove, sink)
                 SHARED_RUNNING[n_stages] = stack.enter_context(serving(path, tmp / "run"))
             return SHARED_RUNNING[n_stages]
         try:

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 from conftest import TINY, first_mismatch
 from pipeline_helpers import make_worker
 from skippy_zmq import transport, wire
-from skippy_zmq.driver.engine import GenRequest
+from skippy_zmq.driver.engine import EngineError, GenRequest
+from skippy_zmq.harness import wait_warmed
 from skippy_zmq.stage.sessions import SessionTable
 from skippy_zmq.wire import HEADER, MAGIC, Kind, Message, WireDType
 
@@ -355,6 +356,9 @@ def test_live_stages_survive_a_malformed_barrage(live, parity):
     case = parity["prompts"][0]
     before = greedy(engine, case["prompt_ids"])
     assert first_mismatch(before, case["transformers_fp32_ids"]) == 16
+    # The stages compile their decode shapes while idle after READY (~10 s): measured before those
+    # compiles end, the RSS check below would count them (200 MB) as what the barrage left behind.
+    wait_warmed(engine, 120)
     rss_before = [vm_rss_mb(p.pid) for p in procs]
     limits = wire.WireLimits(max_message_bytes=topology.wire.max_message_bytes)
     errors: list[tuple[str, int, dict]] = []
@@ -476,6 +480,36 @@ def test_live_stage_survives_well_formed_hostile_messages(shared_pipelines):
     # the last stage took the probes that reach it (sampling ones) before this request: it still answers
     events = list(engine.generate_blocking(GenRequest("after", (5, 6, 7), max_tokens=2, ignore_eos=True)))
     assert len([e for e in events if e.token_id is not None]) == 2 and not dead(procs)
+
+
+def test_the_driver_loop_survives_its_own_bugs(shared_pipelines):
+    """A reply or a command the driver mishandles (here: a hook that raises, a command that raises)
+    fails that reply's request alone, with a 500 that says so; the loop goes on beating and serving."""
+    live = shared_pipelines(2)
+    engine = live.engine
+    before = engine.internal_errors
+    request = GenRequest("victim", (5, 6, 7), max_tokens=4, ignore_eos=True, speculative=False)
+    bad = []
+
+    def hook(_: str, m: Message) -> None:
+        if m.kind == Kind.PREDICTED_TOKENS and not bad:
+            bad.append(m.request_id)
+            raise RuntimeError("an injected driver bug")
+    engine.on_reply_hooks.append(hook)
+    try:
+        with pytest.raises(EngineError) as failed:
+            list(engine.generate_blocking(request))
+    finally:
+        engine.on_reply_hooks.remove(hook)
+    assert (failed.value.status, failed.value.code) == (500, "driver_error")
+    assert "PREDICTED_TOKENS reply from s1" in str(failed.value)
+    engine.call(lambda: 1 / 0)
+    assert wait_for(lambda: engine.internal_errors == before + 2, 30)
+    assert engine.is_ready()
+    events = list(engine.generate_blocking(GenRequest("after", (5, 6, 7), max_tokens=4, ignore_eos=True)))
+    assert len([e for e in events if e.token_id is not None]) == 4
+    metrics = httpx.get(live.url + "/metrics", timeout=30).text
+    assert f"skippy_driver_internal_errors_total {float(before + 2)}" in metrics
 
 
 def dead(procs) -> bool:

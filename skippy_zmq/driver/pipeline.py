@@ -67,6 +67,7 @@ class PipelineEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.on_reply_hooks: list[Callable[[str, wire.Message], None]] = []
+        self.internal_errors = 0   # driver bugs the loop survived (logged with their traceback)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -116,6 +117,9 @@ class PipelineEngine:
                 result.put(self.scheduler.submit(req, sink))
             except EngineError as exc:
                 result.put(exc)
+            except Exception as exc:   # logged by _run_commands; the caller gets an answer now, not in 10 s
+                result.put(EngineError(f"the driver could not take the request: {exc!r}", 500, "driver_error"))
+                raise
         self.call(do_submit)
         try:
             outcome = result.get(timeout=10)
@@ -200,22 +204,30 @@ class PipelineEngine:
                 if time.monotonic() >= next_beat:
                     self._beat(socks.router)
                     next_beat = time.monotonic() + d.heartbeat_s
-                busy = bool(self.scheduler.running or self.scheduler.queue)
-                events = dict(poller.poll(50 if busy else 200))
-                if self._wake_r in events:
-                    self._drain_wake()
-                if socks.router in events:
-                    self._drain_replies(socks.router)
-                self._run_commands()
-                self._check_liveness()
-                for msg in self.scheduler.tick():
-                    transport.send_message(socks.push, self.view.stamp(msg))
-        except Exception:
-            logger.exception("pipeline thread crashed")
-            self.scheduler.fail_all(EngineError("the driver's pipeline thread crashed", 500, "driver_crash"))
-            self._ready.clear()
+                try:
+                    self._step(socks, poller)
+                except Exception:   # a bug must not stop the loop: heartbeats and every later request need it
+                    logger.exception("the driver's pipeline loop failed; failing {} running request(s)",
+                                     len(self.scheduler.running) + len(self.scheduler.queue))
+                    self.internal_errors += 1
+                    self.scheduler.fail_all(EngineError("the driver's pipeline loop failed (see its log)", 500,
+                                                        "driver_error"))
+                    time.sleep(0.05)   # a failure that repeats every pass must not spin
         finally:
             socks.close()
+
+    def _step(self, socks: transport.DriverSockets, poller: zmq.Poller) -> None:
+        """One pass: wait for replies or a wake-up, handle them and queued commands, send what is due."""
+        busy = bool(self.scheduler.running or self.scheduler.queue)
+        events = dict(poller.poll(50 if busy else 200))
+        if self._wake_r in events:
+            self._drain_wake()
+        if socks.router in events:
+            self._drain_replies(socks.router)
+        self._run_commands()
+        self._check_liveness()
+        for msg in self.scheduler.tick():
+            transport.send_message(socks.push, self.view.stamp(msg))
 
     def _beat(self, router: zmq.Socket) -> None:
         """Driver -> stage heartbeats, so a stage notices a dead driver and frees its lanes."""
@@ -237,9 +249,14 @@ class PipelineEngine:
     def _run_commands(self) -> None:
         while True:
             try:
-                self.commands.get_nowait()()
+                command = self.commands.get_nowait()
             except queue.Empty:
                 return
+            try:
+                command()
+            except Exception:   # a failed submit or cancel concerns its own request only
+                logger.exception("a driver command failed")
+                self.internal_errors += 1
 
     def _drain_replies(self, router: zmq.Socket) -> None:
         for _ in range(10_000):
@@ -253,7 +270,15 @@ class PipelineEngine:
             except wire.WireError as exc:
                 logger.warning("driver rejected a reply from {}: {} ({})", stage_id, exc.reason, exc.code)
                 continue
-            self._on_reply(stage_id, msg)
+            try:
+                self._on_reply(stage_id, msg)
+            except Exception:   # one reply the driver mishandles ends its own request, not the loop
+                logger.exception("the driver failed on a {} reply from {} (request {}, session {})", msg.kind.name,
+                                 stage_id, msg.request_id, msg.session_id)
+                self.internal_errors += 1
+                self.scheduler.fail_sessions({msg.session_id, *msg.session_ids.tolist()},
+                                             EngineError(f"the driver failed on a {msg.kind.name} reply from "
+                                                         f"{stage_id} (see its log)", 500, "driver_error"))
 
     def _on_reply(self, stage_id: str, msg: wire.Message) -> None:
         state = self.stages.get(stage_id)

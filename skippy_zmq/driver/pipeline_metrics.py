@@ -56,6 +56,9 @@ class PipelineCollector(Collector):
         yield faults
         yield CounterMetricFamily(f"{NAMESPACE}_kv_gap_heals", "Sessions re-prefilled after a stage reported a KV gap.",
                                   value=self.engine.scheduler.heals)
+        yield CounterMetricFamily(f"{NAMESPACE}_driver_internal_errors",
+                                  "Driver bugs its loop survived (a reply or command that raised; see the log).",
+                                  value=self.engine.internal_errors)
         if self.engine.faults:
             last = self.engine.faults[-1]
             for key in ("detect_s", "resume_s"):

@@ -451,6 +451,12 @@ class Scheduler:
             return
         self._finish(job)
 
+    def fail_sessions(self, session_ids: set[int], error: EngineError) -> None:
+        """End the jobs of these sessions (running or queued) with `error`; unknown ids are ignored."""
+        for job in [*self.running.values(), *self.queue]:
+            if job.session_id in session_ids:
+                self._fail(job, error)
+
     def fail_all(self, error: EngineError) -> None:
         for job in list(self.running.values()) + list(self.queue):
             self._fail(job, error)
