@@ -202,7 +202,7 @@ def shared_pipelines(model_dir, tmp_path_factory) -> Iterator:
 
 
 SHARED_RUNNING: dict[int, Any] = {}   # stage count -> procs.Served, while the session's pipelines run
-LANES_FREE_WITHIN_S = 60.0            # a bound on a hang: heartbeats report a stage's lanes every 0.5 s
+LANES_FREE_WITHIN_S = 60.0            # a bound on a hang: heartbeats report a stage's lanes every heartbeat_s (0.2 s here)
 
 
 @pytest.fixture(autouse=True)

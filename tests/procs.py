@@ -53,4 +53,7 @@ def serving(topology_path: Path, run_dir: Path) -> Iterator[Served]:
 
 # The configuration of the shared pipelines (conftest.shared_pipelines): 8 lanes and sessions for
 # concurrency tests, speculation on as in the shipped topologies (requests opt out per call).
-SHARED = dict(kv_lanes=8, driver__max_sessions=8, driver__speculative={"method": "ngram", "max_draft": 8})
+# Heartbeats every 0.2 s (0.5 by default): after each test, conftest.shared_lanes_are_freed waits for
+# the stages' next report of their lanes.
+SHARED = dict(kv_lanes=8, driver__max_sessions=8, driver__speculative={"method": "ngram", "max_draft": 8},
+              driver__heartbeat_s=0.2)

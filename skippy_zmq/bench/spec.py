@@ -27,7 +27,7 @@ compares every prompt's tokens on against off (a mismatch is reported, never fat
 Stages run q4 weights by default: the GGUF's own Q4_1 levels (a q4 checkpoint converted from the
 same GGUF, found beside the model or converted once into models/<name>-q4), so ours and llama.cpp
 compute from the same weights; `--weights` names another format (that one runs off the model
-directory as given). `--quick`: 2 prompts per workload, 32 tokens, one pipeline (2 stages at 20 ms
+directory as given). `--quick`: 1 prompt per workload, 32 tokens, one pipeline (2 stages at 20 ms
 per hop: both workloads one stream at a time, and the concurrent row as 2 streams), 512 positions
 a session (a test of the paths, not of the speed).
 
@@ -58,7 +58,7 @@ from skippy_zmq.bench.pipeline import steady_tok_s
 SPECULATIVE: dict[str, Any] = {"method": "ngram"}   # the defaults (driver/speculative.py SpeculativeConfig)
 NEW_TOKENS, QUICK_TOKENS = 128, 32
 CONTEXT, QUICK_CONTEXT = 1024, 512   # driver.max_context of the pipelines
-QUICK_PROMPTS = 2
+QUICK_PROMPTS = 1
 LOOKUP = (2, 10)                # LlamaPromptLookupDecoding(num_pred_tokens=...)
 LLAMA_THREADS = 2
 DELAYS = (5.0, 20.0)            # ms per hop, 3 stages
