@@ -147,9 +147,10 @@ def kv_bytes_per_token_per_layer(s: Shape, kv_bytes: int) -> int:
 
 
 def kv_bytes(s: Shape, layers: int, tokens: int, kv_bytes_per_value: int, own: bool = False) -> int:
-    """KV of `tokens` positions over `layers` layers (placement.kv_bytes when it is there)."""
-    if getattr(_placement, "kv_bytes", None) is not None and not own:
-        return int(_placement.kv_bytes(model_config(s), layers, tokens, 1, {4: "f32", 2: "bf16"}[kv_bytes_per_value]))
+    """KV of `tokens` positions over `layers` layers (placement.kv_position_bytes when it is there)."""
+    if getattr(_placement, "kv_position_bytes", None) is not None and not own:
+        dtype = {4: "f32", 2: "bf16"}[kv_bytes_per_value]
+        return tokens * int(_placement.kv_position_bytes(model_config(s), layers, 1, dtype))
     return layers * tokens * kv_bytes_per_token_per_layer(s, kv_bytes_per_value)
 
 

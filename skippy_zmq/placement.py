@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from skippy_zmq.config import Buckets, ModelConfig
+from skippy_zmq.config import KV_SPARE_SLOTS, Buckets, ModelConfig
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -142,10 +142,14 @@ def weight_bytes(cfg: ModelConfig, start: int, end: int, fmt: str, dtype: str = 
     return stage_nbytes(cfg, start, end, fmt, stored, dtype)
 
 
+def kv_position_bytes(cfg: ModelConfig, layers: int, lanes: int = 1, kv_dtype: str = "f32") -> int:
+    """KV of one position: 2 (K and V) · layers · kv_heads · head_dim · lanes · bytes."""
+    return 2 * layers * cfg.n_kv_heads * cfg.head_dim * lanes * dtype_bytes(kv_dtype)
+
+
 def kv_bytes(cfg: ModelConfig, layers: int, context: int, lanes: int, kv_dtype: str = "f32") -> int:
-    """2 (K and V) · layers · kv_heads · head_dim · capacity · lanes · bytes, capacity = min(context, max_seq_len)."""
-    capacity = min(context, cfg.max_seq_len)
-    return 2 * layers * cfg.n_kv_heads * cfg.head_dim * capacity * lanes * dtype_bytes(kv_dtype)
+    """The KV arenas: kv_position_bytes · (capacity + config.KV_SPARE_SLOTS), capacity = min(context, max_seq_len)."""
+    return kv_position_bytes(cfg, layers, lanes, kv_dtype) * (min(context, cfg.max_seq_len) + KV_SPARE_SLOTS)
 
 
 # ---------------------------------------------------------------- a stage's need

@@ -182,8 +182,21 @@ def test_plots_write_pngs(tmp_path: Path):
                             {"prefix_tokens": 1024, "cold_ttft_ms": 400.0, "warm_ttft_ms": 30.0}]},
         "hops": {"rows": [hop_row(2, d, 15.0, 15.0 + d) for d in (5.0, 20.0)]},
     }
+    ours, llama = "skippy_zmq q4, 1 stage", "llama-server"
+    result["peers"] = {   # the shapes of bench peers' tables (a ratio row in single is not drawn)
+        "single": [{"model": "smollm2", "engine": e, "decode_tok_s": v, "prefill_tok_s": 1.0}
+                   for e, v in ((ours, 70.0), (llama, 100.0), ("ratio ours ÷ llama.cpp", 0.7))],
+        "speculation": [{"engine": e, "speculation": m, "workload": w, "speedup": x}
+                        for e, m, x in ((ours, "ngram (ours)", 2.5), (llama, "ngram-map-k", 1.1))
+                        for w in ("copy", "chat")],
+        "concurrency": [{"engine": f"skippy_zmq q4, {s} stage(s)", "streams": n, "agg_tok_s": 50.0 * n ** 0.5}
+                        for s in (1, 2) for n in (1, 8)] +
+                       [{"engine": f"llama-server -np {n}", "streams": n, "agg_tok_s": 90.0} for n in (1, 8)],
+        "rpc": [{"stages": 2, "ours_tok_s": 74.0, "llama_rpc_tok_s": 45.0, "ratio": 1.6}],
+    }
     paths = write_plots(result, tmp_path)
-    assert [p.name for p in paths] == ["concurrency.png", "prefix_ttft.png", "hops.png"]
+    assert [p.name for p in paths] == ["concurrency.png", "prefix_ttft.png", "hops.png", "peers_single.png",
+                                       "peers_speculation.png", "peers_concurrency.png", "peers_rpc.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
 
 

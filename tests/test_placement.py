@@ -53,8 +53,9 @@ def test_format_bytes():
 @pytest.mark.parametrize("kv_dtype, jnp_dtype", [("f32", jnp.float32), ("bf16", jnp.bfloat16)])
 def test_kv_bytes_equal_the_runner_kv_cache(kv_dtype, jnp_dtype):
     kv = KVCache.create(SMOLLM2, 10, 2, 1024, jnp_dtype)
-    assert placement.kv_bytes(SMOLLM2, 10, 1024, 2, kv_dtype) == kv.nbytes == 2 * 10 * 3 * 64 * 1024 * 2 * \
-        (4 if kv_dtype == "f32" else 2)
+    assert placement.kv_bytes(SMOLLM2, 10, 1024, 2, kv_dtype) == kv.nbytes == 2 * 10 * 3 * 64 * 1025 * 2 * \
+        (4 if kv_dtype == "f32" else 2)   # 1024 positions and the spare slot (config.KV_SPARE_SLOTS)
+    assert kv.capacity == 1024
     assert placement.kv_bytes(SMOLLM2, 10, 100_000, 1) == placement.kv_bytes(SMOLLM2, 10, 8192, 1)  # max_seq_len caps
 
 
@@ -116,7 +117,7 @@ def test_budgets_below_one_layer_each_say_so():
 def test_need_adds_cache_and_overhead():
     s = StageSettings(weights="f32", context=2048, lanes=8, cache_bytes=256 * MiB)
     need = placement.stage_need(SMOLLM2, 10, 20, s)
-    assert need.kv == 240 * MiB and need.cache == int(placement.CACHE_RSS * 256 * MiB)
+    assert need.kv == 240 * MiB * 2049 // 2048 and need.cache == int(placement.CACHE_RSS * 256 * MiB)   # + spare slot
     shapes = s.step_shapes(SMOLLM2)
     assert shapes == 4 * (3 + 4)    # 4 attention lengths x (3 prefill chunks + decode rows 1, 2, 4, 8)
     assert need.overhead == placement.OVERHEAD_BASE + 10 * placement.OVERHEAD_PER_LAYER + shapes * (
@@ -227,7 +228,7 @@ def test_ready_and_heartbeats_carry_weight_kv_and_rss_bytes(tiny_model, tmp_path
             info = msg.extras["info"]
             # 2 layers of 36,992 floats + embedding 97 x 64 + norm 64, 4 bytes each
             assert info["weight_bytes"] == placement.weight_bytes(cfg, 0, 2, "f32", "float32", "f32") == 321_024
-            assert info["kv_bytes"] == placement.kv_bytes(cfg, 2, 64, 2) == 65_536
+            assert info["kv_bytes"] == placement.kv_bytes(cfg, 2, 64, 2) == 65_536 * 65 // 64   # + the spare slot
             assert info["memory_budget_bytes"] == GiB
             shapes = factory.stage_settings(topo, topo.stages[0]).step_shapes(cfg)
             serving = 321_024 + 65_536 + placement.overhead_bytes(2, shapes)

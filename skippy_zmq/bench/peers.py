@@ -439,6 +439,17 @@ def ratio_rows(conc: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for r in conc if r["engine"].startswith("skippy_zmq") and r["streams"] in theirs]
 
 
+def peers_plots(result: dict[str, Any], out: Path) -> list[Path]:
+    """A PNG per table of this run (`bench peers` alone; `bench all` draws them with the others)."""
+    from skippy_zmq.bench.plots import PEERS_PLOTS, matplotlib_available
+
+    if not matplotlib_available():
+        print("[peers] plots skipped: matplotlib is not installed (pip install -e '.[bench]')", flush=True)
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    return [plot(result[table], out / name) for table, plot, name in PEERS_PLOTS if result.get(table)]
+
+
 def bench_peers(args: argparse.Namespace, tables: list[str], _prior: dict[str, Any] | None = None) -> dict[str, Any]:
     import tempfile
 
@@ -484,6 +495,8 @@ def bench_peers(args: argparse.Namespace, tables: list[str], _prior: dict[str, A
         from skippy_zmq.bench.common import machine
 
         result["machine"] = machine()
+        plots = peers_plots(result, Path(args.out))
+        result["plots"] = [p.name for p in plots]
         write_report(args.out, "peers", "skippy_zmq beside llama-server (same GGUF, same cores, one run)",
-                     result, tables)
+                     result, tables + [f"\n![{p.stem}]({p.name})\n" for p in plots])
     return result

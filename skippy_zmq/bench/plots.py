@@ -74,6 +74,81 @@ def plot_hops(rows: list[dict[str, Any]], path: Path) -> Path:
     return _save(fig, plt, path)
 
 
+def _bars(ax: Any, groups: list[str], series: dict[str, list[float | None]]) -> None:
+    """Grouped bars: one group per label in `groups`, one bar per series (None: no bar)."""
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar([x for x, v in zip(xs, values) if v is not None], [v for v in values if v is not None],
+               width=width, label=name)
+    ax.set_xticks(range(len(groups)), labels=groups)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+
+
+def plot_peers_single(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Single-stream decode tok/s per model, ours beside llama.cpp (the ratio rows left out)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    engines = list(dict.fromkeys(r["engine"] for r in rows if not r["engine"].startswith("ratio")))
+    value = {(r["model"], r["engine"]): r["decode_tok_s"] for r in rows}
+    _bars(ax, models, {e: [value.get((m, e)) for m in models] for e in engines})
+    ax.set(ylabel="decode tok/s", title="Single stream: decode tok/s")
+    return _save(fig, plt, path)
+
+
+def plot_peers_speculation(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Speculation on ÷ off per engine and method, copy and chat workloads."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    methods = list(dict.fromkeys(f"{r['speculation']}" for r in rows))
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    value = {(r["speculation"], r["workload"]): r["speedup"] for r in rows}
+    _bars(ax, methods, {w: [value.get((m, w)) for m in methods] for w in workloads})
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    ax.set(ylabel="tok/s with ÷ without", title="Speculation: speed-up over plain decoding, 1 stream")
+    return _save(fig, plt, path)
+
+
+def plot_peers_concurrency(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Aggregate tok/s against streams: ours per stage count, llama-server with -np = streams."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        name = "llama-server -np N" if r["engine"].startswith("llama-server") else r["engine"]
+        lines.setdefault(name, []).append((r["streams"], r["agg_tok_s"]))
+    for name, pts in lines.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    streams = sorted({r["streams"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(streams, labels=[str(s) for s in streams])
+    ax.set(xlabel="concurrent streams", ylabel="aggregate decode tok/s", title="Concurrency: ours beside llama-server")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, plt, path)
+
+
+def plot_peers_rpc(rows: list[dict[str, Any]], path: Path) -> Path:
+    """One stream through N stages: ours beside llama-server over N rpc-servers."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 4))
+    stages = [f"{r['stages']} stages" for r in rows]
+    _bars(ax, stages, {"skippy_zmq": [r["ours_tok_s"] for r in rows],
+                       "llama-server + rpc-server": [r["llama_rpc_tok_s"] for r in rows]})
+    ax.set(ylabel="decode tok/s", title="Pipeline, 1 stream, 0 ms per hop")
+    return _save(fig, plt, path)
+
+
+PEERS_PLOTS = [("single", plot_peers_single, "peers_single.png"),
+               ("speculation", plot_peers_speculation, "peers_speculation.png"),
+               ("concurrency", plot_peers_concurrency, "peers_concurrency.png"),
+               ("rpc", plot_peers_rpc, "peers_rpc.png")]
+
+
 def _save(fig: Any, plt: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -90,5 +165,6 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
         (plot_concurrency, (result.get("pipeline") or {}).get("rows", []), "concurrency.png"),
         (plot_prefix, (result.get("prefix") or {}).get("ttft", []), "prefix_ttft.png"),
         (plot_hops, (result.get("hops") or {}).get("rows", []), "hops.png"),
+        *[(plot, (result.get("peers") or {}).get(table) or [], name) for table, plot, name in PEERS_PLOTS],
     ]
     return [plot(rows, out / name) for plot, rows, name in jobs if rows]

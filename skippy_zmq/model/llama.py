@@ -44,7 +44,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from skippy_zmq.config import ModelConfig
+from skippy_zmq.config import KV_SPARE_SLOTS, ModelConfig
 from skippy_zmq.model import rope as rope_freqs
 from skippy_zmq.model.quant import dense, embed_rows
 
@@ -54,7 +54,7 @@ Params = dict[str, Any]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Per-layer K and V arenas, each [lanes, n_kv_heads, capacity, head_dim].
+    """Per-layer K and V arenas, each [lanes, n_kv_heads, capacity + KV_SPARE_SLOTS, head_dim].
 
     Head-major: a lane's first L positions of one head are one contiguous block,
     so attention feeds its slice straight to the dot with no transpose copy
@@ -77,7 +77,8 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[2]
+        """Positions a lane holds; the arena has KV_SPARE_SLOTS more, which no attention length reaches."""
+        return self.k[0].shape[2] - KV_SPARE_SLOTS
 
     @property
     def nbytes(self) -> int:
@@ -86,7 +87,7 @@ class KVCache:
     @classmethod
     def create(cls, cfg: ModelConfig, n_layers: int, lanes: int, capacity: int,
                dtype: Any = jnp.float32, device: Any = None) -> "KVCache":
-        shape = (lanes, cfg.n_kv_heads, capacity, cfg.head_dim)
+        shape = (lanes, cfg.n_kv_heads, capacity + KV_SPARE_SLOTS, cfg.head_dim)
         make = functools.partial(jnp.zeros, shape, _storage(dtype), device=device)
         return cls(k=tuple(make() for _ in range(n_layers)), v=tuple(make() for _ in range(n_layers)),
                    dtype=jnp.dtype(dtype).name)
@@ -104,8 +105,8 @@ class KVCache:
               lanes: jax.Array) -> "KVCache":
         """Write one layer's K and V [B, T, kvh, hd] in place (see `write_rows`)."""
         ks, vs = list(self.k), list(self.v)
-        ks[layer] = write_rows(ks[layer], self.encode(k), positions, lanes)
-        vs[layer] = write_rows(vs[layer], self.encode(v), positions, lanes)
+        ks[layer] = write_rows(ks[layer], self.encode(k), positions, lanes, self.capacity)
+        vs[layer] = write_rows(vs[layer], self.encode(v), positions, lanes, self.capacity)
         return KVCache(k=tuple(ks), v=tuple(vs), dtype=self.dtype)
 
     def read(self, layer: int, lanes: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
@@ -118,16 +119,16 @@ def _storage(dtype: Any) -> Any:
     return jnp.uint16 if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(dtype)
 
 
-def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, lanes: jax.Array) -> jax.Array:
-    """Write `new` [B, T, kvh, hd] into `cache` [lanes, kvh, C, hd] in place, one update per row.
+def write_rows(cache: jax.Array, new: jax.Array, positions: jax.Array, lanes: jax.Array, cap: int) -> jax.Array:
+    """Write `new` [B, T, kvh, hd] into `cache` [lanes, kvh, >= cap, hd] in place, one update per row.
 
     Row i's real tokens sit at consecutive positions from positions[i, 0]; tokens at
-    position >= C are padding and are masked off, so they never change any lane. A row
-    whose window would run past C (a short chunk near the end of the arena) is written at
-    C - T with its tokens rolled into place, because dynamic_update_slice would clamp it
-    there anyway and shift real tokens onto the wrong positions.
+    position >= cap (the capacity) are padding and are masked off, so they never change any
+    lane. A row whose window would run past cap (a short chunk near the end of the arena) is
+    written at cap - T with its tokens rolled into place, because dynamic_update_slice would
+    clamp it anyway and shift real tokens onto the wrong positions.
     """
-    cap, t = cache.shape[2], new.shape[1]
+    t = new.shape[1]
     new = new.astype(cache.dtype).transpose(0, 2, 1, 3)         # [B, kvh, T, hd]
 
     def row(i: jax.Array | int, cache: jax.Array) -> jax.Array:
