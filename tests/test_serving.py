@@ -123,7 +123,7 @@ def test_metrics_show_each_stage_weight_kv_and_rss_bytes(served):
     for stage, weight_bytes in expected.items():
         label = f'stage="{stage}"'
         assert metric(url, "skippy_stage_weight_bytes", label) == weight_bytes
-        kv = 2 * 15 * 3 * 64 * TEST_CONTEXT * 8 * 4   # K+V, f32, 8 lanes
+        kv = 2 * 15 * 3 * 64 * (TEST_CONTEXT + 1) * 8 * 4   # K+V, f32, 8 lanes, the capacity and the spare slot
         assert metric(url, "skippy_stage_kv_bytes", label) == kv
         assert metric(url, "skippy_stage_rss_bytes", label) > weight_bytes + kv
         assert metric(url, "skippy_stage_predicted_bytes", label) > weight_bytes + kv + 256 * 2**20
