@@ -129,7 +129,7 @@ _SHORT_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
 
 # Positions an arena holds beyond its capacity, never attended to: a step that read a whole arena
-# (attention length == arena length) ran 4x slower on XLA:CPU than one reading all but its last
+# (attention length == arena length) ran 2.2-3.6x slower on XLA:CPU than one reading all but its last
 # position (scripts/attn_arena.py measures it side by side).
 KV_SPARE_SLOTS = 1
 
