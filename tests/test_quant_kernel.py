@@ -51,7 +51,23 @@ for bits in (8, 4):
         got, want = np.asarray(got), np.asarray(x) @ np.asarray(dense_w, np.float64)
         for other in (np.asarray(fallback), want):
             worst = max(worst, float(np.abs(got - other).max() / np.abs(want).max()))
-print(json.dumps({"available": quant.kernel_available(), "isa": quant.kernel_isa(), "worst": worst}))
+# decode attention: rows in different lanes at different positions (one a padding row at the
+# capacity, one lane out of range, clamped), 2 query heads per KV head, against numpy
+attn = 0.0
+if quant.kernel_available():
+    lanes_n, kvh, cap, d, limit = 3, 2, 40, 32, 33
+    k, v = (rng.standard_normal((lanes_n, kvh, cap, d)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((4, 4, d)).astype(np.float32)
+    lanes, positions = np.array([2, 0, 7, 1], np.int32), np.array([0, 17, 32, 39], np.int32)
+    got = np.asarray(quant.decode_attention(*map(jnp.asarray, (q, k, v, lanes, positions)), scale=0.3, limit=limit))
+    for b in range(4):
+        lane, n = min(lanes[b], lanes_n - 1), min(positions[b] + 1, limit)
+        for h in range(4):
+            s = 0.3 * k[lane, h // 2, :n] @ q[b, h]
+            p = np.exp(s - s.max())
+            attn = max(attn, float(np.abs(got[b, h] - p @ v[lane, h // 2, :n] / p.sum()).max()))
+print(json.dumps({"available": quant.kernel_available(), "isa": quant.kernel_isa(), "worst": worst,
+                  "attention": attn}))
 """
 
 
@@ -80,7 +96,7 @@ def test_forced_isa_runs_and_matches_the_xla_fallback(tmp_path, isa):
         pytest.skip("this CPU has no AVX2")
     got, _ = run_child(tmp_path, FULL, SKIPPY_KERNEL_ISA=isa)
     assert got["available"] and got["isa"] == isa
-    assert got["worst"] < 1e-5
+    assert got["worst"] < 1e-5 and got["attention"] < 1e-5
 
 
 def test_auto_picks_the_best_isa_this_cpu_supports(tmp_path):
@@ -94,7 +110,7 @@ def test_auto_picks_the_best_isa_this_cpu_supports(tmp_path):
     else:
         best = "generic"
     got, stderr = run_child(tmp_path, FULL, SKIPPY_KERNEL_ISA="auto")   # the loops this CPU runs
-    assert got["isa"] == best and got["worst"] < 1e-5
+    assert got["isa"] == best and got["worst"] < 1e-5 and got["attention"] < 1e-5
     got, stderr = run_child(tmp_path, SKIPPY_KERNEL_ISA="sse9")
     assert got["isa"] == best and "SKIPPY_KERNEL_ISA=sse9 is unknown or not supported" in stderr
 
@@ -102,7 +118,7 @@ def test_auto_picks_the_best_isa_this_cpu_supports(tmp_path):
 def test_no_compiler_means_the_xla_fallback_and_exactly_one_warning(tmp_path):
     cache = tmp_path / "empty-cache"
     got, stderr = run_child(tmp_path, CXX=str(tmp_path / "no-such-compiler"), SKIPPY_KERNEL_CACHE=str(cache))
-    assert got == {"available": False, "isa": None, "worst": got["worst"]} and got["worst"] < 1e-5
+    assert got == {"available": False, "isa": None, "worst": got["worst"], "attention": 0.0} and got["worst"] < 1e-5
     warnings = [line for line in stderr.splitlines() if "WARNING" in line]
     assert len(warnings) == 1, stderr
     assert "CPU kernel unavailable, using the slow XLA fallback" in warnings[0]
@@ -126,7 +142,7 @@ def test_fresh_build_lands_in_the_cache_dir_never_the_source_tree(tmp_path):
 def test_avx2_loops_hold_no_avx512_instruction_and_share_no_symbol(tmp_path):
     """Compile the loops as the AVX2 variant is built and read the code: no zmm, no mask
     or upper-16 vector register, so the AVX2 path can run on an AVX2-only CPU; and the
-    object exports its two entry points only (no weak inline copy the linker could hand
+    object exports its three entry points only (no weak inline copy the linker could hand
     to another ISA's caller)."""
     cxx = shutil.which(os.environ.get("CXX") or "g++")
     if not (X86 and cxx and shutil.which("objdump") and shutil.which("nm")):
@@ -140,4 +156,63 @@ def test_avx2_loops_hold_no_avx512_instruction_and_share_no_symbol(tmp_path):
     assert not re.search(r"zmm|%k[0-7]|[xy]mm(1[6-9]|2[0-9]|3[01])", asm)
     symbols = subprocess.run(["nm", "--extern-only", "--defined-only", str(obj)], check=True, capture_output=True,
                              text=True).stdout.split()
-    assert sorted(symbols[2::3]) == ["skippy_int8_panel_avx2", "skippy_q4_panel_avx2"]
+    assert sorted(symbols[2::3]) == ["skippy_attend_avx2", "skippy_int8_panel_avx2", "skippy_q4_panel_avx2"]
+
+
+INT8_CHILD = """
+import json, os, sys
+import jax, jax.numpy as jnp, numpy as np
+from skippy_zmq.model import quant
+
+def emulate(x, t):
+    # int8 activations as quant_kernel.h defines them, in numpy: blocks of 32 inputs per row,
+    # step amax / 127, levels rounded to nearest even; exact integer sums, then the steps
+    lv = quant.levels(t).astype(np.int64)
+    k = lv.shape[0]
+    s, z = (np.asarray(a, np.float32).transpose(1, 0, 2).reshape(a.shape[1], -1)[:, :t.n] for a in (t.s, t.z))
+    groups = s.shape[0]
+    xb = x.reshape(len(x), k // 32, 32)
+    amax = np.abs(xb).max(-1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    xq = np.rint(xb * inv[..., None]).astype(np.int64)
+    part = np.einsum("mbk,bkn->mbn", xq, lv.reshape(k // 32, 32, -1)) * (amax / np.float32(127))[..., None]
+    part = part.reshape(len(x), groups, -1, t.n).sum(2)
+    xs = xb.astype(np.float64).sum(-1).reshape(len(x), groups, -1).sum(2)
+    return (part * s + xs[..., None] * z).sum(1)
+
+rng = np.random.default_rng(0)
+out = {"isa": quant.kernel_isa(), "exact": 0.0, "vs_f32": 0.0, "row_alone_same": True}
+for bits in (8, 4):
+    for m, k, n in [(1, 576, 192), (2, 64, 97), (5, 96, 130), (9, 576, 1536), (1, 2048, 2100), (3, 32, 65)]:
+        w = rng.standard_normal((k, n)).astype(np.float32)
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        t = quant.to_qtensor(w, "kernel", bits)
+        kt = jax.tree.map(jnp.asarray, t)
+        got = np.asarray(jax.jit(quant.dense)(jnp.asarray(x), kt))
+        one = np.asarray(jax.jit(quant.dense)(jnp.asarray(x[-1:]), kt))
+        ref = x.astype(np.float64) @ np.asarray(quant.dequantize(t), np.float64)
+        scale = np.abs(ref).max()
+        out["exact"] = max(out["exact"], float(np.abs(got - emulate(x, t)).max() / scale))
+        out["vs_f32"] = max(out["vs_f32"], float(np.abs(got - ref).max() / scale))
+        out["row_alone_same"] &= bool(np.array_equal(one[0], got[-1]))
+print(json.dumps(out))
+"""
+
+
+def test_int8_activation_loops_compute_exactly_what_they_define(tmp_path):
+    """SKIPPY_KERNEL_ISA=avx512vnni (opt-in, never "auto"): x quantised to int8 per block of 32,
+    summed exactly in int32 by vpdpbusd, equals a numpy model of that arithmetic to float rounding,
+    is the same for a row whether or not other rows share the call, and is within int8 rounding
+    (a few 1e-3 of the output scale) of the float matmul."""
+    if not shutil.which(os.environ.get("CXX") or "g++"):
+        pytest.skip("no C++ compiler")
+    if not (X86 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"} <= cpu_flags()):
+        pytest.skip("this CPU has no AVX512-VNNI with VBMI")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "SKIPPY_KERNEL_ISA": "avx512vnni"}
+    done = subprocess.run([sys.executable, "-c", INT8_CHILD], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["isa"] == "avx512vnni" and got["row_alone_same"]
+    assert got["exact"] < 1e-5
+    assert 1e-4 < got["vs_f32"] < 3e-2

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from skippy_zmq.config import KV_SPARE_SLOTS, ModelConfig
+from skippy_zmq.model import quant
 from skippy_zmq.model import rope as rope_freqs
 from skippy_zmq.model.quant import dense, embed_rows
 
@@ -221,16 +222,38 @@ def attention(p: Params, x: jax.Array, kv: KVCache, layer: int, positions: jax.A
         q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     kv = kv.write(layer, k, v.reshape(b, t, kvh, hd), positions, lanes)
+    scale = cfg.attn_scale or 1.0 / (hd ** 0.5)
+    if t == 1 and not window and kv.dtype == "float32" and quant.decode_attention_fits(h, kvh, hd):
+        # decode: the CPU kernel reads each row's keys in place, up to its own position (no
+        # slice copy of the bucket, no padded keys); other devices keep the XLA attention below
+        def on_cpu(q: jax.Array) -> jax.Array:
+            return quant.decode_attention(q[:, 0], kv.k[layer], kv.v[layer], lanes, positions[:, 0],
+                                          scale=scale, limit=attn_len).astype(q.dtype)
+
+        def elsewhere(q: jax.Array) -> jax.Array:
+            return _attend(q, kv, layer, positions, lanes, attn_len, scale, window, cfg)[:, 0]
+
+        out = jax.lax.platform_dependent(q, cpu=on_cpu, default=elsewhere).reshape(b, t, h * hd)
+    else:
+        out = _attend(q, kv, layer, positions, lanes, attn_len, scale, window, cfg).reshape(b, t, h * hd)
+    out = dense(out, p["wo"])
+    return (out + p["bo"] if "bo" in p else out), kv
+
+
+def _attend(q: jax.Array, kv: KVCache, layer: int, positions: jax.Array, lanes: jax.Array, attn_len: int,
+            scale: float, window: int, cfg: ModelConfig) -> jax.Array:
+    """XLA attention of q [B, T, h, hd] over the first attn_len keys of each row's lane: [B, T, h, hd]."""
+    b, t, h, hd = q.shape
+    kvh = cfg.n_kv_heads
     keys, vals = kv.read(layer, lanes, attn_len)                  # [B, kvh, L, hd]
     qg = q.reshape(b, t, kvh, h // kvh, hd)
-    scores = jnp.einsum("btkgd,bkld->bkgtl", qg, keys.astype(x.dtype), preferred_element_type=jnp.float32)
-    scores = scores * (cfg.attn_scale or 1.0 / (hd ** 0.5))
+    scores = jnp.einsum("btkgd,bkld->bkgtl", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+    scores = scores * scale
     scores = jnp.where(visible_keys(positions, attn_len, kv.capacity, window)[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     # probs on the left, so the value slice feeds the dot as it lies (no transpose copy)
-    out = jnp.einsum("bkgtl,bkld->bkgtd", probs, vals.astype(x.dtype))
-    out = dense(out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * hd), p["wo"])
-    return (out + p["bo"] if "bo" in p else out), kv
+    out = jnp.einsum("bkgtl,bkld->bkgtd", probs, vals.astype(q.dtype))
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, hd)
 
 
 def layer_window(cfg: ModelConfig, layer: int) -> int:

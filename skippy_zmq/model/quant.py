@@ -57,13 +57,18 @@ from loguru import logger
 PANEL = 64
 GROUP_SIZE = 32   # input rows per scale; to_qtensor falls back to one group when it does not divide
 KERNEL_TARGETS = {8: "skippy_int8_dense", 4: "skippy_q4_dense"}   # bits -> FFI target
+ATTEND_TARGET = "skippy_decode_attention"   # one query token per row over f32 KV (quant_kernel.h)
+ATTENTION_ENV = "SKIPPY_DECODE_ATTENTION"   # kernel (default) | xla: which decode attention a CPU step runs
 KERNEL_DIR = Path(__file__).parent
 KERNEL_SOURCES = ("quant_kernel.cc", "quant_kernel_isa.cc", "quant_kernel.h")
 # Instruction sets quant_kernel_isa.cc is compiled for (x86-64), best first; other CPUs get "generic".
-ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
+ISA_FLAGS = {"avx512vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mavx2",
+                           "-mfma", "-mf16c"),
+             "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
              "avx2": ("-mavx2", "-mfma", "-mf16c"),
              "generic": ()}
-ISA_ENV = "SKIPPY_KERNEL_ISA"        # auto (default) | avx512 | avx2 | generic
+# auto (default: the best float-activation loops) | avx512vnni (int8 activations, opt-in) | avx512 | avx2 | generic
+ISA_ENV = "SKIPPY_KERNEL_ISA"
 CACHE_ENV = "SKIPPY_KERNEL_CACHE"    # where built kernels go; default $XDG_CACHE_HOME/skippy_zmq
 CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-ffp-contract=fast", "-w")
 
@@ -315,13 +320,30 @@ def _xla_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array, *, bits: 
     return x @ _dequantize_panels(_panel_levels(q, bits), s, z)
 
 
+def decode_attention_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel's decode attention takes this head layout (quant_kernel.h's bounds)."""
+    return (os.environ.get(ATTENTION_ENV, "kernel").strip().lower() != "xla" and heads % kv_heads == 0
+            and heads // kv_heads <= 32 and head_dim % 16 == 0 and head_dim <= 256 and kernel_available())
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lanes: jax.Array, positions: jax.Array,
+                     *, scale: float, limit: int) -> jax.Array:
+    """The kernel's decode attention: q [B, H, D] f32, one layer's f32 arenas k, v [lanes, KVH, C, D],
+    each row attending to its lane's keys 0..min(position, limit - 1). Returns [B, H, D] f32.
+    CPU only; the caller keeps the XLA attention for other devices (llama.attention)."""
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(ATTEND_TARGET, out)(q.astype(jnp.float32), k, v, lanes.astype(jnp.int32),
+                                                positions.astype(jnp.int32), scale=np.float32(scale),
+                                                limit=np.int64(limit))
+
+
 def kernel_available() -> bool:
     """Whether the CPU kernel is built (once per machine and source) and registered."""
     return _load_kernel() is not None
 
 
 def kernel_isa() -> str | None:
-    """The instruction set the loaded kernel runs ("avx512", "avx2", "generic"), or None."""
+    """The instruction set the loaded kernel runs ("avx512vnni", "avx512", "avx2", "generic"), or None."""
     kernel = _load_kernel()
     return kernel.isa if kernel is not None else None
 
@@ -344,7 +366,7 @@ def _load_kernel() -> _Kernel | None:
         logger.warning("quantised-matmul CPU kernel unavailable, using the slow XLA fallback: {}", exc)
         return None
     kernel = _Kernel(lib, _select_isa(lib, os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"))
-    for target in KERNEL_TARGETS.values():
+    for target in (*KERNEL_TARGETS.values(), ATTEND_TARGET):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     logger.debug("quantised-matmul CPU kernel: {} loops", kernel.isa)
     return kernel

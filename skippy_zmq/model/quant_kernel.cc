@@ -27,6 +27,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "quant_kernel.h"
 #include "xla/ffi/api/ffi.h"
@@ -37,6 +38,8 @@ SKIPPY_DECLARE_ISA(generic)
 #if defined(__x86_64__)
 SKIPPY_DECLARE_ISA(avx2)
 SKIPPY_DECLARE_ISA(avx512)
+SKIPPY_DECLARE_ISA(avx512vnni)
+SKIPPY_DECLARE_QUANTIZE(avx512vnni)
 #endif
 
 namespace {
@@ -45,6 +48,8 @@ struct Isa {
   const char* name;
   SkippyPanelFn int8, q4;
   bool (*supported)();
+  SkippyQuantizeFn quantize;  // int8 activations (null: float loops only)
+  SkippyAttendFn attend;
 };
 
 bool always() { return true; }
@@ -57,14 +62,19 @@ bool has_avx512() {
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl");
 }
+bool has_avx512vnni() {
+  return has_avx512() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+}
 #endif
 
 const Isa kIsas[] = {  // best first
 #if defined(__x86_64__)
-    {"avx512", skippy_int8_panel_avx512, skippy_q4_panel_avx512, has_avx512},
-    {"avx2", skippy_int8_panel_avx2, skippy_q4_panel_avx2, has_avx2},
+    {"avx512vnni", skippy_int8_panel_avx512vnni, skippy_q4_panel_avx512vnni, has_avx512vnni,
+     skippy_quantize_x_avx512vnni, skippy_attend_avx512vnni},
+    {"avx512", skippy_int8_panel_avx512, skippy_q4_panel_avx512, has_avx512, nullptr, skippy_attend_avx512},
+    {"avx2", skippy_int8_panel_avx2, skippy_q4_panel_avx2, has_avx2, nullptr, skippy_attend_avx2},
 #endif
-    {"generic", skippy_int8_panel_generic, skippy_q4_panel_generic, always},
+    {"generic", skippy_int8_panel_generic, skippy_q4_panel_generic, always, nullptr, skippy_attend_generic},
 };
 constexpr int kNumIsas = sizeof(kIsas) / sizeof(kIsas[0]);
 
@@ -75,6 +85,26 @@ constexpr int64_t kMinParallel = 4 << 20;  // multiply-adds below which the call
 struct Progress {
   std::atomic<int64_t> next{0}, done{0};
 };
+
+// Runs task(0..n-1) on the caller, helped by the pool when `work` (multiply-adds) is
+// worth waking it. Tasks are claimed from a shared counter; the caller works too and
+// takes whatever the pool has not started, so a pool busy with other thunks slows
+// this call down but can never deadlock it. Late helpers find nothing left; the
+// shared_ptr keeps the counters (and the task's captures) alive for them.
+template <class Task>
+void RunTasks(ffi::ThreadPool& pool, int64_t n, int64_t work, Task task) {
+  auto progress = std::make_shared<Progress>();
+  auto run = [=]() {
+    for (int64_t p; (p = progress->next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      task(p);
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = work < kMinParallel ? 0 : std::min<int64_t>(pool.num_threads() - 1, n - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([run] { run(); });
+  run();
+  while (progress->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
 
 // Shared by both formats; `row_bytes` is 64 (int8) or 32 (4-bit) per panel row.
 ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const void* q, ffi::Span<const int64_t> qd,
@@ -91,29 +121,26 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const void* q, f
   }
   SkippyDenseArgs args{x.typed_data(), q, reinterpret_cast<const uint16_t*>(s.untyped_data()),
                        reinterpret_cast<const uint16_t*>(z.untyped_data()), y->typed_data(),
-                       K ? static_cast<int64_t>(x.element_count()) / K : 0, K, panels * SKIPPY_PANEL, K / sd[1]};
+                       K ? static_cast<int64_t>(x.element_count()) / K : 0, K, panels * SKIPPY_PANEL, K / sd[1],
+                       nullptr, nullptr, nullptr};
   const Isa* isa = g_isa.load(std::memory_order_relaxed);
   const SkippyPanelFn fn = q4 ? isa->q4 : isa->int8;
-  // Panels are claimed from a shared counter. The caller works too and takes
-  // whatever the pool has not started, so a pool busy with other thunks slows
-  // this call down but can never deadlock it. Late helpers find nothing left;
-  // the shared_ptr keeps the counters (and the arguments) alive for them.
-  auto progress = std::make_shared<Progress>();
-  auto run = [=]() {
-    for (int64_t p; (p = progress->next.fetch_add(1, std::memory_order_relaxed)) < panels;) {
-      fn(&args, p);
-      progress->done.fetch_add(1, std::memory_order_release);
-    }
-  };
+  // int8 activations: x quantised once per call, read by every panel. Buffers are per
+  // thread (XLA may run two dense calls at once) and outlive the call's panels, which
+  // all finish before this function returns.
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xd, xs;
+  if (isa->quantize && K % SKIPPY_XBLOCK == 0 && args.group % SKIPPY_XBLOCK == 0 && args.M > 0) {
+    const int64_t blocks = args.M * (K / SKIPPY_XBLOCK);
+    xq.resize(args.M * K), xd.resize(blocks), xs.resize(blocks);
+    isa->quantize(args.x, args.M, K, xq.data(), xd.data(), xs.data());
+    args.xq = xq.data(), args.xd = xd.data(), args.xs = xs.data();
+  }
   // A sleeping pool thread takes ~25-50 us to wake (measured), as long as a
   // whole decode-step projection on one core, and one core nearly saturates
   // memory here (33 vs 38 GB/s for two). So decode projections stay on the
   // caller; the head and prefill chunks (compute-bound) use the pool.
-  const int64_t work = args.M * K * args.Np;
-  const int64_t helpers = work < kMinParallel ? 0 : std::min<int64_t>(pool.num_threads() - 1, panels - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([run] { run(); });
-  run();
-  while (progress->done.load(std::memory_order_acquire) < panels) std::this_thread::yield();
+  RunTasks(pool, panels, args.M * K * args.Np, [fn, args](int64_t p) { fn(&args, p); });
   return ffi::Error::Success();
 }
 
@@ -127,15 +154,39 @@ ffi::Error Q4Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return Dense(pool, x, q.typed_data(), q.dimensions(), SKIPPY_PANEL / 2, s, z, y, true);
 }
 
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lanes, ffi::Buffer<ffi::S32> positions,
+                           ffi::ResultBuffer<ffi::F32> out, float scale, int64_t limit) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || v.element_count() != k.element_count() || kd[3] != qd[2] || kd[1] <= 0 ||
+      qd[1] % kd[1] || qd[1] / kd[1] > SKIPPY_ATTEND_MAX_GROUP || qd[2] > SKIPPY_ATTEND_MAX_DIM ||
+      qd[2] % 16 || lanes.element_count() != qd[0] || positions.element_count() != qd[0] || kd[0] <= 0 ||
+      limit < 1 || limit > kd[2]) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "decode attention: q [B, H, D], k and v [lanes, KVH, C, D], H a multiple of KVH, "
+                      "D a multiple of 16, 1 <= limit <= C");
+  }
+  const SkippyAttendArgs args{q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(),
+                              lanes.typed_data(), positions.typed_data(), qd[0], qd[1], kd[1], kd[0], kd[2],
+                              qd[2], limit, scale};
+  const SkippyAttendFn fn = g_isa.load(std::memory_order_relaxed)->attend;
+  RunTasks(pool, args.B * args.KVH, args.B * args.H * limit * args.D * 2, [fn, args](int64_t t) { fn(&args, t); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // Chooses the loops every later call runs: `want` is "auto" (the best ISA this
-// CPU supports) or an ISA name. Returns the chosen name, or nullptr (and
-// changes nothing) when `want` is unknown, not built, or unsupported here.
+// CPU supports with float activations) or an ISA name. int8 activations
+// (avx512vnni) are never picked by "auto": they part greedy output from
+// transformers' within a few tokens on the parity prompts (the float loops
+// match every token), so they are a choice a user makes by name. Returns the
+// chosen name, or nullptr (and changes nothing) when `want` is unknown, not
+// built, or unsupported here.
 extern "C" const char* skippy_kernel_select(const char* want) {
   const bool any = std::strcmp(want, "auto") == 0;
   for (const Isa& isa : kIsas) {
-    if ((any || std::strcmp(want, isa.name) == 0) && isa.supported()) {
+    if ((any ? isa.quantize == nullptr : std::strcmp(want, isa.name) == 0) && isa.supported()) {
       g_isa.store(&isa, std::memory_order_relaxed);
       return isa.name;
     }
@@ -154,3 +205,15 @@ extern "C" const char* skippy_kernel_select(const char* want) {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_int8_dense, Int8Dense, SKIPPY_BIND(ffi::S8));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_q4_dense, Q4Dense, SKIPPY_BIND(ffi::U8));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_decode_attention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("limit"));

@@ -12,6 +12,12 @@
 // Levels are packed in 64-column panels: int8 [Np / 64][K][64], or 4-bit
 // [Np / 64][K][32] (byte j: column j in the low nibble, column j + 32 in the high one).
 // s and z are float16 (IEEE binary16 bits) [Np / 64][K / group][64], widened once per group.
+//
+// With int8 activations (the VNNI loops), xq holds x quantised per row in blocks of
+// SKIPPY_XBLOCK inputs: x[m, k] ~ xq[m, k] * xd[m, b], b = k / SKIPPY_XBLOCK, xq in -127..127,
+// and xs[m, b] the exact float sum of the block (for the offsets z). xq is null when the
+// call runs the float loops (the ISA has none, or K or the group is not a multiple of the block).
+#define SKIPPY_XBLOCK 32
 typedef struct {
   const float* x;
   const void* q;
@@ -19,11 +25,40 @@ typedef struct {
   const uint16_t* z;
   float* y;
   int64_t M, K, Np, group;
+  const int8_t* xq;
+  const float* xd;
+  const float* xs;
 } SkippyDenseArgs;
+
+// Quantises x [M, K] (K a multiple of SKIPPY_XBLOCK) into xq, xd, xs as above.
+typedef void (*SkippyQuantizeFn)(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs);
+
+// Decode attention (one query token per row) over the row's lane of one layer's f32 KV arena:
+// out[b, h] = softmax_j(scale * q[b, h] . k[lane_b, h / G, j]) @ v[lane_b, h / G, j] over the keys
+// j < min(positions[b] + 1, limit), G = H / KVH query heads per KV head. q and out are [B, H, D];
+// k and v [lanes, KVH, C, D]. Lanes and positions are clamped to the arena.
+typedef struct {
+  const float* q;
+  const float* k;
+  const float* v;
+  float* out;
+  const int32_t* lanes;
+  const int32_t* positions;
+  int64_t B, H, KVH, lanes_n, C, D, limit;
+  float scale;
+} SkippyAttendArgs;
+#define SKIPPY_ATTEND_MAX_GROUP 32   // query heads per KV head
+#define SKIPPY_ATTEND_MAX_DIM 256    // head dimension
+
+// Computes task = b * KVH + kv head.
+typedef void (*SkippyAttendFn)(const SkippyAttendArgs* args, int64_t task);
 
 // Computes every row of output panel p.
 typedef void (*SkippyPanelFn)(const SkippyDenseArgs* args, int64_t p);
 
 #define SKIPPY_DECLARE_ISA(isa)                                                 \
   extern "C" void skippy_int8_panel_##isa(const SkippyDenseArgs* args, int64_t p); \
-  extern "C" void skippy_q4_panel_##isa(const SkippyDenseArgs* args, int64_t p);
+  extern "C" void skippy_q4_panel_##isa(const SkippyDenseArgs* args, int64_t p);        \
+  extern "C" void skippy_attend_##isa(const SkippyAttendArgs* args, int64_t task);
+#define SKIPPY_DECLARE_QUANTIZE(isa) \
+  extern "C" void skippy_quantize_x_##isa(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs);

@@ -12,6 +12,8 @@
 
 #include "quant_kernel.h"
 
+#include <math.h>
+
 #if defined(__x86_64__) && defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -111,6 +113,102 @@ inline vf widen_u4(const uint8_t* p, bool high) {
 #endif
 }
 
+
+// ---- decode attention (quant_kernel.h): one pass over the keys in chunks, online softmax.
+constexpr int kChunk = 128;
+
+inline float hsum(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+#endif
+}
+
+typedef int32_t vi __attribute__((vector_size(4 * SKIPPY_LANES)));
+
+// exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp): 2^n * p(r), x = n ln2 + r.
+inline vf vexp(vf x) {
+  const vf lo = vf{} - 87.0f, magic = vf{} + 12582912.0f;   // 1.5 * 2^23: adding it rounds to an integer
+  x = x < lo ? lo : x;
+  const vf n = (x * 1.44269504088896341f + magic) - magic;
+  const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  __builtin_memcpy(&scale, &bits, sizeof(vf));
+  return p * scale;
+}
+
+inline vf loadf(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof(vf));
+  return v;
+}
+
+void attend(const SkippyAttendArgs& a, int64_t task) {
+  const int64_t b = task / a.KVH, kh = task % a.KVH, G = a.H / a.KVH, D = a.D, V = D / kLanes;
+  const int64_t lane = a.lanes[b] < 0 ? 0 : (a.lanes[b] >= a.lanes_n ? a.lanes_n - 1 : a.lanes[b]);
+  int64_t n = (int64_t)a.positions[b] + 1;
+  n = n < 1 ? 1 : (n > a.limit ? a.limit : n);
+  const float* keys = a.k + (lane * a.KVH + kh) * a.C * D;
+  const float* vals = a.v + (lane * a.KVH + kh) * a.C * D;
+  const float* q = a.q + (b * a.H + kh * G) * D;
+  vf acc[SKIPPY_ATTEND_MAX_GROUP][SKIPPY_ATTEND_MAX_DIM / kLanes];
+  float mx[SKIPPY_ATTEND_MAX_GROUP], sum[SKIPPY_ATTEND_MAX_GROUP], s[SKIPPY_ATTEND_MAX_GROUP][kChunk];
+  for (int64_t g = 0; g < G; ++g) {
+    mx[g] = -INFINITY, sum[g] = 0.0f;
+    for (int64_t i = 0; i < V; ++i) acc[g][i] = vf{};
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
+    const int64_t nj = n - j0 < kChunk ? n - j0 : kChunk;
+    for (int64_t j = 0; j < nj; ++j) {
+      const float* kr = keys + (j0 + j) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        vf d = {};
+        for (int64_t i = 0; i < V; ++i) d += loadf(q + g * D + i * kLanes) * loadf(kr + i * kLanes);
+        s[g][j] = a.scale * hsum(d);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t j = nj; j < kChunk && j % kLanes; ++j) s[g][j] = 0.0f;   // the last vector's tail
+      float m = mx[g];
+      for (int64_t j = 0; j < nj; ++j) m = s[g][j] > m ? s[g][j] : m;
+      const float corr = expf(mx[g] - m);   // 0 on the first chunk (mx = -inf)
+      float l = sum[g] * corr;
+      for (int64_t i = 0; i < V; ++i) acc[g][i] *= corr;
+      for (int64_t j = 0; j < nj; j += kLanes) {   // s has kChunk slots; those past nj are never read
+        const vf e = vexp(loadf(&s[g][j]) - m);
+        __builtin_memcpy(&s[g][j], &e, sizeof(vf));
+      }
+      for (int64_t j = 0; j < nj; ++j) l += s[g][j];
+      mx[g] = m, sum[g] = l;
+    }
+    for (int64_t j = 0; j < nj; ++j) {
+      const float* vr = vals + (j0 + j) * D;
+      for (int64_t i = 0; i < V; ++i) {
+        const vf vv = loadf(vr + i * kLanes);
+        for (int64_t g = 0; g < G; ++g) acc[g][i] += s[g][j] * vv;
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.0f / sum[g];
+    for (int64_t i = 0; i < V; ++i) {
+      const vf o = acc[g][i] * inv;
+      __builtin_memcpy(a.out + (b * a.H + kh * G + g) * D + i * kLanes, &o, sizeof(vf));
+    }
+  }
+}
+
 // Column block j (columns j * kLanes onwards) of one packed panel row, as float levels.
 struct Int8 {
   static constexpr int64_t kRowBytes = kPanel;
@@ -184,11 +282,172 @@ void panel_rows(const SkippyDenseArgs* a, int64_t p) {
   }
 }
 
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+// ---- int8 activations (AVX512-VNNI): x is quantised per row in blocks of 32 inputs
+// (quant_kernel.h); a block's products are summed exactly in int32 by vpdpbusd (4 inputs
+// per 32-bit lane), then scaled by the block's step xd. Per row, every output is the same
+// sequence of float operations whatever the tile height, so a row's result does not depend
+// on which rows share its call (batch invariance, as with the float loops' decode path).
+//
+// The weights stay in the float loops' layout (a panel row holds one k); vpermt2b gathers the
+// 4 consecutive k of a column into one 32-bit lane on the fly.
+#define SKIPPY_VNNI 1
+constexpr int kXBlock = SKIPPY_XBLOCK;
+
+inline __m512i byte_index(int (*f)(int)) {
+  alignas(64) int8_t idx[64];
+  for (int i = 0; i < 64; ++i) idx[i] = (int8_t)f(i);
+  return _mm512_load_si512(idx);
+}
+
+// 4-bit: rows k..k+3 are 128 contiguous bytes (32 each; byte i: column i low, i + 32 high).
+struct VQ4 {
+  static constexpr int64_t kRowBytes = kPanel / 2;
+  static constexpr bool kSigned = false;
+  // lane c of the gather: row k..k+3 bytes of column c (c < 16) or c + 16 (hi).
+  struct Index {
+    __m512i lo = byte_index([](int i) { return (i % 4 / 2) * 64 + (i % 2) * 32 + i / 4; });
+    __m512i hi = byte_index([](int i) { return (i % 4 / 2) * 64 + (i % 2) * 32 + 16 + i / 4; });
+  };
+  static inline void load4(const uint8_t* rows, __m512i w[4], const Index& ix) {
+    const __m512i lo = ix.lo, hi = ix.hi;
+    const __m512i a = _mm512_loadu_si512(rows), b = _mm512_loadu_si512(rows + 64), m = _mm512_set1_epi8(15);
+    const __m512i p0 = _mm512_permutex2var_epi8(a, lo, b), p1 = _mm512_permutex2var_epi8(a, hi, b);
+    w[0] = _mm512_and_si512(p0, m);                           // columns 0..15
+    w[1] = _mm512_and_si512(p1, m);                           // 16..31
+    w[2] = _mm512_and_si512(_mm512_srli_epi16(p0, 4), m);     // 32..47
+    w[3] = _mm512_and_si512(_mm512_srli_epi16(p1, 4), m);     // 48..63
+  }
+};
+
+// int8: rows k..k+3 are 4 x 64 bytes; pair rows into 16-bit units, then pairs into lanes.
+struct VInt8 {
+  static constexpr int64_t kRowBytes = kPanel;
+  static constexpr bool kSigned = true;
+  struct Index {
+    __m512i lo = byte_index([](int i) { return (i % 2) * 64 + i / 2; });        // word c: rows 0, 1 of column c
+    __m512i hi = byte_index([](int i) { return (i % 2) * 64 + 32 + i / 2; });   // of column c + 32
+    __m512i w0 = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                  39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);   // lane c: words c, 32 + c
+    __m512i w1 = _mm512_add_epi16(w0, _mm512_set1_epi16(16));
+  };
+  static inline void load4(const uint8_t* rows, __m512i w[4], const Index& ix) {
+    const __m512i lo = ix.lo, hi = ix.hi, w0 = ix.w0, w1 = ix.w1;
+    const __m512i r0 = _mm512_loadu_si512(rows), r1 = _mm512_loadu_si512(rows + 64);
+    const __m512i r2 = _mm512_loadu_si512(rows + 128), r3 = _mm512_loadu_si512(rows + 192);
+    const __m512i p_lo = _mm512_permutex2var_epi8(r0, lo, r1), p_hi = _mm512_permutex2var_epi8(r0, hi, r1);
+    const __m512i q_lo = _mm512_permutex2var_epi8(r2, lo, r3), q_hi = _mm512_permutex2var_epi8(r2, hi, r3);
+    w[0] = _mm512_permutex2var_epi16(p_lo, w0, q_lo);
+    w[1] = _mm512_permutex2var_epi16(p_lo, w1, q_lo);
+    w[2] = _mm512_permutex2var_epi16(p_hi, w0, q_hi);
+    w[3] = _mm512_permutex2var_epi16(p_hi, w1, q_hi);
+  }
+};
+
+// R rows x the panel's 64 columns over the whole K.
+template <class F, int R>
+void vtile(const SkippyDenseArgs& a, const uint8_t* panel, const uint16_t* s, const uint16_t* z, int64_t m0,
+           int64_t n0) {
+  const int64_t blocks = a.K / kXBlock, per_group = a.group / kXBlock;
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  const uint8_t* row = panel;
+  const __m512i ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8((char)0x80);
+  const typename F::Index ix;
+  for (int64_t g = 0; g < a.K / a.group; ++g) {
+    __m512 part[R][4];
+    float xsum[R];
+    for (int r = 0; r < R; ++r) {
+      xsum[r] = 0.0f;
+      for (int c = 0; c < 4; ++c) part[r][c] = _mm512_setzero_ps();
+    }
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      __m512i isum[R][4], wsum[4];
+      for (int c = 0; c < 4; ++c) {
+        wsum[c] = _mm512_setzero_si512();
+        for (int r = 0; r < R; ++r) isum[r][c] = _mm512_setzero_si512();
+      }
+      for (int t = 0; t < kXBlock; t += 4, row += 4 * F::kRowBytes) {
+        __m512i w[4];
+        F::load4(row, w, ix);
+        for (int r = 0; r < R; ++r) {
+          int32_t x4;
+          __builtin_memcpy(&x4, a.xq + (m0 + r) * a.K + b * kXBlock + t, 4);
+          const __m512i xb = _mm512_set1_epi32(x4);
+          // vpdpbusd multiplies unsigned bytes by signed ones: 4-bit levels are the unsigned
+          // side; int8 weights are signed, so x goes unsigned as xq + 128 (corrected below).
+          for (int c = 0; c < 4; ++c)
+            isum[r][c] = F::kSigned ? _mm512_dpbusd_epi32(isum[r][c], _mm512_xor_si512(xb, flip), w[c])
+                                    : _mm512_dpbusd_epi32(isum[r][c], w[c], xb);
+        }
+        if (F::kSigned)
+          for (int c = 0; c < 4; ++c) wsum[c] = _mm512_dpbusd_epi32(wsum[c], ones, w[c]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 d = _mm512_set1_ps(a.xd[(m0 + r) * blocks + b]);
+        xsum[r] += a.xs[(m0 + r) * blocks + b];
+        for (int c = 0; c < 4; ++c) {
+          const __m512i exact = F::kSigned ? _mm512_sub_epi32(isum[r][c], _mm512_slli_epi32(wsum[c], 7)) : isum[r][c];
+          part[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), d, part[r][c]);
+        }
+      }
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m512 sc = loadh(s + g * kPanel + kLanes * c), zc = loadh(z + g * kPanel + kLanes * c);
+      for (int r = 0; r < R; ++r)
+        acc[r][c] = _mm512_fmadd_ps(part[r][c], sc, _mm512_fmadd_ps(_mm512_set1_ps(xsum[r]), zc, acc[r][c]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(a.y + (m0 + r) * a.Np + n0 + kLanes * c, acc[r][c]);
+}
+
+template <class F>
+void vpanel_rows(const SkippyDenseArgs* a, int64_t p) {
+  const uint8_t* panel = (const uint8_t*)a->q + p * a->K * F::kRowBytes;
+  const int64_t at = p * (a->K / a->group) * kPanel, n0 = p * kPanel;
+  const uint16_t *s = a->s + at, *z = a->z + at;
+  int64_t m = 0;
+  for (; m + 4 <= a->M; m += 4) vtile<F, 4>(*a, panel, s, z, m, n0);
+  for (; m < a->M; ++m) vtile<F, 1>(*a, panel, s, z, m, n0);
+}
+#endif
+
 }  // namespace
 
+#if defined(SKIPPY_VNNI)
+// x [M, K] -> int8 blocks of 32 (round to nearest even, step amax / 127), their steps and sums.
+extern "C" void SKIPPY_CAT(skippy_quantize_x_, SKIPPY_ISA)(const float* x, int64_t M, int64_t K, int8_t* xq,
+                                                           float* xd, float* xs) {
+  const int64_t blocks = K / kXBlock;
+  for (int64_t i = 0; i < M * blocks; ++i) {
+    const float* v = x + i * kXBlock;
+    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    xs[i] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    xd[i] = amax / 127.0f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    _mm_storeu_si128((__m128i*)(xq + i * kXBlock), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+    _mm_storeu_si128((__m128i*)(xq + i * kXBlock + 16),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+  }
+}
+#endif
+
+extern "C" void SKIPPY_CAT(skippy_attend_, SKIPPY_ISA)(const SkippyAttendArgs* a, int64_t task) {
+  attend(*a, task);
+}
 extern "C" void SKIPPY_CAT(skippy_int8_panel_, SKIPPY_ISA)(const SkippyDenseArgs* a, int64_t p) {
+#if defined(SKIPPY_VNNI)
+  if (a->xq) return vpanel_rows<VInt8>(a, p);
+#endif
   panel_rows<Int8>(a, p);
 }
 extern "C" void SKIPPY_CAT(skippy_q4_panel_, SKIPPY_ISA)(const SkippyDenseArgs* a, int64_t p) {
+#if defined(SKIPPY_VNNI)
+  if (a->xq) return vpanel_rows<VQ4>(a, p);
+#endif
   panel_rows<Q4>(a, p);
 }
