@@ -61,6 +61,29 @@ def test_request_warmup_covers_that_request(tiny_tree):
     assert compiles == []
 
 
+def test_warmup_runs_small_shapes_on_padding_and_changes_no_kv(tiny_tree):
+    """Decode rows, windows and chunks up to WARM_RUN_TOKENS are run once (a compiled step's first run
+    is slow on XLA:CPU), on padding positions: every lane's KV stays bit for bit what it was, and the
+    runner's step counters do not count the warm-up."""
+    from skippy_zmq.model.runner import WARM_RUN_TOKENS
+
+    r = runner(tiny_tree)
+    ids = random_ids(40, TINY.vocab_size, seed=9)
+    r.prefill(0, ids, 0, output="none")
+    r.prefill(1, ids[::-1].copy(), 0, output="none")
+    before = [np.asarray(a).copy() for a in r.kv.k + r.kv.v]
+    calls = r.stats.calls
+    with counting_compiles() as compiles:
+        r.warmup(rows=(1, 2), windows=(4, 8), attn_lens=(128, 256))
+    assert compiles and max(16, 64) <= WARM_RUN_TOKENS          # this warm-up ran every shape it made
+    assert r.stats.calls == calls
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, r.kv.k + r.kv.v))
+    want = r.decode(np.array([0]), ids[-1:], np.array([40]))[0]
+    fresh = runner(tiny_tree)
+    fresh.prefill(0, ids, 0, output="none")
+    np.testing.assert_array_equal(want, fresh.decode(np.array([0]), ids[-1:], np.array([40]))[0])
+
+
 def test_default_warmup_is_the_first_attention_bucket(tiny_tree):
     """The stage factory's call keeps its start time: only sequences up to the first bucket are covered."""
     r = runner(tiny_tree)

@@ -17,6 +17,8 @@ from skippy_zmq.config import Buckets, KVConfig, ModelConfig
 from skippy_zmq.model.llama import KVCache, forward_jit
 from skippy_zmq.model.quant import for_device
 
+WARM_RUN_TOKENS = 64   # warm-up runs (not only compiles) shapes of at most this many tokens: SliceRunner._compile
+
 
 def resolve_device(spec: str = "cpu") -> Any:
     """'cpu' | 'gpu:N' | 'tpu:N' -> a jax.Device (clear error if absent)."""
@@ -210,14 +212,24 @@ class SliceRunner:
 
     def _compile(self, inputs: np.ndarray, attn_len: int, output: str) -> None:
         """Compile the step `_step` would run for inputs of this shape (same placements, so the
-        later call finds it compiled), without running it."""
+        later call finds it compiled). Shapes of at most WARM_RUN_TOKENS tokens (decode rows,
+        verify windows, short chunks) are also run once, on padding positions that write no KV:
+        a compiled step's first run on XLA:CPU took 90-200 ms more than its later ones (SmolLM2
+        q4 verify windows, measured), which a fresh `generate` or a server's first windows
+        otherwise paid mid-answer. Larger shapes are compiled only: an 8B stage's 256-token
+        prefill alone computes for seconds."""
         shape = (inputs.shape, attn_len, output)
         if shape in self.stats.shapes:
             return
         rows, length = inputs.shape[:2]
         positions, lanes = np.full((rows, length), self.capacity, np.int32), np.zeros(rows, np.int32)
-        forward_jit.lower(self.params, self.kv, self._put(inputs), self._put(positions), self._put(lanes),
-                          cfg=self.cfg, start=self.start, end=self.end, attn_len=attn_len, output=output).compile()
+        args = (self.params, self.kv, self._put(inputs), self._put(positions), self._put(lanes))
+        static = dict(cfg=self.cfg, start=self.start, end=self.end, attn_len=attn_len, output=output)
+        if rows * length <= WARM_RUN_TOKENS:
+            out, self.kv = forward_jit(*args, **static)   # every position is padding: no lane changes
+            jax.block_until_ready((out, self.kv))
+        else:
+            forward_jit.lower(*args, **static).compile()
         self.stats.shapes.add(shape)
 
     def _span(self, length: int) -> int:
