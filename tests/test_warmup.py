@@ -76,7 +76,14 @@ def test_warmup_runs_small_shapes_on_padding_and_changes_no_kv(tiny_tree):
     with counting_compiles() as compiles:
         r.warmup(rows=(1, 2), windows=(4, 8), attn_lens=(128, 256))
     assert compiles and max(16, 64) <= WARM_RUN_TOKENS          # this warm-up ran every shape it made
-    assert r.stats.calls == calls
+    assert r.stats.calls == calls and r.stats.ran == r.stats.shapes
+    # a stage compiles before READY (run=False) and runs the same shapes while idle, compiling nothing
+    r2 = runner(tiny_tree)
+    r2.warmup(rows=(1,), windows=(4,), attn_lens=(128,), run=False)
+    assert r2.stats.shapes and not r2.stats.ran
+    with counting_compiles() as compiles:
+        r2.warmup(rows=(1,), windows=(4,), attn_lens=(128,))
+    assert r2.stats.ran == r2.stats.shapes and compiles == []
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, r.kv.k + r.kv.v))
     want = r.decode(np.array([0]), ids[-1:], np.array([40]))[0]
     fresh = runner(tiny_tree)

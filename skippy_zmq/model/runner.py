@@ -38,6 +38,7 @@ class StepStats:
     calls: int = 0
     compute_s: float = 0.0
     shapes: set = field(default_factory=set)   # (inputs shape, attn_len, output) compiled: run or warmed
+    ran: set = field(default_factory=set)      # of those, the ones run at least once (traffic or warm-up)
 
 
 class SliceRunner:
@@ -82,6 +83,7 @@ class SliceRunner:
         self.stats.calls += 1
         self.stats.compute_s += time.perf_counter() - t0
         self.stats.shapes.add((inputs.shape, attn_len, output))
+        self.stats.ran.add((inputs.shape, attn_len, output))
         return out
 
     def _pad_inputs(self, inputs: np.ndarray, rows: int, length: int) -> np.ndarray:
@@ -179,7 +181,7 @@ class SliceRunner:
     def warmup(self, rows: tuple[int, ...] = (1,), chunks: tuple[int, ...] | None = None,
                attn_lens: tuple[int, ...] | None = None,
                pairs: set[tuple[int, int]] | None = None, windows: tuple[int, ...] = (),
-               shapes: tuple[tuple[int, int], ...] = ()) -> float:
+               shapes: tuple[tuple[int, int], ...] = (), run: bool = True) -> float:
         """Compile the step for the shapes traffic can bring, ahead of it; runs nothing.
 
         The decode step for every row bucket in `rows` and every prefill chunk in `chunks` (default:
@@ -191,7 +193,8 @@ class SliceRunner:
         prefill alone computes for seconds. Shapes this runner has already compiled are skipped, so
         a second call, or one after traffic, costs nothing. `windows`: one-row verify windows of
         these lengths (window buckets), scored like decode rows; `shapes`: any (rows, tokens) a DECODE
-        can bring (config.decode_shapes: several rows, each a window). Returns the seconds spent.
+        can bring (config.decode_shapes: several rows, each a window). `run=False` compiles only,
+        even the small shapes `_compile` would run (a stage before READY). Returns the seconds spent.
         """
         t0 = time.perf_counter()
         chunks = chunks if chunks is not None else self.buckets.prefill_chunks
@@ -203,31 +206,34 @@ class SliceRunner:
         prefill_out = "none" if self.last else "hidden"
         for attn in sorted(attn_lens):
             for r in rows:
-                self._compile(np.zeros((r, 1) + width, dtype), attn, decode_out)
+                self._compile(np.zeros((r, 1) + width, dtype), attn, decode_out, run)
             for r, t in [(1, t) for t in windows] + list(shapes):
-                self._compile(np.zeros((r, t) + width, dtype), attn, decode_out)
+                self._compile(np.zeros((r, t) + width, dtype), attn, decode_out, run)
         for c, attn in sorted(pairs, key=lambda p: (p[1], p[0])):
-            self._compile(np.zeros((1, c) + width, dtype), attn, prefill_out)
+            self._compile(np.zeros((1, c) + width, dtype), attn, prefill_out, run)
         return time.perf_counter() - t0
 
-    def _compile(self, inputs: np.ndarray, attn_len: int, output: str) -> None:
+    def _compile(self, inputs: np.ndarray, attn_len: int, output: str, run: bool = True) -> None:
         """Compile the step `_step` would run for inputs of this shape (same placements, so the
         later call finds it compiled). Shapes of at most WARM_RUN_TOKENS tokens (decode rows,
         verify windows, short chunks) are also run once, on padding positions that write no KV:
         a compiled step's first run on XLA:CPU took 90-200 ms more than its later ones (SmolLM2
         q4 verify windows, measured), which a fresh `generate` or a server's first windows
         otherwise paid mid-answer. Larger shapes are compiled only: an 8B stage's 256-token
-        prefill alone computes for seconds."""
+        prefill alone computes for seconds. With `run` False a small shape is compiled only too,
+        and a later call with `run` runs it (a stage compiles before READY, runs while idle)."""
         shape = (inputs.shape, attn_len, output)
-        if shape in self.stats.shapes:
+        small = inputs.shape[0] * inputs.shape[1] <= WARM_RUN_TOKENS
+        if shape in self.stats.shapes and (shape in self.stats.ran or not (run and small)):
             return
         rows, length = inputs.shape[:2]
         positions, lanes = np.full((rows, length), self.capacity, np.int32), np.zeros(rows, np.int32)
         args = (self.params, self.kv, self._put(inputs), self._put(positions), self._put(lanes))
         static = dict(cfg=self.cfg, start=self.start, end=self.end, attn_len=attn_len, output=output)
-        if rows * length <= WARM_RUN_TOKENS:
+        if run and small:
             out, self.kv = forward_jit(*args, **static)   # every position is padding: no lane changes
             jax.block_until_ready((out, self.kv))
+            self.stats.ran.add(shape)
         else:
             forward_jit.lower(*args, **static).compile()
         self.stats.shapes.add(shape)

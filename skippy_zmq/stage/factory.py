@@ -99,7 +99,8 @@ def idle_warmups(runner: SliceRunner, shapes: tuple[tuple[int, int], ...]) -> li
     READY they would lengthen every restart (a SmolLM2 stage of 8 lanes reaches 13 shapes at each of
     4 lengths); after them, no DECODE a driver can send compiles, and the stage has reached the
     memory its plan counts (placement.py: compiled shapes). Shapes compiled before READY are
-    in the list too and cost nothing."""
+    in the list too: each is run once here (runner._compile: a compiled step's first run is slow),
+    which costs a step's compute, not a compile."""
     return [functools.partial(runner.warmup, rows=(), shapes=(shape,), attn_lens=(a,), pairs=set())
             for a in runner.attn_buckets() for shape in shapes]   # a shape already compiled costs nothing
 
@@ -111,10 +112,13 @@ def warm_before_ready(runner: SliceRunner, windows: tuple[int, ...] = ()) -> flo
     or a persistent-cache read (scripts/stage_start.py splits them): about 0.3 s a shape with the
     cache warm, so 1- and 2-row decode at every length is cheap enough to do before READY. `windows`:
     one-row verify windows at the first attention length (contexts up to 256 tokens); the other
-    lengths, more rows and windows of several rows are `idle_warmups`, run after READY."""
+    lengths, more rows and windows of several rows are `idle_warmups`, run after READY. Compiled
+    only (run=False): running the small shapes once too is left to the idle warm-ups, so it does
+    not lengthen the time to READY (half an 8B: 23 s of a 30 s bound)."""
     rows = runner.buckets.decode_rows[:2]
-    spent = runner.warmup(rows=rows, chunks=runner.buckets.prefill_chunks, attn_lens=runner.attn_buckets())
-    return spent + runner.warmup(rows=(), windows=windows, attn_lens=runner.attn_buckets(1), pairs=set())
+    spent = runner.warmup(rows=rows, chunks=runner.buckets.prefill_chunks, attn_lens=runner.attn_buckets(),
+                          run=False)
+    return spent + runner.warmup(rows=(), windows=windows, attn_lens=runner.attn_buckets(1), pairs=set(), run=False)
 
 
 def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
