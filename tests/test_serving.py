@@ -128,6 +128,9 @@ def test_metrics_show_each_stage_weight_kv_and_rss_bytes(served):
         assert metric(url, "skippy_stage_rss_bytes", label) > weight_bytes + kv
         assert metric(url, "skippy_stage_predicted_bytes", label) > weight_bytes + kv + 256 * 2**20
         assert metric(url, "skippy_stage_memory_budget_bytes", label) == 0
+        # f32 weights: no quantised matmul to report, but decode attention runs in the CPU kernel
+        kernels = f'decode_attention="kernel",matmul="xla",{label}'   # the exposition sorts labels
+        assert metric(url, "skippy_stage_kernel_info", kernels) == 1.0
 
 
 def running_choices(engine) -> list[int]:

@@ -27,9 +27,12 @@ def synthetic_prompt(tokenizer: Any, n_tokens: int) -> list[int]:
 def machine() -> dict[str, Any]:
     import jax
 
+    from skippy_zmq.model import quant
+
     return {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg_1m": round(os.getloadavg()[0], 2)}
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg_1m": round(os.getloadavg()[0], 2),
+            "kernel_isa": quant.kernel_isa() or "xla", "kernel_isas_here": quant.supported_isas()}
 
 
 def stage_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -75,6 +75,15 @@ class PipelineCollector(Collector):
             for key, family in {**gauges, **counters}.items():
                 family.add_metric([state.stage_id], float(state.info.get(key, 0)))
         yield up
+        kernel = GaugeMetricFamily(f"{NAMESPACE}_stage_kernel_info", "Stage: the native CPU kernels its steps use "
+                                   "(matmul: the quantised-matmul loops' instruction set, xla when none; "
+                                   "decode_attention: kernel or xla); always 1.", labels=["stage", "matmul",
+                                                                                        "decode_attention"])
+        for state in self.engine.stages.values():
+            if "kernel_matmul" in state.info:
+                kernel.add_metric([state.stage_id, str(state.info["kernel_matmul"]),
+                                   str(state.info.get("kernel_decode_attention", ""))], 1.0)
+        yield kernel
         yield from gauges.values()
         yield from counters.values()
 

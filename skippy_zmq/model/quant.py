@@ -384,6 +384,19 @@ def _select_isa(lib: ctypes.CDLL, want: str) -> str:
     return got.decode()
 
 
+def supported_isas() -> list[str]:
+    """The kernel's instruction sets this CPU can run, best first (auto picks the first with float
+    activations; avx512vnni, int8 activations, only by name): empty without the kernel."""
+    kernel = _load_kernel()
+    if kernel is None:
+        return []
+    select = kernel.lib.skippy_kernel_select
+    select.restype, select.argtypes = ctypes.c_char_p, [ctypes.c_char_p]
+    here = [isa for isa in kernel_isas() if select(isa.encode()) is not None]
+    select(kernel.isa.encode())   # back to the loops this process runs
+    return here
+
+
 def kernel_isas() -> tuple[str, ...]:
     """The instruction sets the kernel library is built with on this machine, best first."""
     return tuple(ISA_FLAGS) if platform.machine().lower() in ("x86_64", "amd64") else ("generic",)

@@ -15,6 +15,7 @@ import numpy as np
 
 from skippy_zmq.config import Buckets, KVConfig, ModelConfig
 from skippy_zmq.model.llama import KVCache, forward_jit
+from skippy_zmq.model import quant
 from skippy_zmq.model.quant import for_device
 
 WARM_RUN_TOKENS = 64   # warm-up runs (not only compiles) shapes of at most this many tokens: SliceRunner._compile
@@ -66,6 +67,17 @@ class SliceRunner:
     @property
     def capacity(self) -> int:
         return self.kv_cfg.capacity
+
+    def kernels(self) -> dict[str, str]:
+        """Which native CPU kernels this runner's steps use: "matmul" (the quantised-matmul loops'
+        instruction set, "xla" when none) and "decode_attention" ("kernel" or "xla")."""
+        on_cpu = (self.device or jax.devices()[0]).platform == "cpu"
+        quantised = any(isinstance(t, quant.QTensor) and t.impl == "kernel" for t in
+                        jax.tree.leaves(self.params, is_leaf=lambda t: isinstance(t, quant.QTensor)))
+        isa = quant.kernel_isa() if on_cpu and quantised else None
+        fits = quant.decode_attention_fits(self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim)
+        attention = "kernel" if on_cpu and fits and self.kv.dtype == "float32" else "xla"
+        return {"matmul": isa or "xla", "decode_attention": attention}
 
     def _put(self, a: np.ndarray) -> jax.Array:
         return jax.device_put(a, self.device)

@@ -49,6 +49,8 @@ class StageWorker:
                                          "forwarded": 0, "encode_send_us": 0}
         self.memory: dict[str, int] = {}   # weight / KV / predicted bytes and budget (stage/factory.py)
         self.warm_later: list[Callable[[], Any]] = []   # compiles the loop runs while idle, after READY
+        kernels = getattr(runner, "kernels", None)   # the native CPU kernels its steps use, for /metrics
+        self.kernels: dict[str, str] = kernels() if callable(kernels) else {}
         # Final stage: the model directory (tokenizer.json) and logits width the constraint engine
         # reads, set by stage/factory.py; its TokenizerInfo is built on the first constrained request.
         self.tokenizer_source: tuple[Any, int | None] | None = None
@@ -452,7 +454,7 @@ class StageWorker:
     def status(self) -> dict[str, Any]:
         out = {"lanes_in_use": len(self.sessions), "lanes": self.sessions.lanes, **self.counters,
                "fenced": self.fence.dropped, **self.memory, "rss_bytes": rss_bytes(),
-               "warmups_pending": len(self.warm_later)}
+               "warmups_pending": len(self.warm_later), **{f"kernel_{k}": v for k, v in self.kernels.items()}}
         if self.store is not None:
             out.update({f"cache_{k}": v for k, v in self.store.stats().items()})
         if self.info.last:   # constrained decoding: time spent computing token masks, and how many
