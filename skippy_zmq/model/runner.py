@@ -194,16 +194,17 @@ class SliceRunner:
                attn_lens: tuple[int, ...] | None = None,
                pairs: set[tuple[int, int]] | None = None, windows: tuple[int, ...] = (),
                shapes: tuple[tuple[int, int], ...] = (), run: bool = True) -> float:
-        """Compile the step for the shapes traffic can bring, ahead of it; runs nothing.
+        """Compile the step for the shapes traffic can bring, ahead of it; shapes of at most
+        WARM_RUN_TOKENS tokens are also run once, on padding positions that change no KV (`_compile`).
 
         The decode step for every row bucket in `rows` and every prefill chunk in `chunks` (default:
         all), each at every attention length in `attn_lens`. Default: the first bucket only, which
         covers sequences up to 256 positions; `attn_lens=self.attn_buckets()` covers every length up
         to the capacity, so no request compiles. `pairs` ({(chunk, attention length)}) replaces the
         chunks x attn_lens grid for prefill (see `request_shapes`). Each shape is traced, lowered and
-        compiled (or read from the persistent cache) but not executed: an 8B stage's 256-token
-        prefill alone computes for seconds. Shapes this runner has already compiled are skipped, so
-        a second call, or one after traffic, costs nothing. `windows`: one-row verify windows of
+        compiled (or read from the persistent cache); larger shapes are not executed: an 8B stage's
+        256-token prefill alone computes for seconds. Shapes this runner has already compiled (and
+        run, where small) are skipped, so a second call, or one after traffic, costs nothing. `windows`: one-row verify windows of
         these lengths (window buckets), scored like decode rows; `shapes`: any (rows, tokens) a DECODE
         can bring (config.decode_shapes: several rows, each a window). `run=False` compiles only,
         even the small shapes `_compile` would run (a stage before READY). Returns the seconds spent.
