@@ -321,9 +321,12 @@ def _xla_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array, *, bits: 
 
 
 def decode_attention_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether the kernel's decode attention takes this head layout (quant_kernel.h's bounds)."""
+    """Whether the kernel's decode attention takes this head layout (quant_kernel.h's bounds). Only
+    where JAX's default backend is the CPU: a GPU or TPU process never builds the CPU kernel for it
+    (a stage placed on the CPU there keeps the XLA attention)."""
     return (os.environ.get(ATTENTION_ENV, "kernel").strip().lower() != "xla" and heads % kv_heads == 0
-            and heads // kv_heads <= 32 and head_dim % 16 == 0 and head_dim <= 256 and kernel_available())
+            and heads // kv_heads <= 32 and head_dim % 16 == 0 and head_dim <= 256
+            and jax.default_backend() == "cpu" and kernel_available())
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lanes: jax.Array, positions: jax.Array,
