@@ -393,11 +393,9 @@ def supported_isas() -> list[str]:
     kernel = _load_kernel()
     if kernel is None:
         return []
-    select = kernel.lib.skippy_kernel_select
-    select.restype, select.argtypes = ctypes.c_char_p, [ctypes.c_char_p]
-    here = [isa for isa in kernel_isas() if select(isa.encode()) is not None]
-    select(kernel.isa.encode())   # back to the loops this process runs
-    return here
+    supports = kernel.lib.skippy_kernel_supports
+    supports.restype, supports.argtypes = ctypes.c_int, [ctypes.c_char_p]
+    return [isa for isa in kernel_isas() if supports(isa.encode())]
 
 
 def kernel_isas() -> tuple[str, ...]:

@@ -194,6 +194,15 @@ extern "C" const char* skippy_kernel_select(const char* want) {
   return nullptr;
 }
 
+// Whether loops named `name` are built into this library and this CPU can run them (1) or
+// not (0). Changes nothing: the loops later calls run stay those skippy_kernel_select chose.
+extern "C" int skippy_kernel_supports(const char* name) {
+  for (const Isa& isa : kIsas) {
+    if (std::strcmp(name, isa.name) == 0) return isa.supported() ? 1 : 0;
+  }
+  return 0;
+}
+
 #define SKIPPY_BIND(T)                          \
   ffi::Ffi::Bind()                              \
       .Ctx<ffi::ThreadPool>()                   \

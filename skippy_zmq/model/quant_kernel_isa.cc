@@ -113,7 +113,6 @@ inline vf widen_u4(const uint8_t* p, bool high) {
 #endif
 }
 
-
 // ---- decode attention (quant_kernel.h): one pass over the keys in chunks, online softmax.
 constexpr int kChunk = 128;
 
@@ -185,7 +184,7 @@ void attend(const SkippyAttendArgs& a, int64_t task) {
       const float corr = expf(mx[g] - m);   // 0 on the first chunk (mx = -inf)
       float l = sum[g] * corr;
       for (int64_t i = 0; i < V; ++i) acc[g][i] *= corr;
-      for (int64_t j = 0; j < nj; j += kLanes) {   // s has kChunk slots; those past nj are never read
+      for (int64_t j = 0; j < nj; j += kLanes) {   // the tail past nj (zeroed above) is exp'd, never summed
         const vf e = vexp(loadf(&s[g][j]) - m);
         __builtin_memcpy(&s[g][j], &e, sizeof(vf));
       }
@@ -281,7 +280,6 @@ void panel_rows(const SkippyDenseArgs* a, int64_t p) {
     if (m < a->M) tile_one<F>(*a, panel, s, z, m, n0, h);
   }
 }
-
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 // ---- int8 activations (AVX512-VNNI): x is quantised per row in blocks of 32 inputs

@@ -49,8 +49,7 @@ class StageWorker:
                                          "forwarded": 0, "encode_send_us": 0}
         self.memory: dict[str, int] = {}   # weight / KV / predicted bytes and budget (stage/factory.py)
         self.warm_later: list[Callable[[], Any]] = []   # compiles the loop runs while idle, after READY
-        kernels = getattr(runner, "kernels", None)   # the native CPU kernels its steps use, for /metrics
-        self.kernels: dict[str, str] = kernels() if callable(kernels) else {}
+        self.kernels: dict[str, str] = runner.kernels()   # the native CPU kernels its steps use, for /metrics
         # Final stage: the model directory (tokenizer.json) and logits width the constraint engine
         # reads, set by stage/factory.py; its TokenizerInfo is built on the first constrained request.
         self.tokenizer_source: tuple[Any, int | None] | None = None
