@@ -11,6 +11,8 @@ is optional; defaults shown)::
     keys_dir: null        # optional CURVE key directory (same path rule as model)
     driver:
       return: tcp://127.0.0.1:5600   # ROUTER bound by the driver; stages connect
+      return_advertise: null         # the endpoint stages dial when it is not `return` (a port
+                                     # forward, NAT, a relay); default: `return`
       http: 127.0.0.1:8000           # host:port of the OpenAI API
       max_sessions: 8                # concurrent requests admitted
       max_queue: 64                  # requests waiting for admission
@@ -37,6 +39,8 @@ is optional; defaults shown)::
         layers: [0, 15]              # half-open [start, end); contiguous from 0
         listen: tcp://127.0.0.1:5601 # PULL bound by the stage (tcp/ipc/inproc)
         host: 127.0.0.1              # where scripts spawn it; default: listen's host
+        advertise: null              # the endpoint peers dial when it is not `listen` (a port
+                                     # forward, NAT, a relay); default: listen, a wildcard host as `host`
         device: cpu                  # cpu | gpu:N | tpu:N
         dtype: float32               # float32 | bfloat16
         weights: f32                 # f32 | bf16 | int8 | q4: the checkpoint's format or a coarser one
@@ -113,6 +117,7 @@ class StageConfig:
     cache: CacheConfig = CacheConfig()
     cpus: tuple[int, ...] = ()         # CPU affinity of the stage process; () = leave it unpinned
     memory: int | None = None          # byte budget of the stage process (placement.py); None = unbounded
+    advertise: str | None = None       # the endpoint peers dial, when it is not `listen`
 
     @property
     def is_first(self) -> bool:
@@ -124,13 +129,16 @@ class StageConfig:
 
     @property
     def connect(self) -> str:
-        """`listen` as a peer connects to it: a wildcard bind host becomes `host`."""
+        """The endpoint a peer dials: `advertise`, else `listen` with a wildcard bind host as `host`."""
+        if self.advertise is not None:
+            return self.advertise
         return re.sub(r"^tcp://(\*|0\.0\.0\.0):", f"tcp://{self.host}:", self.listen)
 
 
 @dataclass(frozen=True)
 class DriverConfig:
     return_endpoint: str = "tcp://127.0.0.1:5600"
+    return_advertise: str | None = None   # the endpoint stages dial, when it is not `return`
     http: str = "127.0.0.1:8000"
     max_sessions: int = 8
     max_queue: int = 64
@@ -144,6 +152,11 @@ class DriverConfig:
     micro_batches: int = 0             # decode micro-batches in flight; 0 = one per stage
     max_body_bytes: int = 4 << 20      # HTTP request body limit
     speculative: SpeculativeConfig = SpeculativeConfig()
+
+    @property
+    def return_connect(self) -> str:
+        """The endpoint a stage dials to reach the driver's ROUTER."""
+        return self.return_advertise or self.return_endpoint
 
     @property
     def http_host(self) -> str:
@@ -220,7 +233,8 @@ class Topology:
             {"id": s.id, "layers": [s.start, s.end], "listen": s.listen, "host": s.host, "device": s.device,
              "dtype": s.dtype, "weights": s.weights, "kv_lanes": s.kv_lanes, "kv_dtype": s.kv_dtype,
              "cache": dataclasses.asdict(s.cache),
-             **({"cpus": list(s.cpus)} if s.cpus else {}), **({"memory": s.memory} if s.memory else {})}
+             **({"cpus": list(s.cpus)} if s.cpus else {}), **({"memory": s.memory} if s.memory else {}),
+             **({"advertise": s.advertise} if s.advertise else {})}
             for s in self.stages
         ]
         return out
@@ -320,6 +334,16 @@ def _endpoint(value: Any, at: _At) -> str:
     return value
 
 
+def _dial(value: Any, at: _At) -> str | None:
+    """An endpoint a peer can dial (no wildcard host), or null for the default."""
+    if value is None:
+        return None
+    m = _TCP.match(_endpoint(value, at))
+    if m and m["host"] in ("*", "0.0.0.0"):
+        at.fail(f"a peer cannot dial the wildcard host of {value!r}; name the host")
+    return value
+
+
 def _hostport(value: Any, at: _At) -> str:
     if not (isinstance(value, str) and (m := _TCP.match(f"tcp://{value}")) and m["host"] != "*"):
         at.fail(f"expected host:port, got {value!r}")
@@ -380,7 +404,8 @@ def _speculative(raw: Any, at: _At) -> SpeculativeConfig:
 
 
 def _driver(raw: Any, at: _At) -> DriverConfig:
-    checks = {"return": _endpoint, "http": _hostport, "max_sessions": _integer(1), "max_queue": _integer(0),
+    checks = {"return": _endpoint, "return_advertise": _dial, "http": _hostport, "max_sessions": _integer(1),
+              "max_queue": _integer(0),
               "request_timeout_s": _seconds, "reply_timeout_s": _seconds, "heartbeat_s": _seconds,
               "dead_after_s": _seconds, "resume_timeout_s": _seconds, "prefill_chunk": _integer(1), "max_context": _integer(1),
               "micro_batches": _integer(0), "max_body_bytes": _integer(1024), "speculative": _speculative}
@@ -396,6 +421,7 @@ _STAGE_CHECKS: dict[str, Check] = {
     "id": _text, "layers": _layers, "listen": _endpoint, "host": _text, "device": _device,
     "dtype": _choice("float32", "bfloat16"), "weights": _choice("f32", "bf16", "int8", "q4"), "kv_lanes": _integer(1),
     "kv_dtype": _choice("f32", "bf16"), "cache": _cache, "cpus": _cpus, "memory": _memory,
+    "advertise": _dial,
 }
 
 

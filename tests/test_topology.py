@@ -152,6 +152,30 @@ def test_host_defaults_to_listen_host_unless_wildcard():
     assert s1.host == "127.0.0.1" and s1.connect == "tcp://127.0.0.1:5602"
 
 
+def test_advertised_endpoints_are_what_peers_dial_and_round_trip(tmp_path):
+    def mutate(d):
+        d["driver"]["return"] = "tcp://*:5600"
+        d["driver"]["return_advertise"] = "tcp://gateway.lan:7600"
+        d["stages"][1]["listen"] = "tcp://*:5602"
+        d["stages"][1]["advertise"] = "tcp://127.0.0.1:7602"
+    topo = load_mutated(tmp_path, mutate)
+    s0, s1 = topo.stages
+    assert s0.connect == "tcp://127.0.0.1:5601" and s1.connect == "tcp://127.0.0.1:7602"
+    assert s1.listen == "tcp://*:5602" and topo.driver.return_connect == "tcp://gateway.lan:7600"
+    assert load_mutated(tmp_path, lambda d: None).driver.return_connect == "tcp://127.0.0.1:5600"
+    assert parse_topology(yaml.safe_load(dump_topology(topo))) == topo
+    assert "advertise" not in topo.to_dict()["stages"][0]
+
+
+@pytest.mark.parametrize("where, fragment", [
+    (lambda d: d["stages"][0].update(advertise="tcp://*:7601"), "stages[0].advertise: a peer cannot dial the wildcard"),
+    (lambda d: d["driver"].update(return_advertise="tcp://0.0.0.0:7600"), "driver.return_advertise: a peer cannot"),
+    (lambda d: d["stages"][1].update(advertise="udp://x:1"), "stages[1].advertise: expected tcp://host:port"),
+])
+def test_advertised_endpoints_must_be_dialable(tmp_path, where, fragment):
+    expect_error(tmp_path, where, fragment)
+
+
 def test_ipc_and_inproc_endpoints_and_curve():
     data = copy.deepcopy(BASE)
     data.update(security="curve", keys_dir="keys")
@@ -173,7 +197,7 @@ def test_ipc_and_inproc_endpoints_and_curve():
         (lambda d: d.update(wire={"hwn": 1}), ["wire.hwn: unknown key (allowed: activation_dtype, hwm,"]),
         (
             lambda d: d["stages"][1].update(layrs=[15, 30]),
-            ["stages[1].layrs: unknown key (allowed: cache, cpus, device, dtype, host, id, kv_dtype, kv_lanes, "
+            ["stages[1].layrs: unknown key (allowed: advertise, cache, cpus, device, dtype, host, id, kv_dtype, kv_lanes, "
              "layers, listen, memory, weights)"],
         ),
         (lambda d: d["stages"][0]["cache"].update(strid=64), ["stages[0].cache.strid: unknown key", "stride"]),

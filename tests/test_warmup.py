@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY, counting_compiles, random_ids
 from skippy_zmq.config import Buckets, KVConfig, decode_shapes, widest_window
 from skippy_zmq.model import quant, weights
-from skippy_zmq.model.runner import SliceRunner
+from skippy_zmq.model.runner import WARM_RUN_TOKENS, SliceRunner
 from skippy_zmq.stage.factory import warm_before_ready
 
 BUCKETS = Buckets(prefill_chunks=(16, 64), decode_rows=(1, 2), attn_lens=(128, 256, 1024))
@@ -158,14 +158,22 @@ def test_verify_windows_warm_at_the_first_length_before_ready_and_the_rest_while
     assert windows == {((1, 2), 128), ((1, 4), 128)}
     shapes = decode_shapes(r.buckets.decode_rows, (2, 4))
     later = idle_warmups(r, shapes)
-    assert len(later) == len(shapes) * len(r.attn_buckets())
+    small_chunks = [c for c in r.buckets.prefill_chunks if c <= WARM_RUN_TOKENS]
+    assert r.kv_spans() == (128, 256, 384)
+    assert len(later) == (len(shapes) + len(small_chunks)) * len(r.attn_buckets()) + len(r.kv_spans())
     for fn in later:
         fn()
+    # the small prefill chunks were run once too (a compiled step's first run is slow)
+    assert {((1, c), a, "none") for c in small_chunks for a in r.attn_buckets()} <= r.stats.ran
     ids = random_ids(64, TINY.vocab_size, seed=3)
     with counting_compiles() as compiles:
         for start in (5, 200, 379):
             for rows, t in shapes:
                 r.step(np.arange(rows), ids[:rows * t], np.full(rows, start), np.full(rows, t))
+        for length in (64, 129, 300, 384):   # a prefix recording, its restore, an n-choice fork
+            k, v = r.read_kv(0, length)
+            r.write_kv(1, k, v)
+            r.copy_lane(1, 2, length)
     assert compiles == []
 
 

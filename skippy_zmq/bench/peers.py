@@ -13,7 +13,9 @@ llama.cpp). Every prompt is used once per engine, so neither engine's prompt cac
 - concurrency: 1, 8, 16, 32 streams at once, plain decoding, ours on 1/2/3 stages vs
   `llama-server -np N` (continuous batching): aggregate tok/s and p50/p99 time between tokens;
 - pipeline: one stream through 2 and 3 processes, ours vs llama-server over as many rpc-servers
-  with the same even layer split (0 ms per hop).
+  with the same even layer split, at 0 ms and at 20 ms per hop: at 20 ms every connection between
+  two processes of either engine (our driver and stages; llama-server and its rpc-servers) passes
+  through a relay that holds each byte 20 ms each way (bench/relay.py: this kernel has no netem).
 
 Without a build (`make peers`, or `bench peers --build`) the llama.cpp side says so and is skipped.
 """
@@ -26,7 +28,7 @@ import statistics
 import subprocess
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -39,6 +41,7 @@ SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngra
 STREAM_COUNTS = (1, 8, 16, 32)
 THREADS = 2
 START_S = 600.0
+HOP_DELAYS_MS = (0.0, 20.0)
 
 
 def ratio(ours: float | None, theirs: float | None) -> float | None:
@@ -209,15 +212,18 @@ def llama_server(binary: str, gguf: Path, port: int, run_dir: Path, slots: int =
 
 
 @contextmanager
-def llama_rpc(binaries: dict[str, str], gguf: Path, hosts: int, run_dir: Path, context: int) -> Iterator[str]:
+def llama_rpc(binaries: dict[str, str], gguf: Path, hosts: int, run_dir: Path, context: int,
+              hop_ms: float = 0.0) -> Iterator[str]:
     """llama.cpp's pipeline across processes: `hosts` rpc-servers on localhost (THREADS threads each)
     and a llama-server that puts every layer on them, split evenly (`-ts 1,1,...`), as a user splits
-    a model across machines; yields the API base URL."""
+    a model across machines; with `hop_ms`, llama-server dials each rpc-server through a relay that
+    holds every byte that long each way. Yields the API base URL."""
     from skippy_zmq.launch import stop_processes
 
     run_dir.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
-    try:
+    with ExitStack() as stack:
+        stack.callback(lambda: stop_processes(procs[::-1]))
         ports = []
         for i in range(hosts):
             port, log = _port(), run_dir / f"rpc-server-{hosts}-{i}.log"
@@ -226,6 +232,7 @@ def llama_rpc(binaries: dict[str, str], gguf: Path, hosts: int, run_dir: Path, c
                                                str(THREADS)], stdout=f, stderr=subprocess.STDOUT))
             _wait(lambda p=port: _port_open(p), f"rpc-server on port {port}", procs[-1], log, START_S)
             ports.append(port)
+        ports = stack.enter_context(_delayed(ports, hop_ms))
         port, log = _port(), run_dir / f"llama-server-rpc{hosts}.log"
         cmd = llama_server_command(binaries["llama-server"], gguf, port, 1, context)
         cmd[cmd.index("-ngl") + 1] = "999"
@@ -235,13 +242,33 @@ def llama_rpc(binaries: dict[str, str], gguf: Path, hosts: int, run_dir: Path, c
         _wait(lambda: _http_ok(f"http://127.0.0.1:{port}/health"), f"llama-server on port {port}", procs[-1], log,
               START_S)
         yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        stop_processes(procs[::-1])
 
 
 @contextmanager
-def our_server(model: Path, stages: int, run_dir: Path, lanes: int, context: int) -> Iterator[str]:
-    """Our stages and driver (speculation available per request), warmed; yields the API base URL."""
+def _delayed(ports: list[int], hop_ms: float) -> Iterator[list[int]]:
+    """The ports to dial for `ports` on localhost: themselves at 0 ms, else one relay each that holds
+    every byte `hop_ms` each way (bench/relay.py)."""
+    from skippy_zmq.bench.relay import relays
+
+    if not hop_ms:
+        yield ports
+        return
+    from skippy_zmq.harness import free_base_port
+
+    base = free_base_port(len(ports))
+    fronts = list(range(base, base + len(ports)))
+    with relays([(front, "127.0.0.1", port) for front, port in zip(fronts, ports)], hop_ms):
+        yield fronts
+
+
+@contextmanager
+def our_server(model: Path, stages: int, run_dir: Path, lanes: int, context: int,
+               hop_ms: float = 0.0) -> Iterator[str]:
+    """Our stages and driver (speculation available per request), warmed; with `hop_ms`, every stage
+    and the driver's return endpoint are dialled through a relay that holds every byte that long each
+    way (the topology's `advertise` keys). Yields the API base URL."""
+    import yaml
+
     from skippy_zmq.harness import write_topology
     from skippy_zmq.launch import spawn_driver, spawn_stages, stop_processes, wait_http_ready
     from skippy_zmq.soak import wait_warmed
@@ -253,15 +280,24 @@ def our_server(model: Path, stages: int, run_dir: Path, lanes: int, context: int
                           driver__speculative={"method": "ngram"}, driver__request_timeout_s=900.0,
                           driver__reply_timeout_s=300.0, driver__dead_after_s=60.0)
     topology = load_topology(path)
-    procs = spawn_stages(topology, path, run_dir, ["--log-level", "INFO"])
-    try:
-        procs.append(spawn_driver(path, run_dir, ["--log-level", "INFO"]))
-        url = f"http://{topology.driver.http_host}:{topology.driver.http_port}"
-        wait_http_ready(url, procs, run_dir, START_S)
-        wait_warmed(url + "/v1", START_S)
-        yield url + "/v1"
-    finally:
-        stop_processes(procs)
+    endpoints = [topology.driver.return_endpoint] + [s.listen for s in topology.stages]
+    with _delayed([int(e.rsplit(":", 1)[1]) for e in endpoints], hop_ms) as fronts:
+        if hop_ms:
+            data = yaml.safe_load(path.read_text())
+            data["driver"]["return_advertise"] = f"tcp://127.0.0.1:{fronts[0]}"
+            for stage, front in zip(data["stages"], fronts[1:]):
+                stage["advertise"] = f"tcp://127.0.0.1:{front}"
+            path.write_text(yaml.safe_dump(data, sort_keys=False))
+            topology = load_topology(path)
+        procs = spawn_stages(topology, path, run_dir, ["--log-level", "INFO"])
+        try:
+            procs.append(spawn_driver(path, run_dir, ["--log-level", "INFO"]))
+            url = f"http://{topology.driver.http_host}:{topology.driver.http_port}"
+            wait_http_ready(url, procs, run_dir, START_S)
+            wait_warmed(url + "/v1", START_S)
+            yield url + "/v1"
+        finally:
+            stop_processes(procs)
 
 
 # ---------------------------------------------------------------- the models and prompts
@@ -412,23 +448,27 @@ def concurrency_rows(m: PeerModel, binary: str | None, args: argparse.Namespace,
     return rows
 
 
-def rpc_rows(m: PeerModel, record: dict[str, Any] | None, args: argparse.Namespace, tmp: Path,
-             conc: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One stream through 2 and 3 processes: ours (the concurrency table's 1-stream rows, same prompts'
-    shape) beside llama-server over 2 and 3 rpc-servers with the same even layer split."""
+def rpc_rows(m: PeerModel, record: dict[str, Any] | None, args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    """One stream through 2 and 3 processes, plain decoding, at each per-hop delay: ours with one KV lane
+    beside llama-server (one slot) over 2 and 3 rpc-servers with the same even layer split; at 20 ms
+    both engines behind relays."""
     new, prompt_len = (16, 32) if args.quick else (64, 64)
-    ours = {r["engine"]: r for r in conc if r["streams"] == 1}
+    context = prompt_len + new + 64
     rows = []
-    for stages in (s for s in args.stages if s > 1):
-        mine = ours.get(f"skippy_zmq q4, {stages} stage(s)")
-        row = {"stages": stages, "ours_tok_s": mine["agg_tok_s"] if mine else None}
-        if record:
-            with llama_rpc(record["binaries"], m.gguf, stages, tmp / "llama-rpc", prompt_len + new + 64) as base:
-                run_together(base, [m.vocab_ids(prompt_len, 5000 + stages)], 8)
-                got = concurrent(base, [m.vocab_ids(prompt_len, 6000 + stages)], new)
-            row["llama_rpc_tok_s"] = got["agg_tok_s"]   # ours: the concurrency table's 1-stream row, plain
-            row["ratio"] = ratio(row["ours_tok_s"], got["agg_tok_s"])
-        rows.append(row)
+    for hop_ms in getattr(args, "hop_delays", HOP_DELAYS_MS):
+        for stages in (s for s in args.stages if s > 1):
+            row: dict[str, Any] = {"stages": stages, "hop_ms": hop_ms}
+            with our_server(m.ours, stages, tmp / f"ours-hop-{stages}", 1, context, hop_ms) as base:
+                run_together(base, [m.vocab_ids(prompt_len, 7000 + stages)], 8)
+                got = concurrent(base, [m.vocab_ids(prompt_len, 6000 + stages)], new, {"speculative": False})
+            row["ours_tok_s"] = got["agg_tok_s"]
+            if record:
+                with llama_rpc(record["binaries"], m.gguf, stages, tmp / "llama-rpc", context, hop_ms) as base:
+                    run_together(base, [m.vocab_ids(prompt_len, 5000 + stages)], 8)
+                    got = concurrent(base, [m.vocab_ids(prompt_len, 6000 + stages)], new)
+                row["llama_rpc_tok_s"] = got["agg_tok_s"]
+                row["ratio"] = ratio(row["ours_tok_s"], got["agg_tok_s"])
+            rows.append(row)
     return rows
 
 
@@ -483,10 +523,11 @@ def bench_peers(args: argparse.Namespace, tables: list[str], _prior: dict[str, A
             result["concurrency"] = conc
             tables.append(print_table("concurrency, SmolLM2 (64-token prompts, 64 new tokens each, plain decoding)", conc))
             tables.append(print_table("aggregate ÷ llama-server -np N", ratio_rows(conc)))
-            rpc = rpc_rows(models[0], record, args, tmp, conc)
+            rpc = rpc_rows(models[0], record, args, tmp)
             result["rpc"] = rpc
-            tables.append(print_table("pipeline, 1 stream, 0 ms per hop: ours on N stages ÷ llama-server over N "
-                                      "rpc-servers (same even layer split)", rpc))
+            tables.append(print_table("pipeline, 1 stream, plain: ours on N stages ÷ llama-server over N rpc-servers "
+                                      "(same even layer split); hop_ms: each way between any two processes, through "
+                                      "relays (bench/relay.py)", rpc))
     smol = [r for r in single if r["model"] == "smollm2"]
     if binary and len(smol) >= 2:
         result["llama_cpp"] = {"engine": "llama-server", "decode_tok_s": smol[1]["decode_tok_s"],

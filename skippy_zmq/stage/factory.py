@@ -22,7 +22,7 @@ from skippy_zmq.config import Buckets, KVConfig, ModelConfig, decode_shapes
 from skippy_zmq.kv.prefix_store import PrefixStore, StoreConfig, StoreIdentity
 from skippy_zmq.model import checkpoint, loader
 from skippy_zmq.model.convert import model_digest
-from skippy_zmq.model.runner import SliceRunner, resolve_device
+from skippy_zmq.model.runner import WARM_RUN_TOKENS, SliceRunner, resolve_device
 from skippy_zmq.stage.sessions import SessionTable
 from skippy_zmq.stage.worker import StageInfo, StageWorker
 from skippy_zmq.topology import StageConfig, Topology
@@ -100,9 +100,14 @@ def idle_warmups(runner: SliceRunner, shapes: tuple[tuple[int, int], ...]) -> li
     4 lengths); after them, no DECODE a driver can send compiles, and the stage has reached the
     memory its plan counts (placement.py: compiled shapes). Shapes compiled before READY are
     in the list too: each is run once here (runner._compile: a compiled step's first run is slow),
-    which costs a step's compute, not a compile."""
+    which costs a step's compute, not a compile; so are the prefill chunks small enough to run
+    (without it a server's first prompts paid 100-150 ms each in prefill, SmolLM2 64-token prompts),
+    and the lane copies of every KV span (`warm_kv_copies`: the first prefix recordings)."""
     return [functools.partial(runner.warmup, rows=(), shapes=(shape,), attn_lens=(a,), pairs=set())
-            for a in runner.attn_buckets() for shape in shapes]   # a shape already compiled costs nothing
+            for a in runner.attn_buckets() for shape in shapes] + [   # a shape already done costs nothing
+        functools.partial(runner.warmup, rows=(), attn_lens=(), pairs={(c, a)})
+        for a in runner.attn_buckets() for c in runner.buckets.prefill_chunks if c <= WARM_RUN_TOKENS] + [
+        functools.partial(runner.warm_kv_copies, span) for span in runner.kv_spans()]
 
 
 def warm_before_ready(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:

@@ -47,7 +47,7 @@ class StageLoop:
         self.faults = FaultInjector.from_env(stage.id)   # chaos runs and tests only
         nxt = topology.next_stage(stage.id)
         self.sockets = transport.open_stage_sockets(
-            transport.context(), stage.listen, nxt.connect if nxt else None, topology.driver.return_endpoint,
+            transport.context(), stage.listen, nxt.connect if nxt else None, topology.driver.return_connect,
             stage.id, hwm=topology.wire.hwm, max_message_bytes=topology.wire.max_message_bytes,
             security=security, next_stage_id=nxt.id if nxt else None)
 
@@ -109,7 +109,7 @@ class StageLoop:
 
     def heartbeat_thread(self) -> None:
         """Heartbeats on a socket of their own, so a long compile or prefill never looks like death."""
-        sock = transport.open_heartbeat_socket(transport.context(), self.topology.driver.return_endpoint,
+        sock = transport.open_heartbeat_socket(transport.context(), self.topology.driver.return_connect,
                                                self.stage.id, security=self.security)
         try:
             while not self._beats_done.wait(self.topology.driver.heartbeat_s):
@@ -146,7 +146,8 @@ class StageLoop:
             if self.sockets.pull in events:
                 self.drain(DRAIN_BATCH)
             elif self.worker.warm_later and not events and not self.delayed:
-                self.worker.warm_later.pop(0)()   # idle: compile one more shape (a fraction of a second)
+                self.worker.warm_later[0]()   # idle: compile one more shape (a fraction of a second);
+                self.worker.warm_later.pop(0)  # counted pending (heartbeats) until it is done
                 settle_heap(collect=False)   # its executable lives as long as we do; no full pass over it
                 if not self.worker.warm_later:
                     logger.info("stage {} warm-up compiles done", self.stage.id)
