@@ -192,7 +192,8 @@ def test_plots_write_pngs(tmp_path: Path):
         "concurrency": [{"engine": f"skippy_zmq q4, {s} stage(s)", "streams": n, "agg_tok_s": 50.0 * n ** 0.5}
                         for s in (1, 2) for n in (1, 8)] +
                        [{"engine": f"llama-server -np {n}", "streams": n, "agg_tok_s": 90.0} for n in (1, 8)],
-        "rpc": [{"stages": 2, "ours_tok_s": 74.0, "llama_rpc_tok_s": 45.0, "ratio": 1.6}],
+        "rpc": [{"stages": 2, "hop_ms": 0.0, "ours_tok_s": 74.0, "llama_rpc_tok_s": 45.0, "ratio": 1.6},
+                {"stages": 2, "hop_ms": 20.0, "ours_tok_s": 14.0, "llama_rpc_tok_s": None, "ratio": None}],
     }
     paths = write_plots(result, tmp_path)
     assert [p.name for p in paths] == ["concurrency.png", "prefix_ttft.png", "hops.png", "peers_single.png",
