@@ -83,6 +83,22 @@ FAMILIES = {
     # Phi-3-mini-4k style: multi-head, default rope, a sliding window (64 here).
     "phi3-window": dict(model_type="phi3", num_attention_heads=4, num_key_value_heads=4, pad_token_id=0,
                         sliding_window=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # Mixture of experts (after the dense ones, so their seeds stay). Qwen3-MoE style: 8 experts, top 2,
+    # renormalised, q/k norm, layer 1 dense (mlp_only_layers) between two MoE layers.
+    "qwen3-moe": dict(model_type="qwen3_moe", num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                      norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Mixtral style: 8 experts of intermediate_size, top 2 (always renormalised), GQA 2:1, no window.
+    "mixtral": dict(model_type="mixtral", num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                    num_experts_per_tok=2, intermediate_size=96, sliding_window=None,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Qwen2-MoE style: q/k/v bias, 8 routed experts top 3 not renormalised, a sigmoid-gated shared expert;
+    # decoder_sparse_step 2: layer 0 dense (intermediate_size), layer 1 routed.
+    "qwen2-moe": dict(model_type="qwen2_moe", num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                      num_experts_per_tok=3, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                      norm_topk_prob=False, decoder_sparse_step=2, tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
 }
 # Same model run without the feature: its logits must differ on the long prompt.
 WITHOUT = {"llama3": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},

@@ -59,6 +59,13 @@ class ModelConfig:
     rotary_dim: int = 0                     # partial rotary (Phi-4-mini): the first rotary_dim dims rotate; 0: head_dim
     rope_attn_factor: float = 1.0           # longrope: cos and sin are multiplied by it
     rope_long_freq_factors: tuple[float, ...] = ()   # longrope: divisors for positions >= rope_original_max_pos
+    # Mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE): 0 experts is a dense model
+    n_experts: int = 0                      # routed experts per MoE layer
+    n_experts_used: int = 0                 # top-k experts per token
+    expert_ffn_dim: int = 0                 # each routed expert's intermediate size
+    norm_topk_prob: bool = False            # renormalise the top-k routing weights to sum to 1
+    shared_ffn_dim: int = 0                 # Qwen2-MoE: a shared expert (gated by sigmoid) of this size; 0: none
+    dense_layers: tuple[int, ...] = ()      # layers (global indices) with the dense MLP (ffn_dim) in an MoE model
 
     def __post_init__(self) -> None:
         problems = []
@@ -81,6 +88,9 @@ class ModelConfig:
             problems.append(f"ffn_act must be silu or gelu_tanh, got {self.ffn_act!r}")
         if self.sliding_window < 0:
             problems.append(f"sliding_window must be >= 0, got {self.sliding_window}")
+        if self.n_experts and not (0 < self.n_experts_used <= self.n_experts and self.expert_ffn_dim > 0):
+            problems.append(f"an MoE config needs 0 < n_experts_used <= n_experts and expert_ffn_dim > 0, got "
+                            f"{self.n_experts_used} of {self.n_experts}, expert_ffn_dim {self.expert_ffn_dim}")
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
 
@@ -93,12 +103,17 @@ class ModelConfig:
     def kv_width(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` routes to experts (else its MLP is dense, ffn_dim wide)."""
+        return self.n_experts > 0 and layer not in self.dense_layers
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["eos_ids"] = list(self.eos_ids)
         out["rope_freq_factors"] = list(self.rope_freq_factors)
         out["full_attention_layers"] = list(self.full_attention_layers)
         out["rope_long_freq_factors"] = list(self.rope_long_freq_factors)
+        out["dense_layers"] = list(self.dense_layers)
         return out
 
     @classmethod
@@ -113,8 +128,9 @@ class ModelConfig:
         for key in ("rope_freq_factors", "rope_long_freq_factors"):
             if key in data:
                 data[key] = tuple(float(x) for x in data[key])
-        if "full_attention_layers" in data:
-            data["full_attention_layers"] = tuple(int(x) for x in data["full_attention_layers"])
+        for key in ("full_attention_layers", "dense_layers"):
+            if key in data:
+                data[key] = tuple(int(x) for x in data[key])
         return cls(**data)
 
     def save(self, path: Path) -> None:

@@ -25,7 +25,7 @@ from skippy_zmq.model.runner import SliceRunner
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "families"
 FAMILIES = ("llama", "llama3", "llama-linear", "qwen2", "qwen3", "mistral", "qwen2-window",
-            "gemma3", "gemma3-4b", "phi3", "phi3-window")
+            "gemma3", "gemma3-4b", "phi3", "phi3-window", "qwen3-moe", "mixtral", "qwen2-moe")
 TF4_LAYOUTS = {"llama3-tf4": "llama3", "gemma3-tf4": "gemma3-4b", "phi3-tf4": "phi3"}   # v4 config -> v5 twin
 KV = KVConfig(lanes=1, capacity=512)
 BUCKETS = Buckets(prefill_chunks=(64,), decode_rows=(1,), attn_lens=(512,))   # one shape per step kind

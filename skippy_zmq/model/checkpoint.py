@@ -128,7 +128,7 @@ class CheckpointWriter:
 
     def add_layer(self, i: int, tensors: dict[str, np.ndarray | Encoded]) -> None:
         """Every tensor of layer i, keyed as weights.layer_shapes; matrices [out, in]."""
-        shapes = weights.layer_shapes(self.cfg)
+        shapes = weights.layer_shapes(self.cfg, i)
         if set(tensors) != set(shapes):
             raise CheckpointError(f"layer {i}: got keys {sorted(tensors)}, expected {sorted(shapes)}")
         item = {}
@@ -369,7 +369,23 @@ class _Put:
         return self.float_matrix(to_float(stored))
 
     def layer(self, item: dict[str, Any]) -> dict[str, Any]:
-        return {k: self.matrix(k, v) if isinstance(v, dict) else self.array(v) for k, v in item.items()}
+        """A layer item -> runtime arrays; an MoE layer's experts stacked per matrix under "experts"
+        ([E, in, out] floats, or QTensors with a leading expert axis), its router and shared gate f32."""
+        out, experts = {}, {}
+        for k, v in item.items():
+            if k in weights.ROUTER_KEYS:
+                out[k] = _Put(self.asked, np.float32, self.device).array(np.ascontiguousarray(to_float(v).T))
+            elif (which := weights.expert_of(k)) is not None:
+                experts.setdefault(which[1], {})[which[0]] = self.matrix(k, v)
+            else:
+                out[k] = self.matrix(k, v) if isinstance(v, dict) else self.array(v)
+        if experts:
+            import jax
+            import jax.numpy as jnp
+
+            out["experts"] = {m: jax.tree.map(lambda *a: jnp.stack(a), *(per[j] for j in sorted(per)))
+                              for m, per in experts.items()}
+        return out
 
 
 def runtime_qtensor(stored: dict[str, np.ndarray], bits: int) -> quant.QTensor:

@@ -69,6 +69,27 @@ TOP_NAMES = {"embed": ("token_embd.weight", "model.embed_tokens.weight"),
              "head": ("output.weight", "lm_head.weight")}
 
 
+MIXTRAL_PROJ = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
+HF_PROJ = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+
+
+def hf_layer_name(cfg: ModelConfig, key: str) -> str:
+    """The HF tensor (under model.layers.N.) holding our layer key. MoE layers as the Hub's files
+    (and transformers 5's save_pretrained) keep them: one tensor per expert; Mixtral's under
+    block_sparse_moe (w1 gate, w3 up, w2 down), Qwen's under mlp, with Qwen2-MoE's shared expert."""
+    moe = "block_sparse_moe" if cfg.arch == "mixtral" else "mlp"
+    if (which := weights.expert_of(key)) is not None:
+        j, matrix = which
+        return f"{moe}.experts.{j}.{(MIXTRAL_PROJ if cfg.arch == 'mixtral' else HF_PROJ)[matrix]}.weight"
+    if key == "router":
+        return f"{moe}.gate.weight"
+    if key == "shared_gate":
+        return "mlp.shared_expert_gate.weight"
+    if key.startswith("shared_w_"):
+        return f"mlp.shared_expert.{HF_PROJ[key[len('shared_'):]]}.weight"
+    return LAYER_NAMES[key][1]
+
+
 def source_key(cfg: ModelConfig, key: str) -> tuple[str, tuple[int, int] | None]:
     """Where our layer key comes from in cfg's family: (LAYER_NAMES key, rows of it or None for all).
 
@@ -128,7 +149,7 @@ def stream_checkpoint(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, 
         progress.update(1)
     for i in range(cfg.n_layers):
         layer = {}
-        for key, shape in weights.layer_shapes(cfg).items():
+        for key, shape in weights.layer_shapes(cfg, i).items():
             where, rows = source_key(cfg, key)
             name = need(i, where)
             w = src.read(name, *rows) if rows else src.read(name)
@@ -187,7 +208,7 @@ def convert_hf(directory: Path, out: Path, fmt: str = "f32") -> ModelConfig:
         raise ConvertError(str(exc)) from exc
 
     def name_of(where: str | int, key: str) -> str:
-        return TOP_NAMES[key][1] if where == "top" else f"model.layers.{where}.{LAYER_NAMES[key][1]}"
+        return TOP_NAMES[key][1] if where == "top" else f"model.layers.{where}.{hf_layer_name(cfg, key)}"
 
     digest = hashlib.sha256()
     for file in src.files:

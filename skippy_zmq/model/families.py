@@ -58,6 +58,16 @@ HF_FAMILIES = {
     "mistral": Family(qkv_bias=False, out_bias=False, window="mistral"),
     "qwen2": Family(qkv_bias=True, out_bias=False, window="qwen"),
     "qwen3": Family(qkv_bias=None, out_bias=None, qk_norm=True, head_dim=128, window="qwen"),
+    # mixture of experts: the same attention as their dense twins, an MoE MLP (_hf_moe)
+    "qwen3_moe": Family(qkv_bias=None, out_bias=None, qk_norm=True, head_dim=128, window="qwen"),
+    "mixtral": Family(qkv_bias=False, out_bias=False, window="mistral"),
+    "qwen2_moe": Family(qkv_bias=True, out_bias=False, window="qwen"),
+}
+# Mixture-of-experts families we do not implement, refused by name with what they need.
+REFUSED_MOE = {
+    "gpt_oss": "attention sinks, biased and clamped SwiGLU experts, alternating sliding windows, MXFP4 experts",
+    "deepseek_v2": "multi-head latent attention (MLA) and grouped top-k routing",
+    "deepseek_v3": "multi-head latent attention (MLA), sigmoid routing with a bias and grouped top-k",
 }
 GGUF_ARCHS = ("llama", "qwen2", "qwen3") + gemma_phi.GGUF_ARCHS   # llama.cpp files Mistral under "llama"
 SUPPORTED_HF_TYPES = tuple(HF_FAMILIES) + gemma_phi.HF_TYPES
@@ -88,6 +98,9 @@ def hf_model_config(config: dict[str, Any], name: str = "") -> ModelConfig:
                            "model.language_model) is not implemented: convert a gemma3_text checkpoint")
     if kind in gemma_phi.HF_TYPES:
         return gemma_phi.hf_config(config, name)
+    if kind in REFUSED_MOE:
+        raise ConvertError(f"HF model_type {kind!r} is a mixture-of-experts family that is not implemented "
+                           f"(it needs {REFUSED_MOE[kind]}); supported: {', '.join(SUPPORTED_HF_TYPES)}")
     if kind not in HF_FAMILIES:
         raise ConvertError(f"unsupported HF model_type {kind!r} (supported: {', '.join(SUPPORTED_HF_TYPES)})")
     family = HF_FAMILIES[kind]
@@ -111,7 +124,33 @@ def hf_model_config(config: dict[str, Any], name: str = "") -> ModelConfig:
         attn_out_bias=bias if family.out_bias is None else family.out_bias, qk_norm=family.qk_norm,
         **_hf_sliding_window(config, family, n_layers),
         bos_id=int(config.get("bos_token_id") or -1), eos_ids=eos_ids, name=name,
-        **hf_rope(config, max_pos))
+        **hf_rope(config, max_pos), **_hf_moe(config, kind, n_layers))
+
+
+def _hf_moe(config: dict[str, Any], kind: str, n_layers: int) -> dict[str, Any]:
+    """The MoE fields, as transformers reads them: Mixtral routes every layer to num_local_experts
+    and always renormalises its top-k; Qwen2/3-MoE route layer i unless it is in mlp_only_layers or
+    (i + 1) % decoder_sparse_step != 0, renormalise when norm_topk_prob (default false), and
+    Qwen2-MoE adds a shared expert."""
+    if kind == "mixtral":
+        return {"n_experts": int(config.get("num_local_experts", 8)),
+                "n_experts_used": int(config.get("num_experts_per_tok", 2)),
+                "expert_ffn_dim": int(config["intermediate_size"]), "norm_topk_prob": True}
+    if kind not in ("qwen3_moe", "qwen2_moe"):
+        return {}
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute map)
+    experts = int(config.get("num_experts", config.get("num_local_experts", 128 if kind == "qwen3_moe" else 60)))
+    if experts == 0:
+        return {}
+    step = int(config.get("decoder_sparse_step", 1))
+    only = set(config.get("mlp_only_layers") or ())
+    out = {"n_experts": experts, "n_experts_used": int(config.get("num_experts_per_tok", 8 if kind == "qwen3_moe" else 4)),
+           "expert_ffn_dim": int(config.get("moe_intermediate_size", 768 if kind == "qwen3_moe" else 1408)),
+           "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+           "dense_layers": tuple(i for i in range(n_layers) if i in only or (i + 1) % step != 0)}
+    if kind == "qwen2_moe":
+        out["shared_ffn_dim"] = int(config.get("shared_expert_intermediate_size", 5632))
+    return out
 
 
 def _refuse_unimplemented(config: dict[str, Any]) -> None:

@@ -72,7 +72,10 @@ def check_format(fmt: str) -> str:
 
 
 def stored_format(fmt: str, key: str) -> str:
-    """The format `key` ("embed", "head" or a layer key) is stored in by a checkpoint of `fmt`."""
+    """The format `key` ("embed", "head" or a layer key) is stored in by a checkpoint of `fmt`: an MoE
+    router (and a shared expert's gate) stays f32 in every format, as it computes in f32."""
+    if key in ("router", "shared_gate"):     # weights.ROUTER_KEYS (weights imports this module's users)
+        return "f32"
     return "int8" if fmt == "q4" and key in ("embed", "head") else fmt
 
 

@@ -280,6 +280,70 @@ def mlp(p: Params, x: jax.Array, act: str = "silu") -> jax.Array:
     return dense(gate * dense(x, p["w_up"]), p["w_down"])
 
 
+def moe(p: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """A mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE), as transformers computes it: the
+    router's softmax in f32, the top n_experts_used, renormalised when norm_topk_prob, then each
+    token's experts' SwiGLU outputs weighted and summed; Qwen2-MoE adds a shared expert gated by a
+    sigmoid. Only the experts some token routes to are computed (`routed_experts`)."""
+    b, t, d = x.shape
+    xs = x.reshape(b * t, d)
+    probs = jax.nn.softmax(jnp.dot(xs.astype(jnp.float32), p["router"]), axis=-1)
+    top, chosen = jax.lax.top_k(probs, cfg.n_experts_used)
+    if cfg.norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    out = routed_experts(p["experts"], xs, chosen, top.astype(x.dtype), cfg.n_experts)
+    if "shared_gate" in p:
+        shared = mlp({k[len("shared_"):]: v for k, v in p.items() if k.startswith("shared_w_")}, xs)
+        out = out + jax.nn.sigmoid(jnp.dot(xs.astype(jnp.float32), p["shared_gate"])).astype(x.dtype) * shared
+    return out.reshape(b, t, d)
+
+
+def routed_experts(experts: Params, xs: jax.Array, chosen: jax.Array, weights: jax.Array,
+                   n_experts: int) -> jax.Array:
+    """sum_k weights[i, k] * expert_{chosen[i, k]}(xs[i]) for every token i, [N, D].
+
+    The (token, expert) pairs are sorted by expert and cut into blocks of `rows` pairs of one expert;
+    a loop runs only as many blocks as the pairs need, each one expert's SwiGLU on its block, so an
+    expert no token chose is never read and a decode step reads only its rows' experts (never a
+    dense pass over all of them: XLA:CPU lowers lax.ragged_dot to one, measured). `rows` grows
+    with the pairs per expert (1 for decode, more for a prefill chunk), so a block's rows are
+    mostly real pairs. Each block's expert is one dynamic index into the stacked weights ([E, ...]
+    floats or QTensors).
+    """
+    n, k = chosen.shape
+    pairs = n * k
+    rows = min(64, max(1, 1 << max(0, (pairs // n_experts).bit_length() - 1)))
+    expert = chosen.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(expert, stable=True)
+    token = (jnp.arange(pairs, dtype=jnp.int32) // k)[order]
+    weight = weights.reshape(-1)[order]
+    sizes = jnp.bincount(expert, length=n_experts)
+    starts = jnp.cumsum(sizes) - sizes
+    blocks_of = (sizes + rows - 1) // rows                        # blocks each expert needs
+    first_block = jnp.cumsum(blocks_of) - blocks_of
+    n_blocks = jnp.sum(blocks_of)
+    # block j: its expert (the last whose first block is <= j), where it starts, how many pairs it holds
+    most = -(-pairs // rows) + n_experts
+    j = jnp.arange(most, dtype=jnp.int32)
+    block_expert = jnp.clip(jnp.searchsorted(first_block, j, side="right") - 1, 0, n_experts - 1)
+    within = j - first_block[block_expert]
+    block_start = starts[block_expert] + within * rows
+    block_count = jnp.clip(sizes[block_expert] - within * rows, 0, rows)
+    x_pad = jnp.concatenate([xs[token], jnp.zeros((rows, xs.shape[1]), xs.dtype)])
+    w_pad = jnp.concatenate([weight, jnp.zeros((rows,), weight.dtype)])
+    t_pad = jnp.concatenate([token, jnp.zeros((rows,), token.dtype)])
+
+    def block(i: jax.Array, out: jax.Array) -> jax.Array:
+        e, at, count = block_expert[i], block_start[i], block_count[i]
+        w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False), experts)
+        xb = jax.lax.dynamic_slice_in_dim(x_pad, at, rows)
+        yb = mlp(w, xb) * jax.lax.dynamic_slice_in_dim(w_pad, at, rows)[:, None]
+        yb = jnp.where((jnp.arange(rows) < count)[:, None], yb, jnp.zeros_like(yb))
+        return out.at[jax.lax.dynamic_slice_in_dim(t_pad, at, rows)].add(yb.astype(out.dtype))
+
+    return jax.lax.fori_loop(0, n_blocks, block, jnp.zeros_like(xs))
+
+
 def head(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     x = rms_norm(x, params["norm"], cfg.norm_eps)
     if "head" in params:
@@ -301,7 +365,8 @@ def decoder_layer(p: Params, x: jax.Array, kv: KVCache, i: int, window: int, pos
     if cfg.sandwich_norms:
         a = rms_norm(a, p["post_attn_norm"], cfg.norm_eps)
     x = x + a
-    m = mlp(p, rms_norm(x, p["ffn_norm"], cfg.norm_eps), cfg.ffn_act)
+    h = rms_norm(x, p["ffn_norm"], cfg.norm_eps)
+    m = moe(p, h, cfg) if "router" in p else mlp(p, h, cfg.ffn_act)
     if cfg.sandwich_norms:
         m = rms_norm(m, p["post_ffn_norm"], cfg.norm_eps)
     return x + m, kv

@@ -21,15 +21,41 @@ from skippy_zmq.config import ModelConfig
 from skippy_zmq.model import quant
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")
+EXPERT_MATRICES = ("w_gate", "w_up", "w_down")
+ROUTER_KEYS = ("router", "shared_gate")    # MoE routing: f32 under every weights format
+
+
+def expert_key(j: int, matrix: str) -> str:
+    """Expert j's matrix in a layer item (a checkpoint stores each expert on its own)."""
+    return f"x{j:03d}.{matrix}"
+
+
+def expert_of(key: str) -> tuple[int, str] | None:
+    """(expert, matrix) of an expert_key, else None."""
+    if key.startswith("x") and "." in key and key[1:key.index(".")].isdigit():
+        return int(key[1:key.index(".")]), key[key.index(".") + 1:]
+    return None
 BIAS_KEYS = ("bq", "bk", "bv")
 QUANT_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "head")   # quantised under quantize=...
 QUANTIZE_MODES = (None, "int8", "q4")
 
 
-def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def layer_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
+    """Global layer `layer`'s tensors ([in, out] matrices): a dense MLP, or in an MoE layer a router
+    (f32, never quantised), `expert_key(j, w)` for each expert and, with a shared expert, its
+    matrices and gate (SHARED_KEYS)."""
     d, q, kv, f = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_width, cfg.ffn_dim
-    shapes = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
-              "ffn_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+    shapes = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d), "ffn_norm": (d,)}
+    if cfg.is_moe_layer(layer):
+        fe, fs = cfg.expert_ffn_dim, cfg.shared_ffn_dim
+        shapes["router"] = (d, cfg.n_experts)
+        for j in range(cfg.n_experts):
+            shapes.update({expert_key(j, "w_gate"): (d, fe), expert_key(j, "w_up"): (d, fe),
+                           expert_key(j, "w_down"): (fe, d)})
+        if fs:
+            shapes.update(shared_gate=(d, 1), shared_w_gate=(d, fs), shared_w_up=(d, fs), shared_w_down=(fs, d))
+    else:
+        shapes.update(w_gate=(d, f), w_up=(d, f), w_down=(f, d))
     if cfg.attn_bias:
         shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
     if cfg.attn_out_bias:
@@ -44,7 +70,7 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def param_shapes(cfg: ModelConfig, start: int = 0, end: int | None = None) -> dict[str, Any]:
     """Shapes of the parameters a stage owning [start, end) needs (checkpoint keys)."""
     end = cfg.n_layers if end is None else end
-    tree: dict[str, Any] = {"layers": {str(i): layer_shapes(cfg) for i in range(start, end)}}
+    tree: dict[str, Any] = {"layers": {str(i): layer_shapes(cfg, i) for i in range(start, end)}}
     last = end == cfg.n_layers
     if start == 0 or (last and cfg.tied_embeddings):
         tree["embed"] = (cfg.vocab_size, cfg.d_model)
