@@ -60,7 +60,10 @@ def stage_nbytes(cfg: ModelConfig, start: int, end: int, fmt: str, stored: str |
     total = 0
     for layer in weights.param_shapes(cfg, start, end)["layers"].values():
         for key, s in layer.items():
-            total += runtime_nbytes(s[::-1], fmt, key, stored, dtype) if len(s) == 2 else item * s[0]
+            if key in weights.ROUTER_KEYS:      # an MoE router: f32 in every format
+                total += 4 * s[0] * s[1]
+            else:
+                total += runtime_nbytes(s[::-1], fmt, key, stored, dtype) if len(s) == 2 else item * s[0]
     vd = (cfg.vocab_size, cfg.d_model)
     if start == 0:
         total += runtime_nbytes(vd, fmt, "embed", stored, dtype)

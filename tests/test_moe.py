@@ -1,0 +1,144 @@
+"""Mixture of experts (llama.moe / routed_experts): the routed sum equals a dense reference over
+every expert, an expert no token chose is never read, quantised experts run through the kernel,
+and the MoE config fields read as transformers reads them. Parity with transformers itself is in
+test_families (qwen3-moe, mixtral, qwen2-moe fixtures)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from skippy_zmq.config import ModelConfig
+from skippy_zmq.model import quant, weights
+from skippy_zmq.model.convert import ConvertError, hf_model_config
+from skippy_zmq.model.llama import mlp, routed_experts
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "families"
+E, D, F, K = 8, 64, 32, 2
+
+
+def stacked_experts(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w_gate": rng.standard_normal((E, D, F)).astype(np.float32) / D ** 0.5,
+            "w_up": rng.standard_normal((E, D, F)).astype(np.float32) / D ** 0.5,
+            "w_down": rng.standard_normal((E, F, D)).astype(np.float32) / F ** 0.5}
+
+
+def reference(experts: dict[str, np.ndarray], xs: np.ndarray, chosen: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Every expert on every token, masked to the chosen ones: what routing must equal."""
+    out = np.zeros_like(xs)
+    for e in range(E):
+        ye = np.asarray(mlp({k: jnp.asarray(v[e]) for k, v in experts.items()}, jnp.asarray(xs)))
+        weight = np.where(chosen == e, w, 0.0).sum(axis=1)
+        out += weight[:, None] * ye
+    return out
+
+
+def routing(n: int, seed: int, only: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    xs = rng.standard_normal((n, D)).astype(np.float32)
+    pool = np.array(only if only is not None else range(E))
+    chosen = np.stack([rng.choice(pool, K, replace=False) for _ in range(n)]).astype(np.int32)
+    w = rng.random((n, K)).astype(np.float32)
+    return xs, chosen, w
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 64, 200])
+def test_routed_sum_equals_every_expert_masked(n):
+    """Decode rows (1, 3, 8 tokens: one pair per block) and prefill chunks (64, 200 tokens: several
+    pairs per block, groups crossing block edges)."""
+    experts = stacked_experts()
+    xs, chosen, w = routing(n, seed=n)
+    got = np.asarray(routed_experts({k: jnp.asarray(v) for k, v in experts.items()}, jnp.asarray(xs),
+                                    jnp.asarray(chosen), jnp.asarray(w), E))
+    np.testing.assert_allclose(got, reference(experts, xs, chosen, w), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("n", [1, 5, 100])
+def test_an_expert_no_token_chose_is_never_read(n):
+    """NaN weights in every expert but 1, 4 and 6: any read of them would turn the output NaN."""
+    experts = stacked_experts(1)
+    used = (1, 4, 6)
+    poisoned = {k: np.where(np.isin(np.arange(E), used)[:, None, None], v, np.nan).astype(np.float32)
+                for k, v in experts.items()}
+    xs, chosen, w = routing(n, seed=7, only=used)
+    got = np.asarray(routed_experts({k: jnp.asarray(v) for k, v in poisoned.items()}, jnp.asarray(xs),
+                                    jnp.asarray(chosen), jnp.asarray(w), E))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, reference(experts, xs, chosen, w), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantised_experts_run_through_the_kernel_as_their_levels(bits):
+    """Stacked QTensors (q4 / int8 levels, as a q4 or int8 stage holds them) give what the same
+    levels, dequantised to floats, give: the routing does not change what a matmul computes."""
+    experts = stacked_experts(2)
+    qts = {k: [quant.to_qtensor(v[e], bits=bits) for e in range(E)] for k, v in experts.items()}
+    stacked = {k: jax.tree.map(lambda *a: jnp.stack(a), *ts) for k, ts in qts.items()}
+    floats = {k: np.stack([np.asarray(quant.dequantize(t)) for t in ts]) for k, ts in qts.items()}
+    xs, chosen, w = routing(16, seed=3)
+    got = np.asarray(routed_experts(stacked, jnp.asarray(xs), jnp.asarray(chosen), jnp.asarray(w), E))
+    np.testing.assert_allclose(got, reference(floats, xs, chosen, w), rtol=1e-4, atol=1e-4)
+
+
+def fixture_config(name: str) -> dict:
+    return json.loads((FIXTURES / name / "config.json").read_text())
+
+
+def test_moe_configs_read_as_transformers_reads_them():
+    q3 = hf_model_config(fixture_config("qwen3-moe"))
+    assert (q3.n_experts, q3.n_experts_used, q3.expert_ffn_dim, q3.norm_topk_prob, q3.dense_layers) == \
+        (8, 2, 64, True, (1,))
+    assert q3.qk_norm and q3.shared_ffn_dim == 0 and [q3.is_moe_layer(i) for i in range(3)] == [True, False, True]
+    mx = hf_model_config(fixture_config("mixtral"))
+    assert (mx.n_experts, mx.n_experts_used, mx.expert_ffn_dim, mx.norm_topk_prob, mx.dense_layers) == \
+        (8, 2, 96, True, ())
+    q2 = hf_model_config(fixture_config("qwen2-moe"))
+    assert (q2.n_experts, q2.n_experts_used, q2.norm_topk_prob, q2.shared_ffn_dim, q2.dense_layers) == \
+        (8, 3, False, 96, (0,))
+    assert q2.attn_bias and not q2.attn_out_bias and q2.ffn_dim == 256
+    shapes = weights.layer_shapes(q2, 1)
+    assert shapes["router"] == (128, 8) and shapes["shared_gate"] == (128, 1) and shapes["x007.w_down"] == (64, 128)
+    assert "w_gate" in weights.layer_shapes(q2, 0) and "router" not in weights.layer_shapes(q2, 0)
+    assert ModelConfig.from_dict(json.loads(json.dumps(q3.to_dict()))) == q3
+
+
+def test_the_hub_config_layout_gives_the_same_moe_config():
+    """Qwen3-30B-A3B's config.json on the Hub: top-level rope_theta and `num_experts` (transformers 5
+    writes `num_local_experts` and rope_parameters)."""
+    v5 = fixture_config("qwen3-moe")
+    v4 = {k: v for k, v in v5.items() if k not in ("rope_parameters", "num_local_experts")}
+    v4.update(rope_theta=v5["rope_parameters"]["rope_theta"], num_experts=v5["num_local_experts"])
+    assert hf_model_config(v4) == hf_model_config(v5)
+
+
+@pytest.mark.parametrize("kind, words", [("gpt_oss", "attention sinks"), ("deepseek_v3", "multi-head latent"),
+                                         ("deepseek_v2", "multi-head latent")])
+def test_moe_families_we_do_not_implement_are_refused_by_name(kind, words):
+    with pytest.raises(ConvertError, match=f"'{kind}' is a mixture-of-experts family that is not implemented") as e:
+        hf_model_config({**fixture_config("mixtral"), "model_type": kind})
+    assert words in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q4"])
+def test_a_stage_holds_the_bytes_the_plan_counts_for_moe_layers(fmt, tmp_path):
+    """checkpoint.stage_nbytes (placement's weight bytes) is what an MoE stage holds: every expert of
+    its layers, the router in f32 under every format."""
+    from skippy_zmq.model import loader
+    from skippy_zmq.model.checkpoint import stage_nbytes
+    from skippy_zmq.model.convert import convert_hf
+
+    cfg = convert_hf(FIXTURES / "qwen2-moe", tmp_path / "m", fmt=fmt)
+    for start, end in ((0, 1), (1, 2)):
+        _, params = loader.load_slice(tmp_path / "m", start, end, fmt=fmt)
+        held = sum(a.nbytes for a in jax.tree.leaves(params))
+        assert held == stage_nbytes(cfg, start, end, fmt), (start, end)
+        if end == 2:
+            assert params["layers"][0]["router"].dtype == jnp.float32
+            gate = params["layers"][0]["experts"]["w_gate"]     # stacked: the expert axis first
+            assert (gate.q.shape[0] if fmt == "q4" else gate.shape[0]) == 8
