@@ -142,3 +142,59 @@ def test_a_stage_holds_the_bytes_the_plan_counts_for_moe_layers(fmt, tmp_path):
             assert params["layers"][0]["router"].dtype == jnp.float32
             gate = params["layers"][0]["experts"]["w_gate"]     # stacked: the expert axis first
             assert (gate.q.shape[0] if fmt == "q4" else gate.shape[0]) == 8
+
+
+def test_random_moe_shapes_are_the_real_configs():
+    from skippy_zmq.model.random_model import RandomSpec, model_config
+
+    q3 = model_config(RandomSpec("qwen3-30b-a3b"))
+    assert (q3.n_layers, q3.d_model, q3.n_heads, q3.n_kv_heads, q3.head_dim, q3.vocab_size) == (48, 2048, 32, 4, 128, 151936)
+    assert (q3.n_experts, q3.n_experts_used, q3.expert_ffn_dim, q3.norm_topk_prob, q3.dense_layers) == \
+        (128, 8, 768, True, ())
+    mx = model_config(RandomSpec("mixtral-8x7b"))
+    assert (mx.arch, mx.n_experts, mx.n_experts_used, mx.expert_ffn_dim, mx.vocab_size) == ("mixtral", 8, 2, 14336, 32000)
+    q2 = model_config(RandomSpec("qwen2-57b-a14b", layers=4))
+    assert (q2.n_layers, q2.n_experts, q2.n_experts_used, q2.expert_ffn_dim, q2.shared_ffn_dim) == (4, 64, 8, 2560, 20480)
+
+
+def test_a_random_moe_model_is_written_loaded_and_decodes(tmp_path, monkeypatch):
+    """A small qwen3_moe shape through random-model: every expert stored, a stage holds what the plan
+    counts, and one process and two stages decode the same greedy ids; --gguf is refused for MoE."""
+    from skippy_zmq.model import loader, random_model
+    from skippy_zmq.model.checkpoint import stage_nbytes
+    from skippy_zmq.model.runner import SliceRunner
+    from skippy_zmq.config import Buckets, KVConfig
+
+    tiny = {**random_model.SHAPES["qwen3-30b-a3b"], "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "num_experts": 6, "num_experts_per_tok": 2, "mlp_only_layers": [1], "vocab_size": 256}
+    monkeypatch.setitem(random_model.SHAPES, "tiny-moe", tiny)
+    spec = random_model.RandomSpec("tiny-moe", weights="q4")
+    with pytest.raises(random_model.RandomModelError, match="mixture of experts"):
+        random_model.write_random_model(spec, tmp_path / "g", gguf="q4_1")
+    cfg = random_model.write_random_model(spec, tmp_path / "m")
+    assert cfg.dense_layers == (1,) and cfg.n_experts == 6
+    buckets = Buckets(prefill_chunks=(16,), decode_rows=(1,), attn_lens=(64,))
+
+    def runners(cuts: tuple[int, ...]) -> list[SliceRunner]:
+        bounds, out = [0, *cuts, cfg.n_layers], []
+        for start, end in zip(bounds, bounds[1:]):
+            c, params = loader.load_slice(tmp_path / "m", start, end, fmt="q4")
+            assert sum(a.nbytes for a in jax.tree.leaves(params)) == stage_nbytes(cfg, start, end, "q4")
+            out.append(SliceRunner(c, params, start, end, KVConfig(lanes=1, capacity=64), buckets))
+        return out
+
+    def greedy(rs: list[SliceRunner]) -> list[int]:
+        ids, token, out = np.arange(3, 12), 12, []
+        x = ids
+        for r in rs:
+            x = r.prefill(0, x, 0, output="none" if r.last else "hidden")
+        for pos in range(9, 17):
+            x = np.array([token])
+            for r in rs:
+                x = r.decode(np.array([0]), x, np.array([pos]))
+            token = int(np.argmax(x[0]))
+            out.append(token)
+        return out
+
+    assert greedy(runners(())) == greedy(runners((2,)))

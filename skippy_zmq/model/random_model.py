@@ -115,6 +115,19 @@ SHAPES: dict[str, dict[str, Any]] = {
     "gemma-3-4b": _gemma3(2560, 34, 8, 4, 10240, window=1024, max_pos=131072, vocab=262208,
                           scaling={"rope_type": "linear", "factor": 8.0}),
     "phi-4-mini": _PHI4_MINI,
+    # Mixture of experts (config.json of Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen2-57B-A14B)
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+                      "tie_word_embeddings": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                      "max_position_embeddings": 40960, "hidden_act": "silu", "attention_bias": False},
+    "mixtral-8x7b": _llama(4096, 32, 32, 14336, tied=False, factor=None, theta=1000000.0, vocab=32000,
+                           max_pos=32768) | {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2-57b-a14b": _qwen(3584, 28, 28, 4, 18944, tied=False) | {
+        "model_type": "qwen2_moe", "head_dim": 128, "moe_intermediate_size": 2560,
+        "shared_expert_intermediate_size": 20480, "num_experts": 64, "num_experts_per_tok": 8,
+        "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
 }
 
 
@@ -206,8 +219,9 @@ def tensor_specs(cfg: Any) -> list[TensorSpec]:
 
     specs = [TensorSpec("top", "embed", TOP_NAMES["embed"][0], (cfg.vocab_size, cfg.d_model))]
     for i in range(cfg.n_layers):
-        for key, ours in layer_shapes(cfg).items():   # ours: [in, out] for 2-D
-            specs.append(TensorSpec(str(i), key, f"blk.{i}.{LAYER_NAMES[key][0]}", tuple(reversed(ours))))
+        for key, ours in layer_shapes(cfg, i).items():   # ours: [in, out] for 2-D
+            name = LAYER_NAMES[key][0] if key in LAYER_NAMES else f"moe.{key}"   # MoE: no GGUF yet, a seed name
+            specs.append(TensorSpec(str(i), key, f"blk.{i}.{name}", tuple(reversed(ours))))
     specs.append(TensorSpec("top", "norm", TOP_NAMES["norm"][0], (cfg.d_model,)))
     if not cfg.tied_embeddings:
         specs.append(TensorSpec("top", "head", TOP_NAMES["head"][0], (cfg.vocab_size, cfg.d_model)))
@@ -273,13 +287,17 @@ def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> 
         raise RandomModelError("--gguf with --vocab is not implemented (the GGUF would carry no vocabulary)")
     out = Path(out)
     cfg = model_config(spec)
-    if gguf and cfg.arch not in GGUF_ARCH:    # Gemma 3 / Phi-3 GGUFs (norm shift, fused tensors) are not written
-        raise RandomModelError(f"--gguf is not implemented for {spec.shape} (arch {cfg.arch}; "
-                               f"only {', '.join(sorted(GGUF_ARCH))})")
+    if gguf and (cfg.arch not in GGUF_ARCH or cfg.n_experts):   # Gemma 3 / Phi-3 (norm shift, fused
+        # tensors) and MoE GGUFs (3-D expert tensors) are not written yet
+        raise RandomModelError(f"--gguf is not implemented for {spec.shape} (arch {cfg.arch}"
+                               f"{', mixture of experts' if cfg.n_experts else ''}; only dense "
+                               f"{', '.join(sorted(GGUF_ARCH))})")
     specs = tensor_specs(cfg)
     writer = CheckpointWriter(out, cfg, spec.weights)
     stream = GGUFStream(out / "model.gguf", cfg, specs, spec.name) if gguf else None
-    per_layer = sum(s.where == "0" for s in specs)
+    per_layer: dict[str, int] = {}
+    for s in specs:
+        per_layer[s.where] = per_layer.get(s.where, 0) + 1
     layer: dict[str, Any] = {}
     for ts, tensor in random_tensors(cfg, spec.seed):
         if stream is not None:
@@ -289,7 +307,7 @@ def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> 
             writer.add_top(ts.key, value)   # norm; embed / head are split into row blocks by the writer
         else:
             layer[ts.key] = value
-            if len(layer) == per_layer:     # a layer's tensors come together (tensor_specs)
+            if len(layer) == per_layer[ts.where]:     # a layer's tensors come together (tensor_specs)
                 writer.add_layer(int(ts.where), layer)
                 layer = {}
         del tensor, value                   # before the next is made: one big tensor in memory at a time
