@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from skippy_zmq.config import KV_SPARE_SLOTS, ModelConfig
 from skippy_zmq.model import quant
 from skippy_zmq.model import rope as rope_freqs
-from skippy_zmq.model.quant import dense, embed_rows
+from skippy_zmq.model.quant import dense, embed_rows, expert_dense
 
 Params = dict[str, Any]
 
@@ -307,8 +307,8 @@ def routed_experts(experts: Params, xs: jax.Array, chosen: jax.Array, weights: j
     expert no token chose is never read and a decode step reads only its rows' experts (never a
     dense pass over all of them: XLA:CPU lowers lax.ragged_dot to one, measured). `rows` grows
     with the pairs per expert (1 for decode, more for a prefill chunk), so a block's rows are
-    mostly real pairs. Each block's expert is one dynamic index into the stacked weights ([E, ...]
-    floats or QTensors).
+    mostly real pairs. Each block's expert is one index into the stacked weights ([E, ...] floats or
+    QTensors): the native kernel reads it in place (quant.expert_dense), XLA slices it out.
     """
     n, k = chosen.shape
     pairs = n * k
@@ -335,9 +335,9 @@ def routed_experts(experts: Params, xs: jax.Array, chosen: jax.Array, weights: j
 
     def block(i: jax.Array, out: jax.Array) -> jax.Array:
         e, at, count = block_expert[i], block_start[i], block_count[i]
-        w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False), experts)
         xb = jax.lax.dynamic_slice_in_dim(x_pad, at, rows)
-        yb = mlp(w, xb) * jax.lax.dynamic_slice_in_dim(w_pad, at, rows)[:, None]
+        h = jax.nn.silu(expert_dense(xb, experts["w_gate"], e)) * expert_dense(xb, experts["w_up"], e)
+        yb = expert_dense(h, experts["w_down"], e) * jax.lax.dynamic_slice_in_dim(w_pad, at, rows)[:, None]
         yb = jnp.where((jnp.arange(rows) < count)[:, None], yb, jnp.zeros_like(yb))
         return out.at[jax.lax.dynamic_slice_in_dim(t_pad, at, rows)].add(yb.astype(out.dtype))
 
