@@ -174,7 +174,7 @@ def test_a_random_moe_model_is_written_loaded_and_decodes(tmp_path, monkeypatch)
             "num_experts": 6, "num_experts_per_tok": 2, "mlp_only_layers": [1], "vocab_size": 256}
     monkeypatch.setitem(random_model.SHAPES, "tiny-moe", tiny)
     spec = random_model.RandomSpec("tiny-moe", weights="q4")
-    with pytest.raises(random_model.RandomModelError, match="mixture of experts"):
+    with pytest.raises(random_model.RandomModelError, match="dense layers"):
         random_model.write_random_model(spec, tmp_path / "g", gguf="q4_1")
     cfg = random_model.write_random_model(spec, tmp_path / "m")
     assert cfg.dense_layers == (1,) and cfg.n_experts == 6
@@ -202,3 +202,42 @@ def test_a_random_moe_model_is_written_loaded_and_decodes(tmp_path, monkeypatch)
         return out
 
     assert greedy(runners(())) == greedy(runners((2,)))
+
+
+TINY_MOE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 32, "vocab_size": 256}
+
+
+@pytest.mark.parametrize("shape, extra", [
+    ("qwen3-30b-a3b", {"intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 6,
+                       "num_experts_per_tok": 2}),
+    ("mixtral-8x7b", {"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2}),
+])
+def test_a_random_moe_gguf_converts_back_to_the_very_same_weights(shape, extra, tmp_path, monkeypatch):
+    """random-model --gguf q4_1 writes llama.cpp's MoE layout (qwen3moe; Mixtral under llama with
+    expert_count): `ffn_gate_inp` f32, the experts as 3-D Q4_1 `ffn_*_exps` tensors. convert --gguf reads
+    it back into the same config and, expert by expert, the same levels: every runtime array equal."""
+    from skippy_zmq.model import loader, random_model
+    from skippy_zmq.model.convert import convert_gguf
+
+    monkeypatch.setitem(random_model.SHAPES, "tiny", {**random_model.SHAPES[shape], **TINY_MOE, **extra})
+    cfg = random_model.write_random_model(random_model.RandomSpec("tiny", weights="q4"), tmp_path / "m", gguf="q4_1")
+    import gguf
+
+    reader = gguf.GGUFReader(tmp_path / "m" / "model.gguf")
+    arch = reader.fields["general.architecture"].contents()
+    assert arch == ("qwen3moe" if shape.startswith("qwen3") else "llama")
+    tensors = {t.name: t for t in reader.tensors}
+    experts = tensors["blk.1.ffn_down_exps.weight"]
+    assert experts.tensor_type.name == "Q4_1" and tuple(int(x) for x in experts.shape)[::-1] == \
+        (cfg.n_experts, cfg.d_model, cfg.expert_ffn_dim)
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    back = convert_gguf(tmp_path / "m" / "model.gguf", tmp_path / "back", fmt="q4")
+    skip = ("name", "norm_eps")          # GGUF keeps the epsilon as f32
+    assert {k: v for k, v in back.to_dict().items() if k not in skip} == \
+        {k: v for k, v in cfg.to_dict().items() if k not in skip}
+    assert back.norm_eps == pytest.approx(cfg.norm_eps, rel=1e-6)
+    _, ours = loader.load_slice(tmp_path / "m", fmt="q4")
+    _, theirs = loader.load_slice(tmp_path / "back", fmt="q4")
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

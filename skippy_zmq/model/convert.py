@@ -32,6 +32,7 @@ from skippy_zmq.config import ModelConfig
 from skippy_zmq.fetch import sha256_file
 from skippy_zmq.model import sources, weights
 from skippy_zmq.model.checkpoint import CheckpointError, CheckpointWriter, Encoded
+from skippy_zmq.model.gguf_writer import MOE_NAMES
 # The families and their config reading live in model/families.py; imported here for callers of convert.
 from skippy_zmq.model.families import (ConvertError, GGUF_ARCHS, SUPPORTED_HF_TYPES,  # noqa: F401
                                        gguf_model_config, hf_model_config)
@@ -152,7 +153,10 @@ def stream_checkpoint(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, 
         for key, shape in weights.layer_shapes(cfg, i).items():
             where, rows = source_key(cfg, key)
             name = need(i, where)
-            w = src.read(name, *rows) if rows else src.read(name)
+            if (which := weights.expert_of(key)) is not None and len(src.shape(name)) == 3:
+                w = sources.read_part(src, name, which[0])    # GGUF: one expert of a 3-D `_exps` tensor
+            else:
+                w = src.read(name, *rows) if rows else src.read(name)
             if rows and src.shape(name)[0] != fused_rows(cfg, where):
                 raise ConvertError(f"tensor {name!r} has {src.shape(name)[0]} rows, the config says "
                                    f"{fused_rows(cfg, where)} (our {key} is rows {rows[0]}..{rows[1]} of it)")
@@ -185,10 +189,14 @@ def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
     tokenizer = _read_tokenizer(path, lambda: TextTokenizer(*tokenizer_from_gguf(reader)))
 
     def name_of(where: str | int, key: str) -> str:
-        return TOP_NAMES[key][0] if where == "top" else f"blk.{where}.{LAYER_NAMES[key][0]}"
+        if where == "top":
+            return TOP_NAMES[key][0]
+        which = weights.expert_of(key)
+        return f"blk.{where}.{MOE_NAMES[which[1]] if which else MOE_NAMES.get(key) or LAYER_NAMES[key][0]}"
 
     source = {"format": "gguf", "file": path.name, "weights": fmt, "sha256": sha256_file(path)}
-    _convert(cfg, sources.GGUFSource(path, reader), name_of, out, fmt, cfg.arch == "llama", source, tokenizer)
+    _convert(cfg, sources.GGUFSource(path, reader), name_of, out, fmt, cfg.arch in ("llama", "mixtral"), source,
+             tokenizer)
     return cfg
 
 

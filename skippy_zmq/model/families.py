@@ -69,7 +69,8 @@ REFUSED_MOE = {
     "deepseek_v2": "multi-head latent attention (MLA) and grouped top-k routing",
     "deepseek_v3": "multi-head latent attention (MLA), sigmoid routing with a bias and grouped top-k",
 }
-GGUF_ARCHS = ("llama", "qwen2", "qwen3") + gemma_phi.GGUF_ARCHS   # llama.cpp files Mistral under "llama"
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe") + gemma_phi.GGUF_ARCHS   # llama.cpp files Mistral and Mixtral
+# under "llama"
 SUPPORTED_HF_TYPES = tuple(HF_FAMILIES) + gemma_phi.HF_TYPES
 
 # Fields that change the math and the one value we implement (absent or null: transformers' default, ours).
@@ -209,8 +210,17 @@ def gguf_model_config(reader: Any, name: str = "") -> ModelConfig:
     extra = _gguf_family_fields(reader, arch, head_dim, d_model, n_heads, int(need("block_count")))
     vocab = gguf_field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    experts = int(gguf_field(reader, f"{arch}.expert_count", 0) or 0)
+    if experts:   # llama.cpp routes every layer of qwen3moe and llama (Mixtral) and renormalises the top k
+        used = int(need("expert_used_count"))
+        extra.update(n_experts=experts, n_experts_used=used, norm_topk_prob=True,
+                     expert_ffn_dim=int(gguf_field(reader, f"{arch}.expert_feed_forward_length", 0)
+                                        or need("feed_forward_length")))
+    elif arch == "qwen3moe":
+        raise ConvertError("GGUF qwen3moe without qwen3moe.expert_count")
+    ours = {"qwen3moe": "qwen3_moe"}.get(arch, "mixtral" if experts and arch == "llama" else arch)
     return ModelConfig(
-        arch=arch, n_layers=int(need("block_count")), d_model=d_model, n_heads=n_heads,
+        arch=ours, n_layers=int(need("block_count")), d_model=d_model, n_heads=n_heads,
         n_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads)), head_dim=head_dim,
         ffn_dim=int(need("feed_forward_length")), vocab_size=int(vocab),
         norm_eps=float(need("attention.layer_norm_rms_epsilon")),

@@ -27,7 +27,10 @@ from skippy_zmq.model.formats import Encoded
 
 BLOCK = 32        # weights per Q4_1 block
 Q4_1_BYTES = 20   # per block of 32: f16 d, f16 m, 16 bytes of nibbles
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "mixtral": "llama", "qwen3_moe": "qwen3moe"}
+# our MoE key -> llama.cpp's tensor (an expert is one slice of a 3-D `_exps` tensor)
+MOE_NAMES = {"router": "ffn_gate_inp.weight", "w_gate": "ffn_gate_exps.weight", "w_up": "ffn_up_exps.weight",
+             "w_down": "ffn_down_exps.weight"}
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,17 @@ class TensorSpec:
     key: str
     gguf_name: str
     shape: tuple[int, ...]     # numpy / GGUF order: [out, in] for 2-D
+    part: int = -1             # an expert: its slice of the GGUF tensor [parts, out, in]
+    parts: int = 0
+    f32: bool = False          # stored as f32 in the GGUF (an MoE router, as llama.cpp keeps it)
 
     @property
     def is_matrix(self) -> bool:
         return len(self.shape) == 2
+
+    @property
+    def gguf_shape(self) -> tuple[int, ...]:
+        return (self.parts, *self.shape) if self.parts else self.shape
 
 
 def q4_1_bytes(t: Encoded) -> np.ndarray:
@@ -82,9 +92,10 @@ def llama3_rope_factors(cfg: Any) -> np.ndarray:
 
 
 def _nbytes(spec: TensorSpec) -> int:
-    if spec.is_matrix:
-        return spec.shape[0] * spec.shape[1] // BLOCK * Q4_1_BYTES
-    return 4 * spec.shape[0]
+    n = max(1, spec.parts)
+    if spec.is_matrix and not spec.f32:
+        return n * spec.shape[0] * spec.shape[1] // BLOCK * Q4_1_BYTES
+    return n * 4 * int(np.prod(spec.shape))
 
 
 class GGUFStream:
@@ -103,9 +114,12 @@ class GGUFStream:
         if factors is not None:
             self.writer.add_tensor_info("rope_freqs.weight", factors.shape, np.float32, factors.nbytes, F32)
         for spec in specs:
-            self.writer.add_tensor_info(spec.gguf_name, spec.shape, np.float32, _nbytes(spec),
-                                        Q4_1 if spec.is_matrix else F32)
-        self.pending = [s.gguf_name for s in specs]
+            if spec.part > 0:
+                continue          # an expert after the first: the same 3-D tensor
+            self.writer.add_tensor_info(spec.gguf_name, spec.gguf_shape, np.float32, _nbytes(spec),
+                                        Q4_1 if spec.is_matrix and not spec.f32 else F32)
+        self.pending = [s.gguf_name for s in specs if s.part <= 0]
+        self.parts: list[np.ndarray] = []    # a 3-D expert tensor's slices so far
         self.writer.write_header_to_file()
         self.writer.write_kv_data_to_file()
         self.writer.write_ti_data_to_file()
@@ -132,17 +146,38 @@ class GGUFStream:
         w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         w.add_tokenizer_model("no_vocab")
+        if cfg.n_experts:   # llama.cpp renormalises the top k of qwen3moe and llama (Mixtral) always
+            if not cfg.norm_topk_prob or cfg.dense_layers or cfg.shared_ffn_dim:
+                raise ValueError("llama.cpp's qwen3moe / llama MoE: every layer routed, top k renormalised, "
+                                 "no shared expert")
+            w.add_expert_count(cfg.n_experts)
+            w.add_expert_used_count(cfg.n_experts_used)
+            w.add_expert_feed_forward_length(cfg.expert_ffn_dim)
 
     def write(self, spec: TensorSpec, tensor: Encoded | np.ndarray) -> None:
-        if not self.pending or self.pending[0] != spec.gguf_name:
-            raise ValueError(f"GGUF tensors must come in order: expected {self.pending[:1]}, got {spec.gguf_name}")
+        if not self.pending or self.pending[0] != spec.gguf_name or spec.part not in (-1, len(self.parts)):
+            raise ValueError(f"GGUF tensors must come in order: expected {self.pending[:1]} part {len(self.parts)}, "
+                             f"got {spec.gguf_name} part {spec.part}")
+        if spec.f32 and isinstance(tensor, Encoded):
+            from skippy_zmq.model.formats import dequantize_grid
+
+            tensor = dequantize_grid(tensor)       # the same values, as f32
+        data = q4_1_bytes(tensor) if isinstance(tensor, Encoded) else np.ascontiguousarray(tensor, np.float32)
+        if spec.parts:                             # an expert: the 3-D tensor goes out once all are here
+            self.parts.append(data)
+            if len(self.parts) < spec.parts:
+                return
+            data, self.parts = np.concatenate(self.parts), []
+            self.pending.pop(0)
+            self.writer.write_tensor_data(data)
+            return
         self.pending.pop(0)
         if self.permute and spec.key in ("wq", "wk", "bq", "bk"):
             heads = self.cfg.n_heads if spec.key in ("wq", "bq") else self.cfg.n_kv_heads
             order = rotary_row_order(spec.shape[0], heads)
             tensor = Encoded(tensor.fmt, tensor.q[order], tensor.d[order], tensor.m[order]) \
                 if isinstance(tensor, Encoded) else tensor[order]
-        data = q4_1_bytes(tensor) if isinstance(tensor, Encoded) else np.ascontiguousarray(tensor, np.float32)
+            data = q4_1_bytes(tensor) if isinstance(tensor, Encoded) else np.ascontiguousarray(tensor, np.float32)
         self.writer.write_tensor_data(data)
 
     def close(self) -> None:

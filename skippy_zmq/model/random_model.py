@@ -37,7 +37,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from skippy_zmq.model.formats import Encoded, q4_blocks
-from skippy_zmq.model.gguf_writer import BLOCK, GGUF_ARCH, GGUFStream, TensorSpec
+from skippy_zmq.model.gguf_writer import BLOCK, GGUF_ARCH, MOE_NAMES, GGUFStream, TensorSpec
 
 INIT_STD = 0.02       # std of the 2-D weights (levels uniform in 0..15 have std 4.61)
 LEVEL_STD = float(np.sqrt((16 ** 2 - 1) / 12))
@@ -215,13 +215,21 @@ def random_vector(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
 def tensor_specs(cfg: Any) -> list[TensorSpec]:
     """Every tensor of a ModelConfig in GGUF order: embedding, the layers, final norm, head (untied)."""
     from skippy_zmq.model.convert import LAYER_NAMES, TOP_NAMES
-    from skippy_zmq.model.weights import layer_shapes
+    from skippy_zmq.model.weights import ROUTER_KEYS, expert_of, layer_shapes
 
     specs = [TensorSpec("top", "embed", TOP_NAMES["embed"][0], (cfg.vocab_size, cfg.d_model))]
     for i in range(cfg.n_layers):
-        for key, ours in layer_shapes(cfg, i).items():   # ours: [in, out] for 2-D
-            name = LAYER_NAMES[key][0] if key in LAYER_NAMES else f"moe.{key}"   # MoE: no GGUF yet, a seed name
-            specs.append(TensorSpec(str(i), key, f"blk.{i}.{name}", tuple(reversed(ours))))
+        shapes = layer_shapes(cfg, i)   # ours: [in, out] for 2-D
+        experts = sorted((expert_of(k)[1], expert_of(k)[0], k) for k in shapes if expert_of(k))
+        for key in [k for k in shapes if not expert_of(k)] + [k for _, _, k in experts]:
+            shape, which = tuple(reversed(shapes[key])), expert_of(key)
+            if which:   # an expert: its slice of llama.cpp's 3-D tensor, all of one matrix's experts in a row
+                specs.append(TensorSpec(str(i), key, f"blk.{i}.{MOE_NAMES[which[1]]}", shape, which[0], cfg.n_experts))
+            elif key in MOE_NAMES or key.startswith("shared_"):
+                name = MOE_NAMES.get(key, f"ffn_{key}.weight")     # a shared expert: no GGUF writer yet
+                specs.append(TensorSpec(str(i), key, f"blk.{i}.{name}", shape, f32=key in ROUTER_KEYS))
+            else:
+                specs.append(TensorSpec(str(i), key, f"blk.{i}.{LAYER_NAMES[key][0]}", shape))
     specs.append(TensorSpec("top", "norm", TOP_NAMES["norm"][0], (cfg.d_model,)))
     if not cfg.tied_embeddings:
         specs.append(TensorSpec("top", "head", TOP_NAMES["head"][0], (cfg.vocab_size, cfg.d_model)))
@@ -229,7 +237,7 @@ def tensor_specs(cfg: Any) -> list[TensorSpec]:
 
 
 def make_tensor(spec: TensorSpec, seed: int) -> Encoded | np.ndarray:
-    rng = tensor_rng(seed, spec.gguf_name)
+    rng = tensor_rng(seed, spec.gguf_name if spec.part < 0 else f"{spec.gguf_name}/{spec.part}")
     if spec.is_matrix:
         return random_q4_blocks(rng, *spec.shape)
     return random_vector(rng, spec.shape[0], "norm" if spec.key.endswith("norm") else "bias")
@@ -287,11 +295,11 @@ def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> 
         raise RandomModelError("--gguf with --vocab is not implemented (the GGUF would carry no vocabulary)")
     out = Path(out)
     cfg = model_config(spec)
-    if gguf and (cfg.arch not in GGUF_ARCH or cfg.n_experts):   # Gemma 3 / Phi-3 (norm shift, fused
-        # tensors) and MoE GGUFs (3-D expert tensors) are not written yet
+    if gguf and (cfg.arch not in GGUF_ARCH or cfg.shared_ffn_dim or cfg.dense_layers):   # Gemma 3 / Phi-3
+        # (norm shift, fused tensors) and Qwen2-MoE's shared experts / dense layers are not written yet
         raise RandomModelError(f"--gguf is not implemented for {spec.shape} (arch {cfg.arch}"
-                               f"{', mixture of experts' if cfg.n_experts else ''}; only dense "
-                               f"{', '.join(sorted(GGUF_ARCH))})")
+                               f"{', a shared expert or dense layers' if cfg.n_experts else ''}; only "
+                               f"{', '.join(sorted(GGUF_ARCH))}, every layer routed)")
     specs = tensor_specs(cfg)
     writer = CheckpointWriter(out, cfg, spec.weights)
     stream = GGUFStream(out / "model.gguf", cfg, specs, spec.name) if gguf else None
