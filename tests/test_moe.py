@@ -5,6 +5,7 @@ test_families (qwen3-moe, mixtral, qwen2-moe fixtures)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -241,3 +242,33 @@ def test_a_random_moe_gguf_converts_back_to_the_very_same_weights(shape, extra, 
     _, theirs = loader.load_slice(tmp_path / "back", fmt="q4")
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_kernel_reads_only_chosen_experts_in_place(bits):
+    """quant.moe_ffn (the whole routed sum in one call) and quant.expert_dense (one expert of a stack):
+    NaN scales in every expert no token chose leave the output finite and equal to the reference."""
+    if not quant.kernel_available():
+        pytest.skip("the native kernel is not built here")
+    experts = stacked_experts(4)
+    qts = {k: [quant.to_qtensor(v[e], bits=bits) for e in range(E)] for k, v in experts.items()}
+    floats = {k: np.stack([np.asarray(quant.dequantize(t)) for t in ts]) for k, ts in qts.items()}
+    used = (0, 3, 5)
+    nan = np.float16(np.nan)
+
+    def poisoned(ts: list) -> quant.QTensor:
+        t = jax.tree.map(lambda *a: jnp.stack(a), *ts)
+        bad = ~np.isin(np.arange(E), used)
+        return dataclasses.replace(t, s=jnp.asarray(np.where(bad[:, None, None, None], nan, np.asarray(t.s))))
+
+    stacked = {k: poisoned(ts) for k, ts in qts.items()}
+    assert quant.moe_fits(stacked)
+    for n in (1, 7, 50):
+        xs, chosen, w = routing(n, seed=11 + n, only=used)
+        got = np.asarray(jax.jit(quant.moe_ffn)(jnp.asarray(xs), jnp.asarray(chosen), jnp.asarray(w), stacked))
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, reference(floats, xs, chosen, w), rtol=1e-4, atol=1e-4)
+    x = jnp.asarray(routing(3, seed=2)[0])
+    for e in used:
+        np.testing.assert_allclose(np.asarray(quant.expert_dense(x, stacked["w_up"], jnp.int32(e))),
+                                   np.asarray(x) @ floats["w_up"][e], rtol=1e-4, atol=1e-4)

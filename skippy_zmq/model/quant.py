@@ -58,6 +58,7 @@ PANEL = 64
 GROUP_SIZE = 32   # input rows per scale; to_qtensor falls back to one group when it does not divide
 KERNEL_TARGETS = {8: "skippy_int8_dense", 4: "skippy_q4_dense"}   # bits -> FFI target
 EXPERT_TARGETS = {8: "skippy_int8_expert_dense", 4: "skippy_q4_expert_dense"}   # one expert of stacked weights
+MOE_TARGETS = {8: "skippy_int8_moe_ffn", 4: "skippy_q4_moe_ffn"}   # an MoE layer's routed experts in one call
 ATTEND_TARGET = "skippy_decode_attention"   # one query token per row over f32 KV (quant_kernel.h)
 ATTENTION_ENV = "SKIPPY_DECODE_ATTENTION"   # kernel (default) | xla: which decode attention a CPU step runs
 KERNEL_DIR = Path(__file__).parent
@@ -316,6 +317,25 @@ def expert_dense(x: jax.Array, w: Any, expert: jax.Array) -> jax.Array:
     return dense(x, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, expert, 0, keepdims=False), w))
 
 
+def moe_fits(experts: dict[str, Any]) -> bool:
+    """Whether the kernel runs these stacked experts in one call (`moe_ffn`): QTensors of one bit width
+    asking for the kernel, on a process that has it built."""
+    ws = [experts[k] for k in ("w_gate", "w_up", "w_down")]
+    return (all(isinstance(w, QTensor) and w.impl == "kernel" for w in ws) and len({w.bits for w in ws}) == 1
+            and kernel_available())
+
+
+def moe_ffn(x: jax.Array, chosen: jax.Array, weights: jax.Array, experts: dict[str, Any]) -> jax.Array:
+    """sum_k weights[n, k] * expert_{chosen[n, k]}(x[n]) (SwiGLU) for x [N, D], in one kernel call that
+    groups the pairs by expert and reads each chosen expert once, in place (moe_fits must hold)."""
+    g, u, d = experts["w_gate"], experts["w_up"], experts["w_down"]
+    out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    y = jax.ffi.ffi_call(MOE_TARGETS[g.bits], out)(
+        x.astype(jnp.float32), chosen.astype(jnp.int32), weights.astype(jnp.float32),
+        g.q, g.s, g.z, u.q, u.s, u.z, d.q, d.s, d.z, ffn=np.int64(g.n))
+    return y.astype(x.dtype)
+
+
 def for_device(params: Any, device: Any = None) -> Any:
     """`params` with each QTensor that asks for the kernel set to the XLA path when `device`
     (None: JAX's default) is not a CPU; no array moves. SliceRunner applies it to its weights."""
@@ -384,7 +404,7 @@ def _load_kernel() -> _Kernel | None:
         logger.warning("quantised-matmul CPU kernel unavailable, using the slow XLA fallback: {}", exc)
         return None
     kernel = _Kernel(lib, _select_isa(lib, os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"))
-    for target in (*KERNEL_TARGETS.values(), *EXPERT_TARGETS.values(), ATTEND_TARGET):
+    for target in (*KERNEL_TARGETS.values(), *EXPERT_TARGETS.values(), *MOE_TARGETS.values(), ATTEND_TARGET):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     logger.debug("quantised-matmul CPU kernel: {} loops", kernel.isa)
     return kernel

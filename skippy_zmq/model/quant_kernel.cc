@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -199,6 +200,106 @@ ffi::Error Q4ExpertDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   return ExpertDense(pool, x, q.typed_data(), q.dimensions(), SKIPPY_PANEL / 2, s, z, e, y, true);
 }
 
+// A weight stacked over experts: q [E, Np/64, K, row_bytes], s and z [E, Np/64, groups, 64].
+struct Stacked {
+  const uint8_t* q;
+  const uint16_t* s;
+  const uint16_t* z;
+  int64_t experts = 0, panels = 0, K = 0, groups = 0;
+  int64_t row_bytes = 0;
+
+  template <class B>
+  static Stacked Of(const B& q, ffi::Buffer<ffi::F16>& s, ffi::Buffer<ffi::F16>& z, int64_t row_bytes) {
+    Stacked st{reinterpret_cast<const uint8_t*>(q.untyped_data()), reinterpret_cast<const uint16_t*>(s.untyped_data()),
+               reinterpret_cast<const uint16_t*>(z.untyped_data())};
+    auto qd = q.dimensions(), sd = s.dimensions();
+    if (qd.size() == 4 && qd[3] == row_bytes && sd.size() == 4 && sd[0] == qd[0] && sd[1] == qd[1] && sd[2] > 0 &&
+        qd[2] % sd[2] == 0 && sd[3] == SKIPPY_PANEL && z.element_count() == s.element_count()) {
+      st.experts = qd[0], st.panels = qd[1], st.K = qd[2], st.groups = sd[2], st.row_bytes = row_bytes;
+    }
+    return st;
+  }
+  bool ok() const { return experts > 0; }
+  int64_t width() const { return panels * SKIPPY_PANEL; }
+
+  // out[m, width] = x[m, K] @ expert e, on the panel loops (the pool helps when the work is worth it)
+  void Run(ffi::ThreadPool& pool, SkippyPanelFn fn, int64_t e, const float* x, int64_t m, float* out) const {
+    const int64_t scales = panels * groups * SKIPPY_PANEL;
+    SkippyDenseArgs a{x, q + e * panels * K * row_bytes, s + e * scales, z + e * scales, out, m, K, width(),
+                      K / groups, nullptr, nullptr, nullptr};
+    RunTasks(pool, panels, m * K * width(), [fn, a](int64_t p) { fn(&a, p); });
+  }
+};
+
+// The routed experts of an MoE layer in one call: y[n] = sum_k w[n, k] * down_e(silu(gate_e(x[n])) *
+// up_e(x[n])), e = ids[n, k]. Pairs are grouped by expert, so each chosen expert's three matrices
+// are read once for all the rows that chose it, in place in the stacks; an expert no row chose is
+// never touched. `ffn` is the experts' intermediate width (the gate and up outputs' real columns).
+ffi::Error MoeFfn(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S32>& ids,
+                  ffi::Buffer<ffi::F32>& w, const Stacked& g, const Stacked& u, const Stacked& d,
+                  ffi::ResultBuffer<ffi::F32>& y, int64_t ffn, bool q4) {
+  auto xd = x.dimensions(), id = ids.dimensions();
+  if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0] || w.element_count() != ids.element_count() ||
+      !g.ok() || !u.ok() || !d.ok() || g.experts != u.experts || g.experts != d.experts || g.K != xd[1] ||
+      u.K != xd[1] || u.panels != g.panels || d.K != ffn || ffn > g.width() || d.width() < xd[1] ||
+      y->element_count() != x.element_count()) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "moe ffn: x [N, D], ids and w [N, K], gate/up [E, Fp/64, D, b], down [E, Dp/64, F, b]");
+  }
+  const int64_t N = xd[0], D = xd[1], K = id[1], E = g.experts, pairs = N * K;
+  const int32_t* chosen = ids.typed_data();
+  std::vector<int64_t> start(E + 1, 0), order(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (chosen[p] < 0 || chosen[p] >= E) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expert out of range");
+    ++start[chosen[p] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t p = 0; p < pairs; ++p) order[fill[chosen[p]]++] = p;
+  const Isa* isa = g_isa.load(std::memory_order_relaxed);
+  const SkippyPanelFn fn = q4 ? isa->q4 : isa->int8;
+  const float *xs = x.typed_data(), *ws = w.typed_data();
+  float* out = y->typed_data();
+  std::fill(out, out + N * D, 0.0f);
+  thread_local std::vector<float> xb, gb, ub, hb, db;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t m = start[e + 1] - start[e];
+    if (m == 0) continue;
+    xb.resize(m * D), gb.resize(m * g.width()), ub.resize(m * g.width()), hb.resize(m * ffn), db.resize(m * d.width());
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t token = order[start[e] + r] / K;
+      std::copy(xs + token * D, xs + (token + 1) * D, xb.data() + r * D);
+    }
+    g.Run(pool, fn, e, xb.data(), m, gb.data());
+    u.Run(pool, fn, e, xb.data(), m, ub.data());
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t j = 0; j < ffn; ++j) {
+        const float a = gb[r * g.width() + j];
+        hb[r * ffn + j] = a / (1.0f + std::exp(-a)) * ub[r * g.width() + j];
+      }
+    }
+    d.Run(pool, fn, e, hb.data(), m, db.data());
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t p = order[start[e] + r];
+      const float weight = ws[p];
+      float* row = out + (p / K) * D;
+      for (int64_t j = 0; j < D; ++j) row[j] += weight * db[r * d.width() + j];
+    }
+  }
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType T>
+ffi::Error MoeFfnOf(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> w,
+                    ffi::Buffer<T> gq, ffi::Buffer<ffi::F16> gs, ffi::Buffer<ffi::F16> gz, ffi::Buffer<T> uq,
+                    ffi::Buffer<ffi::F16> us, ffi::Buffer<ffi::F16> uz, ffi::Buffer<T> dq, ffi::Buffer<ffi::F16> ds,
+                    ffi::Buffer<ffi::F16> dz, ffi::ResultBuffer<ffi::F32> y, int64_t ffn) {
+  constexpr bool q4 = T == ffi::DataType::U8;
+  constexpr int64_t rb = q4 ? SKIPPY_PANEL / 2 : SKIPPY_PANEL;
+  return MoeFfn(pool, x, ids, w, Stacked::Of(gq, gs, gz, rb), Stacked::Of(uq, us, uz, rb), Stacked::Of(dq, ds, dz, rb),
+                y, ffn, q4);
+}
+
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lanes, ffi::Buffer<ffi::S32> positions,
                            ffi::ResultBuffer<ffi::F32> out, float scale, int64_t limit) {
@@ -271,6 +372,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_q4_dense, Q4Dense, SKIPPY_BIND(ffi::U8));
       .Ret<ffi::Buffer<ffi::F32>>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_int8_expert_dense, Int8ExpertDense, SKIPPY_BIND_EXPERT(ffi::S8));
+
+#define SKIPPY_BIND_MOE(T)                                                                        \
+  ffi::Ffi::Bind()                                                                                \
+      .Ctx<ffi::ThreadPool>()                                                                     \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                               \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                               \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                               \
+      .Arg<ffi::Buffer<T>>().Arg<ffi::Buffer<ffi::F16>>().Arg<ffi::Buffer<ffi::F16>>()             \
+      .Arg<ffi::Buffer<T>>().Arg<ffi::Buffer<ffi::F16>>().Arg<ffi::Buffer<ffi::F16>>()             \
+      .Arg<ffi::Buffer<T>>().Arg<ffi::Buffer<ffi::F16>>().Arg<ffi::Buffer<ffi::F16>>()             \
+      .Ret<ffi::Buffer<ffi::F32>>()                                                               \
+      .Attr<int64_t>("ffn")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_int8_moe_ffn, MoeFfnOf<ffi::S8>, SKIPPY_BIND_MOE(ffi::S8));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_q4_moe_ffn, MoeFfnOf<ffi::U8>, SKIPPY_BIND_MOE(ffi::U8));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_q4_expert_dense, Q4ExpertDense, SKIPPY_BIND_EXPERT(ffi::U8));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_decode_attention, DecodeAttention,
