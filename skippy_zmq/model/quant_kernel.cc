@@ -260,12 +260,17 @@ ffi::Error MoeFfn(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<f
   const SkippyPanelFn fn = q4 ? isa->q4 : isa->int8;
   const float *xs = x.typed_data(), *ws = w.typed_data();
   float* out = y->typed_data();
-  std::fill(out, out + N * D, 0.0f);
-  thread_local std::vector<float> xb, gb, ub, hb, db;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t m = start[e + 1] - start[e];
-    if (m == 0) continue;
-    xb.resize(m * D), gb.resize(m * g.width()), ub.resize(m * g.width()), hb.resize(m * ffn), db.resize(m * d.width());
+  // One task per chosen expert (the pool's threads take them: a decode step's experts are too
+  // small to split by panels, and one expert per core reads both cores' share of memory); each
+  // writes its rows' down projections into its own slots of `down`, summed into y after.
+  std::vector<int64_t> used;
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) used.push_back(e);
+  std::vector<float> down(pairs * d.width());
+  auto expert = [&, fn](int64_t i) {
+    const int64_t e = used[i], m = start[e + 1] - start[e];
+    thread_local std::vector<float> xb, gb, ub, hb;
+    xb.resize(m * D), gb.resize(m * g.width()), ub.resize(m * g.width()), hb.resize(m * ffn);
     for (int64_t r = 0; r < m; ++r) {
       const int64_t token = order[start[e] + r] / K;
       std::copy(xs + token * D, xs + (token + 1) * D, xb.data() + r * D);
@@ -278,13 +283,16 @@ ffi::Error MoeFfn(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<f
         hb[r * ffn + j] = a / (1.0f + std::exp(-a)) * ub[r * g.width() + j];
       }
     }
-    d.Run(pool, fn, e, hb.data(), m, db.data());
-    for (int64_t r = 0; r < m; ++r) {
-      const int64_t p = order[start[e] + r];
-      const float weight = ws[p];
-      float* row = out + (p / K) * D;
-      for (int64_t j = 0; j < D; ++j) row[j] += weight * db[r * d.width() + j];
-    }
+    d.Run(pool, fn, e, hb.data(), m, down.data() + start[e] * d.width());
+  };
+  RunTasks(pool, static_cast<int64_t>(used.size()), pairs * D * ffn * 3, expert);
+  std::fill(out, out + N * D, 0.0f);
+  for (int64_t i = 0; i < pairs; ++i) {   // in expert order, as the pairs were grouped
+    const int64_t p = order[i];
+    const float weight = ws[p];
+    float* row = out + (p / K) * D;
+    const float* src = down.data() + i * d.width();
+    for (int64_t j = 0; j < D; ++j) row[j] += weight * src[j];
   }
   return ffi::Error::Success();
 }
