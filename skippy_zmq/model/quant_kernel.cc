@@ -357,45 +357,39 @@ extern "C" int skippy_kernel_supports(const char* name) {
   return 0;
 }
 
-#define SKIPPY_BIND(T)                          \
+// x, the weight's levels, its scales and offsets (then what each call adds)
+#define SKIPPY_BIND_WEIGHTS(T)                  \
   ffi::Ffi::Bind()                              \
       .Ctx<ffi::ThreadPool>()                   \
       .Arg<ffi::Buffer<ffi::F32>>()             \
       .Arg<ffi::Buffer<T>>()                    \
       .Arg<ffi::Buffer<ffi::F16>>()             \
-      .Arg<ffi::Buffer<ffi::F16>>()             \
-      .Ret<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F16>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_int8_dense, Int8Dense, SKIPPY_BIND(ffi::S8));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_q4_dense, Q4Dense, SKIPPY_BIND(ffi::U8));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_int8_dense, Int8Dense, SKIPPY_BIND_WEIGHTS(ffi::S8).Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_q4_dense, Q4Dense, SKIPPY_BIND_WEIGHTS(ffi::U8).Ret<ffi::Buffer<ffi::F32>>());
 
-#define SKIPPY_BIND_EXPERT(T)                   \
-  ffi::Ffi::Bind()                              \
-      .Ctx<ffi::ThreadPool>()                   \
-      .Arg<ffi::Buffer<ffi::F32>>()             \
-      .Arg<ffi::Buffer<T>>()                    \
-      .Arg<ffi::Buffer<ffi::F16>>()             \
-      .Arg<ffi::Buffer<ffi::F16>>()             \
-      .Arg<ffi::Buffer<ffi::S32>>()             \
-      .Ret<ffi::Buffer<ffi::F32>>()
+// and the expert's index in the stack
+#define SKIPPY_BIND_EXPERT(T) SKIPPY_BIND_WEIGHTS(T).Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_int8_expert_dense, Int8ExpertDense, SKIPPY_BIND_EXPERT(ffi::S8));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_q4_expert_dense, Q4ExpertDense, SKIPPY_BIND_EXPERT(ffi::U8));
 
-#define SKIPPY_BIND_MOE(T)                                                                        \
-  ffi::Ffi::Bind()                                                                                \
-      .Ctx<ffi::ThreadPool>()                                                                     \
-      .Arg<ffi::Buffer<ffi::F32>>()                                                               \
-      .Arg<ffi::Buffer<ffi::S32>>()                                                               \
-      .Arg<ffi::Buffer<ffi::F32>>()                                                               \
-      .Arg<ffi::Buffer<T>>().Arg<ffi::Buffer<ffi::F16>>().Arg<ffi::Buffer<ffi::F16>>()             \
-      .Arg<ffi::Buffer<T>>().Arg<ffi::Buffer<ffi::F16>>().Arg<ffi::Buffer<ffi::F16>>()             \
-      .Arg<ffi::Buffer<T>>().Arg<ffi::Buffer<ffi::F16>>().Arg<ffi::Buffer<ffi::F16>>()             \
-      .Ret<ffi::Buffer<ffi::F32>>()                                                               \
+// x, the experts chosen per row and their weights, then gate, up and down: levels, scales, offsets
+#define SKIPPY_BIND_MOE(T)                                                            \
+  ffi::Ffi::Bind()                                                                    \
+      .Ctx<ffi::ThreadPool>()                                                         \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                   \
+      .Arg<ffi::Buffer<ffi::S32>>()                                                   \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                   \
+      .Arg<ffi::Buffer<T>>().Arg<ffi::Buffer<ffi::F16>>().Arg<ffi::Buffer<ffi::F16>>() \
+      .Arg<ffi::Buffer<T>>().Arg<ffi::Buffer<ffi::F16>>().Arg<ffi::Buffer<ffi::F16>>() \
+      .Arg<ffi::Buffer<T>>().Arg<ffi::Buffer<ffi::F16>>().Arg<ffi::Buffer<ffi::F16>>() \
+      .Ret<ffi::Buffer<ffi::F32>>()                                                   \
       .Attr<int64_t>("ffn")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_int8_moe_ffn, MoeFfnOf<ffi::S8>, SKIPPY_BIND_MOE(ffi::S8));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_q4_moe_ffn, MoeFfnOf<ffi::U8>, SKIPPY_BIND_MOE(ffi::U8));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_q4_expert_dense, Q4ExpertDense, SKIPPY_BIND_EXPERT(ffi::U8));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_decode_attention, DecodeAttention,
                               ffi::Ffi::Bind()
