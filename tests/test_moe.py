@@ -272,3 +272,16 @@ def test_the_kernel_reads_only_chosen_experts_in_place(bits):
     for e in used:
         np.testing.assert_allclose(np.asarray(quant.expert_dense(x, stacked["w_up"], jnp.int32(e))),
                                    np.asarray(x) @ floats["w_up"][e], rtol=1e-4, atol=1e-4)
+
+
+def test_a_dense_random_gguf_keeps_llama_cpp_dense_names(tmp_path):
+    """The MoE names never leak into a dense GGUF: its MLP is ffn_gate / ffn_up / ffn_down, as llama.cpp
+    loads it (a dense model written with `_exps` names once failed to load in llama-bench)."""
+    import gguf
+
+    from skippy_zmq.model import random_model
+
+    random_model.write_random_model(random_model.RandomSpec("smollm2-135m", layers=1), tmp_path / "m", gguf="q4_1")
+    names = {t.name for t in gguf.GGUFReader(tmp_path / "m" / "model.gguf").tensors}
+    assert {"blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight"} <= names
+    assert not any("exps" in n or "gate_inp" in n for n in names)

@@ -32,7 +32,7 @@ from skippy_zmq.config import ModelConfig
 from skippy_zmq.fetch import sha256_file
 from skippy_zmq.model import sources, weights
 from skippy_zmq.model.checkpoint import CheckpointError, CheckpointWriter, Encoded
-from skippy_zmq.model.gguf_writer import MOE_NAMES
+from skippy_zmq.model.gguf_writer import EXPERT_NAMES, ROUTER_NAME
 # The families and their config reading live in model/families.py; imported here for callers of convert.
 from skippy_zmq.model.families import (ConvertError, GGUF_ARCHS, SUPPORTED_HF_TYPES,  # noqa: F401
                                        gguf_model_config, hf_model_config)
@@ -192,7 +192,9 @@ def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
         if where == "top":
             return TOP_NAMES[key][0]
         which = weights.expert_of(key)
-        return f"blk.{where}.{MOE_NAMES[which[1]] if which else MOE_NAMES.get(key) or LAYER_NAMES[key][0]}"
+        if which:
+            return f"blk.{where}.{EXPERT_NAMES[which[1]]}"
+        return f"blk.{where}.{ROUTER_NAME if key == 'router' else LAYER_NAMES[key][0]}"
 
     source = {"format": "gguf", "file": path.name, "weights": fmt, "sha256": sha256_file(path)}
     _convert(cfg, sources.GGUFSource(path, reader), name_of, out, fmt, cfg.arch in ("llama", "mixtral"), source,

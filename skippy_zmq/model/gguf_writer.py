@@ -28,9 +28,9 @@ from skippy_zmq.model.formats import Encoded
 BLOCK = 32        # weights per Q4_1 block
 Q4_1_BYTES = 20   # per block of 32: f16 d, f16 m, 16 bytes of nibbles
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "mixtral": "llama", "qwen3_moe": "qwen3moe"}
-# our MoE key -> llama.cpp's tensor (an expert is one slice of a 3-D `_exps` tensor)
-MOE_NAMES = {"router": "ffn_gate_inp.weight", "w_gate": "ffn_gate_exps.weight", "w_up": "ffn_up_exps.weight",
-             "w_down": "ffn_down_exps.weight"}
+# an MoE layer's router, and each expert matrix's 3-D tensor in llama.cpp (an expert is one slice of it)
+ROUTER_NAME = "ffn_gate_inp.weight"
+EXPERT_NAMES = {"w_gate": "ffn_gate_exps.weight", "w_up": "ffn_up_exps.weight", "w_down": "ffn_down_exps.weight"}
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from skippy_zmq.model.formats import Encoded, q4_blocks
-from skippy_zmq.model.gguf_writer import BLOCK, GGUF_ARCH, MOE_NAMES, GGUFStream, TensorSpec
+from skippy_zmq.model.gguf_writer import BLOCK, EXPERT_NAMES, GGUF_ARCH, ROUTER_NAME, GGUFStream, TensorSpec
 
 INIT_STD = 0.02       # std of the 2-D weights (levels uniform in 0..15 have std 4.61)
 LEVEL_STD = float(np.sqrt((16 ** 2 - 1) / 12))
@@ -224,9 +224,9 @@ def tensor_specs(cfg: Any) -> list[TensorSpec]:
         for key in [k for k in shapes if not expert_of(k)] + [k for _, _, k in experts]:
             shape, which = tuple(reversed(shapes[key])), expert_of(key)
             if which:   # an expert: its slice of llama.cpp's 3-D tensor, all of one matrix's experts in a row
-                specs.append(TensorSpec(str(i), key, f"blk.{i}.{MOE_NAMES[which[1]]}", shape, which[0], cfg.n_experts))
-            elif key in MOE_NAMES or key.startswith("shared_"):
-                name = MOE_NAMES.get(key, f"ffn_{key}.weight")     # a shared expert: no GGUF writer yet
+                specs.append(TensorSpec(str(i), key, f"blk.{i}.{EXPERT_NAMES[which[1]]}", shape, which[0], cfg.n_experts))
+            elif key in ROUTER_KEYS or key.startswith("shared_"):
+                name = ROUTER_NAME if key == "router" else f"ffn_{key}.weight"   # a shared expert: no GGUF writer yet
                 specs.append(TensorSpec(str(i), key, f"blk.{i}.{name}", shape, f32=key in ROUTER_KEYS))
             else:
                 specs.append(TensorSpec(str(i), key, f"blk.{i}.{LAYER_NAMES[key][0]}", shape))
