@@ -213,10 +213,13 @@ TINY_MOE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
     ("qwen3-30b-a3b", {"intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 6,
                        "num_experts_per_tok": 2}),
     ("mixtral-8x7b", {"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    ("qwen2-57b-a14b", {"intermediate_size": 96, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+                        "num_experts": 5, "num_experts_per_tok": 2}),
 ])
 def test_a_random_moe_gguf_converts_back_to_the_very_same_weights(shape, extra, tmp_path, monkeypatch):
     """random-model --gguf q4_1 writes llama.cpp's MoE layout (qwen3moe; Mixtral under llama with
-    expert_count): `ffn_gate_inp` f32, the experts as 3-D Q4_1 `ffn_*_exps` tensors. convert --gguf reads
+    expert_count; qwen2moe with its shared expert): `ffn_gate_inp` f32, the experts as 3-D Q4_1
+    `ffn_*_exps` tensors. convert --gguf reads
     it back into the same config and, expert by expert, the same levels: every runtime array equal."""
     from skippy_zmq.model import loader, random_model
     from skippy_zmq.model.convert import convert_gguf
@@ -227,12 +230,15 @@ def test_a_random_moe_gguf_converts_back_to_the_very_same_weights(shape, extra, 
 
     reader = gguf.GGUFReader(tmp_path / "m" / "model.gguf")
     arch = reader.fields["general.architecture"].contents()
-    assert arch == ("qwen3moe" if shape.startswith("qwen3") else "llama")
+    assert arch == {"qwen3-30b-a3b": "qwen3moe", "mixtral-8x7b": "llama", "qwen2-57b-a14b": "qwen2moe"}[shape]
     tensors = {t.name: t for t in reader.tensors}
     experts = tensors["blk.1.ffn_down_exps.weight"]
     assert experts.tensor_type.name == "Q4_1" and tuple(int(x) for x in experts.shape)[::-1] == \
         (cfg.n_experts, cfg.d_model, cfg.expert_ffn_dim)
     assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    if cfg.shared_ffn_dim:   # Qwen2-MoE: the shared expert, its gate a vector
+        assert tuple(int(x) for x in tensors["blk.0.ffn_gate_inp_shexp.weight"].shape) == (cfg.d_model,)
+        assert tensors["blk.1.ffn_down_shexp.weight"].tensor_type.name == "Q4_1"
     back = convert_gguf(tmp_path / "m" / "model.gguf", tmp_path / "back", fmt="q4")
     skip = ("name", "norm_eps")          # GGUF keeps the epsilon as f32
     assert {k: v for k, v in back.to_dict().items() if k not in skip} == \

@@ -32,7 +32,7 @@ from skippy_zmq.config import ModelConfig
 from skippy_zmq.fetch import sha256_file
 from skippy_zmq.model import sources, weights
 from skippy_zmq.model.checkpoint import CheckpointError, CheckpointWriter, Encoded
-from skippy_zmq.model.gguf_writer import EXPERT_NAMES, ROUTER_NAME
+from skippy_zmq.model.gguf_writer import EXPERT_NAMES, ROUTER_NAME, SHARED_NAMES
 # The families and their config reading live in model/families.py; imported here for callers of convert.
 from skippy_zmq.model.families import (ConvertError, GGUF_ARCHS, SUPPORTED_HF_TYPES,  # noqa: F401
                                        gguf_model_config, hf_model_config)
@@ -160,6 +160,8 @@ def stream_checkpoint(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, 
             if rows and src.shape(name)[0] != fused_rows(cfg, where):
                 raise ConvertError(f"tensor {name!r} has {src.shape(name)[0]} rows, the config says "
                                    f"{fused_rows(cfg, where)} (our {key} is rows {rows[0]}..{rows[1]} of it)")
+            if key == "shared_gate" and w.ndim == 1:     # GGUF keeps Qwen2-MoE's shared gate as a vector
+                w = w[None]
             if len(shape) == 1 and key.endswith("norm") and shift:
                 w = w + np.float32(shift)
             layer[key] = _unpermuted(w, heads[key]) if unpermute and key in heads else w
@@ -194,7 +196,7 @@ def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
         which = weights.expert_of(key)
         if which:
             return f"blk.{where}.{EXPERT_NAMES[which[1]]}"
-        return f"blk.{where}.{ROUTER_NAME if key == 'router' else LAYER_NAMES[key][0]}"
+        return f"blk.{where}.{ROUTER_NAME if key == 'router' else SHARED_NAMES.get(key) or LAYER_NAMES[key][0]}"
 
     source = {"format": "gguf", "file": path.name, "weights": fmt, "sha256": sha256_file(path)}
     _convert(cfg, sources.GGUFSource(path, reader), name_of, out, fmt, cfg.arch in ("llama", "mixtral"), source,

@@ -69,7 +69,7 @@ REFUSED_MOE = {
     "deepseek_v2": "multi-head latent attention (MLA) and grouped top-k routing",
     "deepseek_v3": "multi-head latent attention (MLA), sigmoid routing with a bias and grouped top-k",
 }
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe") + gemma_phi.GGUF_ARCHS   # llama.cpp files Mistral and Mixtral
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe") + gemma_phi.GGUF_ARCHS   # llama.cpp files Mistral and Mixtral
 # under "llama"
 SUPPORTED_HF_TYPES = tuple(HF_FAMILIES) + gemma_phi.HF_TYPES
 
@@ -211,14 +211,18 @@ def gguf_model_config(reader: Any, name: str = "") -> ModelConfig:
     vocab = gguf_field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     experts = int(gguf_field(reader, f"{arch}.expert_count", 0) or 0)
-    if experts:   # llama.cpp routes every layer of qwen3moe and llama (Mixtral) and renormalises the top k
+    if experts:   # llama.cpp routes every layer; it renormalises the top k of qwen3moe and llama (Mixtral),
+        # not qwen2moe's, whose shared expert is gated by a sigmoid
         used = int(need("expert_used_count"))
-        extra.update(n_experts=experts, n_experts_used=used, norm_topk_prob=True,
+        extra.update(n_experts=experts, n_experts_used=used, norm_topk_prob=arch != "qwen2moe",
                      expert_ffn_dim=int(gguf_field(reader, f"{arch}.expert_feed_forward_length", 0)
                                         or need("feed_forward_length")))
-    elif arch == "qwen3moe":
-        raise ConvertError("GGUF qwen3moe without qwen3moe.expert_count")
-    ours = {"qwen3moe": "qwen3_moe"}.get(arch, "mixtral" if experts and arch == "llama" else arch)
+        if arch == "qwen2moe":
+            extra["shared_ffn_dim"] = int(gguf_field(reader, f"{arch}.expert_shared_feed_forward_length", 0)
+                                          or need("feed_forward_length"))
+    elif arch in ("qwen3moe", "qwen2moe"):
+        raise ConvertError(f"GGUF {arch} without {arch}.expert_count")
+    ours = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}.get(arch, "mixtral" if experts and arch == "llama" else arch)
     return ModelConfig(
         arch=ours, n_layers=int(need("block_count")), d_model=d_model, n_heads=n_heads,
         n_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads)), head_dim=head_dim,

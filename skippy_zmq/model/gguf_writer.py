@@ -27,10 +27,14 @@ from skippy_zmq.model.formats import Encoded
 
 BLOCK = 32        # weights per Q4_1 block
 Q4_1_BYTES = 20   # per block of 32: f16 d, f16 m, 16 bytes of nibbles
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "mixtral": "llama", "qwen3_moe": "qwen3moe"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "mixtral": "llama", "qwen3_moe": "qwen3moe",
+             "qwen2_moe": "qwen2moe"}
 # an MoE layer's router, and each expert matrix's 3-D tensor in llama.cpp (an expert is one slice of it)
 ROUTER_NAME = "ffn_gate_inp.weight"
 EXPERT_NAMES = {"w_gate": "ffn_gate_exps.weight", "w_up": "ffn_up_exps.weight", "w_down": "ffn_down_exps.weight"}
+# Qwen2-MoE's shared expert; its gate is a vector [D] in llama.cpp (ours [1, D] as [out, in])
+SHARED_NAMES = {"shared_gate": "ffn_gate_inp_shexp.weight", "shared_w_gate": "ffn_gate_shexp.weight",
+                "shared_w_up": "ffn_up_shexp.weight", "shared_w_down": "ffn_down_shexp.weight"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,8 @@ class TensorSpec:
 
     @property
     def gguf_shape(self) -> tuple[int, ...]:
+        if self.key == "shared_gate":
+            return self.shape[1:]
         return (self.parts, *self.shape) if self.parts else self.shape
 
 
@@ -146,13 +152,16 @@ class GGUFStream:
         w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         w.add_tokenizer_model("no_vocab")
-        if cfg.n_experts:   # llama.cpp renormalises the top k of qwen3moe and llama (Mixtral) always
-            if not cfg.norm_topk_prob or cfg.dense_layers or cfg.shared_ffn_dim:
-                raise ValueError("llama.cpp's qwen3moe / llama MoE: every layer routed, top k renormalised, "
-                                 "no shared expert")
+        if cfg.n_experts:   # llama.cpp renormalises the top k of qwen3moe and llama (Mixtral), never qwen2moe's
+            qwen2 = self.arch == "qwen2moe"
+            if cfg.norm_topk_prob == qwen2 or cfg.dense_layers or bool(cfg.shared_ffn_dim) != qwen2:
+                raise ValueError("llama.cpp's MoE: every layer routed; qwen3moe and llama renormalise the top k and "
+                                 "have no shared expert, qwen2moe does not renormalise and has one")
             w.add_expert_count(cfg.n_experts)
             w.add_expert_used_count(cfg.n_experts_used)
             w.add_expert_feed_forward_length(cfg.expert_ffn_dim)
+            if qwen2:
+                w.add_expert_shared_feed_forward_length(cfg.shared_ffn_dim)
 
     def write(self, spec: TensorSpec, tensor: Encoded | np.ndarray) -> None:
         if not self.pending or self.pending[0] != spec.gguf_name or spec.part not in (-1, len(self.parts)):

@@ -37,7 +37,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from skippy_zmq.model.formats import Encoded, q4_blocks
-from skippy_zmq.model.gguf_writer import BLOCK, EXPERT_NAMES, GGUF_ARCH, ROUTER_NAME, GGUFStream, TensorSpec
+from skippy_zmq.model.gguf_writer import (BLOCK, EXPERT_NAMES, GGUF_ARCH, ROUTER_NAME, SHARED_NAMES, GGUFStream,
+                                          TensorSpec)
 
 INIT_STD = 0.02       # std of the 2-D weights (levels uniform in 0..15 have std 4.61)
 LEVEL_STD = float(np.sqrt((16 ** 2 - 1) / 12))
@@ -225,8 +226,8 @@ def tensor_specs(cfg: Any) -> list[TensorSpec]:
             shape, which = tuple(reversed(shapes[key])), expert_of(key)
             if which:   # an expert: its slice of llama.cpp's 3-D tensor, all of one matrix's experts in a row
                 specs.append(TensorSpec(str(i), key, f"blk.{i}.{EXPERT_NAMES[which[1]]}", shape, which[0], cfg.n_experts))
-            elif key in ROUTER_KEYS or key.startswith("shared_"):
-                name = ROUTER_NAME if key == "router" else f"ffn_{key}.weight"   # a shared expert: no GGUF writer yet
+            elif key in ROUTER_KEYS or key in SHARED_NAMES:
+                name = ROUTER_NAME if key == "router" else SHARED_NAMES[key]
                 specs.append(TensorSpec(str(i), key, f"blk.{i}.{name}", shape, f32=key in ROUTER_KEYS))
             else:
                 specs.append(TensorSpec(str(i), key, f"blk.{i}.{LAYER_NAMES[key][0]}", shape))
@@ -295,10 +296,10 @@ def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> 
         raise RandomModelError("--gguf with --vocab is not implemented (the GGUF would carry no vocabulary)")
     out = Path(out)
     cfg = model_config(spec)
-    if gguf and (cfg.arch not in GGUF_ARCH or cfg.shared_ffn_dim or cfg.dense_layers):   # Gemma 3 / Phi-3
-        # (norm shift, fused tensors) and Qwen2-MoE's shared experts / dense layers are not written yet
+    if gguf and (cfg.arch not in GGUF_ARCH or cfg.dense_layers):   # Gemma 3 / Phi-3 (norm shift, fused
+        # tensors) are not written; llama.cpp's MoE architectures route every layer
         raise RandomModelError(f"--gguf is not implemented for {spec.shape} (arch {cfg.arch}"
-                               f"{', a shared expert or dense layers' if cfg.n_experts else ''}; only "
+                               f"{', dense layers between MoE layers' if cfg.n_experts else ''}; only "
                                f"{', '.join(sorted(GGUF_ARCH))}, every layer routed)")
     specs = tensor_specs(cfg)
     writer = CheckpointWriter(out, cfg, spec.weights)
