@@ -78,8 +78,8 @@ def test_an_expert_no_token_chose_is_never_read(n):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantised_experts_run_through_the_kernel_as_their_levels(bits, impl):
     """Stacked QTensors (q4 / int8 levels, as a q4 or int8 stage holds them) give what the same
-    levels, dequantised to floats, give: the kernel reading each expert in the stack
-    (quant.expert_dense) and XLA slicing it out compute what a matmul computes."""
+    levels, dequantised to floats, give: the kernel's one call (quant.moe_ffn) and XLA's loop over
+    sliced experts compute what a matmul computes."""
     if impl == "kernel" and not quant.kernel_available():
         pytest.skip("the native kernel is not built here")
     experts = stacked_experts(2)
@@ -252,8 +252,8 @@ def test_a_random_moe_gguf_converts_back_to_the_very_same_weights(shape, extra, 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_kernel_reads_only_chosen_experts_in_place(bits):
-    """quant.moe_ffn (the whole routed sum in one call) and quant.expert_dense (one expert of a stack):
-    NaN scales in every expert no token chose leave the output finite and equal to the reference."""
+    """quant.moe_ffn (the whole routed sum in one call) and quant.expert_dense (one expert of a stack,
+    sliced): NaN scales in every expert no token chose leave the output finite and equal to the reference."""
     if not quant.kernel_available():
         pytest.skip("the native kernel is not built here")
     experts = stacked_experts(4)

@@ -57,7 +57,6 @@ from loguru import logger
 PANEL = 64
 GROUP_SIZE = 32   # input rows per scale; to_qtensor falls back to one group when it does not divide
 KERNEL_TARGETS = {8: "skippy_int8_dense", 4: "skippy_q4_dense"}   # bits -> FFI target
-EXPERT_TARGETS = {8: "skippy_int8_expert_dense", 4: "skippy_q4_expert_dense"}   # one expert of stacked weights
 MOE_TARGETS = {8: "skippy_int8_moe_ffn", 4: "skippy_q4_moe_ffn"}   # an MoE layer's routed experts in one call
 ATTEND_TARGET = "skippy_decode_attention"   # one query token per row over f32 KV (quant_kernel.h)
 ATTENTION_ENV = "SKIPPY_DECODE_ATTENTION"   # kernel (default) | xla: which decode attention a CPU step runs
@@ -305,15 +304,8 @@ def dense(x: jax.Array, w: Any) -> jax.Array:
 
 def expert_dense(x: jax.Array, w: Any, expert: jax.Array) -> jax.Array:
     """x @ w[expert] for weights stacked over experts (a float [E, in, out] array or a QTensor whose
-    leaves lead with E). The kernel reads the expert where it lies in the stack; elsewhere the
-    expert is sliced out first (XLA copies it)."""
-    if isinstance(w, QTensor) and w.impl == "kernel" and kernel_available():
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-        out = jax.ShapeDtypeStruct((x2.shape[0], w.q.shape[1] * PANEL), jnp.float32)
-        e = jnp.asarray(expert, jnp.int32).reshape(1)
-        y = jax.ffi.ffi_call(EXPERT_TARGETS[w.bits], out)(x2, w.q, w.s, w.z, e)
-        return y[:, :w.n].reshape(*lead, w.n).astype(x.dtype)
+    leaves lead with E): the expert sliced out (XLA copies it), then `dense`. The CPU kernel's
+    path for quantised experts is `moe_ffn`, which reads them in place."""
     return dense(x, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, expert, 0, keepdims=False), w))
 
 
@@ -404,7 +396,7 @@ def _load_kernel() -> _Kernel | None:
         logger.warning("quantised-matmul CPU kernel unavailable, using the slow XLA fallback: {}", exc)
         return None
     kernel = _Kernel(lib, _select_isa(lib, os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"))
-    for target in (*KERNEL_TARGETS.values(), *EXPERT_TARGETS.values(), *MOE_TARGETS.values(), ATTEND_TARGET):
+    for target in (*KERNEL_TARGETS.values(), *MOE_TARGETS.values(), ATTEND_TARGET):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     logger.debug("quantised-matmul CPU kernel: {} loops", kernel.isa)
     return kernel

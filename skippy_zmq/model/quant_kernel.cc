@@ -107,10 +107,6 @@ void RunTasks(ffi::ThreadPool& pool, int64_t n, int64_t work, Task task) {
   while (progress->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
-// The loops over one [Np/64, K, row_bytes] weight whose f16 scales and offsets are [Np/64, groups, 64].
-ffi::Error DenseAt(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const void* q, int64_t panels, int64_t K,
-                   const uint16_t* s, const uint16_t* z, int64_t groups, ffi::ResultBuffer<ffi::F32>& y, bool q4);
-
 // Shared by both formats; `row_bytes` is 64 (int8) or 32 (4-bit) per panel row.
 ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const void* q, ffi::Span<const int64_t> qd,
                  int64_t row_bytes, ffi::Buffer<ffi::F16> s, ffi::Buffer<ffi::F16> z,
@@ -124,37 +120,9 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const void* q, f
       z.element_count() != s.element_count()) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "s and z must be [Np/64, groups dividing K, 64]");
   }
-  return DenseAt(pool, x, q, panels, K, reinterpret_cast<const uint16_t*>(s.untyped_data()),
-                 reinterpret_cast<const uint16_t*>(z.untyped_data()), sd[1], y, q4);
-}
-
-// One expert of stacked weights (q [E, Np/64, K, row_bytes], s and z [E, Np/64, groups, 64]),
-// read where it lies: slicing it out first would copy the expert for every block of its rows.
-ffi::Error ExpertDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const uint8_t* q, ffi::Span<const int64_t> qd,
-                       int64_t row_bytes, ffi::Buffer<ffi::F16> s, ffi::Buffer<ffi::F16> z,
-                       ffi::Buffer<ffi::S32> expert, ffi::ResultBuffer<ffi::F32> y, bool q4) {
-  if (qd.size() != 4 || qd[3] != row_bytes) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "q must be packed as [E, Np/64, K, 64 or 32 bytes]");
-  }
-  const int64_t experts = qd[0], panels = qd[1], K = qd[2];
-  auto sd = s.dimensions();
-  if (sd.size() != 4 || sd[0] != experts || sd[1] != panels || sd[2] <= 0 || K % sd[2] ||
-      sd[3] != SKIPPY_PANEL || z.element_count() != s.element_count() || expert.element_count() != 1) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "s and z must be [E, Np/64, groups dividing K, 64] and the expert one int32");
-  }
-  const int64_t e = expert.typed_data()[0];
-  if (e < 0 || e >= experts) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expert index out of range");
-  const int64_t scales = panels * sd[2] * SKIPPY_PANEL;
-  return DenseAt(pool, x, q + e * panels * K * row_bytes, panels, K,
-                 reinterpret_cast<const uint16_t*>(s.untyped_data()) + e * scales,
-                 reinterpret_cast<const uint16_t*>(z.untyped_data()) + e * scales, sd[2], y, q4);
-}
-
-ffi::Error DenseAt(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const void* q, int64_t panels, int64_t K,
-                   const uint16_t* s, const uint16_t* z, int64_t groups, ffi::ResultBuffer<ffi::F32>& y, bool q4) {
-  SkippyDenseArgs args{x.typed_data(), q, s, z, y->typed_data(),
-                       K ? static_cast<int64_t>(x.element_count()) / K : 0, K, panels * SKIPPY_PANEL, K / groups,
+  SkippyDenseArgs args{x.typed_data(), q, reinterpret_cast<const uint16_t*>(s.untyped_data()),
+                       reinterpret_cast<const uint16_t*>(z.untyped_data()), y->typed_data(),
+                       K ? static_cast<int64_t>(x.element_count()) / K : 0, K, panels * SKIPPY_PANEL, K / sd[1],
                        nullptr, nullptr, nullptr};
   const Isa* isa = g_isa.load(std::memory_order_relaxed);
   const SkippyPanelFn fn = q4 ? isa->q4 : isa->int8;
@@ -185,19 +153,6 @@ ffi::Error Int8Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 ffi::Error Q4Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
                    ffi::Buffer<ffi::F16> s, ffi::Buffer<ffi::F16> z, ffi::ResultBuffer<ffi::F32> y) {
   return Dense(pool, x, q.typed_data(), q.dimensions(), SKIPPY_PANEL / 2, s, z, y, true);
-}
-
-ffi::Error Int8ExpertDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                           ffi::Buffer<ffi::F16> s, ffi::Buffer<ffi::F16> z, ffi::Buffer<ffi::S32> e,
-                           ffi::ResultBuffer<ffi::F32> y) {
-  return ExpertDense(pool, x, reinterpret_cast<const uint8_t*>(q.typed_data()), q.dimensions(), SKIPPY_PANEL, s, z,
-                     e, y, false);
-}
-
-ffi::Error Q4ExpertDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
-                         ffi::Buffer<ffi::F16> s, ffi::Buffer<ffi::F16> z, ffi::Buffer<ffi::S32> e,
-                         ffi::ResultBuffer<ffi::F32> y) {
-  return ExpertDense(pool, x, q.typed_data(), q.dimensions(), SKIPPY_PANEL / 2, s, z, e, y, true);
 }
 
 // A weight stacked over experts: q [E, Np/64, K, row_bytes], s and z [E, Np/64, groups, 64].
@@ -357,23 +312,17 @@ extern "C" int skippy_kernel_supports(const char* name) {
   return 0;
 }
 
-// x, the weight's levels, its scales and offsets (then what each call adds)
-#define SKIPPY_BIND_WEIGHTS(T)                  \
+#define SKIPPY_BIND(T)                          \
   ffi::Ffi::Bind()                              \
       .Ctx<ffi::ThreadPool>()                   \
       .Arg<ffi::Buffer<ffi::F32>>()             \
       .Arg<ffi::Buffer<T>>()                    \
       .Arg<ffi::Buffer<ffi::F16>>()             \
-      .Arg<ffi::Buffer<ffi::F16>>()
+      .Arg<ffi::Buffer<ffi::F16>>()             \
+      .Ret<ffi::Buffer<ffi::F32>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_int8_dense, Int8Dense, SKIPPY_BIND_WEIGHTS(ffi::S8).Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_q4_dense, Q4Dense, SKIPPY_BIND_WEIGHTS(ffi::U8).Ret<ffi::Buffer<ffi::F32>>());
-
-// and the expert's index in the stack
-#define SKIPPY_BIND_EXPERT(T) SKIPPY_BIND_WEIGHTS(T).Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>()
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_int8_expert_dense, Int8ExpertDense, SKIPPY_BIND_EXPERT(ffi::S8));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_q4_expert_dense, Q4ExpertDense, SKIPPY_BIND_EXPERT(ffi::U8));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_int8_dense, Int8Dense, SKIPPY_BIND(ffi::S8));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_q4_dense, Q4Dense, SKIPPY_BIND(ffi::U8));
 
 // x, the experts chosen per row and their weights, then gate, up and down: levels, scales, offsets
 #define SKIPPY_BIND_MOE(T)                                                            \

@@ -110,21 +110,16 @@ class GGUFSource:
 def read_part(src: Any, name: str, part: int) -> np.ndarray | Encoded:
     """Slice `part` [out, in] of a 3-D [parts, out, in] tensor (an expert of llama.cpp's `_exps`
     tensors): one expert read, its Q4_0 / Q4_1 / Q8_0 blocks kept exact."""
-    shape = src.shape(name)
-    w = src.read(name, part, part + 1)
-    if isinstance(w, Encoded) or not isinstance(src, GGUFSource):
-        return w[0] if not isinstance(w, Encoded) else w
-    kind = src.type_name(name)
-    if kind in ("Q4_0", "Q4_1", "Q8_0"):
+    if isinstance(src, GGUFSource) and (kind := src.type_name(name)) in ("Q4_0", "Q4_1", "Q8_0"):
         from gguf import GGML_QUANT_SIZES
 
-        t = src.tensors[name]
+        shape, t = src.shape(name), src.tensors[name]
         block, type_bytes = GGML_QUANT_SIZES[t.tensor_type]
         row = shape[2] // block * type_bytes
         with open(src.path, "rb") as f:
             raw = _read_at(f, int(t.data_offset) + part * shape[1] * row, shape[1] * row)
         return parse_blocks(raw.reshape(shape[1], row), kind)
-    return w[0]
+    return src.read(name, part, part + 1)[0]    # float (or another GGUF type, dequantised): that expert alone
 
 
 def parse_blocks(raw: np.ndarray, kind: str) -> Encoded:

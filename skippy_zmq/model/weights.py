@@ -21,8 +21,10 @@ from skippy_zmq.config import ModelConfig
 from skippy_zmq.model import quant
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")
-EXPERT_MATRICES = ("w_gate", "w_up", "w_down")
 ROUTER_KEYS = ("router", "shared_gate")    # MoE routing: f32 under every weights format
+BIAS_KEYS = ("bq", "bk", "bv")
+QUANT_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "head")   # quantised under quantize=...
+QUANTIZE_MODES = (None, "int8", "q4")
 
 
 def expert_key(j: int, matrix: str) -> str:
@@ -32,18 +34,14 @@ def expert_key(j: int, matrix: str) -> str:
 
 def expert_of(key: str) -> tuple[int, str] | None:
     """(expert, matrix) of an expert_key, else None."""
-    if key.startswith("x") and "." in key and key[1:key.index(".")].isdigit():
-        return int(key[1:key.index(".")]), key[key.index(".") + 1:]
-    return None
-BIAS_KEYS = ("bq", "bk", "bv")
-QUANT_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "head")   # quantised under quantize=...
-QUANTIZE_MODES = (None, "int8", "q4")
+    head, dot, matrix = key.partition(".")
+    return (int(head[1:]), matrix) if dot and head[:1] == "x" and head[1:].isdigit() else None
 
 
 def layer_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
     """Global layer `layer`'s tensors ([in, out] matrices): a dense MLP, or in an MoE layer a router
     (f32, never quantised), `expert_key(j, w)` for each expert and, with a shared expert, its
-    matrices and gate (SHARED_KEYS)."""
+    matrices (`shared_w_*`) and gate (`shared_gate`)."""
     d, q, kv, f = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_width, cfg.ffn_dim
     shapes = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d), "ffn_norm": (d,)}
     if cfg.is_moe_layer(layer):
