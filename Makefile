@@ -78,9 +78,9 @@ bench-spec: install model
 	$(BIN)/pip install -e '.[test,bench,peers]'
 	$(BIN)/skippy-zmq bench spec --out bench-out
 
-# One NVIDIA GPU: parity and benches on gpu:0 (installs the `gpu` extra if JAX sees no GPU).
-gpu-check: install model
-	$(BIN)/pip install -q -e '.[test,bench]'
+# One NVIDIA GPU: parity and benches on gpu:0 (installs the `gpu` extra if JAX sees no GPU;
+# GPU_WHEELS=DIR: offline, see scripts/gpu-check.sh).
+gpu-check:
 	scripts/gpu-check.sh bench-out/gpu
 
 clean:

@@ -399,8 +399,9 @@ def add_random_model_parser(sub: Any) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--gguf", default=None, choices=["q4_1"], help="also write OUT/model.gguf, the same weights")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (fast tests)")
-    p.add_argument("--vocab", default=None, metavar="FILE.gguf",
-                   help="take the tokenizer (and chat template) from this GGUF vocabulary; vocab_size follows it")
+    p.add_argument("--vocab", default=None, metavar="FILE.gguf|DIR",
+                   help="take the tokenizer (and chat template) from this GGUF vocabulary or converted model "
+                        "directory; vocab_size follows it")
     p.set_defaults(func=cmd_random_model)
 
 

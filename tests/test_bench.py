@@ -126,6 +126,23 @@ def test_gpu_check_verdict(tmp_path: Path, monkeypatch):
     assert not rows[0]["ok"] and "no report" in rows[0]["note"]
 
 
+def test_gpu_check_offline_parity_not_run_and_moe_rows(tmp_path: Path, monkeypatch):
+    """Offline (no real model): parity rows are "not run", not failed; a MoE pipeline adds its rows."""
+    monkeypatch.setattr(gpu_check, "BF16_MIN_AGREE", 2)
+    write_gpu_check_outputs(tmp_path, bf16_first=[3, 2])
+    for dtype in ("float32", "bfloat16"):
+        (tmp_path / f"parity-{dtype}.xml").unlink()
+        (tmp_path / f"moe-{dtype}").mkdir()
+        (tmp_path / f"moe-{dtype}" / "bench.json").write_text((tmp_path / f"pipeline-{dtype}" / "bench.json").read_text())
+    (tmp_path / "parity-not-run.txt").write_text("no real model here\n")
+    assert gpu_check.main([str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "gpu-check.json").read_text())["rows"]
+    assert [r["ok"] for r in rows] == [None, None, True, True, None, True, None]   # bf16 on random weights: reported
+    assert rows[0]["note"] == "not run: no real model here" and rows[5]["check"] == "MoE pipeline, 2 stages"
+    (tmp_path / "moe-float32" / "bench.json").unlink()          # a MoE step that wrote nothing fails
+    assert gpu_check.main([str(tmp_path)]) == 1
+
+
 def test_wire_bytes_at_smollm2_width():
     rows = {r["wire_dtype"]: r for r in wire_rows(576)}
     assert {k: r["bytes_per_token_per_hop"] for k, r in rows.items()} == {"f32": 2304, "f16": 1152,

@@ -189,11 +189,14 @@ def test_a_random_moe_model_is_written_loaded_and_decodes(tmp_path, monkeypatch)
             out.append(SliceRunner(c, params, start, end, KVConfig(lanes=1, capacity=64), buckets))
         return out
 
+    prefill_routed: list[int] = []
+
     def greedy(rs: list[SliceRunner]) -> list[int]:
         ids, token, out = np.arange(3, 12), 12, []
         x = ids
         for r in rs:
             x = r.prefill(0, x, 0, output="none" if r.last else "hidden")
+        prefill_routed[:] = [r.stats.moe_experts_routed for r in rs]
         for pos in range(9, 17):
             x = np.array([token])
             for r in rs:
@@ -202,7 +205,24 @@ def test_a_random_moe_model_is_written_loaded_and_decodes(tmp_path, monkeypatch)
             out.append(token)
         return out
 
-    assert greedy(runners(())) == greedy(runners((2,)))
+    one = runners(())
+    want = greedy(one)
+    routed_in_prefill = prefill_routed[0]
+    assert greedy(runners((2,))) == want
+    # /metrics' moe_experts_routed: layers 0 and 2 route (1 is dense); one 16-token prefill chunk
+    # (9 real tokens: its 7 padding rows are not counted) and 8 one-row decode steps, each 2 experts
+    stats = one[0].stats
+    assert one[0].moe_layers == 2 and stats.moe_layer_passes == 2 * (1 + 8)
+    assert 2 * 2 <= routed_in_prefill <= 2 * 6
+    assert stats.moe_experts_routed - routed_in_prefill == 8 * 2 * 2
+    # ... which the stage's heartbeat status carries to the driver's /metrics (skippy_stage_moe_*)
+    from skippy_zmq.driver.pipeline_metrics import STAGE_COUNTERS
+    from skippy_zmq.stage.sessions import SessionTable
+    from skippy_zmq.stage.worker import StageInfo, StageWorker
+
+    status = StageWorker(StageInfo("s0", first=True, last=True, width=64), one[0], SessionTable(1), None).status()
+    assert (status["moe_layer_passes"], status["moe_experts_routed"]) == (18, stats.moe_experts_routed)
+    assert {"moe_layer_passes", "moe_experts_routed"} <= set(STAGE_COUNTERS)
 
 
 TINY_MOE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,

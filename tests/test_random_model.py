@@ -185,3 +185,22 @@ def test_llama_cpp_runs_the_same_weights(tmp_path, shape):
     # All 16 agree for both shapes on this prompt (2026-12-01, AVX-512 CPU); another prompt parted the
     # Llama shape at token 12, on a top-2 gap of 0.005: the slack is for such ties on other CPUs.
     assert f32 == q4 and f32[:8] == theirs[:8]
+
+
+@pytest.mark.slow
+def test_vocab_from_a_converted_model_directory(tmp_path, model_dir):
+    """`--vocab DIR`: a converted model's tokenizer files (what an offline GPU check carries) give the
+    random model its tokenizer, special ids, chat template and vocab_size."""
+    from skippy_zmq.model.random_model import write_random_model
+    from skippy_zmq.model.tokenizer import TextTokenizer
+
+    real = TextTokenizer.load(model_dir)
+    spec = RandomSpec("qwen3-30b-a3b", weights="f32", layers=1, vocab=str(model_dir))
+    cfg = write_random_model(spec, tmp_path / "m")
+    tok = TextTokenizer.load(tmp_path / "m")
+    text = "The capital of France is"
+    assert cfg.vocab_size == real.vocab_size == 49152 and cfg.n_experts == 128
+    assert tok.encode(text) == real.encode(text) and tok.eos_ids == real.eos_ids and 2 in tok.eos_ids
+    assert tok.encode_chat([{"role": "user", "content": "hi"}]) == real.encode_chat([{"role": "user", "content": "hi"}])
+    with pytest.raises(RandomModelError, match="no such file"):
+        RandomSpec("smollm2-135m", vocab=str(tmp_path / "nowhere"))

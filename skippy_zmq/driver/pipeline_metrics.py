@@ -25,7 +25,11 @@ STAGE_COUNTERS = {"messages": "messages handled", "errors": "error replies sent"
                   "fenced": "requests dropped as meant for a dead predecessor or an older chain view",
                   "constraint_mask_seconds": "seconds computing structured-output token masks (final stage; "
                                              "per token: rate of this / rate of constraint_masks)",
-                  "constraint_masks": "structured-output token masks computed (final stage)"}
+                  "constraint_masks": "structured-output token masks computed (final stage)",
+                  "moe_layer_passes": "mixture-of-experts layers its steps ran (steps x its MoE layers; 0: dense)",
+                  "moe_experts_routed": "distinct experts the real tokens of those MoE layer passes chose, summed "
+                                        "(experts per layer and step: rate of this / rate of moe_layer_passes; a "
+                                        "one-row decode step routes to n_experts_used)"}
 STAGE_GAUGES = {"cache_bytes": "bytes held by the prefix store", "cache_entries": "prefix-store entries",
                 "lanes_in_use": "KV lanes held by sessions",
                 "weight_bytes": "bytes of the weights it holds", "kv_bytes": "bytes of its KV arena",

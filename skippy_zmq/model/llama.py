@@ -280,11 +280,14 @@ def mlp(p: Params, x: jax.Array, act: str = "silu") -> jax.Array:
     return dense(gate * dense(x, p["w_up"]), p["w_down"])
 
 
-def moe(p: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+def moe(p: Params, x: jax.Array, cfg: ModelConfig, real: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """A mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE), as transformers computes it: the
     router's softmax in f32, the top n_experts_used, renormalised when norm_topk_prob, then each
     token's experts' SwiGLU outputs weighted and summed; Qwen2-MoE adds a shared expert gated by a
-    sigmoid. Only the experts some token routes to are computed (`routed_experts`)."""
+    sigmoid. Only the experts some token routes to are computed (`routed_experts`).
+
+    Returns (output, routed): routed = how many distinct experts the real tokens (`real`, [B, T]
+    bool; None: all) chose, the stage's `moe_experts_routed` telemetry."""
     b, t, d = x.shape
     xs = x.reshape(b * t, d)
     probs = jax.nn.softmax(jnp.dot(xs.astype(jnp.float32), p["router"]), axis=-1)
@@ -292,10 +295,14 @@ def moe(p: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     if cfg.norm_topk_prob:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     out = routed_experts(p["experts"], xs, chosen, top.astype(x.dtype), cfg.n_experts)
+    mask = jnp.ones((b * t, 1), bool) if real is None else real.reshape(b * t, 1)
+    hits = jnp.zeros(cfg.n_experts, jnp.int32).at[chosen.reshape(-1)].add(
+        jnp.broadcast_to(mask, chosen.shape).reshape(-1).astype(jnp.int32))
+    routed = jnp.sum(hits > 0, dtype=jnp.int32)
     if "shared_gate" in p:
         shared = mlp({k[len("shared_"):]: v for k, v in p.items() if k.startswith("shared_w_")}, xs)
         out = out + jax.nn.sigmoid(jnp.dot(xs.astype(jnp.float32), p["shared_gate"])).astype(x.dtype) * shared
-    return out.reshape(b, t, d)
+    return out.reshape(b, t, d), routed
 
 
 def routed_experts(experts: Params, xs: jax.Array, chosen: jax.Array, weights: jax.Array,
@@ -361,24 +368,28 @@ def head(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 def decoder_layer(p: Params, x: jax.Array, kv: KVCache, i: int, window: int, positions: jax.Array,
                   lanes: jax.Array, rope: tuple[jax.Array, jax.Array], attn_len: int,
-                  cfg: ModelConfig) -> tuple[jax.Array, KVCache]:
+                  cfg: ModelConfig) -> tuple[jax.Array, KVCache, jax.Array]:
     """One block: x + attn(norm(x)), then + mlp(norm(x)); Gemma also norms each branch's output.
-    `i` indexes `kv`'s layers; `window` is the layer's sliding window (0: none)."""
+    `i` indexes `kv`'s layers; `window` is the layer's sliding window (0: none). The third result
+    is the MoE layer's count of routed experts (0 for a dense layer)."""
     a, kv = attention(p, rms_norm(x, p["attn_norm"], cfg.norm_eps), kv, i, positions, lanes, rope,
                       attn_len, cfg, window)
     if cfg.sandwich_norms:
         a = rms_norm(a, p["post_attn_norm"], cfg.norm_eps)
     x = x + a
     h = rms_norm(x, p["ffn_norm"], cfg.norm_eps)
-    m = moe(p, h, cfg) if "router" in p else mlp(p, h, cfg.ffn_act)
+    if "router" in p:   # padding positions (at or past the KV capacity) are not counted as routed
+        m, routed = moe(p, h, cfg, positions < kv.capacity)
+    else:
+        m, routed = mlp(p, h, cfg.ffn_act), jnp.zeros((), jnp.int32)
     if cfg.sandwich_norms:
         m = rms_norm(m, p["post_ffn_norm"], cfg.norm_eps)
-    return x + m, kv
+    return x + m, kv, routed
 
 
 def _block(p: Params, x: jax.Array, kv: KVCache, positions: jax.Array, lanes: jax.Array,
            rope: tuple[jax.Array, jax.Array], *, window: int, attn_len: int,
-           cfg: ModelConfig) -> tuple[jax.Array, KVCache]:
+           cfg: ModelConfig) -> tuple[jax.Array, KVCache, jax.Array]:
     return decoder_layer(p, x, kv, 0, window, positions, lanes, rope, attn_len, cfg)
 
 
@@ -398,31 +409,33 @@ def embed(params: Params, ids: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 def forward_slice(params: Params, kv: KVCache, inputs: jax.Array, positions: jax.Array,
                   lanes: jax.Array, *, cfg: ModelConfig, start: int, end: int, attn_len: int,
-                  output: str = "hidden") -> tuple[jax.Array | None, KVCache]:
+                  output: str = "hidden") -> tuple[jax.Array | None, KVCache, jax.Array]:
     """Run layers [start, end) on `inputs` ([B, T] ids if start == 0, else [B, T, D]).
 
     output: "hidden" -> [B, T, D] activations; "logits" -> [B, T, V] float32 logits
     at every position (needs end == n_layers; a verify window needs each one); "none" -> KV only.
+    The third result: routed experts summed over the slice's MoE layers (int32; 0 when dense).
     """
     x = embed(params, inputs, cfg) if start == 0 else inputs.astype(jnp.dtype(cfg.dtype))
     rope = model_rope(cfg, positions)
     local_freq = rope_freqs.local_inv_freq(cfg)
     local = rope if local_freq is None else rope_tables(positions, local_freq)
     ks, vs = list(kv.k), list(kv.v)
+    routed = jnp.zeros((), jnp.int32)
     for i, p in enumerate(params["layers"]):
         window = layer_window(cfg, start + i)
         one = KVCache(k=(ks[i],), v=(vs[i],), dtype=kv.dtype)
-        x, one = _block_jit(p, x, one, positions, lanes, local if window else rope, window=window,
-                            attn_len=attn_len, cfg=cfg)
-        ks[i], vs[i] = one.k[0], one.v[0]
+        x, one, n = _block_jit(p, x, one, positions, lanes, local if window else rope, window=window,
+                               attn_len=attn_len, cfg=cfg)
+        ks[i], vs[i], routed = one.k[0], one.v[0], routed + n
     kv = KVCache(k=tuple(ks), v=tuple(vs), dtype=kv.dtype)
     if output == "none":
-        return None, kv
+        return None, kv, routed
     if output == "logits":
         if end != cfg.n_layers:
             raise ValueError("logits requested from a stage that does not end the model")
-        return head(params, x, cfg), kv
-    return x, kv
+        return head(params, x, cfg), kv, routed
+    return x, kv, routed
 
 
 forward_jit = jax.jit(forward_slice, static_argnames=("cfg", "start", "end", "attn_len", "output"),
@@ -437,6 +450,6 @@ def forward_reference(params: Params, tokens: jax.Array, cfg: ModelConfig) -> ja
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     kv = KVCache.create(cfg, len(params["layers"]), b, t, jnp.dtype(cfg.dtype))
-    x, _ = forward_slice(params, kv, tokens, positions, jnp.arange(b, dtype=jnp.int32), cfg=cfg,
+    x, _, _ = forward_slice(params, kv, tokens, positions, jnp.arange(b, dtype=jnp.int32), cfg=cfg,
                          start=0, end=cfg.n_layers, attn_len=t, output="hidden")
     return head(params, x, cfg)

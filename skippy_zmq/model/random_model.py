@@ -20,8 +20,9 @@ the layers.
 Tokenizer: a word-level vocabulary `<t0> ... <tV-1>` (whitespace-separated
 words -> their ids; decode gives the words back). No chat template, no BOS or
 EOS: generation runs to max tokens. With `--vocab FILE.gguf` (e.g. llama.cpp's
-ggml-vocab-llama-bpe.gguf) the tokenizer, its special ids and chat template come
-from that vocabulary instead, and the model's vocab_size follows it.
+ggml-vocab-llama-bpe.gguf) or `--vocab DIR` (a converted model's tokenizer files)
+the tokenizer, its special ids and chat template come from that vocabulary
+instead, and the model's vocab_size follows it.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class RandomSpec:
     seed: int = 0
     weights: str = "q4"
     layers: int | None = None
-    vocab: str | None = None   # a GGUF vocabulary file: the tokenizer (and template) instead of <tN> words
+    vocab: str | None = None   # a GGUF vocabulary file or model dir: the tokenizer (and template), not <tN> words
 
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:
@@ -262,13 +263,14 @@ def word_tokenizer(vocab_size: int) -> Any:
 
 @functools.lru_cache(maxsize=4)
 def vocab_tokenizer(path: str) -> Any:
-    """TextTokenizer of a GGUF vocabulary file (read once per path), or RandomModelError naming why not."""
+    """TextTokenizer of a GGUF vocabulary file or of a converted model's directory (its tokenizer.json
+    and tokenizer_meta.json), read once per path, or RandomModelError naming why not."""
     from skippy_zmq.model.tokenizer import TextTokenizer
 
-    if not Path(path).is_file():
+    if not Path(path).exists():
         raise RandomModelError(f"--vocab {path}: no such file")
     try:
-        return TextTokenizer.from_gguf(path)
+        return TextTokenizer.load(path) if Path(path).is_dir() else TextTokenizer.from_gguf(path)
     except Exception as exc:  # the GGUF reader and tokenizers raise assorted errors on bad files
         raise RandomModelError(f"--vocab {path}: cannot build its tokenizer: {exc}") from exc
 
@@ -277,7 +279,9 @@ def vocab_tokenizer(path: str) -> Any:
 def vocab_digest(path: str) -> str:
     from skippy_zmq.fetch import sha256_file
 
-    return sha256_file(Path(path))
+    from skippy_zmq.model.tokenizer import TOKENIZER_FILE
+
+    return sha256_file(Path(path) / TOKENIZER_FILE if Path(path).is_dir() else Path(path))
 
 
 # ---------------------------------------------------------------- writing

@@ -41,6 +41,8 @@ class StepStats:
     shapes: set = field(default_factory=set)   # (inputs shape, attn_len, output) compiled: run or warmed
     ran: set = field(default_factory=set)      # of those, the ones run at least once (traffic or warm-up)
     copies: set = field(default_factory=set)   # KV spans whose lane copies are compiled (warm_kv_copies)
+    moe_layer_passes: int = 0     # MoE layers run by counted steps (steps x the slice's MoE layers)
+    moe_experts_routed: int = 0   # distinct experts their real tokens chose, summed over those passes
 
 
 class SliceRunner:
@@ -56,6 +58,7 @@ class SliceRunner:
         self.kv = KVCache.create(cfg, end - start, kv_cfg.lanes, kv_cfg.capacity,
                                  jnp.dtype(kv_cfg.dtype), device)
         self.stats = StepStats()
+        self.moe_layers = sum(cfg.is_moe_layer(i) for i in range(start, end))
 
     @property
     def first(self) -> bool:
@@ -86,13 +89,16 @@ class SliceRunner:
     def _step(self, inputs: np.ndarray, positions: np.ndarray, lanes: np.ndarray, attn_len: int,
               output: str) -> jax.Array | None:
         t0 = time.perf_counter()
-        out, self.kv = forward_jit(self.params, self.kv, self._put(inputs), self._put(positions),
-                                   self._put(lanes), cfg=self.cfg, start=self.start, end=self.end,
-                                   attn_len=attn_len, output=output)
+        out, self.kv, routed = forward_jit(self.params, self.kv, self._put(inputs), self._put(positions),
+                                           self._put(lanes), cfg=self.cfg, start=self.start, end=self.end,
+                                           attn_len=attn_len, output=output)
         if out is not None:
             out = np.asarray(out)
         else:
             jax.block_until_ready(self.kv.k[-1])
+        if self.moe_layers:   # a scalar the step computed with its output: no extra wait
+            self.stats.moe_layer_passes += self.moe_layers
+            self.stats.moe_experts_routed += int(routed)
         self.stats.calls += 1
         self.stats.compute_s += time.perf_counter() - t0
         self.stats.shapes.add((inputs.shape, attn_len, output))
@@ -245,7 +251,7 @@ class SliceRunner:
         args = (self.params, self.kv, self._put(inputs), self._put(positions), self._put(lanes))
         static = dict(cfg=self.cfg, start=self.start, end=self.end, attn_len=attn_len, output=output)
         if run and small:
-            out, self.kv = forward_jit(*args, **static)   # every position is padding: no lane changes
+            out, self.kv, _ = forward_jit(*args, **static)   # every position is padding: no lane changes
             jax.block_until_ready((out, self.kv))
             self.stats.ran.add(shape)
         else:

@@ -454,6 +454,9 @@ class StageWorker:
         out = {"lanes_in_use": len(self.sessions), "lanes": self.sessions.lanes, **self.counters,
                "fenced": self.fence.dropped, **self.memory, "rss_bytes": rss_bytes(),
                "warmups_pending": len(self.warm_later), **{f"kernel_{k}": v for k, v in self.kernels.items()}}
+        if self.runner.moe_layers:
+            out.update(moe_layer_passes=self.runner.stats.moe_layer_passes,
+                       moe_experts_routed=self.runner.stats.moe_experts_routed)
         if self.store is not None:
             out.update({f"cache_{k}": v for k, v in self.store.stats().items()})
         if self.info.last:   # constrained decoding: time spent computing token masks, and how many
