@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check, on a machine with one NVIDIA GPU:
+# GPU check, on a machine with one NVIDIA GPU (the first run on an H200 took over 9 minutes; see README):
 #   1. installs the `gpu` extra (jax[cuda12]) into the venv if JAX sees no GPU;
 #   2. tests/test_parity.py on gpu:0 in float32 and bfloat16 (SKIPPY_TEST_DEVICE / SKIPPY_TEST_DTYPE);
 #   3. `skippy-zmq bench single` on gpu:0;
@@ -102,13 +102,16 @@ else for dtype in float32 bfloat16; do
     step "parity-$dtype" env SKIPPY_TEST_DEVICE=$DEVICE SKIPPY_TEST_DTYPE=$dtype \
         "$BIN/python" -m pytest -q -p no:cacheprovider tests/test_parity.py --junitxml "$OUT/parity-$dtype.xml"
 done; fi
-step single "$BIN/skippy-zmq" bench single --model "$MODEL" --device $DEVICE --repeats 2 --out "$OUT/single"
+# cheapest first: one process per dtype against the CPU (about a minute on an H200), then the
+# pipelines (stage start and compiles dominate: about 3 minutes each there), the single bench last
+step tokens "$BIN/python" scripts/gpu_tokens.py "$MODEL" "$MOE_MODEL" --device $DEVICE
 for dtype in float32 bfloat16; do
     step "pipeline-$dtype" "$BIN/skippy-zmq" bench pipeline --model "$MODEL" --device $DEVICE --dtype $dtype \
-        --stages 2 --out "$OUT/pipeline-$dtype"
+        --stages 2 --quick --out "$OUT/pipeline-$dtype"
     step "moe-$dtype" "$BIN/skippy-zmq" bench pipeline --model "$MOE_MODEL" --device $DEVICE --dtype $dtype \
         --stages 2 --quick --out "$OUT/moe-$dtype"
 done
+step single "$BIN/skippy-zmq" bench single --model "$MODEL" --device $DEVICE --repeats 1 --out "$OUT/single"
 
 "$BIN/python" -m skippy_zmq.bench.gpu_check "$OUT" --device $DEVICE --elapsed-s "$SECONDS"
 rc=$?
