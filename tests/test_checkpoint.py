@@ -340,3 +340,23 @@ def test_pack_rows_packs_what_pack_packs(bits, n, k):
     for x, y in [(a.q, b.q), (a.s, b.s), (a.z, b.z)]:
         assert x.dtype == y.dtype and x.shape == y.shape
         np.testing.assert_array_equal(x, y)
+
+
+def test_a_streamed_layer_is_written_in_parts_and_restored_whole(tmp_path, monkeypatch, tiny_tree):
+    """put_layer_tensor flushes a layer's encoded tensors as part items past PART_BYTES (so a layer of
+    hundreds of experts never sits in memory whole); restore merges the parts back; keys are checked."""
+    monkeypatch.setattr(checkpoint, "PART_BYTES", 1)            # every tensor its own part
+    write_tree(tmp_path / "m", tiny_tree, "f32")
+    parts = [p for p in (tmp_path / "m" / "params").iterdir() if p.name.startswith("layer_00000.part")]
+    assert len(parts) == len(tiny_tree["layers"]["0"])
+    for i, layer in checkpoint.stage_items(tmp_path / "m", TINY):
+        if isinstance(i, int):
+            assert set(layer) == set(tiny_tree["layers"][str(i)])
+            for k, v in tiny_tree["layers"][str(i)].items():
+                np.testing.assert_array_equal(layer[k]["w"].T if v.ndim == 2 else layer[k], v)
+    w = CheckpointWriter(tmp_path / "b", TINY, "f32")
+    w.put_layer_tensor(0, "attn_norm", np.ones(TINY.d_model, np.float32))
+    with pytest.raises(CheckpointError, match="before layer 0 ended"):
+        w.put_layer_tensor(1, "attn_norm", np.ones(TINY.d_model, np.float32))
+    with pytest.raises(CheckpointError, match="got keys"):
+        w.end_layer(0)

@@ -203,4 +203,4 @@ def test_vocab_from_a_converted_model_directory(tmp_path, model_dir):
     assert tok.encode(text) == real.encode(text) and tok.eos_ids == real.eos_ids and 2 in tok.eos_ids
     assert tok.encode_chat([{"role": "user", "content": "hi"}]) == real.encode_chat([{"role": "user", "content": "hi"}])
     with pytest.raises(RandomModelError, match="no such file"):
-        RandomSpec("smollm2-135m", vocab=str(tmp_path / "nowhere"))
+        model_config(RandomSpec("smollm2-135m", vocab=str(tmp_path / "nowhere")))

@@ -47,6 +47,8 @@ from skippy_zmq.model.formats import (FORMATS, GROUP, CheckpointError, Encoded, 
                                       stored_format, stored_nbytes, to_float)
 
 VERSION = 2
+PART_BYTES = 256 << 20                       # a streamed layer's encoded bytes per part item
+PARTS_KEY = "_parts"                         # in a layer's item: how many part items it has
 ROWS_PER_BLOCK = 8192                        # embedding / head rows per stored item
 MANIFEST = "format.json"
 
@@ -80,13 +82,14 @@ def stage_nbytes(cfg: ModelConfig, start: int, end: int, fmt: str, stored: str |
 
 
 class CheckpointWriter:
-    """Writes a converted model item by item; memory holds one layer (or row block) at a time.
+    """Writes a converted model item by item; memory holds one row block or layer part at a time.
 
         w = CheckpointWriter(out_dir, cfg, "q4")
         w.add_top("norm", norm)                      # f32 [D]
         w.add_rows("embed", 0, rows)                 # [rows, D] float or Encoded, blocks in order
         w.add_top("head", head_out_in)               # (untied) a whole [V, D]; add_rows streams it
         w.add_layer(i, {"wq": wq_out_in, "attn_norm": v, ...})   # float [out, in] or Encoded
+        w.put_layer_tensor(i, "wq", wq_out_in); ...; w.end_layer(i)   # the same, streamed
         w.finish({"format": "gguf", "sha256": ...})  # format.json, source.json, then model.json
 
     Matrices come [out, in] (PyTorch / GGUF order) as float arrays (any float
@@ -107,6 +110,8 @@ class CheckpointWriter:
         self._rows = {"embed": 0, "head": 0}
         self._layers: set[int] = set()
         self._top: dict[str, np.ndarray] = {}
+        self._open: tuple[int, dict[str, Any], list[str]] | None = None   # streamed layer: pending, keys
+        self._parts = 0                                                   # its part items written so far
 
     def add_top(self, key: str, w: np.ndarray | Encoded) -> None:
         """"norm" f32 [D], or a whole "embed" / "head" [V, D] (split into row blocks here)."""
@@ -131,19 +136,46 @@ class CheckpointWriter:
 
     def add_layer(self, i: int, tensors: dict[str, np.ndarray | Encoded]) -> None:
         """Every tensor of layer i, keyed as weights.layer_shapes; matrices [out, in]."""
-        shapes = weights.layer_shapes(self.cfg, i)
-        if set(tensors) != set(shapes):
-            raise CheckpointError(f"layer {i}: got keys {sorted(tensors)}, expected {sorted(shapes)}")
-        item = {}
-        for key, shape in shapes.items():
-            if len(shape) == 1:
-                item[key] = _vector(tensors[key], shape, f"layer {i} {key}")
-                continue
-            if tuple(tensors[key].shape) != shape[::-1]:
-                raise CheckpointError(f"layer {i} {key}: shape {tuple(tensors[key].shape)}, expected {shape[::-1]} [out, in]")
-            item[key] = encode(tensors[key], stored_format(self.fmt, key))
-        self._save(f"layer_{i:05d}", item)
+        self._check_keys(i, tensors)
+        for key, w in tensors.items():
+            self.put_layer_tensor(i, key, w)
+        self.end_layer(i)
+
+    def put_layer_tensor(self, i: int, key: str, w: np.ndarray | Encoded) -> None:
+        """Stream one tensor of layer i (layers one after another, end_layer closing each): encoded
+        at once, so a layer's float copies never coexist, and written out as a part item whenever
+        the layer's pending bytes reach PART_BYTES. Memory then holds one part, whatever the layer:
+        an MoE layer's experts (Qwen3-30B-A3B: 2.4 GB as f32) or a wide dense layer."""
+        layer, pending, parts = self._open if self._open is not None else (i, {}, [])
+        if layer != i:
+            raise CheckpointError(f"layer {i} started before layer {layer} ended")
+        shape = weights.layer_shapes(self.cfg, i)[key]
+        if len(shape) == 1:
+            pending[key] = _vector(w, shape, f"layer {i} {key}")
+        elif tuple(w.shape) != shape[::-1]:
+            raise CheckpointError(f"layer {i} {key}: shape {tuple(w.shape)}, expected {shape[::-1]} [out, in]")
+        else:
+            pending[key] = encode(w, stored_format(self.fmt, key))
+        parts.append(key)
+        if sum(_nbytes(v) for v in pending.values()) >= PART_BYTES:
+            self._save(f"layer_{i:05d}.part{self._parts:03d}", pending)
+            self._parts, pending = self._parts + 1, {}
+        self._open = (i, pending, parts)
+
+    def end_layer(self, i: int) -> None:
+        """Layer i is complete: its last item (with its part count) names it written."""
+        layer, pending, keys = self._open if self._open is not None else (i, {}, [])
+        if layer != i:
+            raise CheckpointError(f"end of layer {i}, but layer {layer} is open")
+        self._check_keys(i, keys)
+        self._save(f"layer_{i:05d}", {**pending, PARTS_KEY: np.int32(self._parts)})
+        self._open, self._parts = None, 0
         self._layers.add(i)
+
+    def _check_keys(self, i: int, keys: Iterable[str]) -> None:
+        keys, shapes = sorted(keys), sorted(weights.layer_shapes(self.cfg, i))
+        if keys != shapes:
+            raise CheckpointError(f"layer {i}: got keys {keys}, expected {shapes}")
 
     def finish(self, source: dict[str, Any]) -> None:
         """Check completeness; write format.json, source.json and (last) model.json."""
@@ -162,6 +194,10 @@ class CheckpointWriter:
 
     def _save(self, name: str, tree: dict[str, Any]) -> None:
         self._ckpt.save(self.params / name, tree, force=True)
+
+
+def _nbytes(v: Any) -> int:
+    return sum(a.nbytes for a in v.values()) if isinstance(v, dict) else v.nbytes
 
 
 def _vector(v: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
@@ -239,7 +275,15 @@ def stage_items(model_dir: Path, cfg: ModelConfig, start: int = 0,
             yield key, ckpt.restore(params / "top")["norm"] if key == "norm" else \
                 _restore_rows(ckpt, params / key, cfg.vocab_size)
     for i in sorted(want["layers"], key=int):
-        yield int(i), ckpt.restore(params / f"layer_{int(i):05d}")
+        yield int(i), restore_layer(ckpt, params, int(i))
+
+
+def restore_layer(ckpt: Any, params: Path, i: int) -> dict[str, Any]:
+    """Layer i's item with its streamed parts merged in (CheckpointWriter.put_layer_tensor)."""
+    item = dict(ckpt.restore(params / f"layer_{i:05d}"))
+    for n in range(int(item.pop(PARTS_KEY, 0))):
+        item.update(ckpt.restore(params / f"layer_{i:05d}.part{n:03d}"))
+    return item
 
 
 def _restore_rows(ckpt: Any, directory: Path, n_rows: int) -> dict[str, np.ndarray]:

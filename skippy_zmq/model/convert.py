@@ -149,7 +149,6 @@ def stream_checkpoint(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, 
             writer.add_rows(key, r, src.read(name, r, r + writer.rows_per_block))
         progress.update(1)
     for i in range(cfg.n_layers):
-        layer = {}
         for key, shape in weights.layer_shapes(cfg, i).items():
             where, rows = source_key(cfg, key)
             name = need(i, where)
@@ -164,8 +163,9 @@ def stream_checkpoint(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, 
                 w = w[None]
             if len(shape) == 1 and key.endswith("norm") and shift:
                 w = w + np.float32(shift)
-            layer[key] = _unpermuted(w, heads[key]) if unpermute and key in heads else w
-        writer.add_layer(i, layer)
+            writer.put_layer_tensor(i, key, _unpermuted(w, heads[key]) if unpermute and key in heads else w)
+            del w
+        writer.end_layer(i)
         progress.update(1)
     progress.close()
 

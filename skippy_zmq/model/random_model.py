@@ -311,19 +311,18 @@ def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> 
     per_layer: dict[str, int] = {}
     for s in specs:
         per_layer[s.where] = per_layer.get(s.where, 0) + 1
-    layer: dict[str, Any] = {}
+    done: dict[str, int] = {}
     for ts, tensor in random_tensors(cfg, spec.seed):
         if stream is not None:
             stream.write(ts, tensor)
-        value = tensor
         if ts.where == "top":
-            writer.add_top(ts.key, value)   # norm; embed / head are split into row blocks by the writer
+            writer.add_top(ts.key, tensor)   # norm; embed / head are split into row blocks by the writer
         else:
-            layer[ts.key] = value
-            if len(layer) == per_layer[ts.where]:     # a layer's tensors come together (tensor_specs)
-                writer.add_layer(int(ts.where), layer)
-                layer = {}
-        del tensor, value                   # before the next is made: one big tensor in memory at a time
+            writer.put_layer_tensor(int(ts.where), ts.key, tensor)
+            done[ts.where] = done.get(ts.where, 0) + 1
+            if done[ts.where] == per_layer[ts.where]:     # a layer's tensors come together (tensor_specs)
+                writer.end_layer(int(ts.where))
+        del tensor                          # before the next is made: one big tensor in memory at a time
     if stream is not None:
         stream.close()
     (vocab_tokenizer(spec.vocab) if spec.vocab else word_tokenizer(cfg.vocab_size)).save(out)
