@@ -305,6 +305,24 @@ def test_scale_cases_and_tables():
     assert "| s0 | 1.5 | 1.0 |" in stages and "| convert | 2.0 |" in steps
 
 
+def test_scale_moe_cases_run_by_name_with_the_moe_over_dense_ratio():
+    from skippy_zmq.bench.scale import FULL, MOE, QUICK, scale_tables, select_cases
+
+    assert select_cases(FULL, "", MOE) == FULL                      # MoE (35 GB of files) only when named
+    assert [c.shape for c in select_cases(FULL, "qwen3-30b-a3b,llama-3.2-3b", MOE)] == ["qwen3-30b-a3b", "llama-3.2-3b"]
+    assert select_cases(QUICK, "llama-3.2-1b") == QUICK
+    with pytest.raises(SystemExit, match="unknown.*qwen3-30b-a3b"):
+        select_cases(QUICK, "mixtral-8x7b", MOE)
+
+    def result(shape: str, tok_s: float) -> dict:
+        return {"case": {"shape": shape}, "rows": [{"model": shape, "stages": 2, "decode_tok_s": tok_s, "tokens": []},
+                                                  {"model": shape, "stages": None, "decode_tok_s": 1.0, "tokens": []}],
+                "stages": [], "steps": []}
+    ratio, *_ = scale_tables([result("qwen3-30b-a3b", 14.0), result("llama-3.2-3b", 20.0)])
+    assert "| qwen3-30b-a3b | llama-3.2-3b | 2 | 14.0 | 20.0 | 0.7 |" in ratio
+    assert len(scale_tables([result("llama-3.2-3b", 20.0)])) == 3   # no ratio table without the MoE case
+
+
 @pytest.mark.slow
 def test_scale_quick_path_end_to_end(tmp_path):
     """One tiny case through everything the scale bench does: make the model, 2 stage processes,

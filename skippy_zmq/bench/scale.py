@@ -5,7 +5,9 @@ very same weights (the random model's GGUF), in one run.
 
 Cases: the Llama-3.2-1B shape on 1, 2 and 3 stages (512 tokens of context, 128 new) and the
 Llama-3.1-8B shape on 1 and 2 stages (256 of context, 32 new); `--quick`: 2 layers of the 1B shape
-on 1 and 2 stages, a few tokens. Models come from `skippy-zmq random-model --gguf q4_1` and are
+on 1 and 2 stages, a few tokens. Named only (`--shapes qwen3-30b-a3b,llama-3.2-3b`): Qwen3-30B-A3B
+(mixture of experts) at full depth on 2 stages and Llama-3.2-3B's shape on 2 stages, with the
+MoE / dense decode ratio. Models come from `skippy-zmq random-model --gguf q4_1` and are
 cached under models/random/<shape>-L<layers>-s<seed>-q4/ (gitignored) between runs.
 
 Per case and stage count: prefill tok/s (prompt / time to first token), single-stream decode tok/s
@@ -63,6 +65,12 @@ class ScaleCase:
 
 FULL = (ScaleCase("llama-3.2-1b", (1, 2, 3), 512, 128), ScaleCase("llama-3.1-8b", (1, 2), 256, 32))
 QUICK = (ScaleCase("llama-3.2-1b", (1, 2), 48, 8, layers=2, streams=2),)
+# Mixture of experts, asked for by name (`--shapes qwen3-30b-a3b,llama-3.2-3b`; 35 GB of model files and
+# about 25 minutes): Qwen3-30B-A3B at full depth on 2 stages (about 19 GB resident, more than a
+# 24 GiB machine holds in one process beside the OS and a driver), and the dense shape with about its
+# active parameters (3B) for the MoE / dense decode ratio.
+MOE = (ScaleCase("qwen3-30b-a3b", (2,), 256, 32), ScaleCase("llama-3.2-3b", (2,), 256, 32))
+MOE_DENSE = ("qwen3-30b-a3b", "llama-3.2-3b")
 
 
 def model_dir(case: ScaleCase, root: Path = RANDOM_ROOT) -> Path:
@@ -212,6 +220,7 @@ def run_case(case: ScaleCase, tmp: Path, root: Path = RANDOM_ROOT) -> dict[str, 
         theirs = llama_cpp_run(model / "model.gguf", case, prompt)
         for row in rows:
             row["greedy_vs_llama_cpp"] = f"{greedy.first_mismatch(row['tokens'], theirs['tokens'])}/{len(theirs['tokens'])}"
+            row["decode_over_llama_cpp"] = round(row["decode_tok_s"] / theirs["decode_tok_s"], 2)
             row[f"agg_over_llama_cpp_1_stream"] = round(row[f"agg_{case.streams}_streams_tok_s"] / theirs["decode_tok_s"], 2)
         rows.append(theirs)
     steps = [conversion_run(case, model / "model.gguf", tmp)]
@@ -223,17 +232,20 @@ def run_case(case: ScaleCase, tmp: Path, root: Path = RANDOM_ROOT) -> dict[str, 
     return {"case": asdict(case), "model_dir": str(model), "rows": rows, "stages": stages, "steps": steps}
 
 
-def select_cases(cases: tuple[ScaleCase, ...], shapes: str) -> tuple[ScaleCase, ...]:
-    """The cases of these comma-separated shapes ("": all); an unknown name is an error that lists them."""
+def select_cases(cases: tuple[ScaleCase, ...], shapes: str, by_name: tuple[ScaleCase, ...] = ()
+                 ) -> tuple[ScaleCase, ...]:
+    """The cases of these comma-separated shapes, from `cases` and those run only when named
+    (`by_name`); "": all of `cases`. An unknown name is an error that lists them."""
     wanted = [n.strip() for n in shapes.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in {c.shape for c in cases}]
+    pool = cases + tuple(c for c in by_name if c.shape not in {x.shape for x in cases})
+    unknown = [n for n in wanted if n not in {c.shape for c in pool}]
     if unknown:
-        raise SystemExit(f"bench scale --shapes: unknown {unknown}; the cases are {[c.shape for c in cases]}")
-    return tuple(c for c in cases if not wanted or c.shape in wanted)
+        raise SystemExit(f"bench scale --shapes: unknown {unknown}; the cases are {[c.shape for c in pool]}")
+    return tuple(c for c in pool if c.shape in wanted) if wanted else cases
 
 
 def bench_scale(args: argparse.Namespace, tables: list[str], _prior: dict[str, Any] | None = None) -> dict[str, Any]:
-    cases = select_cases(QUICK if args.quick else FULL, getattr(args, "shapes", ""))
+    cases = select_cases(QUICK if args.quick else FULL, getattr(args, "shapes", ""), () if args.quick else MOE)
     tmp = Path(tempfile.mkdtemp(prefix="skippy-scale-"))
     results = []
     for case in cases:
@@ -246,11 +258,26 @@ def bench_scale(args: argparse.Namespace, tables: list[str], _prior: dict[str, A
     return result
 
 
+def moe_over_dense(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ours, decode tok/s of the MoE case over the dense case of about its active parameters, per
+    stage count both ran (MOE_DENSE); [] unless both ran."""
+    ours = {(res.get("case", {}).get("shape"), r["stages"]): r for res in results for r in res["rows"] if r["stages"]}
+    moe, dense = MOE_DENSE
+    return [{"moe": moe, "dense": dense, "stages": n, "moe_decode_tok_s": ours[(moe, n)]["decode_tok_s"],
+             "dense_decode_tok_s": ours[(dense, n)]["decode_tok_s"],
+             "moe_over_dense": round(ours[(moe, n)]["decode_tok_s"] / ours[(dense, n)]["decode_tok_s"], 2)}
+            for (shape, n) in ours if shape == moe and (dense, n) in ours]
+
+
 def scale_tables(results: list[dict[str, Any]]) -> list[str]:
     rows = [{k: v for k, v in r.items() if k != "tokens"} for res in results for r in res["rows"]]
     stages = [st for res in results for st in res["stages"]]
     steps = [st for res in results for st in res["steps"]]
-    return [
+    ratio = moe_over_dense(results)
+    extra = [print_table("at scale: mixture of experts over dense (ours, single-stream decode)", ratio,
+                         "Qwen3-30B-A3B reads 8 of 128 experts a layer, about 3.3B parameters a token; "
+                         "Llama-3.2-3B's shape holds about as many, all dense.")] if ratio else []
+    return extra + [
         print_table("at scale: speed (random weights of the real shape, q4; llama.cpp on the same weights)", rows,
                     "prefill = prompt / time to first token; decode = 1000 / median inter-token ms, one stream; "
                     "agg = tokens per second while all streams decode. llama.cpp runs one sequence: its "
