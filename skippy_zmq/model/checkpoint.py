@@ -146,7 +146,7 @@ class CheckpointWriter:
         at once, so a layer's float copies never coexist, and written out as a part item whenever
         the layer's pending bytes reach PART_BYTES. Memory then holds one part, whatever the layer:
         an MoE layer's experts (Qwen3-30B-A3B: 2.4 GB as f32) or a wide dense layer."""
-        layer, pending, parts = self._open if self._open is not None else (i, {}, [])
+        layer, pending, keys = self._open if self._open is not None else (i, {}, [])
         if layer != i:
             raise CheckpointError(f"layer {i} started before layer {layer} ended")
         shape = weights.layer_shapes(self.cfg, i)[key]
@@ -156,11 +156,11 @@ class CheckpointWriter:
             raise CheckpointError(f"layer {i} {key}: shape {tuple(w.shape)}, expected {shape[::-1]} [out, in]")
         else:
             pending[key] = encode(w, stored_format(self.fmt, key))
-        parts.append(key)
+        keys.append(key)
         if sum(_nbytes(v) for v in pending.values()) >= PART_BYTES:
             self._save(f"layer_{i:05d}.part{self._parts:03d}", pending)
             self._parts, pending = self._parts + 1, {}
-        self._open = (i, pending, parts)
+        self._open = (i, pending, keys)
 
     def end_layer(self, i: int) -> None:
         """Layer i is complete: its last item (with its part count) names it written."""

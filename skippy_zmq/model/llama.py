@@ -451,5 +451,5 @@ def forward_reference(params: Params, tokens: jax.Array, cfg: ModelConfig) -> ja
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     kv = KVCache.create(cfg, len(params["layers"]), b, t, jnp.dtype(cfg.dtype))
     x, _, _ = forward_slice(params, kv, tokens, positions, jnp.arange(b, dtype=jnp.int32), cfg=cfg,
-                         start=0, end=cfg.n_layers, attn_len=t, output="hidden")
+                            start=0, end=cfg.n_layers, attn_len=t, output="hidden")
     return head(params, x, cfg)

@@ -454,7 +454,7 @@ class StageWorker:
         out = {"lanes_in_use": len(self.sessions), "lanes": self.sessions.lanes, **self.counters,
                "fenced": self.fence.dropped, **self.memory, "rss_bytes": rss_bytes(),
                "warmups_pending": len(self.warm_later), **{f"kernel_{k}": v for k, v in self.kernels.items()}}
-        if self.runner.moe_layers:
+        if getattr(self.runner, "moe_layers", 0):   # a mixture-of-experts slice: its routing counts
             out.update(moe_layer_passes=self.runner.stats.moe_layer_passes,
                        moe_experts_routed=self.runner.stats.moe_experts_routed)
         if self.store is not None:
