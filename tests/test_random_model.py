@@ -13,7 +13,7 @@ import pytest
 
 from skippy_zmq.model.formats import dequantize_grid
 from skippy_zmq.model.gguf_writer import llama3_rope_factors, q4_1_bytes, rotary_row_order
-from skippy_zmq.model.random_model import (INIT_STD, RandomModelError, RandomSpec, make_tensor, model_config,
+from skippy_zmq.model.random_model import (INIT_STD, SHAPES, RandomModelError, RandomSpec, make_tensor, model_config,
                                            random_q4_blocks, tensor_rng, tensor_specs, word_tokenizer,
                                            write_random_model)
 
@@ -195,11 +195,11 @@ def test_vocab_from_a_converted_model_directory(tmp_path, model_dir):
     from skippy_zmq.model.tokenizer import TextTokenizer
 
     real = TextTokenizer.load(model_dir)
-    spec = RandomSpec("qwen3-30b-a3b", weights="f32", layers=1, vocab=str(model_dir))
+    spec = RandomSpec("llama-3.2-1b", weights="q4", layers=1, vocab=str(model_dir))
     cfg = write_random_model(spec, tmp_path / "m")
     tok = TextTokenizer.load(tmp_path / "m")
     text = "The capital of France is"
-    assert cfg.vocab_size == real.vocab_size == 49152 and cfg.n_experts == 128
+    assert cfg.vocab_size == real.vocab_size == 49152 != SHAPES["llama-3.2-1b"]["vocab_size"]
     assert tok.encode(text) == real.encode(text) and tok.eos_ids == real.eos_ids and 2 in tok.eos_ids
     assert tok.encode_chat([{"role": "user", "content": "hi"}]) == real.encode_chat([{"role": "user", "content": "hi"}])
     with pytest.raises(RandomModelError, match="no such file"):
