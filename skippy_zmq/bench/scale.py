@@ -65,10 +65,10 @@ class ScaleCase:
 
 FULL = (ScaleCase("llama-3.2-1b", (1, 2, 3), 512, 128), ScaleCase("llama-3.1-8b", (1, 2), 256, 32))
 QUICK = (ScaleCase("llama-3.2-1b", (1, 2), 48, 8, layers=2, streams=2),)
-# Mixture of experts, asked for by name (`--shapes qwen3-30b-a3b,llama-3.2-3b`; 35 GB of model files and
-# about 25 minutes): Qwen3-30B-A3B at full depth on 2 stages (about 19 GB resident, more than a
-# 24 GiB machine holds in one process beside the OS and a driver), and the dense shape with about its
-# active parameters (3B) for the MoE / dense decode ratio.
+# Mixture of experts, asked for by name (`--shapes qwen3-30b-a3b,llama-3.2-3b`; 35 GB of model files,
+# about 10 minutes once made, 9 or more to make them): Qwen3-30B-A3B at full depth on 2 stages (22 GiB
+# resident together, more than a 24 GiB machine holds in one process beside the OS and a driver), and
+# the dense shape with about its active parameters (3B) for the MoE / dense decode ratio.
 MOE = (ScaleCase("qwen3-30b-a3b", (2,), 256, 32), ScaleCase("llama-3.2-3b", (2,), 256, 32))
 MOE_DENSE = ("qwen3-30b-a3b", "llama-3.2-3b")
 
