@@ -32,6 +32,7 @@ at start with the command that fixes it. Checkpoints from before this layout
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -81,6 +82,18 @@ def stage_nbytes(cfg: ModelConfig, start: int, end: int, fmt: str, stored: str |
 # ---------------------------------------------------------------- writer
 
 
+@dataclasses.dataclass
+class _OpenLayer:
+    """A layer CheckpointWriter.put_layer_tensor is streaming: its tensors not yet written, every key
+    put so far, and the part items already written."""
+    index: int
+    shapes: dict[str, tuple[int, ...]]
+    pending: dict[str, Any] = dataclasses.field(default_factory=dict)
+    keys: list[str] = dataclasses.field(default_factory=list)
+    nbytes: int = 0
+    parts: int = 0
+
+
 class CheckpointWriter:
     """Writes a converted model item by item; memory holds one row block or layer part at a time.
 
@@ -110,8 +123,7 @@ class CheckpointWriter:
         self._rows = {"embed": 0, "head": 0}
         self._layers: set[int] = set()
         self._top: dict[str, np.ndarray] = {}
-        self._open: tuple[int, dict[str, Any], list[str]] | None = None   # streamed layer: pending, keys
-        self._parts = 0                                                   # its part items written so far
+        self._open: _OpenLayer | None = None   # the layer put_layer_tensor is streaming
 
     def add_top(self, key: str, w: np.ndarray | Encoded) -> None:
         """"norm" f32 [D], or a whole "embed" / "head" [V, D] (split into row blocks here)."""
@@ -146,30 +158,33 @@ class CheckpointWriter:
         at once, so a layer's float copies never coexist, and written out as a part item whenever
         the layer's pending bytes reach PART_BYTES. Memory then holds one part, whatever the layer:
         an MoE layer's experts (Qwen3-30B-A3B: 2.4 GB as f32) or a wide dense layer."""
-        layer, pending, keys = self._open if self._open is not None else (i, {}, [])
-        if layer != i:
-            raise CheckpointError(f"layer {i} started before layer {layer} ended")
-        shape = weights.layer_shapes(self.cfg, i)[key]
+        if self._open is None:
+            self._open = _OpenLayer(i, weights.layer_shapes(self.cfg, i))
+        layer = self._open
+        if layer.index != i:
+            raise CheckpointError(f"layer {i} started before layer {layer.index} ended")
+        shape = layer.shapes[key]
         if len(shape) == 1:
-            pending[key] = _vector(w, shape, f"layer {i} {key}")
+            stored = _vector(w, shape, f"layer {i} {key}")
         elif tuple(w.shape) != shape[::-1]:
             raise CheckpointError(f"layer {i} {key}: shape {tuple(w.shape)}, expected {shape[::-1]} [out, in]")
         else:
-            pending[key] = encode(w, stored_format(self.fmt, key))
-        keys.append(key)
-        if sum(_nbytes(v) for v in pending.values()) >= PART_BYTES:
-            self._save(f"layer_{i:05d}.part{self._parts:03d}", pending)
-            self._parts, pending = self._parts + 1, {}
-        self._open = (i, pending, keys)
+            stored = encode(w, stored_format(self.fmt, key))
+        layer.pending[key] = stored
+        layer.keys.append(key)
+        layer.nbytes += sum(a.nbytes for a in stored.values()) if isinstance(stored, dict) else stored.nbytes
+        if layer.nbytes >= PART_BYTES:
+            self._save(f"layer_{i:05d}.part{layer.parts:03d}", layer.pending)
+            layer.pending, layer.nbytes, layer.parts = {}, 0, layer.parts + 1
 
     def end_layer(self, i: int) -> None:
         """Layer i is complete: its last item (with its part count) names it written."""
-        layer, pending, keys = self._open if self._open is not None else (i, {}, [])
-        if layer != i:
-            raise CheckpointError(f"end of layer {i}, but layer {layer} is open")
-        self._check_keys(i, keys)
-        self._save(f"layer_{i:05d}", {**pending, PARTS_KEY: np.int32(self._parts)})
-        self._open, self._parts = None, 0
+        layer = self._open or _OpenLayer(i, {})
+        if layer.index != i:
+            raise CheckpointError(f"end of layer {i}, but layer {layer.index} is open")
+        self._check_keys(i, layer.keys)
+        self._save(f"layer_{i:05d}", {**layer.pending, PARTS_KEY: np.int32(layer.parts)})
+        self._open = None
         self._layers.add(i)
 
     def _check_keys(self, i: int, keys: Iterable[str]) -> None:
@@ -194,10 +209,6 @@ class CheckpointWriter:
 
     def _save(self, name: str, tree: dict[str, Any]) -> None:
         self._ckpt.save(self.params / name, tree, force=True)
-
-
-def _nbytes(v: Any) -> int:
-    return sum(a.nbytes for a in v.values()) if isinstance(v, dict) else v.nbytes
 
 
 def _vector(v: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
