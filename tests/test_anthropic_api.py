@@ -265,6 +265,16 @@ def test_thinking_blocks_from_a_reasoning_template(tok):
         handle.stop()
 
 
+def test_output_config_format_is_the_chat_response_format(client, oai, engine, tok):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    engine.script = scripted(tok, '{"ok": true}')
+    msg = create(client, output_config={"effort": "low", "format": {"type": "json_schema", "schema": schema}})
+    oai.chat.completions.create(model="smol", max_tokens=100, messages=ASK, response_format={
+        "type": "json_schema", "json_schema": {"name": "output", "schema": schema}})
+    assert engine.requests[-2].constraint == engine.requests[-1].constraint
+    assert engine.requests[-1].constraint["kind"] == "json_schema" and msg.content[0].text == '{"ok": true}'
+
+
 def test_count_tokens(client, tok):
     assert client.messages.count_tokens(model="smol", messages=ASK).input_tokens == len(tok.encode_chat(ASK))
     with_system = client.messages.count_tokens(model="smol", messages=ASK, system="Be brief.").input_tokens
@@ -298,6 +308,11 @@ def test_count_tokens(client, tok):
      "tool_choice.name: 'nope' is not one of the tools"),
     ({"max_tokens": 5, "messages": ASK, "tool_choice": {"type": "any"}}, "tool_choice.type: 'any' needs"),
     ({"max_tokens": 5, "messages": ASK, "thinking": {"type": "sometimes"}}, "thinking: must be"),
+    ({"max_tokens": 5, "messages": ASK, "output_config": {"format": {"type": "json_object"}}},
+     "output_config.format: must be"),
+    ({"max_tokens": 5, "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "any"},
+      "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     "output_config.format: cannot be combined with tools"),
 ])
 def test_invalid_requests_are_400_invalid_request_error(client, engine, body, message):
     with pytest.raises(anthropic.BadRequestError) as err:
@@ -368,7 +383,7 @@ def real_oai(served):
 
 
 def test_real_greedy_answers_equal_chat_completions(real, real_oai):
-    system = "You are a terse assistant."
+    system = "You are a terse assistant who answers in one word. " * 6   # over the prefix store's 64-token floor
     turns = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "Apple."},
              {"role": "user", "content": "Name a color."}]
     msg = create(real, model="m", max_tokens=24, temperature=0, system=system, messages=turns)
@@ -376,20 +391,35 @@ def test_real_greedy_answers_equal_chat_completions(real, real_oai):
         {"role": "system", "content": system}, *turns])
     assert msg.content[0].text == chat.choices[0].message.content and msg.content[0].text
     assert msg.usage.output_tokens == chat.usage.completion_tokens
-    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    prompt = chat.usage.prompt_tokens
+    assert (msg.usage.input_tokens, msg.usage.cache_read_input_tokens) == (prompt, 0)
     assert {"stop": "end_turn", "length": "max_tokens"}[chat.choices[0].finish_reason] == msg.stop_reason
-    assert msg.usage.cache_read_input_tokens > 0   # the same prompt again: its prefix is read from the cache
     with real.messages.stream(model="m", max_tokens=24, system=system, messages=turns,
                               extra_body={"temperature": 0}) as stream:
         assert "".join(stream.text_stream) == msg.content[0].text
-    count = real.messages.count_tokens(model="m", system=system, messages=turns)
-    assert count.input_tokens == chat.usage.prompt_tokens
+        again = stream.get_final_message()
+    # The same prompt again: all but its last token are read from the prefix store.
+    assert (again.usage.input_tokens, again.usage.cache_read_input_tokens) == (1, prompt - 1)
+    assert real.messages.count_tokens(model="m", system=system, messages=turns).input_tokens == prompt
     words = msg.content[0].text.split()
-    if len(words) > 2:   # a stop sequence from inside the greedy answer cuts it there
-        cut = create(real, model="m", max_tokens=24, temperature=0, system=system, messages=turns,
-                                   stop_sequences=[words[2]])
-        assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", words[2])
-        assert msg.content[0].text.startswith(cut.content[0].text + words[2])
+    stop = words[1] if len(words) > 1 else msg.content[0].text[1:]
+    cut = create(real, model="m", max_tokens=24, temperature=0, system=system, messages=turns, stop_sequences=[stop])
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
+    assert msg.content[0].text.startswith(cut.content[0].text + stop)
+
+
+def test_real_structured_output(real, real_oai):
+    """output_config.format json_schema: the grammar engine constrains the text as for response_format."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    ask = [{"role": "user", "content": "Invent a person."}]
+    msg = create(real, model="m", max_tokens=60, temperature=0, messages=ask,
+                 output_config={"format": {"type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(msg.content[0].text), schema)
+    chat = real_oai.chat.completions.create(model="m", max_tokens=60, temperature=0, messages=ask, response_format={
+        "type": "json_schema", "json_schema": {"name": "output", "schema": schema}})
+    assert msg.content[0].text == chat.choices[0].message.content and msg.stop_reason == "end_turn"
 
 
 def test_real_tool_round_trip(real, real_oai):

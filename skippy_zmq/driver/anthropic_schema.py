@@ -70,7 +70,8 @@ _RENAMES = ((re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"tools[\1].i
             (re.compile(r"^tool_choice\.function\.name"), "tool_choice.name"),
             (re.compile(r"^parallel_tool_calls"), "tool_choice.disable_parallel_tool_use"),
             (re.compile(r"^stop\b"), "stop_sequences"),
-            (re.compile(r"^chat_template_kwargs"), "thinking"))
+            (re.compile(r"^chat_template_kwargs"), "thinking"),
+            (re.compile(r"^response_format(\.json_schema)?"), "output_config.format"))
 
 
 def anthropic_names(err: RequestError) -> RequestError:
@@ -107,6 +108,7 @@ def to_chat_body(body: Mapping[str, Any], *, count_only: bool = False) -> dict[s
     if tools:
         chat["tools"] = tools
     chat.update(_tool_choice(body.get("tool_choice"), bool(tools)))
+    chat.update(_output_format(body.get("output_config")))
     enable = _thinking(body.get("thinking"))
     if enable is not None:   # templates that switch reasoning (Qwen3) read enable_thinking; others ignore it
         chat["chat_template_kwargs"] = {"enable_thinking": enable}
@@ -275,6 +277,21 @@ def _tool_choice(raw: object, has_tools: bool) -> dict[str, Any]:
     elif has_tools or raw["type"] == "none":
         chat["tool_choice"] = TOOL_CHOICES[raw["type"]]
     return chat
+
+
+def _output_format(raw: object) -> dict[str, Any]:
+    """Structured output (`output_config.format` json_schema) as the chat response_format, so the
+    grammar engine constrains the text as it does for chat completions; `effort` is accepted."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise _fail("output_config", f"must be an object, got {_short(raw)}")
+    fmt = raw.get("format")
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise _fail("output_config.format", f'must be {{"type": "json_schema", "schema": {{...}}}}, got {_short(fmt)}')
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}}
 
 
 def _thinking(raw: object) -> bool | None:
