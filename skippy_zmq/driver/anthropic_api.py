@@ -4,7 +4,7 @@ adapter over the chat completions path (the same request model, prompt, engine a
 A request is translated into a chat completions body (anthropic_schema.to_chat_body) and parsed,
 checked, rendered and submitted exactly as chat completions does; one TextStream reads the
 engine, one ChatOutput splits its text into reasoning, content and tool calls, and
-anthropic_schema.ContentBlocks turns that into Anthropic's content blocks and stream events.
+anthropic_ContentBlocks turns that into Anthropic's content blocks and stream events.
 Errors on these routes are in Anthropic's shape.
 
 server.py registers these routes, so this module does not import it: what it uses of the
@@ -25,6 +25,7 @@ from loguru import logger
 from starlette.concurrency import run_in_threadpool
 
 from skippy_zmq.driver import anthropic_schema as schema
+from skippy_zmq.driver.anthropic_blocks import ContentBlocks, matched_stop, message, new_message_id, stop_reason, usage
 from skippy_zmq.driver.chat_output import ChatOutput
 from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
 from skippy_zmq.driver.metrics import error_kind
@@ -62,10 +63,10 @@ def install_routes(app: FastAPI, ctx: ServerContext, parts: ServerParts) -> None
 
 # ---------------------------------------------------------------- errors
 
-def error_response(ctx: ServerContext, request: Request, status: int, message: str,
+def error_response(ctx: ServerContext, request: Request, status: int, text: str,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     ctx.metrics.count_error(error_kind(status))
-    body = schema.error_body(status, message, request.state.request_id)
+    body = schema.error_body(status, text, request.state.request_id)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -141,13 +142,13 @@ class Answer:
             return None
         decoder = self.ctx.tokenizer.stream_decoder(skip_special=not self.keep_special)
         raw = "".join(decoder.push(t) for t in self.tokens) + decoder.flush()
-        return schema.matched_stop(raw, self.emitted, stops)
+        return matched_stop(raw, self.emitted, stops)
 
     def final(self) -> tuple[str, str | None, dict[str, int]]:
         """(stop_reason, stop_sequence, usage) once the text is done."""
         sequence = self.stop_sequence()
-        reason = schema.stop_reason(self.stream.finish_reason, self.output.call_count, sequence)
-        counts = schema.usage(len(self.stream.request.prompt_ids), self.stream.completion_tokens,
+        reason = stop_reason(self.stream.finish_reason, self.output.call_count, sequence)
+        counts = usage(len(self.stream.request.prompt_ids), self.stream.completion_tokens,
                               self.stream.cached_tokens)
         return reason, None if reason != "stop_sequence" else sequence, counts
 
@@ -197,12 +198,12 @@ async def _create_message(ctx: ServerContext, parts: ServerParts, request: Reque
 
 async def _whole_message(ctx: ServerContext, answer: Answer) -> dict[str, Any]:
     """The non-streamed message: the stream's events folded into content blocks."""
-    blocks = schema.ContentBlocks()
+    blocks = ContentBlocks()
     async for delta in answer.deltas():
         blocks.push(delta)
     blocks.close()
     reason, sequence, counts = answer.final()
-    return schema.message(schema.new_message_id(), ctx.model_name, blocks.content, reason, sequence, counts)
+    return message(new_message_id(), ctx.model_name, blocks.content, reason, sequence, counts)
 
 
 def _sse(event: dict[str, Any]) -> bytes:
@@ -213,11 +214,11 @@ def _sse(event: dict[str, Any]) -> bytes:
 async def _sse_events(ctx: ServerContext, request: Request, answer: Answer) -> AsyncIterator[bytes]:
     """message_start, a ping, each block's start / deltas / stop, message_delta, message_stop; an
     engine failure after the headers went out is an `error` event, as the API sends one."""
-    stream, blocks = answer.stream, schema.ContentBlocks()
-    opening = schema.usage(len(stream.request.prompt_ids), 0, stream.cached_tokens)
+    stream, blocks = answer.stream, ContentBlocks()
+    opening = usage(len(stream.request.prompt_ids), 0, stream.cached_tokens)
     try:
-        yield _sse({"type": "message_start", "message": schema.message(
-            schema.new_message_id(), ctx.model_name, [], None, None, opening)})
+        yield _sse({"type": "message_start", "message": message(
+            new_message_id(), ctx.model_name, [], None, None, opening)})
         yield _sse({"type": "ping"})
         async for delta in answer.deltas():
             for event in blocks.push(delta):
@@ -228,8 +229,9 @@ async def _sse_events(ctx: ServerContext, request: Request, answer: Answer) -> A
         yield _sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                     "usage": counts})
         yield _sse({"type": "message_stop"})
-    except EngineError as err:
+    except EngineError as err:   # the headers are gone: an `error` event, as the API sends one
         status = err.status if 400 <= err.status <= 599 else 500
+        logger.warning("engine error mid-stream {} ({}): {}", status, err.code, err.message)
         ctx.metrics.count_error(error_kind(status))
         yield _sse(schema.error_body(status, err.message, request.state.request_id))
     except Exception:

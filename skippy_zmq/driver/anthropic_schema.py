@@ -1,4 +1,4 @@
-"""Anthropic Messages wire format, translated to and from the chat completions request model.
+"""Anthropic Messages requests, translated into the chat completions request model; errors.
 
 A `/v1/messages` body becomes the chat completions body the OpenAI path already parses
 (`to_chat_body`, then openai_schema.parse_chat): the system prompt becomes a system message,
@@ -9,16 +9,13 @@ completions, token for token. Only what the chat path does not check (the block 
 validated here, each error naming the Anthropic field; the few errors the chat path raises name
 its own fields and are renamed (`anthropic_names`).
 
-The output goes the other way: ChatOutput's deltas (content, reasoning_content, tool_calls)
-become content blocks and Anthropic's stream events (`ContentBlocks`); the non-streamed message
-is those same events folded up, so the two always agree.
+The output goes the other way, in anthropic_blocks.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -125,21 +122,22 @@ def _stop_sequences(raw: object) -> list[str]:
     return raw
 
 
+def _text_block(block: object, path: str) -> dict[str, str]:
+    if not isinstance(block, dict) or block.get("type") != "text":
+        kind = block.get("type") if isinstance(block, dict) else block
+        raise _fail(path, f"only text blocks are supported here, got {_short(kind)}")
+    if not isinstance(block.get("text"), str):
+        raise _fail(f"{path}.text", f"must be a string, got {_short(block.get('text'))}")
+    return {"type": "text", "text": block["text"]}
+
+
 def _text_parts(raw: object, path: str) -> list[dict[str, str]]:
     """A string or a list of text blocks, as chat text parts (the chat path joins them)."""
     if isinstance(raw, str):
         return [{"type": "text", "text": raw}]
     if not isinstance(raw, list):
         raise _fail(path, f"must be a string or a list of text blocks, got {_short(raw)}")
-    parts = []
-    for j, block in enumerate(raw):
-        if not isinstance(block, dict) or block.get("type") != "text":
-            kind = block.get("type") if isinstance(block, dict) else block
-            raise _fail(f"{path}[{j}]", f"only text blocks are supported here, got {_short(kind)}")
-        if not isinstance(block.get("text"), str):
-            raise _fail(f"{path}[{j}].text", f"must be a string, got {_short(block.get('text'))}")
-        parts.append({"type": "text", "text": block["text"]})
-    return parts
+    return [_text_block(block, f"{path}[{j}]") for j, block in enumerate(raw)]
 
 
 def _system(raw: object) -> list[dict[str, Any]]:
@@ -191,7 +189,7 @@ def _assistant_turn(blocks: list, path: str) -> tuple[dict[str, Any], set[str]]:
     for j, block in enumerate(blocks):
         kind = _block_type(block, f"{path}[{j}]", ("text", "tool_use", *DROPPED_BLOCKS))
         if kind == "text":
-            parts += _text_parts([block], path)
+            parts.append(_text_block(block, f"{path}[{j}]"))
         elif kind == "tool_use":
             calls.append(_tool_use(block, f"{path}[{j}]"))
     ids = [c["id"] for c in calls]
@@ -221,7 +219,7 @@ def _user_turn(blocks: list, path: str, open_ids: set[str]) -> list[dict[str, An
     for j, block in enumerate(blocks):
         kind = _block_type(block, f"{path}[{j}]", ("text", "tool_result"))
         if kind == "text":
-            parts += _text_parts([block], path)
+            parts.append(_text_block(block, f"{path}[{j}]"))
             continue
         call_id = block.get("tool_use_id")
         if call_id not in open_ids:
@@ -305,103 +303,3 @@ def _thinking(raw: object) -> bool | None:
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
         raise _fail("thinking.budget_tokens", f"must be an integer >= 1, got {_short(budget)}")
     return None if raw["type"] == "adaptive" else raw["type"] == "enabled"
-
-
-# ---------------------------------------------------------------- response
-
-def new_message_id() -> str:
-    return "msg_" + secrets.token_hex(12)
-
-
-def new_tool_use_id() -> str:
-    return "toolu_" + secrets.token_hex(12)
-
-
-def stop_reason(finish_reason: str | None, calls: int, stop_sequence: str | None) -> str:
-    """Anthropic's stop_reason of a chat finish_reason ("stop" / "length")."""
-    if finish_reason == "length":
-        return "max_tokens"
-    if calls:
-        return "tool_use"
-    return "stop_sequence" if stop_sequence is not None else "end_turn"
-
-
-def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, int]:
-    """Anthropic's usage: input_tokens counts only what was not read from the cache."""
-    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}
-
-
-def message(message_id: str, model: str, content: list[dict[str, Any]], reason: str | None,
-            stop_sequence: str | None, counts: dict[str, int]) -> dict[str, Any]:
-    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": reason, "stop_sequence": stop_sequence, "usage": counts}
-
-
-_OPENINGS = {"text": {"type": "text", "text": ""}, "thinking": {"type": "thinking", "thinking": "", "signature": ""}}
-
-
-class ContentBlocks:
-    """ChatOutput deltas in, Anthropic content block events out (content_block_start / _delta /
-    _stop, indices from 0); `content` is the blocks those events make."""
-
-    def __init__(self) -> None:
-        self.content: list[dict[str, Any]] = []
-        self._open: str | None = None   # the type of the block open now
-
-    def push(self, delta: Mapping[str, Any]) -> list[dict[str, Any]]:
-        if delta.get("reasoning_content"):
-            return self._into("thinking") + [self._delta({"type": "thinking_delta",
-                                                           "thinking": delta["reasoning_content"]})]
-        if delta.get("content"):
-            return self._into("text") + [self._delta({"type": "text_delta", "text": delta["content"]})]
-        events: list[dict[str, Any]] = []
-        for call in delta.get("tool_calls", ()):
-            function = call["function"]
-            events += self._close()
-            events += [self._start({"type": "tool_use", "id": new_tool_use_id(), "name": function["name"],
-                                    "input": {}}),
-                       self._delta({"type": "input_json_delta", "partial_json": function["arguments"]})]
-            events += self._close()
-        return events
-
-    def close(self) -> list[dict[str, Any]]:
-        """The events that end the content: the open block closed (an empty text block first when
-        the answer made none, so every message has a block to read, as llama-server does)."""
-        return self._close() if self.content else [self._start(dict(_OPENINGS["text"]))] + self._close()
-
-    def _into(self, kind: str) -> list[dict[str, Any]]:
-        if self._open == kind:
-            return []
-        return self._close() + [self._start(dict(_OPENINGS[kind]))]
-
-    def _start(self, block: dict[str, Any]) -> dict[str, Any]:
-        self._open = block["type"]
-        self.content.append({**block, "input": {}} if block["type"] == "tool_use" else dict(block))
-        return {"type": "content_block_start", "index": len(self.content) - 1, "content_block": block}
-
-    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
-        block = self.content[-1]
-        if delta["type"] == "input_json_delta":
-            block["input"] = json.loads(delta["partial_json"] or "{}")
-        else:
-            field = "text" if delta["type"] == "text_delta" else "thinking"
-            block[field] += delta[field]
-        return {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}
-
-    def _close(self) -> list[dict[str, Any]]:
-        if self._open is None:
-            return []
-        index, kind, self._open = len(self.content) - 1, self._open, None
-        # A thinking block ends with its signature (empty: nothing here signs reasoning), as the API's do.
-        signature = [{"type": "content_block_delta", "index": index,
-                      "delta": {"type": "signature_delta", "signature": ""}}] if kind == "thinking" else []
-        return signature + [{"type": "content_block_stop", "index": index}]
-
-
-def matched_stop(raw_text: str, emitted: str, stops: tuple[str, ...]) -> str | None:
-    """The stop sequence that ended an output: the shortest one the raw text has right where the
-    emitted text stops (the one that completed first), or None (it ended some other way)."""
-    rest = raw_text[len(emitted):] if raw_text.startswith(emitted) else ""
-    found = [stop for stop in stops if rest.startswith(stop)]
-    return min(found, key=len) if found else None
