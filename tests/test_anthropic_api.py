@@ -337,6 +337,11 @@ def test_sdk_error_classes_for_missing_max_tokens_and_server_states(client, serv
         create(client)
     assert err.value.body["error"]["type"] == "rate_limit_error" and err.value.response.headers["retry-after"] == "2"
     engine.fail = None
+    long = [{"role": "user", "content": "word " * 600}]
+    with pytest.raises(anthropic.BadRequestError) as err:   # the API's wording, which Claude Code reads
+        create(client, messages=long)
+    n = client.messages.count_tokens(model="smol", messages=long).input_tokens
+    assert err.value.body["error"]["message"] == f"prompt is too long: {n} tokens > 511 maximum"
     resp = httpx.post(server.url + "/v1/messages", content=b"{not json", timeout=10,
                       headers={"content-type": "application/json"})
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"

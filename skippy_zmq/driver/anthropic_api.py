@@ -4,7 +4,7 @@ adapter over the chat completions path (the same request model, prompt, engine a
 A request is translated into a chat completions body (anthropic_schema.to_chat_body) and parsed,
 checked, rendered and submitted exactly as chat completions does; one TextStream reads the
 engine, one ChatOutput splits its text into reasoning, content and tool calls, and
-anthropic_ContentBlocks turns that into Anthropic's content blocks and stream events.
+anthropic_blocks.ContentBlocks turns that into Anthropic's content blocks and stream events.
 Errors on these routes are in Anthropic's shape.
 
 server.py registers these routes, so this module does not import it: what it uses of the
@@ -164,7 +164,14 @@ async def _prepare(ctx: ServerContext, parts: ServerParts, request: Request) -> 
         except RequestError as err:
             raise schema.anthropic_names(err) from None
     ids = await run_in_threadpool(encode_prompt, ctx.tokenizer, parsed)
-    gen_request: GenRequest = to_gen_request(parsed, ids, request.state.request_id, ctx.engine.max_context)
+    try:
+        gen_request: GenRequest = to_gen_request(parsed, ids, request.state.request_id, ctx.engine.max_context)
+    except RequestError as err:
+        if err.code != "context_length_exceeded":
+            raise
+        # The API's own wording: clients (Claude Code) read it to know the conversation must be compacted.
+        raise RequestError(f"prompt is too long: {len(ids)} tokens > {ctx.engine.max_context - 1} maximum",
+                           "messages", code=err.code) from None
     tokens: list[int] = []
     keep_special = parsed.toolset.active and parsed.tool_format.keeps_special
     stream = parts.text_stream(ctx, gen_request, parsed.options.stop, request.state.arrival,

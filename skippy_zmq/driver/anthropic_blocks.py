@@ -14,6 +14,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+
 def new_message_id() -> str:
     return "msg_" + secrets.token_hex(12)
 
