@@ -255,7 +255,8 @@ def test_thinking_blocks_from_a_reasoning_template(tok):
         with anthropic.Anthropic(base_url=handle.url, api_key="x", max_retries=0, timeout=20) as client:
             msg = create(client, thinking={"type": "enabled", "budget_tokens": 1024})
             assert [b.type for b in msg.content] == ["thinking", "text"]
-            assert (msg.content[0].thinking, msg.content[0].signature, msg.content[1].text) == ("Two and two.", "", "Four.")
+            thought, answer = msg.content
+            assert (thought.thinking, thought.signature, answer.text) == ("Two and two.", "", "Four.")
             raw = raw_events(handle.url, {"model": "m", "max_tokens": 100, "messages": ASK})
             deltas = [d["delta"]["type"] for n, d in raw if n == "content_block_delta"]
             assert deltas[0] == "thinking_delta" and deltas[-1] == "text_delta"

@@ -176,10 +176,10 @@ def _messages(raw: object) -> list[dict[str, Any]]:
 
 def _block_type(block: object, path: str, allowed: tuple[str, ...]) -> str:
     kind = block.get("type") if isinstance(block, dict) else None
+    if not isinstance(kind, str):
+        raise _fail(path, f"must be a content block with a type, got {_short(block)}")
     if kind not in allowed:
-        what = f"{kind!r} blocks are not supported" if isinstance(kind, str) else f"must be a content block, got {_short(block)}"
-        raise _fail(f"{path}.type" if isinstance(kind, str) else path,
-                    f"{what} here (allowed: {', '.join(allowed)})")
+        raise _fail(f"{path}.type", f"{kind!r} blocks are not supported here (allowed: {', '.join(allowed)})")
     return kind
 
 
