@@ -148,8 +148,7 @@ class Answer:
         """(stop_reason, stop_sequence, usage) once the text is done."""
         sequence = self.stop_sequence()
         reason = stop_reason(self.stream.finish_reason, self.output.call_count, sequence)
-        counts = usage(len(self.stream.request.prompt_ids), self.stream.completion_tokens,
-                              self.stream.cached_tokens)
+        counts = usage(len(self.stream.request.prompt_ids), self.stream.completion_tokens, self.stream.cached_tokens)
         return reason, None if reason != "stop_sequence" else sequence, counts
 
 
