@@ -30,8 +30,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from skippy_zmq.driver import anthropic_api, tools
+from skippy_zmq.driver import anthropic_api, responses_api, tools
 from skippy_zmq.driver.anthropic_schema import COUNT_TOKENS_ENDPOINT, MESSAGES_ENDPOINT
+from skippy_zmq.driver.responses_schema import RESPONSES_ENDPOINT
 from skippy_zmq.driver.chat_output import ChatOutput, message_fields
 from skippy_zmq.driver.engine import ChoiceControl, Engine, EngineError, GenRequest, TokenEvent
 from skippy_zmq.driver.metrics import ServerMetrics, error_kind
@@ -43,7 +44,7 @@ from skippy_zmq.driver.reasoning import prompt_opens_thinking, template_thinks
 from skippy_zmq.model.tokenizer import TextTokenizer
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-GENERATION_ENDPOINTS = (CHAT.endpoint, COMPLETION.endpoint, MESSAGES_ENDPOINT)
+GENERATION_ENDPOINTS = (CHAT.endpoint, COMPLETION.endpoint, MESSAGES_ENDPOINT, RESPONSES_ENDPOINT)
 KNOWN_ENDPOINTS = (*GENERATION_ENDPOINTS, COUNT_TOKENS_ENDPOINT, "/v1/models", "/health", "/readyz", "/metrics")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -596,8 +597,9 @@ def _install_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def completions(request: Request) -> Response:
         return await _generate(request, parse_completion)
 
-    anthropic_api.install_routes(app, ctx, anthropic_api.ServerParts(   # /v1/messages, /v1/messages/count_tokens
-        TextStream, unless_disconnected, ClientDisconnected, ClosingStreamingResponse))
+    parts = anthropic_api.ServerParts(TextStream, unless_disconnected, ClientDisconnected, ClosingStreamingResponse)
+    anthropic_api.install_routes(app, ctx, parts)   # /v1/messages, /v1/messages/count_tokens
+    responses_api.install_routes(app, ctx, parts)   # /v1/responses, /v1/responses/{id}
 
 
 def tool_template(tokenizer: TextTokenizer) -> str:
