@@ -166,7 +166,8 @@ def test_function_call_items_streamed_and_not(oai, engine, tok):
     assert [item.type for item in resp.output] == ["message", "function_call"]
     call = resp.output[1]
     assert (call.name, json.loads(call.arguments), call.status) == ("get_weather", {"city": "Oslo"}, "completed")
-    assert call.call_id.startswith("call") and call.id.startswith("fc_") and resp.output[0].content[0].text == "Checking."
+    assert call.call_id.startswith("call") and call.id.startswith("fc_")
+    assert resp.output[0].content[0].text == "Checking."
     oai.chat.completions.create(model="smol", messages=ASK, tools=[CHAT_WEATHER])
     assert engine.requests[-2].prompt_ids == engine.requests[-1].prompt_ids   # the same tool prompt
     with oai.responses.stream(model="smol", input="Say hello.", tools=[WEATHER]) as stream:
@@ -204,7 +205,8 @@ def test_function_call_output_round_trip_renders_as_chat_tool_messages(oai, engi
     resp = create(oai, tools=[WEATHER], input=items)
     oai.chat.completions.create(model="smol", tools=[CHAT_WEATHER], messages=[
         *ASK, {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_01", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"id": "call_01", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_01", "content": "sunny"}])
     assert engine.requests[-2].prompt_ids == engine.requests[-1].prompt_ids
     assert resp.output_text == REPLY

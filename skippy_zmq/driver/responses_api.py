@@ -144,7 +144,7 @@ async def _prepare(ctx: ServerContext, parts: ServerParts, store: ResponseStore,
     output = ChatOutput(parsed.tool_format, parsed.toolset, parsed.output_prefix,
                         reasoning=ctx.thinks and parsed.reasoning_format != "none", thinking_open=thinking_open)
     return Generation(parsed, stream, output, Envelope.new(ctx.model_name, body),
-                      conversation if body.get("store", True) else [])
+                      conversation if body.get("store") is not False else [])
 
 
 def _keep(store: ResponseStore, generation: Generation, response: dict[str, Any]) -> None:

@@ -37,7 +37,7 @@ def echoed(body: Mapping[str, Any]) -> dict[str, Any]:
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": body.get("previous_response_id"),
             "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
-            "store": body.get("store", True), "temperature": body.get("temperature", 1.0),
+            "store": body.get("store") is not False, "temperature": body.get("temperature", 1.0),
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
             "top_p": body.get("top_p", 1.0), "truncation": body.get("truncation", "disabled"),
