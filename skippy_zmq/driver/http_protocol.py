@@ -7,8 +7,8 @@ is held forever, and one client may take every slot. Here each connection:
 - is refused at once (503 / 429, then closed) past `max_connections` open connections, or past
   `max_connections_per_client` from its address;
 - must finish its request headers within `header_timeout_s` of connecting (or of the previous
-  response, on a keep-alive connection), else it gets 408 and is closed;
-- gets 431 when its headers outgrow `max_header_bytes` (h11's incomplete-event limit).
+  response, on a keep-alive connection), else it is closed (with a 408 if it had started them);
+- gets 431 when its request line and headers outgrow `max_header_bytes`.
 
 The body deadline is per request, in the ASGI layer (http_guard.Guard.body_deadline).
 """
@@ -83,8 +83,27 @@ class GuardedH11Protocol(H11Protocol):
 
     def _headers_late(self) -> None:
         self._header_timer = None
-        if self.conn.their_state is h11.IDLE:   # still waiting for (the rest of) a request line and headers
+        if self.conn.their_state is not h11.IDLE:   # a request is in (header_timeout_s is not its limit)
+            return
+        if self.conn.trailing_data[0]:   # part of a request line and headers: say why it is cut
             self._refuse(408, f"request headers not received within {self.edge.header_timeout_s:g} s")
+        elif not self.transport.is_closing():
+            # Nothing sent: close quietly. A 408 here could race a keep-alive client's next
+            # request and be read as its answer.
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and self._header_bytes(data) > self.edge.max_header_bytes:
+            self._refuse(431, f"request line and headers exceed {self.edge.max_header_bytes} bytes")
+            return
+        super().data_received(data)
+
+    def _header_bytes(self, data: bytes) -> int:
+        """The length of the request head buffered so far with `data` (to its blank line if it has
+        one; h11's own limit only counts a head it has not yet seen the end of)."""
+        head = self.conn.trailing_data[0] + data
+        ends = [i for i in (head.find(b"\r\n\r\n"), head.find(b"\n\n")) if i >= 0]
+        return min(ends) if ends else len(head)
 
     def handle_events(self) -> None:
         cycle = self.cycle

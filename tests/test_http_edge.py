@@ -1,0 +1,384 @@
+"""The HTTP edge under attack (issue 38, "HTTP edges"): each attack replayed against the real
+server on uvicorn (FakeEngine, real tokenizer) and refused with its status and message; CORS
+and X-Api-Key (issue 42); slow headers and bodies cut off; connection caps."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fake_engine import FakeEngine
+from loguru import logger
+from test_server import MESSAGES, MODEL, REPLY, _load_tokenizer
+
+from skippy_zmq.driver.http_config import EdgeConfig, EdgeConfigError
+from skippy_zmq.driver.http_guard import ApiKeys, KeySourceError, resolve_keys, split_host
+from skippy_zmq.driver.server import create_app, start_in_thread
+from skippy_zmq.model.tokenizer import TextTokenizer
+from skippy_zmq.topology import TopologyError, parse_topology, plan_topology
+
+API_KEY = "edge-key-1"
+METRICS_KEY = "scrape-key-2"
+APP_ORIGIN = "http://app.example:3000"
+EDGE = EdgeConfig(allowed_origins=(APP_ORIGIN,), header_timeout_s=1.0, body_timeout_s=1.0,
+                  max_connections=6, max_connections_per_client=3, max_header_bytes=8192)
+LIVENESS_S = 3.0   # a cut-off or an answer must come within the deadline plus this
+
+
+@pytest.fixture(scope="module")
+def tok() -> TextTokenizer:
+    return _load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def engine(tok: TextTokenizer) -> FakeEngine:
+    return FakeEngine([*tok.encode(REPLY), tok.eos_ids[0]], tok.eos_ids, model_name="engine-name", max_context=256)
+
+
+@pytest.fixture(autouse=True)
+def fresh_engine(engine: FakeEngine) -> FakeEngine:
+    engine.reset()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def server(engine, tok):
+    app = create_app(engine, tok, model_name=MODEL, keys=ApiKeys.of(API_KEY, METRICS_KEY), edge=EDGE)
+    handle = start_in_thread(app)
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=10, headers={"x-api-key": API_KEY}) as session:
+        yield session
+
+
+def _error(resp: httpx.Response) -> str:
+    return resp.json()["error"]["message"]
+
+
+def _chat_body(**extra) -> dict:
+    return {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **extra}
+
+
+# ---------------------------------------------------------------- keys
+
+def test_key_sources_file_env_argv(tmp_path, monkeypatch):
+    seen: list[str] = []
+    sink = logger.add(lambda m: seen.append(m.record["message"]), level="WARNING")
+    try:
+        key_file = tmp_path / "key"
+        key_file.write_text(API_KEY + "\n")
+        key_file.chmod(0o600)
+        assert resolve_keys(None, str(key_file), None, {}) == ApiKeys(API_KEY.encode(), None)
+        assert not seen
+        key_file.chmod(0o644)   # readable by others: works, with a warning naming the mode
+        assert resolve_keys(None, str(key_file), None, {}).api == API_KEY.encode()
+        assert any("mode 644" in m and "chmod 600" in m for m in seen)
+        seen.clear()
+        assert resolve_keys("argv-key", None, None, {}).api == b"argv-key"   # works, but `ps` shows it
+        assert any("`ps`" in m for m in seen)
+        keys = resolve_keys(None, None, None, {"SKIPPY_API_KEY": "env-key", "SKIPPY_METRICS_KEY": "m"})
+        assert keys == ApiKeys(b"env-key", b"m")
+    finally:
+        logger.remove(sink)
+    (tmp_path / "empty").write_text("\n")
+    for bad_file, reason in ((tmp_path / "empty", "is empty"), (tmp_path / "absent", "cannot read")):
+        with pytest.raises(KeySourceError, match=reason):
+            resolve_keys(None, str(bad_file), None, {})
+    with pytest.raises(KeySourceError, match="visible ASCII"):
+        ApiKeys.of("schlüssel")
+
+
+def test_key_covers_v1_and_metrics_but_not_probes(server):
+    url = server.url
+    for path in ("/v1/models", "/metrics", "/nowhere"):
+        denied = httpx.get(f"{url}{path}")
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        assert denied.headers["www-authenticate"] == "Bearer"
+    for path in ("/health", "/readyz"):
+        assert httpx.get(f"{url}{path}").status_code == 200
+    for headers in ({"authorization": f"Bearer {API_KEY}"}, {"x-api-key": API_KEY}, {"Authorization": f"bearer {API_KEY}"}):
+        assert httpx.get(f"{url}/v1/models", headers=headers).status_code == 200
+    metrics_only = {"authorization": f"Bearer {METRICS_KEY}"}
+    assert httpx.get(f"{url}/metrics", headers=metrics_only).status_code == 200   # the scraper's key
+    assert httpx.get(f"{url}/v1/models", headers=metrics_only).status_code == 401  # opens nothing else
+    assert httpx.get(f"{url}/metrics", headers={"x-api-key": API_KEY}).status_code == 200
+
+
+def test_non_ascii_authorization_is_401_not_500(server):
+    for value in (b"Bearer \xff\xfe\xfd", "Bearer schlüssel".encode("latin-1"), b"\xc3\xa9"):
+        for name in ("authorization", "x-api-key"):
+            resp = httpx.get(f"{server.url}/v1/models", headers={name: value})
+            assert resp.status_code == 401 and "invalid or missing API key" in _error(resp)
+
+
+def test_metrics_public_leaves_the_api_locked(engine, tok):
+    app = create_app(engine, tok, model_name=MODEL, api_key=API_KEY, edge=EdgeConfig(metrics_public=True))
+    handle = start_in_thread(app)
+    try:
+        assert httpx.get(f"{handle.url}/metrics").status_code == 200
+        assert httpx.get(f"{handle.url}/v1/models").status_code == 401
+    finally:
+        handle.stop()
+
+
+# ---------------------------------------------------------------- Host and Origin
+
+def test_foreign_host_is_refused_dns_rebinding(http, server):
+    port = server.port
+    for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1:{port + 1}", "", "a:b:c", "[::1"):
+        resp = http.get("/v1/models", headers={"host": host})
+        assert resp.status_code == 421, host
+        assert "is not served here" in _error(resp) and "--allowed-hosts" in _error(resp)
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"LOCALHOST:{port}"):
+        assert http.get("/v1/models", headers={"host": host}).status_code == 200, host
+
+
+def test_allowed_hosts_list_and_wildcard(engine, tok):
+    for hosts, good, bad in ((("api.example", "box:9"), ["api.example:1234", "box:9"], ["box:10", "127.0.0.1"]),
+                             (("*",), ["anything.example:1"], [])):
+        handle = start_in_thread(create_app(engine, tok, model_name=MODEL, edge=EdgeConfig(allowed_hosts=hosts)))
+        try:
+            for host in good:
+                assert httpx.get(f"{handle.url}/health", headers={"host": host}).status_code == 200, host
+            for host in bad:
+                assert httpx.get(f"{handle.url}/health", headers={"host": host}).status_code == 421, host
+        finally:
+            handle.stop()
+
+
+def test_cross_origin_post_without_preflight_is_refused(http, server):
+    # A page on another origin POSTs text/plain (a "simple" request: no preflight, the browser sends it).
+    for headers in ({"origin": "http://evil.example", "content-type": "text/plain"},
+                    {"origin": "null", "content-type": "application/json"}):
+        resp = http.post("/v1/chat/completions", content=json.dumps(_chat_body()), headers=headers)
+        assert resp.status_code == 403 and "is not allowed (--allowed-origins)" in _error(resp)
+        assert "access-control-allow-origin" not in resp.headers
+    same = http.post("/v1/chat/completions", json=_chat_body(), headers={"origin": server.url})  # same origin
+    assert same.status_code == 200 and "access-control-allow-origin" not in same.headers
+
+
+def test_cors_preflight_before_the_key_and_allow_origin_on_responses(server):
+    asked = {"origin": APP_ORIGIN, "access-control-request-method": "POST",
+             "access-control-request-headers": "content-type, x-api-key"}
+    pre = httpx.options(f"{server.url}/v1/chat/completions", headers=asked)   # no key: preflights never carry one
+    assert pre.status_code == 204
+    assert pre.headers["access-control-allow-origin"] == APP_ORIGIN
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    assert pre.headers["access-control-allow-headers"] == "content-type, x-api-key"
+    assert pre.headers["access-control-max-age"] == "600" and pre.headers["vary"] == "Origin"
+    evil = httpx.options(f"{server.url}/v1/chat/completions", headers={**asked, "origin": "http://evil.example"})
+    assert evil.status_code == 403 and "access-control-allow-origin" not in evil.headers
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json=_chat_body(max_tokens=100),
+                      headers={"origin": APP_ORIGIN, "x-api-key": API_KEY})
+    assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == REPLY
+    assert resp.headers["access-control-allow-origin"] == APP_ORIGIN
+    denied = httpx.post(f"{server.url}/v1/chat/completions", json=_chat_body(), headers={"origin": APP_ORIGIN})
+    assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == APP_ORIGIN  # readable
+
+
+# ---------------------------------------------------------------- bodies
+
+def test_post_must_declare_json(http):
+    body = json.dumps(_chat_body()).encode()
+    for content_type, got in (("text/plain", "got 'text/plain'"), ("application/x-www-form-urlencoded", "got"),
+                              ("multipart/form-data; boundary=x", "got 'multipart/form-data'"), (None, "none was given")):
+        headers = {"content-type": content_type} if content_type else {}
+        resp = http.post("/v1/chat/completions", content=body, headers=headers)
+        assert resp.status_code == 415 and "Content-Type must be application/json" in _error(resp), content_type
+        assert got in _error(resp)
+    ok = http.post("/v1/chat/completions", content=body, headers={"content-type": "Application/JSON; charset=utf-8"})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("raw, says", [
+    (b'{"messages": [', "malformed JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b'"a string"', "must be a JSON object"),
+    (b"12", "must be a JSON object"),
+    (b"\xff\xfe{}", "malformed JSON"),                      # not UTF-8
+    (b"[" * 200_000 + b"]" * 200_000, "nested too deeply"),  # the parser's recursion
+    (b'{"a": ' + b"9" * 10_000 + b"}", "malformed JSON"),    # past Python's int digit limit
+])
+def test_malformed_bodies_are_400_with_a_reason(http, raw, says):
+    resp = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and says in _error(resp)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", "1e999999"), ("temperature", "NaN"), ("temperature", "Infinity"), ("top_p", "-Infinity"),
+    ("n", "1e400"), ("max_tokens", "-1"),
+])
+def test_hostile_numbers_are_4xx(http, field, value):
+    raw = json.dumps(_chat_body()).encode()[:-1] + f', "{field}": {value}}}'.encode()
+    resp = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert 400 <= resp.status_code < 500, (field, value, resp.text)
+    assert field in _error(resp) or "JSON" in _error(resp)
+
+
+# ---------------------------------------------------------------- slow clients and connection caps
+
+def _connect(server, source: str = "127.0.0.1") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10, source_address=(source, 0))
+    return sock
+
+
+def _dribble(sock: socket.socket, chunks: list[bytes], every_s: float) -> tuple[bytes, float]:
+    """Send one chunk per `every_s` until the server speaks or hangs up; return all it said and
+    the seconds it took. The pause between chunks is the attack (a slow client), not a sync."""
+    start = time.monotonic()
+    for chunk in chunks:
+        try:
+            sock.sendall(chunk)
+        except OSError:   # it hung up on us
+            break
+        if select.select([sock], [], [], every_s)[0]:
+            break
+    said = b""
+    sock.settimeout(LIVENESS_S)
+    try:
+        while part := sock.recv(65536):
+            said += part
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return said, time.monotonic() - start
+
+
+def _status_and_message(said: bytes) -> tuple[int, str]:
+    head, _, body = said.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), json.loads(body)["error"]["message"]
+
+
+def test_slow_headers_are_cut_off(server):
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nX-Slow: ".encode()
+    with _connect(server) as sock:
+        said, seconds = _dribble(sock, [head] + [b"a"] * 100, every_s=0.2)   # 20 s of headers, never finished
+    assert _status_and_message(said) == (408, "request headers not received within 1 s")
+    assert seconds < EDGE.header_timeout_s + LIVENESS_S
+    with _connect(server) as sock:   # a connection that says nothing is closed, quietly
+        said, seconds = _dribble(sock, [b""], every_s=EDGE.header_timeout_s + LIVENESS_S)
+    assert said == b"" and seconds < EDGE.header_timeout_s + LIVENESS_S
+
+
+def test_slow_body_is_cut_off(server, engine):
+    body = json.dumps(_chat_body()).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nX-Api-Key: {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with _connect(server) as sock:
+        said, seconds = _dribble(sock, [head] + [bytes([b]) for b in body], every_s=0.2)
+    assert _status_and_message(said) == (408, "request body not received within 1 s")
+    assert b"connection: close" in said.lower() and seconds < EDGE.body_timeout_s + LIVENESS_S
+    assert engine.requests == []   # nothing reached the engine
+
+
+def test_oversized_headers_are_431(server):
+    request = (f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nX-Big: {'a' * 10_000}\r\n\r\n").encode()
+    with _connect(server) as sock:
+        said, _ = _dribble(sock, [request], every_s=LIVENESS_S)
+    assert _status_and_message(said) == (431, "request line and headers exceed 8192 bytes")
+
+
+def _health_ok(server, source: str = "127.0.0.9") -> bool:
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=LIVENESS_S) as client:
+        return client.get(f"{server.url}/health").status_code == 200
+
+
+def test_connection_caps_per_client_and_in_all(server):
+    held = [_connect(server, "127.0.0.2") for _ in range(EDGE.max_connections_per_client)]
+    try:
+        with _connect(server, "127.0.0.2") as sock:   # one more from the same address
+            said, _ = _dribble(sock, [b""], every_s=LIVENESS_S)
+        status, message = _status_and_message(said)
+        assert status == 429 and "max_connections_per_client 3" in message and "127.0.0.2" in message
+        assert _health_ok(server)   # other clients are still served while one is at its cap
+        held += [_connect(server, "127.0.0.3") for _ in range(EDGE.max_connections - len(held))]
+        with _connect(server, "127.0.0.4") as sock:   # the server is full
+            said, _ = _dribble(sock, [b""], every_s=LIVENESS_S)
+        assert _status_and_message(said)[0] == 503 and "max_connections 6" in _status_and_message(said)[1]
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + LIVENESS_S   # the server sees the closes soon after; then serves again
+    while not _health_ok_quiet(server) and time.monotonic() < deadline:
+        pass
+    assert _health_ok(server)
+
+
+def _health_ok_quiet(server) -> bool:
+    try:
+        return _health_ok(server)
+    except (httpx.HTTPError, json.JSONDecodeError):
+        return False
+
+
+def test_health_answers_while_slow_clients_hold_connections(server):
+    # Slow clients from several addresses, each under its cap, hold connections open mid-headers.
+    slow = [_connect(server, f"127.0.0.{20 + i}") for i in range(EDGE.max_connections - 2)]
+    try:
+        for sock in slow:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x")
+        start = time.monotonic()
+        assert _health_ok(server) and time.monotonic() - start < 2.0
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+# ---------------------------------------------------------------- configuration
+
+def test_http_edge_in_topology_round_trips_and_is_checked(tmp_path):
+    edge = {"allowed_hosts": ["api.example", "LOCALHOST:8000"], "allowed_origins": "http://a.example/,http://b.example",
+            "max_connections": 100, "header_timeout_s": 5, "metrics_public": True}
+    topology = plan_topology(2, 2, base_port=5700, driver_keys={"http_edge": edge})
+    parsed = topology.driver.http_edge
+    assert parsed.allowed_hosts == ("api.example", "localhost:8000")
+    assert parsed.allowed_origins == ("http://a.example", "http://b.example")
+    assert (parsed.max_connections, parsed.header_timeout_s, parsed.metrics_public) == (100, 5.0, True)
+    again = parse_topology(json.loads(json.dumps(topology.to_dict())))
+    assert again.driver.http_edge == parsed
+    for bad, says in (({"max_connections": 0}, "driver.http_edge.max_connections: must be at least 1"),
+                      ({"body_timeout_s": -1}, "body_timeout_s: must be a positive number"),
+                      ({"allowed_hosts": ["a b"]}, "allowed_hosts: expected a name without spaces"),
+                      ({"bogus": 1}, "bogus: unknown key")):
+        with pytest.raises(TopologyError, match=says):
+            plan_topology(2, 2, base_port=5700, driver_keys={"http_edge": bad})
+    with pytest.raises(EdgeConfigError, match="metrics_public: expected true or false"):
+        EdgeConfig.from_dict({"metrics_public": "yes"})
+
+
+def test_split_host():
+    assert split_host("LocalHost:8000") == ("localhost", 8000)
+    assert split_host("[::1]:80") == ("[::1]", 80) and split_host("[::1]") == ("[::1]", None)
+    assert split_host("a.example") == ("a.example", None)
+    for bad in ("", ":80", "a:b", "a:1:2", "[::1", "a:1234567"):
+        assert split_host(bad) is None, bad
+
+
+def test_cli_driver_flags_reach_the_server(tmp_path, monkeypatch):
+    from skippy_zmq.cli import build_parser
+    from skippy_zmq.driver.main import http_edge
+
+    key_file = tmp_path / "key"
+    key_file.write_text(API_KEY)
+    key_file.chmod(0o600)
+    args = build_parser().parse_args(["driver", "--topology", "t.yaml", "--api-key-file", str(key_file),
+                                      "--allowed-hosts", "api.example", "--allowed-origins", APP_ORIGIN,
+                                      "--metrics-public"])
+    monkeypatch.delenv("SKIPPY_API_KEY", raising=False)
+    keys, edge = http_edge(args, plan_topology(2, 2, base_port=5700))
+    assert keys.api == API_KEY.encode() and edge.metrics_public
+    assert edge.allowed_hosts == ("api.example",) and edge.allowed_origins == (APP_ORIGIN,)
+    named = plan_topology(2, 2, base_port=5700, driver_keys={"http": "box.lan:8123"})
+    args = build_parser().parse_args(["driver", "--topology", "t.yaml"])
+    assert http_edge(args, named)[1].allowed_hosts == ("box.lan:8123", "localhost:8123", "127.0.0.1:8123",
+                                                        "[::1]:8123")
+    assert os.environ.get("SKIPPY_API_KEY") is None and Path(key_file).stat().st_mode & 0o777 == 0o600
