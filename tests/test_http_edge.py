@@ -233,8 +233,9 @@ def _connect(server, source: str = "127.0.0.1") -> socket.socket:
 
 
 def _dribble(sock: socket.socket, chunks: list[bytes], every_s: float) -> tuple[bytes, float]:
-    """Send one chunk per `every_s` until the server speaks or hangs up; return all it said and
-    the seconds it took. The pause between chunks is the attack (a slow client), not a sync."""
+    """Send one chunk per `every_s` until the server speaks or hangs up; return all it said (up to
+    its hang-up, which must come within LIVENESS_S) and the seconds it took. The pause between
+    chunks is the attack (a slow client), not a sync."""
     start = time.monotonic()
     for chunk in chunks:
         try:
@@ -248,8 +249,10 @@ def _dribble(sock: socket.socket, chunks: list[bytes], every_s: float) -> tuple[
     try:
         while part := sock.recv(65536):
             said += part
-    except (TimeoutError, ConnectionResetError):
+    except ConnectionResetError:
         pass
+    except TimeoutError:
+        pytest.fail(f"the server kept the connection open after saying {said[:200]!r}")
     return said, time.monotonic() - start
 
 
@@ -265,7 +268,7 @@ def test_slow_headers_are_cut_off(server):
     assert _status_and_message(said) == (408, "request headers not received within 1 s")
     assert seconds < EDGE.header_timeout_s + LIVENESS_S
     with _connect(server) as sock:   # a connection that says nothing is closed, quietly
-        said, seconds = _dribble(sock, [b""], every_s=EDGE.header_timeout_s + LIVENESS_S)
+        said, seconds = _dribble(sock, [b""], every_s=LIVENESS_S)
     assert said == b"" and seconds < EDGE.header_timeout_s + LIVENESS_S
 
 
@@ -285,6 +288,47 @@ def test_oversized_headers_are_431(server):
     with _connect(server) as sock:
         said, _ = _dribble(sock, [request], every_s=LIVENESS_S)
     assert _status_and_message(said) == (431, "request line and headers exceed 8192 bytes")
+
+
+def _server_errors(http) -> float:
+    metrics = http.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith('skippy_errors_total{kind="server_error"}'))
+
+
+@pytest.mark.parametrize("name, request_bytes, status", [
+    ("garbage", b"GARBAGE\r\n\r\n", 400),
+    ("non_ascii_target", b"GET /v1/\xff\xfe HTTP/1.1\r\nHOST\r\n\r\n", 400),
+    ("no_host", b"GET /health HTTP/1.1\r\n\r\n", 400),
+    ("no_host_http10", b"GET /health HTTP/1.0\r\n\r\n", 421),
+    ("nul_in_header", b"GET /health HTTP/1.1\r\nHOST\r\nX: a\x00b\r\n\r\n", 400),
+    ("two_content_lengths", b"POST /v1/completions HTTP/1.1\r\nHOST\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n", 400),
+    ("negative_content_length", b"POST /v1/completions HTTP/1.1\r\nHOST\r\nContent-Length: -5\r\n\r\n", 400),
+    ("bad_chunk_size", b"POST /v1/completions HTTP/1.1\r\nHOST\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+    ("endless_chunk", b"POST /v1/completions HTTP/1.1\r\nHOST\r\nX-Api-Key: " + API_KEY.encode()
+     + b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\n{", 408),
+])
+def test_malformed_http_is_4xx_and_closed(server, http, name, request_bytes, status):
+    request_bytes = request_bytes.replace(b"HOST\r\n", f"Host: 127.0.0.1:{server.port}\r\n".encode())
+    errors_before = _server_errors(http)
+    with _connect(server) as sock:
+        said, _ = _dribble(sock, [request_bytes], every_s=EDGE.body_timeout_s + LIVENESS_S)
+    got, message = _status_and_message(said)
+    assert got == status and message
+    assert _server_errors(http) == errors_before and http.get("/health").status_code == 200
+
+
+def test_client_gone_mid_body_is_no_server_error(server, http):
+    errors_before = _server_errors(http)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nX-Api-Key: {API_KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{").encode()
+    with _connect(server) as sock:
+        sock.sendall(head)
+    deadline = time.monotonic() + LIVENESS_S   # the server notices the hang-up on its own time
+    while "client_disconnect" not in http.get("/metrics").text and time.monotonic() < deadline:
+        pass
+    assert 'skippy_errors_total{kind="client_disconnect"}' in http.get("/metrics").text
+    assert _server_errors(http) == errors_before
 
 
 def _health_ok(server, source: str = "127.0.0.9") -> bool:

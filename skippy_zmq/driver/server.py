@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from loguru import logger
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skippy_zmq.driver import tools
@@ -147,6 +148,10 @@ class HttpMiddleware:
         ):
             try:
                 await self._dispatch(scope, receive, send_with_id)
+            except ClientDisconnect:   # gone while we read its body: nobody to answer
+                logger.info("client disconnected before its request body was read")
+                self.ctx.metrics.count_error("client_disconnect")
+                status.append(499)
             except BodyTimeout as err:   # a slow body: answer and close (the rest of it is never read)
                 logger.info("{}", err)
                 if not status:
