@@ -17,8 +17,8 @@ from fake_engine import FakeEngine
 from loguru import logger
 from test_server import MESSAGES, MODEL, REPLY, _load_tokenizer
 
-from skippy_zmq.driver.http_config import EdgeConfig, EdgeConfigError
-from skippy_zmq.driver.http_guard import ApiKeys, KeySourceError, resolve_keys, split_host
+from skippy_zmq.driver.http_config import EdgeConfig, EdgeConfigError, split_host
+from skippy_zmq.driver.http_guard import ApiKeys, KeySourceError, resolve_keys
 from skippy_zmq.driver.server import create_app, start_in_thread
 from skippy_zmq.model.tokenizer import TextTokenizer
 from skippy_zmq.topology import TopologyError, parse_topology, plan_topology
@@ -392,6 +392,8 @@ def test_http_edge_in_topology_round_trips_and_is_checked(tmp_path):
     for bad, says in (({"max_connections": 0}, "driver.http_edge.max_connections: must be at least 1"),
                       ({"body_timeout_s": -1}, "body_timeout_s: must be a positive number"),
                       ({"allowed_hosts": ["a b"]}, "allowed_hosts: expected a name without spaces"),
+                      ({"allowed_hosts": ["a:b"]}, "allowed_hosts: expected name, name:port"),
+                      ({"allowed_origins": ["evil.example"]}, "allowed_origins: expected scheme://host"),
                       ({"bogus": 1}, "bogus: unknown key")):
         with pytest.raises(TopologyError, match=says):
             plan_topology(2, 2, base_port=5700, driver_keys={"http_edge": bad})

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 MAX_LIST_ENTRIES = 64
+_ORIGIN = re.compile(r"(\*|null|[a-z][a-z0-9+.-]*://[^/\s]+)")
 
 
 class EdgeConfigError(ValueError):
@@ -70,7 +72,7 @@ class EdgeConfig:
             _integer(key, fields.get(key, 1 << 20), low)
         for key in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
             fields[key] = _seconds(key, fields.get(key, 1.0))
-        return cls(**{k: v for k, v in fields.items()})
+        return cls(**fields)
 
     def with_hosts(self, hosts: tuple[str, ...] | None, origins: tuple[str, ...] | None,
                    metrics_public: bool) -> EdgeConfig:
@@ -81,7 +83,8 @@ class EdgeConfig:
 
 
 def names(key: str, value: Any) -> tuple[str, ...]:
-    """A list of host or origin names (a comma-separated string is split), lower-cased."""
+    """Hosts (`name[:port]`, `[v6][:port]`, `*`) or origins (`scheme://host[:port]`, `null`, `*`),
+    lower-cased; a comma-separated string is split. `key` says which (it ends in _hosts or _origins)."""
     if isinstance(value, str):
         value = [part for part in value.split(",") if part.strip()]
     if not isinstance(value, (list, tuple)) or len(value) > MAX_LIST_ENTRIES:
@@ -90,8 +93,27 @@ def names(key: str, value: Any) -> tuple[str, ...]:
     for item in value:
         if not isinstance(item, str) or not item.strip() or any(c.isspace() or ord(c) > 126 for c in item.strip()):
             raise EdgeConfigError(key, f"expected a name without spaces, got {item!r}")
-        out.append(item.strip().lower().rstrip("/"))
+        name = item.strip().lower().rstrip("/")
+        if key.endswith("hosts") and name != "*" and split_host(name) is None:
+            raise EdgeConfigError(key, f"expected name, name:port or [v6]:port, got {item!r}")
+        if key.endswith("origins") and not _ORIGIN.fullmatch(name):
+            raise EdgeConfigError(key, f"expected scheme://host[:port], null or *, got {item!r}")
+        out.append(name)
     return tuple(out)
+
+
+def split_host(value: str) -> tuple[str, int | None] | None:
+    """`name[:port]` / `[v6][:port]` -> (lower-case name, port or None); None if malformed."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        name, rest = (value[:end + 1], value[end + 1:]) if end > 0 else ("", "")
+    else:
+        name, colon, port = value.partition(":")
+        rest = colon + port
+    if not name or (rest and not (rest[:1] == ":" and rest[1:].isdigit() and len(rest) <= 6)):
+        return None
+    return name, int(rest[1:]) if rest else None
 
 
 def _integer(key: str, value: Any, low: int) -> None:

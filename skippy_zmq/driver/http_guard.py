@@ -25,7 +25,7 @@ from pathlib import Path
 from loguru import logger
 from starlette.types import Message, Receive, Scope
 
-from skippy_zmq.driver.http_config import EdgeConfig
+from skippy_zmq.driver.http_config import EdgeConfig, split_host
 
 OPEN_PATHS = ("/health", "/readyz")   # liveness probes: no key, reveal nothing
 METRICS_PATH = "/metrics"
@@ -128,26 +128,12 @@ def header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-def split_host(value: str) -> tuple[str, int | None] | None:
-    """`name[:port]` / `[v6][:port]` -> (lower-case name, port or None); None if malformed."""
-    value = value.strip().lower()
-    if value.startswith("["):
-        end = value.find("]")
-        name, rest = (value[:end + 1], value[end + 1:]) if end > 0 else ("", "")
-    else:
-        name, colon, port = value.partition(":")
-        rest = colon + port
-    if not name or (rest and not (rest[:1] == ":" and rest[1:].isdigit() and len(rest) <= 6)):
-        return None
-    return name, int(rest[1:]) if rest else None
-
-
 class Guard:
     """The checks above for one server (its settings and keys)."""
 
     def __init__(self, edge: EdgeConfig, keys: ApiKeys) -> None:
         self.edge, self.keys = edge, keys
-        self._hosts = [split_host(h) for h in edge.allowed_hosts if h != "*"]
+        self._hosts = [split_host(h) for h in edge.allowed_hosts if h != "*"]   # valid: http_config checked them
         self._any_host = "*" in edge.allowed_hosts
         self._any_origin = "*" in edge.allowed_origins
 
