@@ -106,7 +106,8 @@ def test_key_covers_v1_and_metrics_but_not_probes(server):
         assert denied.headers["www-authenticate"] == "Bearer"
     for path in ("/health", "/readyz"):
         assert httpx.get(f"{url}{path}").status_code == 200
-    for headers in ({"authorization": f"Bearer {API_KEY}"}, {"x-api-key": API_KEY}, {"Authorization": f"bearer {API_KEY}"}):
+    for headers in ({"authorization": f"Bearer {API_KEY}"}, {"x-api-key": API_KEY},
+                    {"Authorization": f"bearer {API_KEY}"}):
         assert httpx.get(f"{url}/v1/models", headers=headers).status_code == 200
     metrics_only = {"authorization": f"Bearer {METRICS_KEY}"}
     assert httpx.get(f"{url}/metrics", headers=metrics_only).status_code == 200   # the scraper's key
@@ -191,7 +192,8 @@ def test_cors_preflight_before_the_key_and_allow_origin_on_responses(server):
 def test_post_must_declare_json(http):
     body = json.dumps(_chat_body()).encode()
     for content_type, got in (("text/plain", "got 'text/plain'"), ("application/x-www-form-urlencoded", "got"),
-                              ("multipart/form-data; boundary=x", "got 'multipart/form-data'"), (None, "none was given")):
+                              ("multipart/form-data; boundary=x", "got 'multipart/form-data'"),
+                              (None, "none was given")):
         headers = {"content-type": content_type} if content_type else {}
         resp = http.post("/v1/chat/completions", content=body, headers=headers)
         assert resp.status_code == 415 and "Content-Type must be application/json" in _error(resp), content_type
@@ -302,7 +304,8 @@ def _server_errors(http) -> float:
     ("no_host", b"GET /health HTTP/1.1\r\n\r\n", 400),
     ("no_host_http10", b"GET /health HTTP/1.0\r\n\r\n", 421),
     ("nul_in_header", b"GET /health HTTP/1.1\r\nHOST\r\nX: a\x00b\r\n\r\n", 400),
-    ("two_content_lengths", b"POST /v1/completions HTTP/1.1\r\nHOST\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n", 400),
+    ("two_content_lengths",
+     b"POST /v1/completions HTTP/1.1\r\nHOST\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n", 400),
     ("negative_content_length", b"POST /v1/completions HTTP/1.1\r\nHOST\r\nContent-Length: -5\r\n\r\n", 400),
     ("bad_chunk_size", b"POST /v1/completions HTTP/1.1\r\nHOST\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
     ("endless_chunk", b"POST /v1/completions HTTP/1.1\r\nHOST\r\nX-Api-Key: " + API_KEY.encode()
