@@ -285,6 +285,23 @@ def test_slow_body_is_cut_off(server, engine):
     assert engine.requests == []   # nothing reached the engine
 
 
+def test_refused_with_its_body_unread_the_connection_closes(server):
+    # Refused before its body is read (no key), the rest of a huge body must not hold the connection.
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n{").encode()
+    with _connect(server) as sock:
+        said, seconds = _dribble(sock, [head] + [b" "] * 100, every_s=0.2)
+    assert _status_and_message(said)[0] == 401 and b"connection: close" in said.lower()
+    assert seconds < LIVENESS_S
+    with _connect(server) as sock:   # a keyed request's body is read: its connection stays open
+        body = json.dumps(_chat_body()).encode()
+        sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+                      f"X-Api-Key: {API_KEY}\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+        reply = sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 200") and b"connection: close" not in reply.lower()
+
+
 def test_oversized_headers_are_431(server):
     request = (f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nX-Big: {'a' * 10_000}\r\n\r\n").encode()
     with _connect(server) as sock:

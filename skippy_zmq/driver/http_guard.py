@@ -213,26 +213,37 @@ class Guard:
         got = f"got {media[:100]!r}" if media else "none was given"
         return Refusal(415, f"Content-Type must be application/json; {got}", "unsupported_media_type")
 
-    def body_deadline(self, receive: Receive) -> Receive:
-        """`receive`, raising BodyTimeout once the body has not all come within body_timeout_s.
-        After the body, it passes messages (a disconnect) through with no deadline."""
-        seconds = self.edge.body_timeout_s
-        deadline = asyncio.get_running_loop().time() + seconds
-        done = False
+    def body_deadline(self, receive: Receive) -> BodyDeadline:
+        return BodyDeadline(receive, self.edge.body_timeout_s)
 
-        async def receive_body() -> Message:
-            nonlocal done
-            if done:
-                return await receive()
-            try:
-                async with asyncio.timeout_at(deadline):
-                    message = await receive()
-            except TimeoutError:
-                raise BodyTimeout(seconds) from None
-            done = message["type"] != "http.request" or not message.get("more_body", False)
-            return message
 
-        return receive_body
+class BodyDeadline:
+    """`receive` for the app, raising BodyTimeout once the body has not all come within `seconds`
+    of the request's start. After the body, messages (a disconnect) pass with no deadline.
+    `complete` says whether the whole body was read: a response sent before that must close the
+    connection, or a client could trickle the unread rest forever."""
+
+    def __init__(self, receive: Receive, seconds: float) -> None:
+        self._receive, self.seconds = receive, seconds
+        self._deadline = asyncio.get_running_loop().time() + seconds
+        self.complete = False
+
+    async def __call__(self) -> Message:
+        if self.complete:
+            return await self._receive()
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                message = await self._receive()
+        except TimeoutError:
+            raise BodyTimeout(self.seconds) from None
+        self.complete = message["type"] != "http.request" or not message.get("more_body", False)
+        return message
+
+
+def expects_body(scope: Scope) -> bool:
+    """The request announced a body (a non-zero Content-Length, or chunked)."""
+    length = header(scope, b"content-length")
+    return header(scope, b"transfer-encoding") is not None or (length is not None and length.strip() not in (b"", b"0"))
 
 
 def _presented(scope: Scope) -> list[bytes]:

@@ -34,7 +34,7 @@ from skippy_zmq.driver import tools
 from skippy_zmq.driver.chat_output import ChatOutput, message_fields
 from skippy_zmq.driver.engine import ChoiceControl, Engine, EngineError, GenRequest, TokenEvent
 from skippy_zmq.driver.http_config import EdgeConfig
-from skippy_zmq.driver.http_guard import ApiKeys, BodyTimeout, Guard
+from skippy_zmq.driver.http_guard import ApiKeys, BodyTimeout, Guard, expects_body
 from skippy_zmq.driver.http_protocol import uvicorn_config
 from skippy_zmq.driver.metrics import ServerMetrics, error_kind
 from skippy_zmq.driver.openai_schema import (
@@ -136,18 +136,22 @@ class HttpMiddleware:
         endpoint = scope["path"] if scope["path"] in KNOWN_ENDPOINTS else "other"
         status: list[int] = []
         extra_headers = [(b"x-request-id", request_id.encode()), *self.guard.cors_headers(scope)]
+        body = self.guard.body_deadline(receive)
+        with_body = expects_body(scope)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status.append(message["status"])
                 message["headers"] = [*message.get("headers", []), *extra_headers]
+                if with_body and not body.complete:   # answered before its body was read (refused): close
+                    message["headers"].append((b"connection", b"close"))
             await send(message)
 
         with logger.contextualize(request_id=request_id), self.ctx.metrics.in_flight(
             endpoint in GENERATION_ENDPOINTS
         ):
             try:
-                await self._dispatch(scope, receive, send_with_id)
+                await self._dispatch(scope, body, send_with_id)
             except ClientDisconnect:   # gone while we read its body: nobody to answer
                 logger.info("client disconnected before its request body was read")
                 self.ctx.metrics.count_error("client_disconnect")
@@ -155,8 +159,7 @@ class HttpMiddleware:
             except BodyTimeout as err:   # a slow body: answer and close (the rest of it is never read)
                 logger.info("{}", err)
                 if not status:
-                    await error_response(self.ctx, 408, str(err), code="body_timeout", headers={
-                        "Connection": "close"})(scope, receive, send_with_id)
+                    await error_response(self.ctx, 408, str(err), code="body_timeout")(scope, receive, send_with_id)
             except Exception:
                 logger.exception("unhandled error on {}", scope["path"])
                 if not status:
@@ -176,7 +179,7 @@ class HttpMiddleware:
             denied = error_response(self.ctx, refusal.status, refusal.message, code=refusal.code,
                                     headers=refusal.headers or None)
             return await denied(scope, receive, send)
-        await self.app(scope, self.guard.body_deadline(receive), send)
+        await self.app(scope, receive, send)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
