@@ -460,3 +460,47 @@ def test_cli_driver_flags_reach_the_server(tmp_path, monkeypatch):
     assert http_edge(args, named)[1].allowed_hosts == ("box.lan:8123", "localhost:8123", "127.0.0.1:8123",
                                                         "[::1]:8123")
     assert os.environ.get("SKIPPY_API_KEY") is None and Path(key_file).stat().st_mode & 0o777 == 0o600
+
+
+# ---------------------------------------------------------------- the driver process
+
+def test_driver_process_takes_its_key_from_a_file_not_argv(small_model_dir, tmp_path):
+    """`skippy-zmq driver --api-key-file`: the key guards /v1 and /metrics (a metrics key from the
+    environment opens /metrics alone), Hosts are checked, and the key is nowhere in the process's argv."""
+    import subprocess
+    import sys
+
+    from procs import write_topology
+    from skippy_zmq.launch import spawn_stages, stop_processes, wait_http_ready
+    from skippy_zmq.lifetime import tied_env
+    from skippy_zmq.topology import load_topology
+
+    topo_path = write_topology(tmp_path, small_model_dir, 1, name="edge", driver__http_edge={"max_connections": 16})
+    topology = load_topology(topo_path)
+    key_file = tmp_path / "api.key"
+    key_file.write_text(API_KEY + "\n")
+    key_file.chmod(0o600)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    procs = spawn_stages(topology, topo_path, run_dir)
+    with open(run_dir / "driver.log", "ab") as log:
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "skippy_zmq.cli", "driver", "--topology", str(topo_path), "--api-key-file",
+             str(key_file)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**{k: v for k, v in tied_env(True).items() if k != "SKIPPY_API_KEY"},
+                 "SKIPPY_METRICS_KEY": METRICS_KEY}))
+    url = f"http://{topology.driver.http}"
+    try:
+        wait_http_ready(url, procs, run_dir, timeout=300)
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers={"x-api-key": API_KEY}).status_code == 200
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        assert httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {METRICS_KEY}"}).status_code == 200
+        assert httpx.get(f"{url}/health", headers={"host": "evil.example"}).status_code == 421
+        chat = httpx.post(f"{url}/v1/chat/completions", json=_chat_body(max_tokens=2, temperature=0),
+                          headers={"authorization": f"Bearer {API_KEY}"}, timeout=120)
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 2
+        assert API_KEY.encode() not in Path(f"/proc/{procs[-1].pid}/cmdline").read_bytes()
+    finally:
+        stop_processes(procs)
+
