@@ -263,12 +263,20 @@ def _status_and_message(said: bytes) -> tuple[int, str]:
     return int(head.split(b" ")[1]), json.loads(body)["error"]["message"]
 
 
+def _errors_of_kind(server, kind: str) -> float:
+    metrics = httpx.get(f"{server.url}/metrics", headers={"x-api-key": API_KEY}).text
+    prefix = f'skippy_errors_total{{kind="{kind}"}} '
+    return sum(float(line[len(prefix):]) for line in metrics.splitlines() if line.startswith(prefix))
+
+
 def test_slow_headers_are_cut_off(server):
+    timeouts_before = _errors_of_kind(server, "request_timeout")
     head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nX-Slow: ".encode()
     with _connect(server) as sock:
         said, seconds = _dribble(sock, [head] + [b"a"] * 100, every_s=0.2)   # 20 s of headers, never finished
     assert _status_and_message(said) == (408, "request headers not received within 1 s")
     assert seconds < EDGE.header_timeout_s + LIVENESS_S
+    assert _errors_of_kind(server, "request_timeout") == timeouts_before + 1   # counted, though the app never saw it
     with _connect(server) as sock:   # a connection that says nothing is closed, quietly
         said, seconds = _dribble(sock, [b""], every_s=LIVENESS_S)
     assert said == b"" and seconds < EDGE.header_timeout_s + LIVENESS_S
@@ -309,10 +317,6 @@ def test_oversized_headers_are_431(server):
     assert _status_and_message(said) == (431, "request line and headers exceed 8192 bytes")
 
 
-def _server_errors(http) -> float:
-    metrics = http.get("/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith('skippy_errors_total{kind="server_error"}'))
 
 
 @pytest.mark.parametrize("name, request_bytes, status", [
@@ -330,16 +334,16 @@ def _server_errors(http) -> float:
 ])
 def test_malformed_http_is_4xx_and_closed(server, http, name, request_bytes, status):
     request_bytes = request_bytes.replace(b"HOST\r\n", f"Host: 127.0.0.1:{server.port}\r\n".encode())
-    errors_before = _server_errors(http)
+    errors_before = _errors_of_kind(server, "server_error")
     with _connect(server) as sock:
         said, _ = _dribble(sock, [request_bytes], every_s=EDGE.body_timeout_s + LIVENESS_S)
     got, message = _status_and_message(said)
     assert got == status and message
-    assert _server_errors(http) == errors_before and http.get("/health").status_code == 200
+    assert _errors_of_kind(server, "server_error") == errors_before and http.get("/health").status_code == 200
 
 
 def test_client_gone_mid_body_is_no_server_error(server, http):
-    errors_before = _server_errors(http)
+    errors_before = _errors_of_kind(server, "server_error")
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nX-Api-Key: {API_KEY}\r\n"
             "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{").encode()
     with _connect(server) as sock:
@@ -348,7 +352,7 @@ def test_client_gone_mid_body_is_no_server_error(server, http):
     while "client_disconnect" not in http.get("/metrics").text and time.monotonic() < deadline:
         pass
     assert 'skippy_errors_total{kind="client_disconnect"}' in http.get("/metrics").text
-    assert _server_errors(http) == errors_before
+    assert _errors_of_kind(server, "server_error") == errors_before
 
 
 def _health_ok(server, source: str = "127.0.0.9") -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -43,9 +44,9 @@ def raw_response(status: int, message: str) -> bytes:
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with connection caps and a header deadline (see the module doc)."""
 
-    def __init__(self, *args: Any, edge: EdgeConfig, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, edge: EdgeConfig, refused: Callable[[int], None], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.edge = edge
+        self.edge, self.refused = edge, refused   # refused(status): count a refusal (metrics)
         self._header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -68,6 +69,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _refuse(self, status: int, message: str) -> None:
         self._disarm()
+        self.refused(status)
         if not self.transport.is_closing():
             self.transport.write(raw_response(status, message))
             self.transport.close()
@@ -129,10 +131,12 @@ class GuardedH11Protocol(H11Protocol):
             self._refuse(400, "malformed HTTP request (request line or headers)")
 
 
-def uvicorn_config(app: Any, edge: EdgeConfig, **kwargs: Any) -> uvicorn.Config:
-    """A uvicorn Config that serves `app` with the edge's connection limits."""
+def uvicorn_config(app: Any, edge: EdgeConfig, refused: Callable[[int], None] = lambda status: None,
+                   **kwargs: Any) -> uvicorn.Config:
+    """A uvicorn Config that serves `app` with the edge's connection limits; `refused(status)` hears
+    of each connection turned away before the app saw a request."""
     return uvicorn.Config(
-        app, http=functools.partial(GuardedH11Protocol, edge=edge),  # type: ignore[arg-type]
+        app, http=functools.partial(GuardedH11Protocol, edge=edge, refused=refused),  # type: ignore[arg-type]
         # uvicorn counts the asking connection too; the protocol refuses connections past
         # max_connections itself, so this bounds the requests being served at once.
         limit_concurrency=edge.max_connections + 1, timeout_keep_alive=edge.keep_alive_s,

@@ -645,7 +645,14 @@ def create_app(engine: Engine, tokenizer: TextTokenizer, *, model_name: str | No
 
 def serve(app: FastAPI, host: str, port: int, *, log_level: str = "info") -> None:
     """Serve until interrupted (blocking), with the app's edge limits (create_app's `edge`)."""
-    uvicorn.Server(uvicorn_config(app, app.state.edge, host=host, port=port, log_level=log_level)).run()
+    uvicorn.Server(uvicorn_config(app, app.state.edge, _counter(app), host=host, port=port,
+                                  log_level=log_level)).run()
+
+
+def _counter(app: FastAPI) -> Callable[[int], None]:
+    """Counts the connections the protocol turns away (slow headers, caps) as errors by kind."""
+    metrics = app.state.ctx.metrics
+    return lambda status: metrics.count_error(error_kind(status))
 
 
 class _ThreadServer(uvicorn.Server):
@@ -686,7 +693,8 @@ def start_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    config = uvicorn_config(app, app.state.edge, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+    config = uvicorn_config(app, app.state.edge, _counter(app), log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=2)
     server = _ThreadServer(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
                               name=f"http-{sock.getsockname()[1]}")
