@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import collections
 import json
+import re
+import socket
 import time
 
 import httpx
@@ -225,3 +227,79 @@ def test_known_findings_are_refused(server, path, body, status):
         resp = client.post(path, content=json.dumps(body).encode(), headers={
             "content-type": "application/json", "x-api-key": API_KEY})
     assert resp.status_code == status, resp.text[:300]
+
+
+# ---------------------------------------------------------------- the protocol layer
+
+RAW_EXAMPLES = 60
+QUICK_EDGE = EdgeConfig(header_timeout_s=0.3, body_timeout_s=0.3, keep_alive_s=0.3, max_header_bytes=4096)
+def mostly(common: list[bytes], odd: list[bytes], random_size: int) -> st.SearchStrategy:
+    """Usually one of `common`, else an odd value or random bytes (hypothesis leans to small
+    integers, so a weighted list, not a coin, decides)."""
+    pick = st.sampled_from(["common"] * 6 + ["odd", "random"])
+    return pick.flatmap(lambda kind: st.sampled_from(common) if kind == "common" else
+                        st.sampled_from(odd) if kind == "odd" else st.binary(max_size=random_size))
+
+
+token_bytes = mostly([b"GET", b"POST", b"OPTIONS"], [b"PRI", b"G\xffT", b"", b"get", b"CONNECT"], 8)
+targets = mostly([b"/health", b"/v1/completions", b"/v1/models"],
+                 [b"*", b"http://evil.example/health", b"/\xff", b"/v1/../metrics", b"//health", b"/h?x=\x00"], 16)
+versions = mostly([b"HTTP/1.1", b"HTTP/1.0"], [b"HTTP/2.0", b"HTTP/9", b"", b"HTTP/1.1 extra"], 8)
+host_lines = mostly([b"Host: HOST"], [b"", b"Host: evil.example", b"Host: HOST\r\nHost: HOST", b"Host:"], 12)
+header_lines = st.lists(mostly(
+    [b"Content-Length: 5", b"Content-Type: application/json", b"Transfer-Encoding: chunked",
+     b"X-Api-Key: " + API_KEY.encode(), b"Connection: close"],
+    [b"Content-Length: -1", b"Content-Length: 99999999999999999999", b"Transfer-Encoding: gzip, chunked",
+     b"Expect: 100-continue", b"Upgrade: h2c", b" folded", b"X: \x00", b"\xff: x", b"Origin: null",
+     b"Host: evil.example", b"X-Big: " + b"a" * 5000], 24), max_size=6)
+bodies_raw = mostly([b"", b"{}", b'{"prompt": "hi", "max_tokens": 2}', b"0\r\n\r\n", b"5\r\nhello\r\n0\r\n\r\n"],
+                    [b"zz\r\n", b'{"prompt"', b"\xff\xfe"], 32)
+
+
+@pytest.fixture(scope="module")
+def quick_server():
+    tok = _load_tokenizer()
+    engine = FakeEngine([*tok.encode(REPLY), tok.eos_ids[0]], tok.eos_ids, model_name="fuzz", max_context=256)
+    handle = start_in_thread(create_app(engine, tok, model_name="fuzz", edge=QUICK_EDGE))
+    yield handle
+    handle.stop()
+
+
+def _exchange(port: int, data: bytes) -> bytes:
+    """Send `data` on a fresh connection; all the server says until it closes, which it must do within
+    its own deadlines (0.3 s) plus a liveness margin."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(data)
+        said = b""
+        deadline = time.monotonic() + ANSWER_WITHIN_S
+        try:
+            while (part := sock.recv(65536)) and time.monotonic() < deadline:
+                said += part
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
+            pytest.fail(f"connection still open after {data[:200]!r}: said {said[:200]!r}")
+    return said
+
+
+def test_raw_http_fuzz_gets_4xx_or_a_close(quick_server):
+    statuses: collections.Counter = collections.Counter()
+    host = f"127.0.0.1:{quick_server.port}".encode()
+
+    @settings(max_examples=RAW_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(method=token_bytes, target=targets, version=versions, host_line=host_lines, lines=header_lines,
+           body=bodies_raw)
+    def fuzz(method, target, version, host_line, lines, body):
+        head = b" ".join(part for part in (method, target, version) if part)
+        lines = [line.replace(b"HOST", host) for line in (host_line, *lines) if line]
+        data = b"\r\n".join([head, *lines]) + b"\r\n\r\n" + body
+        said = _exchange(quick_server.port, data)
+        for status in re.findall(rb"^HTTP/1\.[01] (\d{3}) ", said, re.M):
+            statuses[int(status)] += 1
+            assert int(status) < 500, (data, said[:500])
+
+    fuzz()
+    print(f"\nraw HTTP fuzz: statuses {dict(sorted(statuses.items()))}")
+    assert httpx.get(f"{quick_server.url}/health").status_code == 200
+
