@@ -4,6 +4,9 @@ values, and sends them to the real server on uvicorn (FakeEngine, real tokenizer
 allowed origin). No response may be a 5xx, every error must say what was wrong, every answer must
 come within a deadline, and the server must still answer /health afterwards.
 
+A second fuzz writes raw bytes (request line, headers, lengths, chunked bodies) to the socket:
+every answer is a 4xx (or the connection closes within the edge's deadlines), never a 5xx.
+
 Bounded and reproducible for CI: a fixed number of examples, derandomized, no example database.
 Findings inside request parsing (openai_schema.py / server._generate) are pinned in
 KNOWN_FINDINGS as explicit examples instead of being fixed here.

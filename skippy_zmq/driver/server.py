@@ -34,7 +34,7 @@ from skippy_zmq.driver import tools
 from skippy_zmq.driver.chat_output import ChatOutput, message_fields
 from skippy_zmq.driver.engine import ChoiceControl, Engine, EngineError, GenRequest, TokenEvent
 from skippy_zmq.driver.http_config import EdgeConfig
-from skippy_zmq.driver.http_guard import ApiKeys, BodyTimeout, Guard, expects_body
+from skippy_zmq.driver.http_guard import ApiKeys, BodyTimeout, Guard, expects_body, header
 from skippy_zmq.driver.http_protocol import uvicorn_config
 from skippy_zmq.driver.metrics import ServerMetrics, error_kind
 from skippy_zmq.driver.openai_schema import (
@@ -182,15 +182,8 @@ class HttpMiddleware:
         await self.app(scope, receive, send)
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
-
-
 def _request_id(scope: Scope) -> str:
-    given = _header(scope, b"x-request-id")
+    given = (header(scope, b"x-request-id") or b"").decode("latin-1")
     return given if given and _REQUEST_ID_RE.fullmatch(given) else f"req-{uuid.uuid4().hex}"
 
 
