@@ -9,8 +9,9 @@ YAML ``driver.http_edge`` (every key optional; defaults shown)::
       allowed_origins: []          # browser origins (scheme://host[:port]) that may call cross-origin;
                                    # [] = same-origin only, "*" = any. Others get 403.
       metrics_public: false        # /metrics without a key even when an API key is set
-      max_connections: 256         # open connections at once; more are answered 503 and closed
-      max_connections_per_client: 32   # open connections from one client address; more get 429
+      max_connections: 512         # open connections at once; more are answered 503 and closed
+      max_connections_per_client: 128  # open connections from one client address; more get 429 (above
+                                   # max_sessions + max_queue: one busy local client or proxy is not cut)
       header_timeout_s: 10         # a request's headers must arrive within this (slowloris); else 408
       body_timeout_s: 30           # its body within this, counted from the headers; else 408
       keep_alive_s: 5              # an idle keep-alive connection is closed after this
@@ -46,8 +47,8 @@ class EdgeConfig:
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
     metrics_public: bool = False
-    max_connections: int = 256
-    max_connections_per_client: int = 32
+    max_connections: int = 512
+    max_connections_per_client: int = 128
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     keep_alive_s: float = 5.0
