@@ -61,7 +61,7 @@ class GuardedH11Protocol(H11Protocol):
         if len(self.connections) > self.edge.max_connections:   # the set counts this connection
             return 503, f"too many open connections (max_connections {self.edge.max_connections}); retry later"
         address = self.client[0] if self.client else None
-        same = sum(1 for c in self.connections if getattr(c, "client", None) and c.client[0] == address)
+        same = sum(1 for c in self.connections if c.client and c.client[0] == address)
         if address is not None and same > self.edge.max_connections_per_client:
             return 429, (f"too many open connections from {address} "
                          f"(max_connections_per_client {self.edge.max_connections_per_client})")
