@@ -308,10 +308,30 @@ def add_stage_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_stage)
 
 
+def add_http_edge_args(p: argparse.ArgumentParser) -> None:
+    """Who may call the HTTP API: keys (a file or the environment; argv works but shows in `ps`),
+    hosts and origins. Connection limits are the topology's driver.http_edge."""
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="require this file's key (Authorization: Bearer KEY or X-Api-Key: KEY) on every route "
+                        "but /health and /readyz; the file should be owner-only (chmod 600)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="the key on the command line (visible in `ps`: prefer --api-key-file or SKIPPY_API_KEY)")
+    metrics = p.add_mutually_exclusive_group()
+    metrics.add_argument("--metrics-key-file", default=None, metavar="PATH",
+                         help="a separate key that opens /metrics (or SKIPPY_METRICS_KEY)")
+    metrics.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
+    p.add_argument("--allowed-hosts", default=None, metavar="H1,H2",
+                   help="Host header values served (name or name:port; '*' for any); default: localhost, "
+                        "127.0.0.1, [::1] and the server's address, on its port")
+    p.add_argument("--allowed-origins", default=None, metavar="O1,O2",
+                   help="browser origins allowed cross-origin, e.g. http://localhost:3000 ('*' for any); "
+                        "default: same-origin only")
+
+
 def add_driver_parser(sub: Any) -> None:
     p = sub.add_parser("driver", help="run the driver: OpenAI API over the pipeline")
     p.add_argument("--topology", required=True)
-    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or SKIPPY_API_KEY)")
+    add_http_edge_args(p)
     p.set_defaults(func=cmd_driver)
 
 
@@ -319,7 +339,7 @@ def add_up_parser(sub: Any) -> None:
     p = sub.add_parser("up", help="start every stage and the driver in the foreground")
     p.add_argument("topology")
     p.add_argument("--run-dir", default=None)
-    p.add_argument("--api-key", default=None)
+    add_http_edge_args(p)
     p.set_defaults(func=cmd_up)
 
 

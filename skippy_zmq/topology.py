@@ -25,6 +25,10 @@ is optional; defaults shown)::
       max_context: 2048              # prompt + generated tokens per session
       micro_batches: 0               # decode micro-batches in flight (0 = one per stage)
       max_body_bytes: 4194304        # HTTP request body limit
+      http_edge:                     # who may call the HTTP API and how much a caller may hold:
+                                     # allowed_hosts, allowed_origins, metrics_public, max_connections,
+                                     # max_connections_per_client, header_timeout_s, body_timeout_s,
+                                     # keep_alive_s, max_header_bytes; see skippy_zmq/driver/http_config.py
       speculative:                   # driver-side drafts (n-gram lookup), verified by the target
         method: off                  # off | ngram
         max_draft: 8                 # most drafted tokens per window (1..32)
@@ -74,6 +78,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import yaml
 
+from skippy_zmq.driver.http_config import EdgeConfig, EdgeConfigError
 from skippy_zmq.driver.speculative import SpeculativeConfig, SpeculativeConfigError
 from skippy_zmq.placement import parse_bytes
 
@@ -151,6 +156,7 @@ class DriverConfig:
     max_context: int = 2048
     micro_batches: int = 0             # decode micro-batches in flight; 0 = one per stage
     max_body_bytes: int = 4 << 20      # HTTP request body limit
+    http_edge: EdgeConfig = EdgeConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
 
     @property
@@ -403,12 +409,20 @@ def _speculative(raw: Any, at: _At) -> SpeculativeConfig:
         (at.key(err.key) if err.key else at).fail(err.reason)
 
 
+def _http_edge(raw: Any, at: _At) -> EdgeConfig:
+    try:
+        return EdgeConfig.from_dict(raw)
+    except EdgeConfigError as err:
+        (at.key(err.key) if err.key else at).fail(err.reason)
+
+
 def _driver(raw: Any, at: _At) -> DriverConfig:
     checks = {"return": _endpoint, "return_advertise": _dial, "http": _hostport, "max_sessions": _integer(1),
               "max_queue": _integer(0),
               "request_timeout_s": _seconds, "reply_timeout_s": _seconds, "heartbeat_s": _seconds,
               "dead_after_s": _seconds, "resume_timeout_s": _seconds, "prefill_chunk": _integer(1), "max_context": _integer(1),
-              "micro_batches": _integer(0), "max_body_bytes": _integer(1024), "speculative": _speculative}
+              "micro_batches": _integer(0), "max_body_bytes": _integer(1024), "http_edge": _http_edge,
+              "speculative": _speculative}
     defaults = _defaults(DriverConfig)
     defaults["return"] = defaults.pop("return_endpoint")
     fields = _read(raw, at, checks, defaults)

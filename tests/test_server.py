@@ -316,13 +316,16 @@ def test_body_limits_json_and_content_type(http):
     big = json.dumps({"model": MODEL, "prompt": "x" * (BODY_LIMIT + 10)}).encode()
     resp = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
     assert resp.status_code == 413 and resp.json()["error"]["type"] == "invalid_request_error"
-    chunked = http.post("/v1/completions", content=iter([big[:40_000], big[40_000:]]))  # no Content-Length
+    chunked = http.post("/v1/completions", content=iter([big[:40_000], big[40_000:]]),  # no Content-Length
+                        headers={"content-type": "application/json"})
     assert chunked.status_code == 413
     bad = http.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
     assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
-    assert http.post("/v1/completions", content=b"[1, 2]").status_code == 400
-    plain = http.post("/v1/completions", content=b"hello", headers={"content-type": "text/plain"})
-    assert plain.status_code == 415
+    json_type = {"content-type": "application/json"}
+    assert http.post("/v1/completions", content=b"[1, 2]", headers=json_type).status_code == 400
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):   # none: no longer assumed JSON
+        plain = http.post("/v1/completions", content=b"hello", headers={"content-type": content_type} if content_type else {})
+        assert plain.status_code == 415 and "Content-Type must be application/json" in plain.json()["error"]["message"]
     missing = http.get("/v1/nothing")
     assert missing.status_code == 404 and "error" in missing.json()
 
@@ -371,8 +374,10 @@ def test_api_key(locked_server):
     assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
     with openai.OpenAI(base_url=base, api_key=API_KEY, max_retries=0) as right:
         assert right.chat.completions.create(model=MODEL, messages=MESSAGES).choices[0].message.content == REPLY
-    for path in ("/health", "/readyz", "/metrics"):
+    for path in ("/health", "/readyz"):
         assert httpx.get(f"{locked_server.url}{path}").status_code == 200
+    assert httpx.get(f"{locked_server.url}/metrics").status_code == 401   # the key covers /metrics too
+    assert httpx.get(f"{locked_server.url}/metrics", headers={"x-api-key": API_KEY}).status_code == 200
 
 
 def _metric_samples(http) -> dict[tuple[str, tuple], float]:

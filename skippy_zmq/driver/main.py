@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import json
 import os
 import signal
@@ -16,6 +17,8 @@ from typing import Any, Callable
 from loguru import logger
 
 from skippy_zmq.driver.engine import EngineError, GenRequest
+from skippy_zmq.driver.http_config import EdgeConfig
+from skippy_zmq.driver.http_guard import LOOPBACK_NAMES, ApiKeys
 from skippy_zmq.driver.pipeline import PipelineEngine
 from skippy_zmq.launch import check_alive, spawn_stages, stop_processes
 from skippy_zmq.lifetime import settle_heap, watch_parent
@@ -32,24 +35,64 @@ def open_engine(topology: Topology) -> tuple[PipelineEngine, TextTokenizer]:
     return engine, tokenizer
 
 
-def build_app(topology: Topology, engine: PipelineEngine, tokenizer: TextTokenizer, api_key: str | None = None) -> Any:
-    """The OpenAI app over a pipeline, with pipeline metrics on the same registry."""
+def build_app(topology: Topology, engine: PipelineEngine, tokenizer: TextTokenizer, api_key: str | None = None,
+              keys: ApiKeys | None = None, edge: EdgeConfig | None = None) -> Any:
+    """The OpenAI app over a pipeline, with pipeline metrics on the same registry. `keys` and
+    `edge` default to `api_key` alone and the topology's driver.http_edge."""
     from skippy_zmq.driver import pipeline_metrics
     from skippy_zmq.driver.metrics import ServerMetrics
     from skippy_zmq.driver.server import create_app
 
     metrics = ServerMetrics()
     pipeline_metrics.attach(engine, metrics)
-    return create_app(engine, tokenizer, model_name=engine.model_name, api_key=api_key, metrics=metrics,
-                      max_body_bytes=topology.driver.max_body_bytes)
+    return create_app(engine, tokenizer, model_name=engine.model_name, metrics=metrics,
+                      max_body_bytes=topology.driver.max_body_bytes, keys=keys or ApiKeys.of(api_key),
+                      edge=edge or topology.driver.http_edge)
 
 
-def serve_http(topology: Topology, engine: PipelineEngine, tokenizer: TextTokenizer, api_key: str | None,
-               stop: threading.Event) -> None:
+def http_edge(args: argparse.Namespace, topology: Topology) -> tuple[ApiKeys, EdgeConfig]:
+    """The server's keys (file, argv or environment) and edge settings (the topology's, with the
+    command line's hosts and origins over them); a bad one ends the process with its reason."""
+    from skippy_zmq.driver.http_config import EdgeConfigError, names
+    from skippy_zmq.driver.http_guard import KeySourceError, resolve_keys
+
+    try:
+        keys = resolve_keys(args.api_key, args.api_key_file, args.metrics_key_file, os.environ)
+        hosts = names("--allowed-hosts", args.allowed_hosts) if args.allowed_hosts else None
+        origins = names("--allowed-origins", args.allowed_origins) if args.allowed_origins else None
+    except (KeySourceError, EdgeConfigError) as err:
+        raise SystemExit(f"driver: {err}") from None
+    edge = topology.driver.http_edge.with_hosts(hosts, origins, args.metrics_public)
+    host, port = topology.driver.http_host, topology.driver.http_port
+    if not edge.allowed_hosts and not _is_address(host):   # served by name: that name too, beside the defaults
+        edge = dataclasses.replace(edge, allowed_hosts=tuple(
+            f"{name}:{port}" for name in (host.lower(), *LOOPBACK_NAMES)))
+    if "*" in edge.allowed_hosts:
+        logger.warning("allowed hosts '*': any Host header is served (no DNS-rebinding check)")
+    if keys.api is None and not _is_loopback(host):
+        logger.warning("the HTTP API on {} has no API key: anyone who can reach it can use it "
+                       "(--api-key-file or SKIPPY_API_KEY)", host)
+    return keys, edge
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or (_is_address(host) and ipaddress.ip_address(host).is_loopback)
+
+
+def serve_http(topology: Topology, engine: PipelineEngine, tokenizer: TextTokenizer, keys: ApiKeys,
+               edge: EdgeConfig, stop: threading.Event) -> None:
     """Serve the OpenAI API until `stop` is set (or the process is signalled)."""
     from skippy_zmq.driver.server import start_in_thread
 
-    handle = start_in_thread(build_app(topology, engine, tokenizer, api_key), topology.driver.http_host,
+    handle = start_in_thread(build_app(topology, engine, tokenizer, keys=keys, edge=edge), topology.driver.http_host,
                              topology.driver.http_port)
     settle_heap()   # the tokenizer, templates and app live as long as we do: keep full GC passes off them
     logger.info("OpenAI API at http://{}:{}/v1 (ready when /readyz says so)", handle.host, handle.port)
@@ -68,11 +111,12 @@ def install_stop_signals(stop: threading.Event) -> None:
 def run_driver(args: argparse.Namespace) -> int:
     watch_parent("driver")   # spawned by a local process (chaos, soak, tests): die with it
     topology = load_topology(args.topology)
+    keys, edge = http_edge(args, topology)
     engine, tokenizer = open_engine(topology)
     stop = threading.Event()
     install_stop_signals(stop)
     try:
-        serve_http(topology, engine, tokenizer, args.api_key or os.environ.get("SKIPPY_API_KEY"), stop)
+        serve_http(topology, engine, tokenizer, keys, edge, stop)
     finally:
         engine.close()
     return 0
@@ -81,6 +125,7 @@ def run_driver(args: argparse.Namespace) -> int:
 def run_up(args: argparse.Namespace) -> int:
     """Stages (downstream first) as children, the driver in this process; Ctrl-C stops everything."""
     topology = load_topology(args.topology)
+    keys, edge = http_edge(args, topology)   # a bad key file stops us before any stage starts
     run_dir = Path(args.run_dir or f"runs/up-{time.strftime('%Y%m%d-%H%M%S')}")
     procs = spawn_stages(topology, Path(args.topology), run_dir)
     engine, tokenizer = open_engine(topology)
@@ -89,7 +134,7 @@ def run_up(args: argparse.Namespace) -> int:
     watcher = threading.Thread(target=_watch_children, args=(procs, stop), daemon=True)
     watcher.start()
     try:
-        serve_http(topology, engine, tokenizer, args.api_key or os.environ.get("SKIPPY_API_KEY"), stop)
+        serve_http(topology, engine, tokenizer, keys, edge, stop)
     finally:
         engine.close()
         stop_processes(procs)

@@ -25,8 +25,9 @@ DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 
 # errors_total{kind}: a small fixed vocabulary keyed by HTTP status.
 ERROR_KINDS = {
-    400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-    413: "payload_too_large", 415: "unsupported_media_type", 429: "rate_limited",
+    400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
+    408: "request_timeout", 413: "payload_too_large", 415: "unsupported_media_type", 421: "misdirected",
+    429: "rate_limited", 431: "headers_too_large",
     503: "unavailable", 504: "timeout",
 }
 

@@ -10,7 +10,6 @@ string hit, client gone), so every path that stops reading closes it.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import math
 import re
@@ -28,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from loguru import logger
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skippy_zmq.driver import anthropic_api, responses_api, tools
@@ -35,6 +35,9 @@ from skippy_zmq.driver.anthropic_schema import COUNT_TOKENS_ENDPOINT, MESSAGES_E
 from skippy_zmq.driver.responses_schema import RESPONSES_ENDPOINT
 from skippy_zmq.driver.chat_output import ChatOutput, message_fields
 from skippy_zmq.driver.engine import ChoiceControl, Engine, EngineError, GenRequest, TokenEvent
+from skippy_zmq.driver.http_config import EdgeConfig
+from skippy_zmq.driver.http_guard import ApiKeys, BodyTimeout, Guard, expects_body, header
+from skippy_zmq.driver.http_protocol import uvicorn_config
 from skippy_zmq.driver.metrics import ServerMetrics, error_kind
 from skippy_zmq.driver.openai_schema import (
     CHAT, COMPLETION, ParsedRequest, RequestError, StopMatcher, TextOffsets, TokenLogprob, check_constraint,
@@ -118,14 +121,14 @@ def _install_error_handlers(app: FastAPI, ctx: ServerContext) -> None:
 # ---------------------------------------------------------------- middleware
 
 class HttpMiddleware:
-    """Request id, API key, request metrics and last-resort 500s, as plain ASGI.
+    """Request id, the edge's checks (http_guard), request metrics and last-resort 500s, as plain ASGI.
 
     Plain ASGI (not BaseHTTPMiddleware) so streamed responses and client
     disconnects pass through untouched.
     """
 
-    def __init__(self, app: ASGIApp, ctx: ServerContext) -> None:
-        self.app, self.ctx = app, ctx
+    def __init__(self, app: ASGIApp, ctx: ServerContext, guard: Guard) -> None:
+        self.app, self.ctx, self.guard = app, ctx, guard
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -134,18 +137,31 @@ class HttpMiddleware:
         scope.setdefault("state", {}).update(request_id=request_id, arrival=time.perf_counter())
         endpoint = scope["path"] if scope["path"] in KNOWN_ENDPOINTS else "other"
         status: list[int] = []
+        extra_headers = [(b"x-request-id", request_id.encode()), *self.guard.cors_headers(scope)]
+        body = self.guard.body_deadline(receive)
+        with_body = expects_body(scope)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status.append(message["status"])
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                message["headers"] = [*message.get("headers", []), *extra_headers]
+                if with_body and not body.complete:   # answered before its body was read (refused): close
+                    message["headers"].append((b"connection", b"close"))
             await send(message)
 
         with logger.contextualize(request_id=request_id), self.ctx.metrics.in_flight(
             endpoint in GENERATION_ENDPOINTS
         ):
             try:
-                await self._dispatch(scope, receive, send_with_id)
+                await self._dispatch(scope, body, send_with_id)
+            except ClientDisconnect:   # gone while we read its body: nobody to answer
+                logger.info("client disconnected before its request body was read")
+                self.ctx.metrics.count_error("client_disconnect")
+                status.append(499)
+            except BodyTimeout as err:   # a slow body: answer and close (the rest of it is never read)
+                logger.info("{}", err)
+                if not status:
+                    await error_response(self.ctx, 408, str(err), code="body_timeout")(scope, receive, send_with_id)
             except Exception:
                 logger.exception("unhandled error on {}", scope["path"])
                 if not status:
@@ -156,27 +172,21 @@ class HttpMiddleware:
                 logger.debug("{} {} -> {} in {:.3f}s", scope["method"], scope["path"], status[:1], seconds)
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.ctx.api_key and scope["path"].startswith("/v1") and not _authorized(scope, self.ctx.api_key):
-            denied = error_response(self.ctx, 401, "invalid or missing API key", code="invalid_api_key",
-                                    headers={"WWW-Authenticate": "Bearer"})
+        refusal = self.guard.admit(scope)
+        preflight = self.guard.preflight(scope) if refusal is None else None
+        if preflight is not None:   # CORS preflight from an allowed origin: before any key is asked for
+            return await Response(status_code=204, headers=preflight)(scope, receive, send)
+        refusal = refusal or self.guard.authorize(scope) or self.guard.media_type(scope)
+        if refusal is not None:
+            denied = error_response(self.ctx, refusal.status, refusal.message, code=refusal.code,
+                                    headers=refusal.headers or None)
             return await denied(scope, receive, send)
         await self.app(scope, receive, send)
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
-
-
 def _request_id(scope: Scope) -> str:
-    given = _header(scope, b"x-request-id")
+    given = (header(scope, b"x-request-id") or b"").decode("latin-1")
     return given if given and _REQUEST_ID_RE.fullmatch(given) else f"req-{uuid.uuid4().hex}"
-
-
-def _authorized(scope: Scope, api_key: str) -> bool:
-    return hmac.compare_digest(_header(scope, b"authorization") or "", f"Bearer {api_key}")
 
 
 # ---------------------------------------------------------------- generation
@@ -611,26 +621,37 @@ def tool_template(tokenizer: TextTokenizer) -> str:
 
 def create_app(engine: Engine, tokenizer: TextTokenizer, *, model_name: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
-               metrics: ServerMetrics | None = None) -> FastAPI:
+               metrics: ServerMetrics | None = None, keys: ApiKeys | None = None,
+               edge: EdgeConfig = EdgeConfig()) -> FastAPI:
     """The OpenAI-compatible app. `model_name` defaults to engine.model_name;
-    pass `metrics` to share a registry with the scheduler."""
+    pass `metrics` to share a registry with the scheduler. `keys` (or just `api_key`) and `edge`
+    (hosts, origins, body deadline) set the checks of http_guard."""
+    keys = keys if keys is not None else ApiKeys.of(api_key)
     template = tool_template(tokenizer)
     ctx = ServerContext(engine, tokenizer, model_name or engine.model_name,
-                        metrics or ServerMetrics(), api_key, max_body_bytes,
+                        metrics or ServerMetrics(), keys.api.decode() if keys.api else None, max_body_bytes,
                         tool_format=tools.choose_format(template), thinks=template_thinks(template))
     app = FastAPI(title="skippy_zmq", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
+    app.state.edge = edge   # start_in_thread / serve take the connection limits from here
     _install_error_handlers(app, ctx)
     _install_routes(app, ctx)
-    app.add_middleware(HttpMiddleware, ctx=ctx)
+    app.add_middleware(HttpMiddleware, ctx=ctx, guard=Guard(edge, keys))
     return app
 
 
 # ---------------------------------------------------------------- serving
 
 def serve(app: FastAPI, host: str, port: int, *, log_level: str = "info") -> None:
-    """Serve until interrupted (blocking)."""
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    """Serve until interrupted (blocking), with the app's edge limits (create_app's `edge`)."""
+    uvicorn.Server(uvicorn_config(app, app.state.edge, _counter(app), host=host, port=port,
+                                  log_level=log_level)).run()
+
+
+def _counter(app: FastAPI) -> Callable[[int], None]:
+    """Counts the connections the protocol turns away (slow headers, caps) as errors by kind."""
+    metrics = app.state.ctx.metrics
+    return lambda status: metrics.count_error(error_kind(status))
 
 
 class _ThreadServer(uvicorn.Server):
@@ -671,7 +692,7 @@ def start_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, *,
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+    config = uvicorn_config(app, app.state.edge, _counter(app), log_level="warning", lifespan="off",
                             timeout_graceful_shutdown=2)
     server = _ThreadServer(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
