@@ -34,14 +34,16 @@ def open_engine(topology: Topology) -> tuple[PipelineEngine, TextTokenizer]:
 
 def build_app(topology: Topology, engine: PipelineEngine, tokenizer: TextTokenizer, api_key: str | None = None) -> Any:
     """The OpenAI app over a pipeline, with pipeline metrics on the same registry."""
-    from skippy_zmq.driver import pipeline_metrics
+    from skippy_zmq.driver import console, pipeline_metrics
     from skippy_zmq.driver.metrics import ServerMetrics
     from skippy_zmq.driver.server import create_app
 
     metrics = ServerMetrics()
     pipeline_metrics.attach(engine, metrics)
-    return create_app(engine, tokenizer, model_name=engine.model_name, api_key=api_key, metrics=metrics,
-                      max_body_bytes=topology.driver.max_body_bytes)
+    app = create_app(engine, tokenizer, model_name=engine.model_name, api_key=api_key, metrics=metrics,
+                     max_body_bytes=topology.driver.max_body_bytes)
+    console.watch_pipeline(app, engine)   # the console at / shows the stages
+    return app
 
 
 def serve_http(topology: Topology, engine: PipelineEngine, tokenizer: TextTokenizer, api_key: str | None,
