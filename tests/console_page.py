@@ -17,7 +17,8 @@ SAMPLE_S = 0.05        # how often the test looks at a streaming answer
 
 _ROWS_JS = """
 return Array.from(document.querySelectorAll('#stages tbody tr')).map(
-  (tr) => [tr.dataset.stage, Object.fromEntries(Array.from(tr.cells).map((td) => [td.className, td.textContent]))]);
+  (tr) => [tr.dataset.stage, Object.fromEntries(Array.from(tr.querySelectorAll('[data-field]')).map(
+    (node) => [node.dataset.field, node.textContent]))]);
 """
 _ANSWER_JS = """
 const all = document.querySelectorAll('.msg.assistant');
@@ -112,6 +113,12 @@ class ConsolePage:
                 stop_after_text = False
             assert time.monotonic() < deadline, f"the answer was still streaming after {CHAT_DEADLINE_S} s"
             time.sleep(SAMPLE_S)   # how often we look; the page records every repaint itself
+
+    def render_markdown(self, text: str) -> str:
+        """What the page's renderer makes of `text`, as HTML (read back from the DOM it built)."""
+        return self.driver.execute_script(
+            "const box = document.createElement('div'); window.SkippyMarkdown.render(arguments[0], box);"
+            "return box.innerHTML;", text)
 
     def screenshot(self, path: Path) -> None:
         self.driver.save_screenshot(str(path))

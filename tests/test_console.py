@@ -33,6 +33,11 @@ API_KEY = "console-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ASSET_DIR = resources.files("skippy_zmq.driver").joinpath(console.ASSET_DIR)
 SVG_NAMESPACE = "http://www.w3.org/2000/svg"   # an XML namespace name (never fetched): the one URL allowed
+MARKDOWN = ("Hi **bold** and *it*, `x<y` and snake_case_name.\n\n- one\n- two\n\n"
+            "```py\nprint('<b>')\n```\n<img src=x onerror=alert(1)>")
+MARKDOWN_DOM = ("<p>Hi <strong>bold</strong> and <em>it</em>, <code>x&lt;y</code> and snake_case_name.</p>"
+                "<ul><li>one</li><li>two</li></ul><pre><code data-lang=\"py\">print('&lt;b&gt;')</code></pre>"
+                "<p>&lt;img src=x onerror=alert(1)&gt;</p>")
 INSTALL_HINT = ("no headless browser: install Debian's chromium and chromium-driver "
                 "(apt-get install -y chromium chromium-driver; .ci/run does it) to run the console's browser test")
 
@@ -261,6 +266,7 @@ def test_console_in_a_browser(browser, keyed, served):
 
     page = ConsolePage(browser, keyed)
     page.open()
+    assert page.render_markdown(MARKDOWN) == MARKDOWN_DOM   # model text becomes text nodes, never markup
     assert "401" in page.auth_message() and "API key" in page.auth_message()   # no key: told, nothing shown
     page.use_key(API_KEY)
     rows = page.stage_rows({s.id for s in served.topology.stages})

@@ -63,16 +63,22 @@
     return value !== null && value !== undefined;
   }
 
-  function bytes(n) {
-    if (!known(n)) return DASH;
-    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let value = n;
+  const UNITS = ["B", "KiB", "MiB", "GiB", "TiB"];
+
+  function unitOf(n) {   // the unit n is best written in (an index into UNITS)
     let unit = 0;
-    while (value >= 1024 && unit < units.length - 1) {
-      value /= 1024;
+    while (n >= 1024 && unit < UNITS.length - 1) {
+      n /= 1024;
       unit += 1;
     }
-    return `${value >= 100 || unit === 0 ? value.toFixed(0) : value.toFixed(1)} ${units[unit]}`;
+    return unit;
+  }
+
+  function bytes(n) {
+    if (!known(n)) return DASH;
+    const unit = unitOf(n);
+    const value = n / 1024 ** unit;
+    return `${value >= 100 || unit === 0 ? value.toFixed(0) : value.toFixed(1)} ${UNITS[unit]}`;
   }
 
   function num(value, digits) {
@@ -143,37 +149,42 @@
     }));
   }
 
-  function cell(row, text, className, title) {
-    const td = document.createElement("td");
-    td.textContent = text;
-    if (className) td.className = className;
-    if (title) td.title = title;
-    row.appendChild(td);
+  function field(tag, name, text, title) {
+    const node = document.createElement(tag);
+    node.textContent = text;
+    node.dataset.field = name;
+    if (title) node.title = title;
+    return node;
+  }
+
+  function bytesPair(used, plan) {   // "1.5 / 2.0 GiB": both in the larger one's unit
+    if (!known(plan)) return bytes(used);
+    if (!known(used)) return `${DASH} / ${bytes(plan)}`;
+    const unit = unitOf(Math.max(used, plan));
+    const scale = 1024 ** unit;
+    return `${(used / scale).toFixed(1)} / ${(plan / scale).toFixed(1)} ${UNITS[unit]}`;
+  }
+
+  function stageRow(s) {
+    const tr = document.createElement("tr");
+    tr.dataset.stage = s.id;
+    tr.className = s.up ? "up" : "down";
+    const m = s.memory;
+    const lanes = known(s.lanes_in_use) ? `${s.lanes_in_use} / ${known(s.lanes) ? s.lanes : DASH}` : DASH;
+    const where = document.createElement("td");
+    where.append(field("span", "host", s.host || DASH), " · ", field("span", "device", s.device || DASH));
+    tr.append(
+      field("td", "id", s.id, s.up ? "up" : "not ready"), where,
+      field("td", "layers", layers(s.layers), s.layers ? `layers [${s.layers[0]}, ${s.layers[1]})` : ""),
+      field("td", "weights", bytes(m.weights)), field("td", "kv", bytes(m.kv)), field("td", "cache", bytes(m.cache)),
+      field("td", "rss", bytesPair(m.rss, m.plan), known(m.budget) ? `budget ${bytes(m.budget)}` : ""),
+      field("td", "step", num(s.step_ms, 2)), field("td", "tps", num(s.tokens_per_s, 1)),
+      field("td", "lanes", lanes), field("td", "hits", s.cache ? pct(s.cache.hit_rate) : DASH));
+    return tr;
   }
 
   function renderStages(stages) {
-    const body = $("stages").tBodies[0];
-    body.replaceChildren(...stages.map((s) => {
-      const tr = document.createElement("tr");
-      tr.dataset.stage = s.id;
-      tr.className = s.up ? "up" : "down";
-      const m = s.memory;
-      const plan = known(m.plan) ? ` / ${bytes(m.plan)}` : "";
-      const lanes = known(s.lanes_in_use) ? `${s.lanes_in_use} / ${known(s.lanes) ? s.lanes : DASH}` : DASH;
-      cell(tr, s.id, "id", s.up ? "up" : "not ready");
-      cell(tr, s.host || DASH, "host");
-      cell(tr, s.device || DASH, "device");
-      cell(tr, layers(s.layers), "layers", s.layers ? `layers [${s.layers[0]}, ${s.layers[1]})` : "");
-      cell(tr, bytes(m.weights), "weights");
-      cell(tr, bytes(m.kv), "kv");
-      cell(tr, bytes(m.cache), "cache");
-      cell(tr, `${bytes(m.rss)}${plan}`, "rss", known(m.budget) ? `budget ${bytes(m.budget)}` : "");
-      cell(tr, num(s.step_ms, 2), "step");
-      cell(tr, num(s.tokens_per_s, 1), "tps");
-      cell(tr, lanes, "lanes");
-      cell(tr, s.cache ? pct(s.cache.hit_rate) : DASH, "hits");
-      return tr;
-    }));
+    $("stages").tBodies[0].replaceChildren(...stages.map(stageRow));
   }
 
   function svg(tag, attrs, text) {
