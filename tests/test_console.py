@@ -85,10 +85,10 @@ def test_no_asset_points_outside_the_server():
 
 def test_the_page_runs_no_inline_script_and_never_writes_html():
     page = ASSET_DIR.joinpath("index.html").read_text()
-    assert re.findall(r"<script[^>]*>", page) == ['<script src="/console/markdown.js" defer>',
-                                                   '<script src="/console/console.js" defer>']
+    assert re.findall(r"<script[^>]*>", page) == [f'<script src="/console/{name}" defer>'
+                                                   for name in ("markdown.js", "pipeline.js", "console.js")]
     assert not re.search(r"\son\w+\s*=|\sstyle\s*=|<style", page)   # no inline handlers or styles (CSP)
-    for name in ("console.js", "markdown.js"):
+    for name in ("console.js", "markdown.js", "pipeline.js"):
         script = ASSET_DIR.joinpath(name).read_text()
         for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
             assert sink not in script, f"{name} uses {sink}"

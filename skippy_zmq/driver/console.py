@@ -30,6 +30,7 @@ ASSETS = {
     "/console/console.js": ("console.js", "text/javascript; charset=utf-8"),
     "/console/console.css": ("console.css", "text/css; charset=utf-8"),
     "/console/markdown.js": ("markdown.js", "text/javascript; charset=utf-8"),
+    "/console/pipeline.js": ("pipeline.js", "text/javascript; charset=utf-8"),
     "/console/favicon.svg": ("favicon.svg", "image/svg+xml"),
 }
 ENDPOINTS = (*ASSETS, STATUS_ENDPOINT)
