@@ -31,7 +31,7 @@ $(MODEL_DIR)/model.json: | $(GGUF)
 # The suite runs on PYTEST_WORKERS parallel workers (pytest-xdist): a module's tests stay on one worker,
 # and the modules that share the session's pipelines stay on one (tests/conftest.py). 0: one process.
 PYTEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadscope
+PYTEST := $(BIN)/python -m pytest -q -rs -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadscope
 
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
 test: install model

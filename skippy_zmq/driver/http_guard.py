@@ -27,7 +27,8 @@ from starlette.types import Message, Receive, Scope
 
 from skippy_zmq.driver.http_config import EdgeConfig, split_host
 
-OPEN_PATHS = ("/health", "/readyz")   # liveness probes: no key, reveal nothing
+OPEN_PATHS = ("/health", "/readyz", "/")   # liveness probes and the console page: no key, reveal nothing
+OPEN_PREFIXES = ("/console/",)              # the console's static files (its data calls go to /v1/*)
 METRICS_PATH = "/metrics"
 BODY_METHODS = ("POST", "PUT", "PATCH")
 CORS_METHODS = "GET, POST, OPTIONS"
@@ -191,7 +192,7 @@ class Guard:
     def authorize(self, scope: Scope) -> Refusal | None:
         """The key check: which keys open this path, and did the client present one of them?"""
         path = scope["path"]
-        if path in OPEN_PATHS:
+        if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             return None
         if path == METRICS_PATH:
             keys = [] if self.edge.metrics_public else [k for k in (self.keys.metrics, self.keys.api) if k]

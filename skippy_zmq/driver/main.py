@@ -39,15 +39,17 @@ def build_app(topology: Topology, engine: PipelineEngine, tokenizer: TextTokeniz
               keys: ApiKeys | None = None, edge: EdgeConfig | None = None) -> Any:
     """The OpenAI app over a pipeline, with pipeline metrics on the same registry. `keys` and
     `edge` default to `api_key` alone and the topology's driver.http_edge."""
-    from skippy_zmq.driver import pipeline_metrics
+    from skippy_zmq.driver import console, pipeline_metrics
     from skippy_zmq.driver.metrics import ServerMetrics
     from skippy_zmq.driver.server import create_app
 
     metrics = ServerMetrics()
     pipeline_metrics.attach(engine, metrics)
-    return create_app(engine, tokenizer, model_name=engine.model_name, metrics=metrics,
-                      max_body_bytes=topology.driver.max_body_bytes, keys=keys or ApiKeys.of(api_key),
-                      edge=edge or topology.driver.http_edge)
+    app = create_app(engine, tokenizer, model_name=engine.model_name, metrics=metrics,
+                     max_body_bytes=topology.driver.max_body_bytes, keys=keys or ApiKeys.of(api_key),
+                     edge=edge or topology.driver.http_edge)
+    console.watch_pipeline(app, engine)   # the console at / shows the stages
+    return app
 
 
 def http_edge(args: argparse.Namespace, topology: Topology) -> tuple[ApiKeys, EdgeConfig]:
