@@ -32,6 +32,8 @@ from skippy_zmq.config import ModelConfig
 from skippy_zmq.fetch import sha256_file
 from skippy_zmq.model import sources, weights
 from skippy_zmq.model.checkpoint import CheckpointError, CheckpointWriter, Encoded
+from skippy_zmq.model.filecheck import ModelFileError, read_json_capped
+from skippy_zmq.model.gguf_layout import read_gguf_layout
 from skippy_zmq.model.gguf_writer import EXPERT_NAMES, ROUTER_NAME, SHARED_NAMES
 # The families and their config reading live in model/families.py; imported here for callers of convert.
 from skippy_zmq.model.families import (ConvertError, GGUF_ARCHS, SUPPORTED_HF_TYPES,  # noqa: F401
@@ -180,14 +182,12 @@ def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
     path = Path(path)
     if not path.is_file():
         raise ConvertError(f"{path}: no such file")
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ConvertError(f"{path} is not a GGUF file (bad magic)")
+    read_gguf_layout(path)    # every length and offset checked first: a bad file is a ModelFileError
     try:
         reader = gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises assorted errors on truncated files
-        raise ConvertError(f"{path}: cannot read GGUF: {exc}") from exc
-    cfg = gguf_model_config(reader, name=path.stem)
+    except Exception as exc:  # the reader raises assorted errors on files it cannot take
+        raise ModelFileError(path, "GGUF", None, f"gguf.GGUFReader cannot read it: {exc!r}") from exc
+    cfg = _model_config(path, lambda: gguf_model_config(reader, name=path.stem))
     tokenizer = _read_tokenizer(path, lambda: TextTokenizer(*tokenizer_from_gguf(reader)))
 
     def name_of(where: str | int, key: str) -> str:
@@ -204,6 +204,16 @@ def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
     return cfg
 
 
+def _model_config(path: Path, build: Callable[[], ModelConfig]) -> ModelConfig:
+    """The ModelConfig read from a file's metadata; a value of the wrong type or range names the file."""
+    try:
+        return build()
+    except ConvertError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        raise ModelFileError(path, "metadata", None, f"a model field has a bad value: {exc!r}") from exc
+
+
 # ---------------------------------------------------------------- HF safetensors
 
 
@@ -212,7 +222,8 @@ def convert_hf(directory: Path, out: Path, fmt: str = "f32") -> ModelConfig:
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise ConvertError(f"{directory}: no config.json (expected an HF model directory)")
-    cfg = hf_model_config(json.loads((directory / "config.json").read_text()), name=directory.name)
+    config = read_json_capped(directory / "config.json", "config.json")
+    cfg = _model_config(directory / "config.json", lambda: hf_model_config(config, name=directory.name))
     tokenizer = _read_tokenizer(directory / "tokenizer.json", lambda: TextTokenizer.from_hf_dir(directory))
     try:
         src = sources.SafetensorsSource(directory)
@@ -237,7 +248,7 @@ def _read_tokenizer(where: Path, build: Callable[[], TextTokenizer]) -> TextToke
     except ConvertError:
         raise
     except Exception as exc:  # tokenizers and the GGUF reader raise assorted errors on bad input
-        raise ConvertError(f"{where}: cannot build the tokenizer: {exc}") from exc
+        raise ModelFileError(where, "tokenizer", None, f"cannot build the tokenizer: {exc}") from exc
 
 
 def _convert(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, str], str], out: Path, fmt: str,
