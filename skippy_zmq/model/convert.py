@@ -17,12 +17,13 @@ blocks of rows), so peak memory is about one layer, whatever the model size.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from loguru import logger
@@ -176,7 +177,9 @@ def stream_checkpoint(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, 
 
 
 def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
-    """GGUF -> our checkpoint in `fmt`; Q4_0 / Q4_1 / Q8_0 blocks keep their levels when `fmt` holds them."""
+    """GGUF -> our checkpoint in `fmt`; Q4_0 / Q4_1 / Q8_0 blocks keep their levels when `fmt` holds them.
+
+    Every failure that is the file's is a ModelFileError naming it (a ConvertError)."""
     import gguf
 
     path = Path(path)
@@ -187,7 +190,10 @@ def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
         reader = gguf.GGUFReader(path)
     except Exception as exc:  # the reader raises assorted errors on files it cannot take
         raise ModelFileError(path, "GGUF", None, f"gguf.GGUFReader cannot read it: {exc!r}") from exc
-    cfg = _model_config(path, lambda: gguf_model_config(reader, name=path.stem))
+    with naming_the_file(path, "metadata"):
+        cfg = gguf_model_config(reader, name=path.stem)
+    src = sources.GGUFSource(path, reader)
+    check_embedding(path, cfg, src, TOP_NAMES["embed"][0])
     tokenizer = _read_tokenizer(path, lambda: TextTokenizer(*tokenizer_from_gguf(reader)))
 
     def name_of(where: str | int, key: str) -> str:
@@ -199,19 +205,32 @@ def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
         return f"blk.{where}.{ROUTER_NAME if key == 'router' else SHARED_NAMES.get(key) or LAYER_NAMES[key][0]}"
 
     source = {"format": "gguf", "file": path.name, "weights": fmt, "sha256": sha256_file(path)}
-    _convert(cfg, sources.GGUFSource(path, reader), name_of, out, fmt, cfg.arch in ("llama", "mixtral"), source,
-             tokenizer)
+    with naming_the_file(path, "tensors"):
+        _convert(cfg, src, name_of, out, fmt, cfg.arch in ("llama", "mixtral"), source, tokenizer)
     return cfg
 
 
-def _model_config(path: Path, build: Callable[[], ModelConfig]) -> ModelConfig:
-    """The ModelConfig read from a file's metadata; a value of the wrong type or range names the file."""
+@contextlib.contextmanager
+def naming_the_file(path: Path, field: str) -> Iterator[None]:
+    """Turn a conversion failure that comes from `path`'s contents into a ModelFileError naming it
+    (and `field`: "metadata" for the model's fields, "tensors" for names and shapes)."""
     try:
-        return build()
-    except ConvertError:
+        yield
+    except ModelFileError:
         raise
+    except (ConvertError, CheckpointError, sources.SourceError) as exc:
+        raise ModelFileError(path, field, None, str(exc)) from exc
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
-        raise ModelFileError(path, "metadata", None, f"a model field has a bad value: {exc!r}") from exc
+        raise ModelFileError(path, field, None, f"a bad value: {exc!r}") from exc
+
+
+def check_embedding(path: Path, cfg: ModelConfig, src: Any, name: str) -> None:
+    """The metadata's vocabulary and width against the embedding tensor, before anything is sized by
+    them (a tokenizer of `vocab_size` words, the checkpoint's row blocks)."""
+    shape = src.shape(name)
+    if shape != (cfg.vocab_size, cfg.d_model):
+        raise ModelFileError(path, "metadata", None, f"vocab_size {cfg.vocab_size} x hidden size {cfg.d_model} "
+                                                     f"does not match tensor {name!r} of shape {shape}")
 
 
 # ---------------------------------------------------------------- HF safetensors
@@ -223,12 +242,12 @@ def convert_hf(directory: Path, out: Path, fmt: str = "f32") -> ModelConfig:
     if not (directory / "config.json").is_file():
         raise ConvertError(f"{directory}: no config.json (expected an HF model directory)")
     config = read_json_capped(directory / "config.json", "config.json")
-    cfg = _model_config(directory / "config.json", lambda: hf_model_config(config, name=directory.name))
+    with naming_the_file(directory / "config.json", "metadata"):
+        cfg = hf_model_config(config, name=directory.name)
+    with naming_the_file(directory, "safetensors"):
+        src = sources.SafetensorsSource(directory)    # headers checked (ModelFileError), no data read
+    check_embedding(directory / "config.json", cfg, src, TOP_NAMES["embed"][1])
     tokenizer = _read_tokenizer(directory / "tokenizer.json", lambda: TextTokenizer.from_hf_dir(directory))
-    try:
-        src = sources.SafetensorsSource(directory)
-    except sources.SourceError as exc:
-        raise ConvertError(str(exc)) from exc
 
     def name_of(where: str | int, key: str) -> str:
         return TOP_NAMES[key][1] if where == "top" else f"model.layers.{where}.{hf_layer_name(cfg, key)}"
@@ -237,7 +256,8 @@ def convert_hf(directory: Path, out: Path, fmt: str = "f32") -> ModelConfig:
     for file in src.files:
         digest.update(sha256_file(file).encode())
     source = {"format": "hf", "dir": str(directory), "weights": fmt, "sha256": digest.hexdigest()}
-    _convert(cfg, src, name_of, out, fmt, False, source, tokenizer)
+    with naming_the_file(directory, "tensors"):
+        _convert(cfg, src, name_of, out, fmt, False, source, tokenizer)
     return cfg
 
 

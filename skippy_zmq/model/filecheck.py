@@ -42,10 +42,12 @@ class Cursor:
     def fail(self, field: str, problem: str, offset: int | None = None) -> ModelFileError:
         return ModelFileError(self.path, field, self.pos if offset is None else offset, problem)
 
-    def need(self, n: int, field: str) -> None:
-        """Raise unless n more bytes are in the file (n is checked before any allocation)."""
+    def need(self, n: int, field: str, offset: int | None = None) -> None:
+        """Raise unless n more bytes are in the file (n is checked before any allocation); `offset`:
+        where the length or count that asked for them sits, if not here."""
         if n < 0 or n > self.size - self.pos:
-            raise self.fail(field, f"needs {n} bytes, the file has {self.size - self.pos} left (truncated?)")
+            raise self.fail(field, f"needs {n} bytes, the file has {self.size - self.pos} left (truncated?)",
+                            offset)
 
     def unpack(self, fmt: str, field: str) -> tuple[Any, ...]:
         n = struct.calcsize(fmt)

@@ -107,7 +107,9 @@ def _parse(cur: Cursor) -> GGUFLayout:
 
 
 def _string(cur: Cursor, field: str) -> str:
+    at = cur.pos
     (n,) = cur.unpack("<Q", f"{field} length")
+    cur.need(n, f"{field} length", at)
     return cur.text(n, field)
 
 
@@ -124,15 +126,16 @@ def _value(cur: Cursor, kind: int, field: str, depth: int) -> Any:
         raise cur.fail(f"{field} type", f"unknown GGUF value type {kind}", cur.pos - 4)
     if depth >= MAX_ARRAY_DEPTH:
         raise cur.fail(field, f"arrays nested more than {MAX_ARRAY_DEPTH} deep")
+    at = cur.pos
     item, n = cur.unpack("<IQ", f"{field} item type and count")
     if item in SCALARS:
         dtype = np.dtype(SCALARS[item])
-        cur.need(n * dtype.itemsize, f"{field} ({n} x {dtype.name})")
+        cur.need(n * dtype.itemsize, f"{field} count ({n} x {dtype.name})", at)
         values = np.frombuffer(cur.data, dtype, n, cur.pos)
         cur.pos += values.nbytes
         return values.astype(bool).tolist() if item == 7 else values.tolist()
     # strings take at least 8 bytes each, arrays 12: bound the count before the loop
-    cur.need(n * (8 if item == STRING else 12), f"{field} ({n} items of type {item})")
+    cur.need(n * (8 if item == STRING else 12), f"{field} count ({n} items of type {item})", at)
     return [_value(cur, item, f"{field}[{j}]", depth + 1) for j in range(n)]
 
 
