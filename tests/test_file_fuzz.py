@@ -22,7 +22,9 @@ from safetensors.numpy import save_file
 
 from skippy_zmq.model.convert import TOP_NAMES, convert_gguf, convert_hf, hf_layer_name
 from skippy_zmq.model.families import hf_model_config
+from skippy_zmq.model import loader
 from skippy_zmq.model.filecheck import ModelFileError, read_safetensors_header
+from skippy_zmq.model.formats import CheckpointError
 from skippy_zmq.model.formats import Encoded, dequantize_grid
 from skippy_zmq.model.gguf_layout import read_gguf_layout
 from skippy_zmq.model.gguf_writer import GGUFStream
@@ -209,3 +211,31 @@ def test_gguf_counts_and_nesting_are_bounded_by_the_file(tmp_path):
     bad.write_bytes(head + (0).to_bytes(8, "little") + (1).to_bytes(8, "little") + key + huge_string + bytes(64))
     with pytest.raises(ModelFileError, match="kv 'k' value length at byte 37: needs 9223372036854775808 bytes"):
         read_gguf_layout(bad)
+
+
+def test_damaged_checkpoint_items_fail_naming_the_item(tiny_files, tmp_path):
+    """A converted checkpoint with one of its files cut in half or deleted: loading the stage either
+    does not need that file or fails with a CheckpointError (ModelFileError for JSON) naming the item."""
+    good, _ = tiny_files
+    model = tmp_path / "model"
+    convert_gguf(good, model, "q4")
+    files = [f for f in sorted(model.rglob("*")) if f.is_file() and f.parent.name != "d"
+             and not f.name.startswith(("tokenizer", "source"))]
+    failed = 0
+    for f in files:
+        data = f.read_bytes()
+        for damaged in (data[:len(data) // 2], None):
+            if damaged is None:
+                f.unlink()
+            else:
+                f.write_bytes(damaged)
+            try:
+                loader.load_slice(model, 0, 1, fmt="q4")
+            except (CheckpointError, ModelFileError) as err:
+                failed += 1
+                item = f.parent if f.parent.parent.name in ("params", "embed") else f.parent.parent
+                assert str(item) in str(err) or str(f) in str(err), (f, str(err))
+            except FileNotFoundError as err:      # model.json: the "convert a model first" message
+                assert f.name == "model.json" and "no model.json" in str(err)
+            f.write_bytes(data)
+    assert failed >= len(files) // 2      # commit markers and the like are not read at load

@@ -351,6 +351,8 @@ def release_freed_memory() -> None:
 def _manifest(params: Path) -> dict[str, Any] | None:
     path = params / MANIFEST
     if not path.is_file():
+        if (params / "top").is_dir():     # item-per-layer items without their manifest: damaged
+            raise CheckpointError(f"{path}: missing beside the checkpoint's items: re-convert the model")
         return None
     manifest = read_json_capped(path, MANIFEST, 1 << 20)
     version = manifest.get("version") if isinstance(manifest, dict) else None
