@@ -239,3 +239,22 @@ def test_damaged_checkpoint_items_fail_naming_the_item(tiny_files, tmp_path):
                 assert f.name == "model.json" and "no model.json" in str(err)
             f.write_bytes(data)
     assert failed >= len(files) // 2      # commit markers and the like are not read at load
+
+
+def test_tokenizer_files_are_capped_and_checked(tiny_files, tmp_path):
+    from skippy_zmq.model.filecheck import read_json_capped
+    from skippy_zmq.model.tokenizer import TextTokenizer
+
+    _, hf = tiny_files
+    big = tmp_path / "tokenizer.json"
+    big.write_text(json.dumps({"pad": "x" * 100}))
+    with pytest.raises(ModelFileError, match=r"tokenizer.json: tok at byte 64: over the 64-byte cap"):
+        read_json_capped(big, "tok", cap=64)
+    good = (hf / "tokenizer.json").read_text()
+    (tmp_path / "tokenizer.json").write_text(good[:len(good) // 2])        # cut: not JSON any more
+    with pytest.raises(ModelFileError, match=r"tokenizer.json: tokenizer.json: not a tokenizer"):
+        TextTokenizer.from_hf_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(good)
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": ' * 100000)   # deep nesting, cut
+    with pytest.raises(ModelFileError, match=r"tokenizer_config.json: tokenizer_config.json: JSON nested too deeply"):
+        TextTokenizer.from_hf_dir(tmp_path)
