@@ -258,3 +258,26 @@ def test_tokenizer_files_are_capped_and_checked(tiny_files, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text('{"eos_token": ' * 100000)   # deep nesting, cut
     with pytest.raises(ModelFileError, match=r"tokenizer_config.json: tokenizer_config.json: JSON nested too deeply"):
         TextTokenizer.from_hf_dir(tmp_path)
+
+
+def safetensors_bytes(header: dict, data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data
+
+
+@pytest.mark.parametrize("header, fault", [
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, "overlaps tensor 'a' [0, 8)"),
+    ({"a": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}, "tensor 'a' dtype at byte 8: unknown dtype"),
+    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, "span of 8 bytes, shape [3] x F32 needs 12"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, "[0, 16] is not inside the 12-byte data section"),
+    ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]}}, "shape at byte 8: not a list"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, "data_offsets at byte 8: [8, 0] is not inside"),
+    ([1, 2], "header at byte 8: not a JSON object"),
+])
+def test_safetensors_header_entries_are_checked(tmp_path, header, fault):
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(safetensors_bytes(header, bytes(12)))
+    with pytest.raises(ModelFileError) as err:
+        read_safetensors_header(bad)
+    assert fault in str(err.value) and err.value.path == str(bad)
