@@ -12,7 +12,8 @@
 # Offline (a GPU machine that reaches no package registry): GPU_WHEELS=DIR holds wheels of the packages
 # its Python (SYSTEM_PYTHON, default python3, with JAX for CUDA) lacks: pyzmq, loguru, gguf, fastapi,
 # starlette, uvicorn, llguidance, jsonschema, pydantic, ... They are unpacked under OFFLINE_ENV
-# (default /tmp/skippy-offline-env) and found, with this repo, through PYTHONPATH. Without the real
+# (default: a fresh private folder from mktemp -d; a fixed /tmp path is one another user could create
+# first and fill with their own code) and found, with this repo, through PYTHONPATH. Without the real
 # SmolLM2 in models/ (fetched from the registry) the parity steps are not run and the benches use random
 # weights of its shape with its tokenizer (carry models/smollm2-135m-instruct/tokenizer{,_meta}.json).
 set -uo pipefail
@@ -35,7 +36,13 @@ fi
 SYSTEM_PYTHON="${SYSTEM_PYTHON:-python3}"
 REAL_MODEL=models/smollm2-135m-instruct
 offline_env() {   # the system Python's packages + GPU_WHEELS (a --target dir) + this repo, by PYTHONPATH
-    local site="${OFFLINE_ENV:-/tmp/skippy-offline-env}"
+    local site="${OFFLINE_ENV:-}"
+    if [ -z "$site" ]; then
+        site="$(mktemp -d "${TMPDIR:-/tmp}/skippy-offline-env.XXXXXXXX")" || return 1
+    elif [ -e "$site" ] && { [ ! -O "$site" ] || [ -n "$(find "$site" -maxdepth 0 -perm /022)" ]; }; then
+        echo "gpu-check: OFFLINE_ENV $site is not ours or is group/world-writable; refusing it" >&2
+        return 1
+    fi
     BIN="$site/bin"
     mkdir -p "$BIN" || return 1
     "$SYSTEM_PYTHON" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site/lib" \

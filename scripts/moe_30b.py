@@ -16,6 +16,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,7 +49,8 @@ def main() -> None:
     parser.add_argument("--cap", default="11GiB", help="each stage's memory budget")
     parser.add_argument("--lanes", type=int, default=2)
     parser.add_argument("--context", type=int, default=768)
-    parser.add_argument("--run-dir", type=Path, default=Path("/tmp/skippy-moe-30b"))
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="default: a fresh private folder (mktemp), never a fixed /tmp path")
     parser.add_argument("--out", type=Path, default=Path("bench-out/moe_30b.json"))
     args = parser.parse_args()
     model = args.model.absolute()
@@ -58,6 +60,7 @@ def main() -> None:
     two = plan(model, f"{args.cap},{args.cap}", args.lanes, args.context)
     if two.returncode != 0:
         sys.exit(f"plan refused 2 stages under {args.cap}: {two.stderr.strip()[-400:]}")
+    args.run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="skippy-moe-30b-"))
     args.run_dir.mkdir(parents=True, exist_ok=True)
     path = args.run_dir / "qwen3-30b-a3b-2stage.yaml"
     path.write_text(two.stdout)

@@ -5,7 +5,7 @@ persistent cache's hits and writes and the cache directory's file count before a
 
     # cold: an empty cache directory; warm: run it again with the same directory
     .venv/bin/python scripts/stage_start.py --topology topologies/smollm2-2stage.yaml --stage s0 \\
-        --weights q4 --cache /tmp/jaxcache-x
+        --weights q4 --cache "$(mktemp -d)"
     # every shape the stage serves (each attention bucket), not only what the factory warms
     ... --coverage full
 

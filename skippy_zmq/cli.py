@@ -38,11 +38,14 @@ def configure_jax(cache_dir: str | None = None) -> None:
     """
     import jax
 
+    from skippy_zmq.private_dirs import private_cache_dir
+
     flag = os.environ.get("JAX_CPU_ENABLE_ASYNC_DISPATCH", "").strip().lower()
     if flag:
         jax.config.update("jax_cpu_enable_async_dispatch", flag not in ("0", "false", "no", "off"))
     cache = cache_dir or os.environ.get("SKIPPY_JAX_CACHE", str(Path.home() / ".cache" / "skippy_zmq" / "jax"))
-    if cache and cache != "off":
+    # compiled executables are code: only from a folder that is ours and writable only by us
+    if cache and cache != "off" and private_cache_dir(Path(cache), "JAX compilation cache") is not None:
         jax.config.update("jax_compilation_cache_dir", cache)
         # compiles shorter than this are not written (SKIPPY_JAX_CACHE_MIN_S; the suite sets 0: its small
         # models' many short compiles are most of an in-process test's time, and a cache read is ms)

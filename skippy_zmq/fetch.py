@@ -170,20 +170,52 @@ def _extract_llama_cpp_models(target: Path, package: str, version: str) -> Path:
             raise FetchError(f"could not download the {package}=={version} sdist: {tail}")
         staged = Path(tmp) / "models"
         with tarfile.open(sdists[0]) as archive:
-            for member in archive:
-                name = member.name.split("/", 1)[-1]
-                if not member.isfile() or not name.startswith(_VENDOR_MODELS):
-                    continue
-                rel = Path(name[len(_VENDOR_MODELS):])
-                if ".." in rel.parts:
-                    continue
-                (staged / rel).parent.mkdir(parents=True, exist_ok=True)
-                with archive.extractfile(member) as src, open(staged / rel, "wb") as out:
-                    while chunk := src.read(_CHUNK_BYTES):
-                        out.write(chunk)
+            extract_under(archive, _VENDOR_MODELS, staged)
         (staged / ".complete").write_text(f"{package}=={version}\n")
         if target.exists():
             import shutil
             shutil.rmtree(target)
         os.replace(staged, target)
     return target
+
+
+def extract_under(archive: "tarfile.TarFile", prefix: str, staged: Path) -> int:
+    """Copy the plain files under `prefix` (after the sdist's top folder) into `staged`; returns how
+    many. Members that would land outside `staged` are skipped (staged_path)."""
+    count = 0
+    for member in archive:
+        name = member.name.split("/", 1)[-1]
+        if not name.startswith(prefix):
+            continue
+        rel = staged_path(member, name[len(prefix):], staged)
+        if rel is None:
+            continue
+        (staged / rel).parent.mkdir(parents=True, exist_ok=True)
+        with archive.extractfile(member) as src, open(staged / rel, "wb") as out:
+            while chunk := src.read(_CHUNK_BYTES):
+                out.write(chunk)
+        count += 1
+    return count
+
+
+def staged_path(member: "tarfile.TarInfo", rel: str, staged: Path) -> Path | None:
+    """Where a tar member goes under `staged`, or None (skipped, with a warning) for anything but a
+    plain file whose relative path stays inside: absolute paths (`models//etc/x` is `/etc/x` once
+    joined), `..`, empty parts, links and devices are refused. tarfile's data filter checks the
+    member too (its checks, not ours alone), though we copy the bytes ourselves."""
+    import tarfile
+
+    parts = rel.split("/")
+    if not member.isfile() or not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        logger.warning("skipping tar member {!r}: not a plain file with a plain relative path", member.name)
+        return None
+    try:
+        tarfile.data_filter(member.replace(name=rel, deep=False), str(staged))
+    except tarfile.FilterError as exc:
+        logger.warning("skipping tar member {!r}: {}", member.name, exc)
+        return None
+    target = (staged / rel).resolve()
+    if not target.is_relative_to(staged.resolve()):
+        logger.warning("skipping tar member {!r}: it would land outside {}", member.name, staged)
+        return None
+    return Path(*parts)

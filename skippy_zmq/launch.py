@@ -35,7 +35,7 @@ def stage_command(topology_path: Path, stage: StageConfig, extra: list[str] | No
     if is_local(stage.host):
         return cmd
     remote = f"cd {shlex.quote(os.getcwd())} && " + " ".join(shlex.quote(c) for c in cmd)
-    return ["ssh", "-o", "BatchMode=yes", stage.host, remote]
+    return ["ssh", "-o", "BatchMode=yes", "--", stage.host, remote]   # `--`: the host is never an option
 
 
 def spawn_stage(topology_path: Path, stage: StageConfig, run_dir: Path,

@@ -311,6 +311,26 @@ def _text(value: Any, at: _At) -> str:
     return value
 
 
+# A stage id names files in the run folder and appears on command lines: a plain name, never a path
+# or an option. A host reaches ssh's argv: a hostname, IPv4, [IPv6] (or bare IPv6), with user@.
+_SAFE_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_SAFE_HOST = re.compile(r"([A-Za-z0-9_][A-Za-z0-9_.-]*@)?([A-Za-z0-9_][A-Za-z0-9_.-]{0,252}|\[[0-9A-Fa-f:.]+\]"
+                        r"|[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*)")
+
+
+def _stage_id(value: Any, at: _At) -> str:
+    if not isinstance(value, str) or not _SAFE_ID.fullmatch(value):
+        at.fail(f"expected a name of letters, digits, '_', '.', '-' (not starting with '-' or '.', "
+                f"at most 64), got {value!r}")
+    return value
+
+
+def _host(value: Any, at: _At) -> str:
+    if not isinstance(value, str) or not _SAFE_HOST.fullmatch(value):
+        at.fail(f"expected a hostname, IPv4, [IPv6] or user@host (no leading '-', no spaces), got {value!r}")
+    return value
+
+
 def _choice(*options: str) -> Check:
     def check(value: Any, at: _At) -> str:
         if value not in options:
@@ -432,7 +452,7 @@ def _driver(raw: Any, at: _At) -> DriverConfig:
 
 
 _STAGE_CHECKS: dict[str, Check] = {
-    "id": _text, "layers": _layers, "listen": _endpoint, "host": _text, "device": _device,
+    "id": _stage_id, "layers": _layers, "listen": _endpoint, "host": _host, "device": _device,
     "dtype": _choice("float32", "bfloat16"), "weights": _choice("f32", "bf16", "int8", "q4"), "kv_lanes": _integer(1),
     "kv_dtype": _choice("f32", "bf16"), "cache": _cache, "cpus": _cpus, "memory": _memory,
     "advertise": _dial,
@@ -445,6 +465,7 @@ def _stage(raw: Any, at: _At, driver: DriverConfig) -> StageConfig:
     if "host" not in raw:  # spawn where it listens, unless it binds a wildcard
         m = _TCP.match(fields["listen"])
         fields["host"] = m["host"].strip("[]") if m and m["host"] not in ("*", "0.0.0.0") else "127.0.0.1"
+        _host(fields["host"], at.key("listen"))
     if "kv_dtype" not in raw:  # a bfloat16 stage keeps a bfloat16 KV unless told otherwise
         fields["kv_dtype"] = "bf16" if fields["dtype"] == "bfloat16" else "f32"
     if "kv_lanes" not in raw:

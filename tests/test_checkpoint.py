@@ -103,7 +103,7 @@ def test_stage_restores_only_its_items(tmp_path, tiny_tree):
     assert sorted(middle) == ["layers"] and sorted(middle["layers"]) == ["1", "2"]
     assert middle["layers"]["2"]["wq"]["q"].dtype == np.uint8 and middle["layers"]["2"]["wq"]["q"].shape == (64, 32)
     assert middle["layers"]["2"]["wq"]["d"].dtype == np.float16 and middle["layers"]["2"]["wq"]["d"].shape == (64, 2)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(CheckpointError, match="params/top: checkpoint item missing"):
         checkpoint.restore_stage(path, TINY, 3, 4)
 
 

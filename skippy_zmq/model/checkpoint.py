@@ -43,6 +43,7 @@ import orbax.checkpoint as ocp
 
 from skippy_zmq.config import ModelConfig
 from skippy_zmq.model import quant, weights
+from skippy_zmq.model.filecheck import read_json_capped
 from skippy_zmq.model.formats import (FORMATS, GROUP, CheckpointError, Encoded, check_format,  # noqa: F401
                                       dequantize_grid, encode, grid, int8_blocks, q4_blocks, runtime_nbytes,
                                       stored_format, stored_nbytes, to_float)
@@ -283,7 +284,7 @@ def stage_items(model_dir: Path, cfg: ModelConfig, start: int = 0,
     ckpt = ocp.PyTreeCheckpointer()
     for key in ("norm", "head", "embed"):
         if key in want:
-            yield key, ckpt.restore(params / "top")["norm"] if key == "norm" else \
+            yield key, restore_item(ckpt, params / "top")["norm"] if key == "norm" else \
                 _restore_rows(ckpt, params / key, cfg.vocab_size)
     for i in sorted(want["layers"], key=int):
         yield int(i), restore_layer(ckpt, params, int(i))
@@ -291,9 +292,22 @@ def stage_items(model_dir: Path, cfg: ModelConfig, start: int = 0,
 
 def restore_layer(ckpt: Any, params: Path, i: int) -> dict[str, Any]:
     """Layer i's item with its streamed parts merged in (CheckpointWriter.put_layer_tensor)."""
-    item = dict(ckpt.restore(params / f"layer_{i:05d}"))
+    item = dict(restore_item(ckpt, params / f"layer_{i:05d}"))
     for n in range(int(item.pop(PARTS_KEY, 0))):
-        item.update(ckpt.restore(params / f"layer_{i:05d}.part{n:03d}"))
+        item.update(restore_item(ckpt, params / f"layer_{i:05d}.part{n:03d}"))
+    return item
+
+
+def restore_item(ckpt: Any, path: Path) -> dict[str, Any]:
+    """One orbax item; a missing, truncated or foreign one is a CheckpointError naming it."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint item missing (an interrupted copy? re-convert the model)")
+    try:
+        item = ckpt.restore(path)
+    except Exception as exc:  # orbax and tensorstore raise assorted errors on damaged items
+        raise CheckpointError(f"{path}: cannot restore checkpoint item: {exc!r}"[:2000]) from exc
+    if not isinstance(item, dict) or not item:
+        raise CheckpointError(f"{path}: checkpoint item holds no arrays")
     return item
 
 
@@ -302,7 +316,7 @@ def _restore_rows(ckpt: Any, directory: Path, n_rows: int) -> dict[str, np.ndarr
     out: dict[str, np.ndarray] = {}
     row = 0
     for block_dir in sorted(p for p in directory.iterdir() if p.is_dir()):
-        block = ckpt.restore(block_dir)
+        block = restore_item(ckpt, block_dir)
         for leaf, a in block.items():
             if leaf not in out:   # 64-byte aligned: jax.device_put onto the CPU then aliases it, no copy
                 out[leaf] = aligned_empty((n_rows, *a.shape[1:]), a.dtype)
@@ -337,10 +351,13 @@ def release_freed_memory() -> None:
 def _manifest(params: Path) -> dict[str, Any] | None:
     path = params / MANIFEST
     if not path.is_file():
+        if (params / "top").is_dir():     # item-per-layer items without their manifest: damaged
+            raise CheckpointError(f"{path}: missing beside the checkpoint's items: re-convert the model")
         return None
-    manifest = json.loads(path.read_text())
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{path}: checkpoint version {manifest.get('version')}, this runtime reads "
+    manifest = read_json_capped(path, MANIFEST, 1 << 20)
+    version = manifest.get("version") if isinstance(manifest, dict) else None
+    if version != VERSION or manifest.get("weights") not in FORMATS:
+        raise CheckpointError(f"{path}: checkpoint version {version}, this runtime reads "
                               f"{VERSION}: re-convert the model")
     return manifest
 

@@ -17,12 +17,13 @@ blocks of rows), so peak memory is about one layer, whatever the model size.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from loguru import logger
@@ -32,6 +33,8 @@ from skippy_zmq.config import ModelConfig
 from skippy_zmq.fetch import sha256_file
 from skippy_zmq.model import sources, weights
 from skippy_zmq.model.checkpoint import CheckpointError, CheckpointWriter, Encoded
+from skippy_zmq.model.filecheck import ModelFileError, read_json_capped
+from skippy_zmq.model.gguf_layout import read_gguf_layout
 from skippy_zmq.model.gguf_writer import EXPERT_NAMES, ROUTER_NAME, SHARED_NAMES
 # The families and their config reading live in model/families.py; imported here for callers of convert.
 from skippy_zmq.model.families import (ConvertError, GGUF_ARCHS, SUPPORTED_HF_TYPES,  # noqa: F401
@@ -174,20 +177,23 @@ def stream_checkpoint(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, 
 
 
 def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
-    """GGUF -> our checkpoint in `fmt`; Q4_0 / Q4_1 / Q8_0 blocks keep their levels when `fmt` holds them."""
+    """GGUF -> our checkpoint in `fmt`; Q4_0 / Q4_1 / Q8_0 blocks keep their levels when `fmt` holds them.
+
+    Every failure that is the file's is a ModelFileError naming it (a ConvertError)."""
     import gguf
 
     path = Path(path)
     if not path.is_file():
         raise ConvertError(f"{path}: no such file")
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ConvertError(f"{path} is not a GGUF file (bad magic)")
+    read_gguf_layout(path)    # every length and offset checked first: a bad file is a ModelFileError
     try:
         reader = gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises assorted errors on truncated files
-        raise ConvertError(f"{path}: cannot read GGUF: {exc}") from exc
-    cfg = gguf_model_config(reader, name=path.stem)
+    except Exception as exc:  # the reader raises assorted errors on files it cannot take
+        raise ModelFileError(path, "GGUF", None, f"gguf.GGUFReader cannot read it: {exc!r}") from exc
+    with naming_the_file(path, "metadata"):
+        cfg = gguf_model_config(reader, name=path.stem)
+    src = sources.GGUFSource(path, reader)
+    check_embedding(path, cfg, src, TOP_NAMES["embed"][0])
     tokenizer = _read_tokenizer(path, lambda: TextTokenizer(*tokenizer_from_gguf(reader)))
 
     def name_of(where: str | int, key: str) -> str:
@@ -199,9 +205,32 @@ def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
         return f"blk.{where}.{ROUTER_NAME if key == 'router' else SHARED_NAMES.get(key) or LAYER_NAMES[key][0]}"
 
     source = {"format": "gguf", "file": path.name, "weights": fmt, "sha256": sha256_file(path)}
-    _convert(cfg, sources.GGUFSource(path, reader), name_of, out, fmt, cfg.arch in ("llama", "mixtral"), source,
-             tokenizer)
+    with naming_the_file(path, "tensors"):
+        _convert(cfg, src, name_of, out, fmt, cfg.arch in ("llama", "mixtral"), source, tokenizer)
     return cfg
+
+
+@contextlib.contextmanager
+def naming_the_file(path: Path, field: str) -> Iterator[None]:
+    """Turn a conversion failure that comes from `path`'s contents into a ModelFileError naming it
+    (and `field`: "metadata" for the model's fields, "tensors" for names and shapes)."""
+    try:
+        yield
+    except ModelFileError:
+        raise
+    except (ConvertError, CheckpointError, sources.SourceError) as exc:
+        raise ModelFileError(path, field, None, str(exc)) from exc
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        raise ModelFileError(path, field, None, f"a bad value: {exc!r}") from exc
+
+
+def check_embedding(path: Path, cfg: ModelConfig, src: Any, name: str) -> None:
+    """The metadata's vocabulary and width against the embedding tensor, before anything is sized by
+    them (a tokenizer of `vocab_size` words, the checkpoint's row blocks)."""
+    shape = src.shape(name)
+    if shape != (cfg.vocab_size, cfg.d_model):
+        raise ModelFileError(path, "metadata", None, f"vocab_size {cfg.vocab_size} x hidden size {cfg.d_model} "
+                                                     f"does not match tensor {name!r} of shape {shape}")
 
 
 # ---------------------------------------------------------------- HF safetensors
@@ -212,12 +241,13 @@ def convert_hf(directory: Path, out: Path, fmt: str = "f32") -> ModelConfig:
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise ConvertError(f"{directory}: no config.json (expected an HF model directory)")
-    cfg = hf_model_config(json.loads((directory / "config.json").read_text()), name=directory.name)
+    config = read_json_capped(directory / "config.json", "config.json")
+    with naming_the_file(directory / "config.json", "metadata"):
+        cfg = hf_model_config(config, name=directory.name)
+    with naming_the_file(directory, "safetensors"):
+        src = sources.SafetensorsSource(directory)    # headers checked (ModelFileError), no data read
+    check_embedding(directory / "config.json", cfg, src, TOP_NAMES["embed"][1])
     tokenizer = _read_tokenizer(directory / "tokenizer.json", lambda: TextTokenizer.from_hf_dir(directory))
-    try:
-        src = sources.SafetensorsSource(directory)
-    except sources.SourceError as exc:
-        raise ConvertError(str(exc)) from exc
 
     def name_of(where: str | int, key: str) -> str:
         return TOP_NAMES[key][1] if where == "top" else f"model.layers.{where}.{hf_layer_name(cfg, key)}"
@@ -226,7 +256,8 @@ def convert_hf(directory: Path, out: Path, fmt: str = "f32") -> ModelConfig:
     for file in src.files:
         digest.update(sha256_file(file).encode())
     source = {"format": "hf", "dir": str(directory), "weights": fmt, "sha256": digest.hexdigest()}
-    _convert(cfg, src, name_of, out, fmt, False, source, tokenizer)
+    with naming_the_file(directory, "tensors"):
+        _convert(cfg, src, name_of, out, fmt, False, source, tokenizer)
     return cfg
 
 
@@ -237,7 +268,7 @@ def _read_tokenizer(where: Path, build: Callable[[], TextTokenizer]) -> TextToke
     except ConvertError:
         raise
     except Exception as exc:  # tokenizers and the GGUF reader raise assorted errors on bad input
-        raise ConvertError(f"{where}: cannot build the tokenizer: {exc}") from exc
+        raise ModelFileError(where, "tokenizer", None, f"cannot build the tokenizer: {exc}") from exc
 
 
 def _convert(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, str], str], out: Path, fmt: str,

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from skippy_zmq.config import ModelConfig
 from skippy_zmq.model import checkpoint, weights
+from skippy_zmq.model.filecheck import ModelFileError, read_json_capped
 
 
 def load_slice(model_dir: Path, start: int = 0, end: int | None = None, dtype: str = "float32",
@@ -31,7 +32,16 @@ def load_slice(model_dir: Path, start: int = 0, end: int | None = None, dtype: s
     model_dir = Path(model_dir)
     if not (model_dir / "model.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no model.json (convert a model first: `make model`)")
-    cfg = dataclasses.replace(ModelConfig.load(model_dir / "model.json"), dtype=dtype)
+    cfg = dataclasses.replace(read_model_json(model_dir / "model.json"), dtype=dtype)
     end = cfg.n_layers if end is None else end
     fmt = (quantize or "f32") if fmt is None else fmt
     return cfg, checkpoint.load_stage(model_dir, cfg, start, end, fmt, jnp.dtype(dtype), device)
+
+
+def read_model_json(path: Path) -> ModelConfig:
+    """A converted model's model.json; a malformed one is a ModelFileError naming the file."""
+    data = read_json_capped(path, "model.json", 1 << 20)
+    try:
+        return ModelConfig.from_dict(data)
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise ModelFileError(path, "model.json", None, f"not a model config: {exc!r}") from None

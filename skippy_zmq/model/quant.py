@@ -54,6 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from loguru import logger
 
+from skippy_zmq.private_dirs import private_cache_dir, unsafe_reason
+
 PANEL = 64
 GROUP_SIZE = 32   # input rows per scale; to_qtensor falls back to one group when it does not divide
 KERNEL_TARGETS = {8: "skippy_int8_dense", 4: "skippy_q4_dense"}   # bits -> FFI target
@@ -452,12 +454,10 @@ def _build_kernel() -> Path:
              *(f"{isa}:{' '.join(ISA_FLAGS[isa])}" for isa in isas)]
     key = hashlib.sha256(b"".join((KERNEL_DIR / f).read_bytes() for f in KERNEL_SOURCES)
                          + "\n".join(ident).encode()).hexdigest()[:16]
-    cache = kernel_cache_dir()
-    target = cache / f"quant_kernel-{platform.machine()}-{'+'.join(isas)}-{key}.so"
+    target = _kernel_path(f"quant_kernel-{platform.machine()}-{'+'.join(isas)}-{key}.so")
     if target.is_file():
         return target
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:   # build aside, publish atomically
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:   # build aside, publish atomically
         def cc(*args: str) -> None:
             subprocess.run([path, *CXX_FLAGS, *args], check=True, capture_output=True, text=True, timeout=300)
 
@@ -469,5 +469,18 @@ def _build_kernel() -> Path:
         cc("-I", include, "-c", str(KERNEL_DIR / "quant_kernel.cc"), "-o", objects[-1])
         out = Path(tmp) / target.name
         cc("-shared", *objects, "-o", str(out))
+        os.chmod(out, 0o755)      # whatever the umask: a group-writable .so would be refused next time
         os.replace(out, target)
     return target
+
+
+def _kernel_path(name: str) -> Path:
+    """Where the built kernel is or goes: the cache when the folder and the file are ours and writable
+    only by us (private_dirs), else a fresh 0700 folder of this process's own (built again, logged)."""
+    cache = private_cache_dir(kernel_cache_dir(), "kernel cache")
+    if cache is not None:
+        target = cache / name
+        if not os.path.lexists(target) or (reason := unsafe_reason(target, follow=False)) is None:
+            return target
+        logger.warning("kernel {} {}: building a private copy instead", target, reason)
+    return Path(tempfile.mkdtemp(prefix="skippy-kernel-")) / name

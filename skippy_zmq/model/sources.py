@@ -13,14 +13,13 @@ that block alone, with the `gguf` package.
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from skippy_zmq.model.filecheck import read_safetensors_header
 from skippy_zmq.model.formats import Encoded, int8_blocks, q4_blocks
 
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
@@ -48,12 +47,9 @@ class SafetensorsSource:
             raise SourceError(f"{directory}: no *.safetensors files")
         self.index: dict[str, tuple[Path, int, dict[str, Any]]] = {}
         for file in self.files:
-            with open(file, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-            for name, info in header.items():
-                if name != "__metadata__":
-                    self.index[name] = (file, 8 + n, info)
+            data_start, tensors = read_safetensors_header(file)   # bounded and checked: ModelFileError
+            for name, info in tensors.items():
+                self.index[name] = (file, data_start, info)
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         entry = self.index.get(name)
@@ -65,6 +61,8 @@ class SafetensorsSource:
         if dtype is None:
             raise SourceError(f"tensor {name}: unsupported dtype {info['dtype']}")
         shape = tuple(info["shape"])
+        if not shape:
+            raise SourceError(f"tensor {name}: a scalar, not a matrix or vector")
         stop = shape[0] if stop is None else min(stop, shape[0])
         row = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
         with open(file, "rb") as f:

@@ -17,6 +17,7 @@ from typing import Any
 import gguf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from skippy_zmq.model.filecheck import ModelFileError, read_json_capped, read_text_capped
 from skippy_zmq.model.vocab import BOS_BY_DEFAULT, GGUFMetadata, UnsupportedVocab, build_from_gguf, check_vocab, field  # noqa: F401
 from skippy_zmq.model.chat_template import (
     ChatTemplates, generation_eos_ids, gguf_templates, merge_ids, read_hf_templates)
@@ -95,6 +96,15 @@ def word_level_tokenizer(vocab_size: int) -> tuple[Tokenizer, dict[str, Any]]:
     return tokenizer, meta
 
 
+def tokenizer_file(path: Path) -> Tokenizer:
+    """A tokenizer.json, its size capped before it is read; a bad one is a ModelFileError naming it."""
+    text = read_text_capped(path, TOKENIZER_FILE)
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as exc:  # tokenizers raises its own Exception on a JSON it cannot build from
+        raise ModelFileError(path, TOKENIZER_FILE, None, f"not a tokenizer: {exc}") from None
+
+
 def _post_processor_bos(tokenizer: Tokenizer) -> int | None:
     """The id tokenizer.json's post-processor puts first on a single sequence, or None."""
     post = json.loads(tokenizer.to_str()).get("post_processor") or {}
@@ -144,9 +154,11 @@ class TextTokenizer:
         directory = Path(directory)
         if not (directory / TOKENIZER_FILE).is_file():
             raise ValueError(f"{directory}: no {TOKENIZER_FILE}")
-        tokenizer = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
+        tokenizer = tokenizer_file(directory / TOKENIZER_FILE)
         config_path = directory / "tokenizer_config.json"
-        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        config = read_json_capped(config_path, "tokenizer_config.json") if config_path.is_file() else {}
+        if not isinstance(config, dict):
+            raise ModelFileError(config_path, "tokenizer_config.json", 0, "not a JSON object")
 
         def token_id(key: str) -> int:
             value = config.get(key)
@@ -169,8 +181,10 @@ class TextTokenizer:
     @classmethod
     def load(cls, directory: str | Path) -> TextTokenizer:
         directory = Path(directory)
-        tokenizer = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
-        meta = json.loads((directory / META_FILE).read_text(encoding="utf-8"))
+        tokenizer = tokenizer_file(directory / TOKENIZER_FILE)
+        meta = read_json_capped(directory / META_FILE, META_FILE)
+        if not isinstance(meta, dict):
+            raise ModelFileError(directory / META_FILE, META_FILE, 0, "not a JSON object")
         return cls(tokenizer, meta)
 
     def save(self, directory: str | Path) -> None:

@@ -16,13 +16,12 @@ Any other type is refused by name (`UnsupportedVocab`) before anything heavy.
 
 from __future__ import annotations
 
-import mmap
-import struct
 from typing import Any
 
 import gguf
-import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from skippy_zmq.model.gguf_layout import read_gguf_layout
 
 
 class UnsupportedVocab(ValueError):
@@ -174,10 +173,6 @@ def build_from_gguf(reader: gguf.GGUFReader | GGUFMetadata) -> tuple[Tokenizer, 
 
 # ---------------------------------------------------------------- metadata only, fast
 
-# GGUF value types -> numpy dtype (gguf.GGUFValueType: 8 string, 9 array)
-_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8",
-            11: "<i8", 12: "<f8"}
-
 
 class MetaField:
     """One GGUF metadata value, read as gguf.ReaderField.contents() gives it."""
@@ -191,44 +186,9 @@ class MetaField:
 
 class GGUFMetadata:
     """A GGUF file's key/value metadata without its tensors: gguf.GGUFReader parses every array
-    element into numpy views (half a minute for a 150k-token vocabulary); this reads them at once."""
+    element into numpy views (half a minute for a 150k-token vocabulary); this reads them at once,
+    every length checked against the file first (gguf_layout; a bad file is a ModelFileError)."""
 
     def __init__(self, path: str) -> None:
         self.path = str(path)
-        # mapped, not read: a whole model's GGUF holds its weights after the metadata
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            if data[:4] != b"GGUF":
-                raise ValueError(f"{path} is not a GGUF file (bad magic)")
-            self._data, pos = data, 8
-            _, n_kv = struct.unpack_from("<QQ", data, pos)
-            pos += 16
-            self.fields: dict[str, MetaField] = {}
-            for _ in range(n_kv):
-                key, pos = self._string(pos)
-                (kind,), pos = struct.unpack_from("<I", data, pos), pos + 4
-                value, pos = self._value(kind, pos)
-                self.fields[key] = MetaField(value)
-            del self._data
-
-    def _string(self, pos: int) -> tuple[str, int]:
-        (n,) = struct.unpack_from("<Q", self._data, pos)
-        return self._data[pos + 8:pos + 8 + n].decode("utf-8"), pos + 8 + n
-
-    def _value(self, kind: int, pos: int) -> tuple[Any, int]:
-        if kind == 8:
-            return self._string(pos)
-        if kind in _SCALARS:
-            value = np.frombuffer(self._data, _SCALARS[kind], 1, pos)[0].item()
-            return (bool(value) if kind == 7 else value), pos + np.dtype(_SCALARS[kind]).itemsize
-        if kind != 9:
-            raise ValueError(f"{self.path}: unknown GGUF value type {kind}")
-        item, n = struct.unpack_from("<IQ", self._data, pos)
-        pos += 12
-        if item in _SCALARS:
-            values = np.frombuffer(self._data, _SCALARS[item], n, pos)
-            return values.tolist(), pos + values.nbytes
-        out = []
-        for _ in range(n):
-            value, pos = self._value(item, pos)
-            out.append(value)
-        return out, pos
+        self.fields = {key: MetaField(value) for key, value in read_gguf_layout(path).fields.items()}
