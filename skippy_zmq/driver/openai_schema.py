@@ -21,6 +21,7 @@ from skippy_zmq.constrain import ConstraintError, ConstraintSpec
 from skippy_zmq.driver import tools
 from skippy_zmq.driver.engine import GenRequest
 from skippy_zmq.driver.reasoning import REASONING_FORMATS
+from skippy_zmq.model.template_budget import RenderBudgetError
 from skippy_zmq.model.tokenizer import TextTokenizer
 from skippy_zmq.sampling import SamplingParams
 
@@ -86,6 +87,10 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "function_call": (_tool_choice_off, "the deprecated function_call parameter is not supported; use tool_choice"),
     "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
     "suffix": (lambda v: v in (None, ""), "suffix is not supported"),
+    # vLLM's per-request template text: here templates belong to the model (a name may be given in
+    # chat_template_kwargs.chat_template)
+    "chat_template": (lambda v: v is None, "a request cannot supply a chat template; the model's own render "
+                                           "(name one of them with chat_template_kwargs.chat_template)"),
 }
 
 _SAMPLING_KEYS = (
@@ -398,8 +403,9 @@ def check_constraint(parsed: ParsedRequest, info: Any) -> None:
 
 # ---------------------------------------------------------------- body and prompt
 
-async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
-    """The JSON object body, refusing other media types and anything over `limit` bytes."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body of a JSON request, refusing other media types and anything over `limit` bytes
+    (on the event loop: it only moves bytes; parse_json_body parses them in a worker)."""
     media_type = (request.headers.get("content-type") or "application/json").split(";")[0].strip().lower()
     if not media_type.endswith("json"):
         raise RequestError(f"Content-Type must be application/json, got {media_type!r}", status=415)
@@ -412,8 +418,13 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
         if size > limit:  # a chunked body has no Content-Length to check up front
             raise RequestError(f"request body exceeds the limit of {limit} bytes", status=413)
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object in a request body."""
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(raw)
     except RecursionError:
         raise RequestError("malformed JSON body: nested too deeply") from None
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -421,6 +432,11 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     return body
+
+
+async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
+    """read_body then parse_json_body, in one step (for callers with small bodies)."""
+    return parse_json_body(await read_body(request, limit))
 
 
 def _system_in_first_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
@@ -439,6 +455,8 @@ def _render_chat(tokenizer: TextTokenizer, messages: list[dict[str, Any]], kwarg
     template polyfills do; any other failure, or a second one, is the request's error."""
     try:
         return tokenizer.apply_chat_template(messages, **kwargs)
+    except RenderBudgetError as err:   # the conversation made the template work too long or build too much
+        raise RequestError(f"messages: rendering the chat template went over its budget: {err}", "messages") from None
     except (TemplateError, ValueError, TypeError) as err:  # e.g. raise_exception() on role order
         folded = _system_in_first_user(messages) if "system" in str(err).lower() else None
         if folded is not None:
