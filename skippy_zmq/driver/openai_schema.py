@@ -467,10 +467,21 @@ def _render_chat(tokenizer: TextTokenizer, messages: list[dict[str, Any]], kwarg
         raise RequestError(f"messages: the chat template failed: {err}", "messages") from None
 
 
+def _check_text_fits(tokenizer: TextTokenizer, parsed: ParsedRequest, text: str, max_context: int | None) -> None:
+    """A text with surely more tokens than the context holds is refused before it is tokenised
+    (4 MB of text: seconds of tokenizer CPU for a request bound to fail)."""
+    most = tokenizer.max_token_chars
+    if max_context is None or most is None or len(text) <= max_context * most:
+        return
+    param = parsed.format.prompt_param
+    raise RequestError(f"{param}: the prompt has at least {len(text) // most} tokens but this model's maximum "
+                       f"context length is {max_context} tokens", param, code="context_length_exceeded")
+
+
 def encode_prompt(tokenizer: TextTokenizer, parsed: ParsedRequest,
-                  prompt: str | tuple[int, ...] | None = None) -> list[int]:
+                  prompt: str | tuple[int, ...] | None = None, max_context: int | None = None) -> list[int]:
     """The prompt's token ids: the chat template over the messages, or `prompt` (default: the
-    request's first) as text or ids."""
+    request's first) as text or ids; with `max_context`, a text that cannot fit is refused first."""
     prompt = parsed.prompt if prompt is None else prompt
     if parsed.messages:
         # The tool format renders tools and tool traffic: through the model's own template
@@ -478,10 +489,12 @@ def encode_prompt(tokenizer: TextTokenizer, parsed: ParsedRequest,
         # call's opening ends the prompt.
         messages, tool_list = parsed.tool_format.template_inputs(parsed.messages, parsed.toolset)
         kwargs = {**parsed.template_kwargs, **({"tools": tool_list} if tool_list is not None else {})}
-        text = _render_chat(tokenizer, messages, kwargs)
+        text = _render_chat(tokenizer, messages, kwargs) + parsed.output_prefix
+        _check_text_fits(tokenizer, parsed, text, max_context)
         # encode_chat's tokenisation (the template writes any BOS itself)
-        return tokenizer.encode(text + parsed.output_prefix, add_bos=False)
+        return tokenizer.encode(text, add_bos=False)
     if isinstance(prompt, str):
+        _check_text_fits(tokenizer, parsed, prompt, max_context)
         try:
             return tokenizer.encode(prompt)
         except (TypeError, ValueError) as err:   # e.g. a lone surrogate the tokenizer cannot take

@@ -78,7 +78,7 @@ def prepare_prompts(prep: PrepContext, parsed: ParsedRequest, request_id: str) -
     prompts = parsed.prompts or (parsed.prompt,)
     out = []
     for i, prompt in enumerate(prompts):
-        ids = encode_prompt(tokenizer, parsed, prompt)
+        ids = encode_prompt(tokenizer, parsed, prompt, prep.max_context)
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         echo = (prompt if isinstance(prompt, str) else tokenizer.decode(ids)) if parsed.options.echo else None
         thinking = prep.thinks and prompt_opens_thinking(tokenizer.decode(ids[-8:]))

@@ -221,6 +221,11 @@ class ChatTemplates:
             raise ValueError(f"this model has only named chat templates {self.names()}: pick one")
         raise ValueError("this model has no chat template (tokenizer.chat_template)")
 
+    @property
+    def compiled_count(self) -> int:
+        """How many compiled templates are kept (MAX_COMPILED at most)."""
+        return len(self._compiled)
+
     def names(self) -> list[str]:
         return sorted({*self.named, *([DEFAULT] if self.default else [])})
 

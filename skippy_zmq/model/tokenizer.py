@@ -243,6 +243,17 @@ class TextTokenizer:
                    "eos_token": self.token_text(self.meta["eos_id"])}
         return template.render(messages, add_generation_prompt, tools=tools, **{**special, **kwargs})
 
+    @property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token can cover (its longest vocabulary string: a
+        byte-level symbol stands for at most one character), so a text of L characters has at least
+        L / max_token_chars tokens; None when a normalizer could delete characters (no such bound)."""
+        if "_max_token_chars" not in self.__dict__:
+            vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+            self._max_token_chars = None if self.tokenizer.normalizer is not None or not vocab else \
+                max(len(piece) for piece in vocab)
+        return self._max_token_chars
+
     def chat_template_names(self) -> list[str]:
         """The names of the model's chat templates (`default`, `tool_use`, ...): the only values
         `apply_chat_template(chat_template=...)` takes."""
