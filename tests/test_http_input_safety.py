@@ -100,6 +100,10 @@ OVER_CAP = [
      "chat_template_kwargs", "template text is not accepted"),
     ("unknown-template", CHAT, {"messages": HI, "chat_template_kwargs": {"chat_template": "nope"}},
      "chat_template_kwargs", "'nope' is not one of them"),
+    ("template-kwargs-depth", CHAT, {"messages": HI, "chat_template_kwargs": {"x": json.loads("[" * 900 + "]" * 900)}},
+     "chat_template_kwargs", "nesting depth 901; the limit is 32"),
+    ("template-kwargs-bytes", CHAT, {"messages": HI, "chat_template_kwargs": {"x": "y" * 70_000}},
+     "chat_template_kwargs", "the limit is 65536"),
     ("vllm-template", CHAT, {"messages": HI, "chat_template": "{{ 7*7 }}"}, "chat_template",
      "cannot supply a chat template"),
 ]

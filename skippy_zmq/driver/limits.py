@@ -35,6 +35,8 @@ class RequestLimits:
     max_stop_chars: int = 256              # per stop string (the matcher holds back up to this much text)
     max_logit_bias: int = 1024             # entries
     max_cache_key_chars: int = 256
+    max_template_kwargs_bytes: int = 64 * 1024   # chat_template_kwargs as JSON
+    max_template_kwargs_depth: int = 32          # its nesting (templates walk it recursively)
     max_logprob_entries: int = 512 * 1024  # (echoed prompt + max_tokens) x choices x (1 + top alternatives)
     max_echo_chars: int = 8 * 1024 * 1024  # echoed prompt text over all choices
     # what one message's extras may hold, less room for the keys the driver adds itself
@@ -112,11 +114,34 @@ def _check_generation_fields(body: Mapping[str, Any], limits: RequestLimits) -> 
         raise _over("prompt_cache_key", "characters:", len(key), limits.max_cache_key_chars)
 
 
+def _depth(value: Any) -> int:
+    """How deeply lists and objects nest in `value` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _check_template_kwargs(kwargs: Any, limits: RequestLimits) -> None:
+    if not isinstance(kwargs, dict):
+        return
+    depth = _depth(kwargs)
+    if depth > limits.max_template_kwargs_depth:
+        raise _over("chat_template_kwargs", "nesting depth", depth, limits.max_template_kwargs_depth)
+    size = len(json.dumps(kwargs, ensure_ascii=False).encode())
+    if size > limits.max_template_kwargs_bytes:
+        raise _over("chat_template_kwargs", "bytes as JSON:", size, limits.max_template_kwargs_bytes)
+
+
 def check_body(body: Mapping[str, Any], limits: RequestLimits) -> None:
     """The counts and sizes of a request's fields, before anything is parsed or validated. Values
     of the wrong type are left to the parsers, which name them."""
     _check_messages(body.get("messages"), limits)
     _check_tools(body.get("tools"), limits)
+    _check_template_kwargs(body.get("chat_template_kwargs"), limits)
     _check_generation_fields(body, limits)
 
 

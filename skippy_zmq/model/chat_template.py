@@ -165,9 +165,12 @@ class ChatTemplate:
             raise TypeError("documents must be a list of objects (title, text)")
         if tools is not None and not all(isinstance(t, Mapping) for t in tools):
             raise TypeError("tools must be a list of objects (JSON schemas)")
-        context = plain_data({"bos_token": bos_token, "eos_token": eos_token, **kwargs})
-        variables = dict(messages=template_messages(messages), tools=plain_data(tools),
-                         documents=plain_data(documents), add_generation_prompt=add_generation_prompt, **context)
+        try:
+            context = plain_data({"bos_token": bos_token, "eos_token": eos_token, **kwargs})
+            variables = dict(messages=template_messages(messages), tools=plain_data(tools),
+                             documents=plain_data(documents), add_generation_prompt=add_generation_prompt, **context)
+        except RecursionError:
+            raise TemplateError("the template's inputs nest too deeply") from None
         try:
             return render_within(self._env, lambda: self._compiled.generate(**variables))
         except TemplateError:
