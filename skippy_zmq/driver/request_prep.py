@@ -13,7 +13,9 @@ from typing import Any
 
 from skippy_zmq.driver import tools
 from skippy_zmq.driver.engine import GenRequest
-from skippy_zmq.driver.limits import RequestLimits, check_body, check_choices, check_extras, check_response, check_strings
+from skippy_zmq.driver.limits import (
+    RequestLimits, check_body, check_choices, check_extras, check_response, check_strings,
+)
 from skippy_zmq.driver.openai_schema import (
     ParsedRequest, RequestError, check_constraint, encode_prompt, for_model, parse_json_body, to_gen_request,
 )

@@ -32,8 +32,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from skippy_zmq.driver import tools
 from skippy_zmq.driver.chat_output import ChatOutput, message_fields
 from skippy_zmq.driver.engine import ChoiceControl, Engine, EngineError, GenRequest, TokenEvent
-from skippy_zmq.driver.metrics import ServerMetrics, error_kind
 from skippy_zmq.driver.limits import RequestLimits
+from skippy_zmq.driver.metrics import ServerMetrics, error_kind
 from skippy_zmq.driver.offloop import OffLoop, dumps_in_parts
 from skippy_zmq.driver.openai_schema import (
     CHAT, COMPLETION, ParsedRequest, RequestError, StopMatcher, TextOffsets, TokenLogprob, error_body, parse_chat,
