@@ -5,6 +5,7 @@ FakeEngine and the real SmolLM2 tokenizer (as tests/test_server.py), driven by h
 from __future__ import annotations
 
 import json
+import multiprocessing
 import threading
 import time
 from dataclasses import replace
@@ -14,6 +15,7 @@ import openai
 import pytest
 from fake_engine import FakeEngine
 from jinja2.exceptions import TemplateError
+from loguru import logger
 from test_server import MESSAGES, REPLY, _load_tokenizer
 
 from skippy_zmq.driver.limits import RequestLimits
@@ -223,16 +225,41 @@ EXPECTED = {   # kind -> (status, words in the answer)
 }
 
 
-def test_health_and_a_stream_stay_live_while_the_worst_requests_run(server, tok):
+def _serve_in_child(port_out: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
+    """A child process serving the app (its own GIL: the clients of the test do not slow it)."""
+    logger.remove()
+    tok = _load_tokenizer()
+    engine = FakeEngine([*tok.encode(REPLY), tok.eos_ids[0]], tok.eos_ids, max_context=MAX_CONTEXT)
+    handle = start_in_thread(create_app(engine, tok, model_name="m"))
+    port_out.put(handle.port)
+    stop.wait()
+    handle.stop()
+
+
+@pytest.fixture(scope="module")
+def child_server() -> str:
+    spawn = multiprocessing.get_context("spawn")
+    port_out, stop = spawn.Queue(), spawn.Event()
+    child = spawn.Process(target=_serve_in_child, args=(port_out, stop), daemon=True)
+    child.start()
+    try:
+        yield f"http://127.0.0.1:{port_out.get(timeout=120)}"
+    finally:
+        stop.set()
+        child.join(30)
+
+
+def test_health_and_a_stream_stay_live_while_the_worst_requests_run(child_server, tok):
     kinds = worst_requests(tok.vocab_size)
     assert {k.name for k in kinds} == set(EXPECTED)
+    bodies = {k.name: k.body() for k in kinds}   # built before the probe starts
     answers: dict[str, tuple[int, str]] = {}
-    attackers = [threading.Thread(target=lambda k=k: answers.__setitem__(k.name, send(server.url, k)), daemon=True)
-                 for k in kinds]
-    with HealthProbe(server.url, interval_s=0.05) as probe:
+    attackers = [threading.Thread(target=lambda k=k: answers.__setitem__(k.name, send(child_server, k, bodies[k.name])),
+                                  daemon=True) for k in kinds]
+    with HealthProbe(child_server, interval_s=0.05) as probe:
         for attacker in attackers:
             attacker.start()
-        with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        with openai.OpenAI(base_url=f"{child_server}/v1", api_key="x", max_retries=0, timeout=60) as client:
             stream = client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
             streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
         deadline = time.monotonic() + 120

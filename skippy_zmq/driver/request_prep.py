@@ -17,8 +17,9 @@ from skippy_zmq.driver.limits import (
     RequestLimits, check_body, check_choices, check_extras, check_response, check_strings,
 )
 from skippy_zmq.driver.openai_schema import (
-    ParsedRequest, RequestError, check_constraint, encode_prompt, for_model, parse_json_body, to_gen_request,
+    ParsedRequest, RequestError, check_constraint, for_model, parse_json_body, to_gen_request,
 )
+from skippy_zmq.driver.prompt_encoding import encode_prompt
 from skippy_zmq.driver.reasoning import prompt_opens_thinking
 from skippy_zmq.model.tokenizer import TextTokenizer
 
