@@ -158,7 +158,8 @@ def test_tool_use_template_is_chosen_with_tools_and_names_select() -> None:
     templates = ChatTemplates("D", {"tool_use": "T", "rag": "R"})
     assert templates.text_for() == "D" and templates.text_for(tools=WEATHER) == "T"
     assert templates.text_for("rag") == "R" and templates.text_for("default", tools=WEATHER) == "D"
-    assert templates.text_for("{{ 'inline' }}") == "{{ 'inline' }}"
+    with pytest.raises(ValueError, match="template text is not accepted"):   # templates belong to the model
+        templates.text_for("{{ 'inline' }}")
     with pytest.raises(ValueError, match=r"no chat template named 'nope'.*\['default', 'rag', 'tool_use'\]"):
         templates.text_for("nope")
     with pytest.raises(ValueError, match="only named chat templates"):

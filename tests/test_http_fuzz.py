@@ -8,8 +8,7 @@ A second fuzz writes raw bytes (request line, headers, lengths, chunked bodies) 
 every answer is a 4xx (or the connection closes within the edge's deadlines), never a 5xx.
 
 Bounded and reproducible for CI: a fixed number of examples, derandomized, no example database.
-Findings inside request parsing (openai_schema.py / server._generate) are pinned in
-KNOWN_FINDINGS as explicit examples instead of being fixed here.
+What it found inside request parsing is replayed as explicit examples (KNOWN_FINDINGS).
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ FIELD_VALUES = {
     "max_tokens": small_ints | st.integers(1, 10**6), "max_completion_tokens": small_ints,
     "stop": texts | st.lists(texts, max_size=6), "logit_bias": st.dictionaries(
         st.integers(-5, 60_000).map(str) | texts, numbers, max_size=4),
-    # n is bounded here: a huge n is a known finding (KNOWN_FINDINGS), not something to rediscover
+    # n is bounded here: a huge n is a KNOWN_FINDINGS example
     "n": small_ints, "top_k": small_ints | st.integers(-(2**70), 2**70), "seed": st.integers(-(2**70), 2**70),
     "temperature": numbers, "top_p": numbers, "min_p": numbers, "presence_penalty": numbers,
     "frequency_penalty": numbers, "repetition_penalty": numbers,
@@ -93,7 +92,7 @@ SCHEMA_FIELDS = sorted({*openai_schema._TYPES, *openai_schema._SAMPLING_KEYS, *o
 
 
 def field_value(name: str) -> st.SearchStrategy:
-    if name == "n":   # never a huge n, in any spelling (see KNOWN_FINDINGS)
+    if name == "n":   # a small n in any spelling (a huge one is a KNOWN_FINDINGS example)
         return FIELD_VALUES["n"] | st.none() | st.booleans() | texts
     return FIELD_VALUES[name] | json_values if name in FIELD_VALUES else json_values
 
@@ -205,22 +204,16 @@ def test_every_route_fuzzed_gets_no_5xx_and_no_hang(server):
     assert statuses[200] > 0 and sum(n for s, n in statuses.items() if 400 <= s < 500) > 0   # both sides reached
 
 
-# Inputs the fuzz (or the issue) found that fail inside request parsing (openai_schema.py /
-# server._generate, another helper's area): the status they must get. `run=False`: the input
-# itself would take the test process down.
-KNOWN_FINDINGS = [
-    pytest.param(CHAT, {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, id="lone_surrogate_chat",
-                 marks=pytest.mark.xfail(reason="500: the tokenizer's TypeError on a lone surrogate", strict=False)),
+# Inputs the fuzz (or the issue) found inside request parsing, replayed: the status they must get.
+KNOWN_FINDINGS = [   # once 500s or unbounded work; each now a 400 naming its cap (driver/limits.py)
+    pytest.param(CHAT, {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, id="lone_surrogate_chat"),
     pytest.param(CHAT, {"messages": [{"role": "user", "content": "hi"}], "prompt_cache_key": "k" * 3_000_000}, 400,
-                 id="prompt_cache_key_3MB",
-                 marks=pytest.mark.xfail(reason="no length cap on prompt_cache_key", strict=False)),
+                 id="prompt_cache_key_3MB"),
     pytest.param(CHAT, {"messages": [{"role": "user", "content": "hi"}], "stop": ["s" * 100_000]}, 400,
-                 id="stop_string_100k", marks=pytest.mark.xfail(reason="no length cap on stop strings", strict=False)),
+                 id="stop_string_100k"),
     pytest.param(CHAT, {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {
-                     "x": json.loads("[" * 900 + "]" * 900)}}, 400, id="chat_template_kwargs_900_deep",
-                 marks=pytest.mark.xfail(reason="500: RecursionError past the JSON parser", strict=False)),
-    pytest.param(COMPLETIONS, {"prompt": "hi", "n": 10**9}, 400, id="n_1e9",
-                 marks=pytest.mark.xfail(reason="no cap on n before _generate builds n streams", run=False)),
+                     "x": json.loads("[" * 900 + "]" * 900)}}, 400, id="chat_template_kwargs_900_deep"),
+    pytest.param(COMPLETIONS, {"prompt": "hi", "n": 10**9}, 400, id="n_1e9"),
 ]
 
 

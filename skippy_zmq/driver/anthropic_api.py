@@ -22,18 +22,16 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from loguru import logger
-from starlette.concurrency import run_in_threadpool
 
 from skippy_zmq.driver import anthropic_schema as schema
 from skippy_zmq.driver.anthropic_blocks import ContentBlocks, matched_stop, message, new_message_id, stop_reason, usage
 from skippy_zmq.driver.chat_output import ChatOutput
 from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
 from skippy_zmq.driver.metrics import error_kind
-from skippy_zmq.driver.openai_schema import (
-    ParsedRequest, RequestError, check_constraint, encode_prompt, for_model, parse_chat, read_json_body,
-    to_gen_request,
-)
+from skippy_zmq.driver.openai_schema import ParsedRequest, RequestError, check_constraint, parse_chat, read_body, to_gen_request
+from skippy_zmq.driver.prompt_encoding import encode_prompt
 from skippy_zmq.driver.reasoning import prompt_opens_thinking
+from skippy_zmq.driver.request_prep import parse_body, validate_request
 
 if TYPE_CHECKING:
     from skippy_zmq.driver.server import ServerContext, TextStream
@@ -83,20 +81,29 @@ async def _answer(ctx: ServerContext, request: Request, handle: Callable[[], Awa
         return error_response(ctx, request, status, err.message, retry)
 
 
-def _parse(ctx: ServerContext, body: dict[str, Any], count_only: bool = False) -> ParsedRequest:
-    chat = schema.to_chat_body(body, count_only=count_only)
+def _parse(ctx: ServerContext, raw: bytes, count_only: bool = False) -> ParsedRequest:
+    """Parse, translate and check a body under the chat path's caps (in a worker: ctx.work)."""
+    chat = schema.to_chat_body(parse_body(raw), count_only=count_only)
     try:
-        return for_model(parse_chat(chat, ctx.tokenizer.vocab_size), ctx.tool_format)
+        return validate_request(ctx.prep_context(), chat, parse_chat)
     except RequestError as err:
         raise schema.anthropic_names(err) from None
+
+
+async def _parsed(ctx: ServerContext, request: Request, count_only: bool = False) -> ParsedRequest:
+    return await ctx.work.run(_parse, ctx, await read_body(request, ctx.max_body_bytes), count_only)
+
+
+async def _encode(ctx: ServerContext, parsed: ParsedRequest) -> list[int]:
+    return await ctx.work.run(encode_prompt, ctx.tokenizer, parsed, None, ctx.engine.max_context)
 
 
 # ---------------------------------------------------------------- count_tokens
 
 async def _count_tokens(ctx: ServerContext, request: Request) -> Response:
     """The rendered prompt's length (tools and system included), as /v1/messages would submit it."""
-    parsed = _parse(ctx, await read_json_body(request, ctx.max_body_bytes), count_only=True)
-    ids = await run_in_threadpool(encode_prompt, ctx.tokenizer, parsed)
+    parsed = await _parsed(ctx, request, count_only=True)
+    ids = await _encode(ctx, parsed)
     return JSONResponse({"input_tokens": len(ids)})
 
 
@@ -154,15 +161,15 @@ class Answer:
 
 async def _prepare(ctx: ServerContext, parts: ServerParts, request: Request) -> Answer:
     """Parse, check and submit the request as chat completions does; the answer not yet read."""
-    parsed = _parse(ctx, await read_json_body(request, ctx.max_body_bytes))
+    parsed = await _parsed(ctx, request)
     if not ctx.engine.is_ready():
         raise EngineError("the model is still loading", 503, "not_ready")
     if parsed.constraint is not None:   # a forced tool call: its schema compiles now, or it is a 400
         try:
-            await run_in_threadpool(lambda: check_constraint(parsed, ctx.constraint_info()))
+            await ctx.work.run(lambda: check_constraint(parsed, ctx.constraint_info()))
         except RequestError as err:
             raise schema.anthropic_names(err) from None
-    ids = await run_in_threadpool(encode_prompt, ctx.tokenizer, parsed)
+    ids = await _encode(ctx, parsed)
     try:
         gen_request: GenRequest = to_gen_request(parsed, ids, request.state.request_id, ctx.engine.max_context)
     except RequestError as err:

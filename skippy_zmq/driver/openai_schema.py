@@ -1,4 +1,5 @@
-"""OpenAI wire format: body and parameter validation, prompt encoding, response builders, stop strings.
+"""OpenAI wire format: body and parameter validation, prompt encoding (response builders and stop
+strings: openai_responses, re-exported here).
 
 Requests are plain JSON dicts checked by small tables (type, unsupported
 values) so every rejection names the offending parameter in the OpenAI error
@@ -7,19 +8,20 @@ body, as vLLM and llama-server do. Unknown keys are ignored (like vLLM).
 
 from __future__ import annotations
 
-import codecs
 import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from jinja2.exceptions import TemplateError
 from starlette.requests import Request
 
 from skippy_zmq.constrain import ConstraintError, ConstraintSpec
 from skippy_zmq.driver import tools
 from skippy_zmq.driver.engine import GenRequest
+from skippy_zmq.driver.openai_responses import (  # noqa: F401 (re-exported: the server imports them here)
+    CHAT, COMPLETION, ResponseFormat, StopMatcher, TextOffsets, TokenLogprob, usage,
+)
 from skippy_zmq.driver.reasoning import REASONING_FORMATS
 from skippy_zmq.model.tokenizer import TextTokenizer
 from skippy_zmq.sampling import SamplingParams
@@ -86,6 +88,10 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "function_call": (_tool_choice_off, "the deprecated function_call parameter is not supported; use tool_choice"),
     "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
     "suffix": (lambda v: v in (None, ""), "suffix is not supported"),
+    # vLLM's per-request template text: here templates belong to the model (a name may be given in
+    # chat_template_kwargs.chat_template)
+    "chat_template": (lambda v: v is None, "a request cannot supply a chat template; the model's own render "
+                                           "(name one of them with chat_template_kwargs.chat_template)"),
 }
 
 _SAMPLING_KEYS = (
@@ -398,8 +404,9 @@ def check_constraint(parsed: ParsedRequest, info: Any) -> None:
 
 # ---------------------------------------------------------------- body and prompt
 
-async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
-    """The JSON object body, refusing other media types and anything over `limit` bytes."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body of a JSON request, refusing other media types and anything over `limit` bytes
+    (on the event loop: it only moves bytes; parse_json_body parses them in a worker)."""
     media_type = (request.headers.get("content-type") or "application/json").split(";")[0].strip().lower()
     if not media_type.endswith("json"):
         raise RequestError(f"Content-Type must be application/json, got {media_type!r}", status=415)
@@ -412,8 +419,13 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
         if size > limit:  # a chunked body has no Content-Length to check up front
             raise RequestError(f"request body exceeds the limit of {limit} bytes", status=413)
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object in a request body."""
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(raw)
     except RecursionError:
         raise RequestError("malformed JSON body: nested too deeply") from None
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -423,52 +435,9 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
-def _system_in_first_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-    """A leading system message folded into the user message after it (None: no such pair)."""
-    if len(messages) < 2 or [m.get("role") for m in messages[:2]] != ["system", "user"]:
-        return None
-    system, user = messages[0].get("content"), messages[1].get("content")
-    if not isinstance(system, str) or not isinstance(user, str):
-        return None
-    return [{**messages[1], "content": f"{system}\n\n{user}" if system else user}, *messages[2:]]
-
-
-def _render_chat(tokenizer: TextTokenizer, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
-    """The rendered conversation. A template that refuses a system role (Gemma: "System role not
-    supported") gets the system text at the top of the first user message, as llama.cpp's
-    template polyfills do; any other failure, or a second one, is the request's error."""
-    try:
-        return tokenizer.apply_chat_template(messages, **kwargs)
-    except (TemplateError, ValueError, TypeError) as err:  # e.g. raise_exception() on role order
-        folded = _system_in_first_user(messages) if "system" in str(err).lower() else None
-        if folded is not None:
-            try:
-                return tokenizer.apply_chat_template(folded, **kwargs)
-            except (TemplateError, ValueError, TypeError):
-                pass
-        raise RequestError(f"messages: the chat template failed: {err}", "messages") from None
-
-
-def encode_prompt(tokenizer: TextTokenizer, parsed: ParsedRequest,
-                  prompt: str | tuple[int, ...] | None = None) -> list[int]:
-    """The prompt's token ids: the chat template over the messages, or `prompt` (default: the
-    request's first) as text or ids."""
-    prompt = parsed.prompt if prompt is None else prompt
-    if parsed.messages:
-        # The tool format renders tools and tool traffic: through the model's own template
-        # (native formats), or as plain messages with our tool prompt (generic); a constrained
-        # call's opening ends the prompt.
-        messages, tool_list = parsed.tool_format.template_inputs(parsed.messages, parsed.toolset)
-        kwargs = {**parsed.template_kwargs, **({"tools": tool_list} if tool_list is not None else {})}
-        text = _render_chat(tokenizer, messages, kwargs)
-        # encode_chat's tokenisation (the template writes any BOS itself)
-        return tokenizer.encode(text + parsed.output_prefix, add_bos=False)
-    if isinstance(prompt, str):
-        try:
-            return tokenizer.encode(prompt)
-        except (TypeError, ValueError) as err:   # e.g. a lone surrogate the tokenizer cannot take
-            raise RequestError(f"prompt cannot be tokenized: {err}", "prompt") from None
-    return list(prompt or ())
+async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
+    """read_body then parse_json_body, in one step (for callers with small bodies)."""
+    return parse_json_body(await read_body(request, limit))
 
 
 def to_gen_request(parsed: ParsedRequest, prompt_ids: list[int], request_id: str, max_context: int) -> GenRequest:
@@ -490,175 +459,3 @@ def to_gen_request(parsed: ParsedRequest, prompt_ids: list[int], request_id: str
         constraint=parsed.constraint.to_dict() if parsed.constraint is not None else None,
         n=options.n,
     )
-
-
-# ---------------------------------------------------------------- responses
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-@dataclass(frozen=True)
-class ResponseFormat:
-    """How one endpoint shapes its objects; CHAT and COMPLETION below."""
-
-    endpoint: str
-    prompt_param: str
-    id_prefix: str
-    object: str
-    chunk_object: str
-    chat: bool
-
-    def envelope(self, response_id: str, created: int, model: str, choices: list, chunk: bool) -> dict[str, Any]:
-        return {
-            "id": response_id,
-            "object": self.chunk_object if chunk else self.object,
-            "created": created,
-            "model": model,
-            "system_fingerprint": None,
-            "choices": choices,
-        }
-
-    def choice(self, text: str | None, finish_reason: str | None,
-               tool_calls: list[dict[str, Any]] | None = None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The single choice of a non-streamed response (chat: with `tool_calls` when it made calls)."""
-        if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if tool_calls:
-                message["tool_calls"] = tool_calls
-            body: dict[str, Any] = {"message": message}
-        else:
-            body = {"text": text}
-        return {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish_reason}
-
-    def delta_choice(self, delta: dict[str, Any], finish_reason: str | None = None,
-                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A streamed chat choice carrying a ToolCallStream delta ({"content"} or {"tool_calls"})."""
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-    def chunk_choice(self, text: str, finish_reason: str | None = None, opening: bool = False,
-                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        if not self.chat:
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        delta: dict[str, str] = {"role": "assistant", "content": text} if opening else {}
-        if text and not opening:
-            delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-    def logprobs(self, tokenizer: TextTokenizer, entries: list[TokenLogprob],
-                 offsets: TextOffsets | None = None) -> dict[str, Any]:
-        """A choice's `logprobs` for these tokens: chat's {"content": [...]}, completions'
-        {tokens, token_logprobs, top_logprobs, text_offset}; `offsets` carries a stream's text
-        offsets from one chunk to the next (None: the tokens start the text)."""
-        if self.chat:
-            return {"content": [_chat_logprob(tokenizer, e) for e in entries], "refusal": None}
-        offsets = offsets or TextOffsets()
-        texts, starts = [], []
-        for e in entries:
-            text, raw = _token_piece(tokenizer, e.token_id)
-            texts.append(text)
-            starts.append(offsets.push(bytes(raw)))
-        tops: list[dict[str, float] | None] = []
-        for entry in entries:   # the N most likely, and the chosen token (so up to N + 1, as OpenAI)
-            if entry.logprob is None:   # echo: nothing predicts the prompt's first token
-                tops.append(None)
-                continue
-            top = {_token_piece(tokenizer, tid)[0]: lp for tid, lp in entry.top}
-            top.setdefault(_token_piece(tokenizer, entry.token_id)[0], entry.logprob)
-            tops.append(top)
-        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
-                "text_offset": starts}
-
-
-class TextOffsets:
-    """Completions' text_offset: where each token starts in the text, in characters (a token that
-    starts inside a character split across tokens counts from the characters complete before it)."""
-
-    def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.chars = 0
-
-    def push(self, raw: bytes) -> int:
-        """The offset of a token with these bytes; then move past it."""
-        start = self.chars
-        self.chars += len(self._decoder.decode(raw))
-        return start
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One generated token's logprob and its most likely alternatives [(id, logprob), ...]."""
-
-    token_id: int
-    logprob: float | None   # None: not known (the first prompt token, under echo)
-    top: tuple[tuple[int, float], ...] = ()
-
-
-def _token_piece(tokenizer: TextTokenizer, token_id: int) -> tuple[str, list[int]]:
-    """A token's text (decoded alone; U+FFFD where it holds part of a character) and its bytes."""
-    raw = tokenizer.token_bytes(token_id)
-    return raw.decode("utf-8", errors="replace"), list(raw)
-
-
-def _chat_logprob(tokenizer: TextTokenizer, entry: TokenLogprob) -> dict[str, Any]:
-    text, raw = _token_piece(tokenizer, entry.token_id)
-    top = []
-    for token_id, logprob in entry.top:
-        alt_text, alt_raw = _token_piece(tokenizer, token_id)
-        top.append({"token": alt_text, "logprob": logprob, "bytes": alt_raw})
-    return {"token": text, "logprob": entry.logprob, "bytes": raw, "top_logprobs": top}
-
-
-CHAT = ResponseFormat(
-    "/v1/chat/completions", "messages", "chatcmpl", "chat.completion", "chat.completion.chunk", chat=True
-)
-COMPLETION = ResponseFormat(
-    "/v1/completions", "prompt", "cmpl", "text_completion", "text_completion", chat=False
-)
-
-
-# ---------------------------------------------------------------- stop strings
-
-class StopMatcher:
-    """Finds stop strings in streamed text without ever emitting part of one.
-
-    Text that could still grow into a stop string is held back until the next
-    piece settles it. Nothing emitted can be part of a later match: any suffix
-    that was a stop-string prefix was held, not emitted.
-    """
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self._stops = stops
-        self._held = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        """(text safe to emit, whether a stop string was hit). After a hit, stop pushing."""
-        buffer = self._held + text
-        hits = [i for i in (buffer.find(stop) for stop in self._stops) if i >= 0]
-        if hits:
-            self._held = ""
-            return buffer[: min(hits)], True
-        keep = self._held_length(buffer)
-        self._held = buffer[len(buffer) - keep :]
-        return buffer[: len(buffer) - keep], False
-
-    def flush(self) -> str:
-        """The held text, once no more text will come."""
-        text, self._held = self._held, ""
-        return text
-
-    def _held_length(self, buffer: str) -> int:
-        """Length of the longest suffix of buffer that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self._stops:
-            for size in range(min(len(stop) - 1, len(buffer)), longest, -1):
-                if buffer.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest

@@ -23,18 +23,18 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from loguru import logger
-from starlette.concurrency import run_in_threadpool
 
 from skippy_zmq.driver import responses_schema as schema
 from skippy_zmq.driver.anthropic_api import SSE_HEADERS, ServerParts
 from skippy_zmq.driver.chat_output import ChatOutput
-from skippy_zmq.driver.engine import EngineError
+from skippy_zmq.driver.engine import EngineError, GenRequest
 from skippy_zmq.driver.metrics import error_kind
 from skippy_zmq.driver.openai_schema import (
-    ParsedRequest, RequestError, check_constraint, encode_prompt, error_body, for_model, parse_chat, read_json_body,
-    to_gen_request,
+    ParsedRequest, RequestError, check_constraint, error_body, parse_chat, read_body, to_gen_request,
 )
+from skippy_zmq.driver.prompt_encoding import encode_prompt
 from skippy_zmq.driver.reasoning import prompt_opens_thinking
+from skippy_zmq.driver.request_prep import parse_body, validate_request
 from skippy_zmq.driver.responses_output import Envelope, OutputItems, ResponseStore, output_messages, usage
 
 if TYPE_CHECKING:
@@ -108,36 +108,45 @@ class Generation:
         return self.envelope.response(self.status, self.items.output, counts)
 
 
-def _parse(ctx: ServerContext, body: dict[str, Any], store: ResponseStore) -> tuple[ParsedRequest, list]:
-    history: list[dict[str, Any]] = []
+def _history(body: dict[str, Any], store: ResponseStore) -> list[dict[str, Any]]:
+    """The stored conversation `previous_response_id` continues (on the loop: the store is the loop's)."""
     previous = body.get("previous_response_id")
-    if previous is not None:
-        entry = store.get(previous) if isinstance(previous, str) else None
-        if entry is None:
-            raise RequestError(f"Previous response with id {previous!r} not found.", "previous_response_id",
-                               404, "previous_response_not_found")
-        history = entry.conversation
+    if previous is None:
+        return []
+    entry = store.get(previous) if isinstance(previous, str) else None
+    if entry is None:
+        raise RequestError(f"Previous response with id {previous!r} not found.", "previous_response_id",
+                           404, "previous_response_not_found")
+    return entry.conversation
+
+
+def _parse(ctx: ServerContext, body: dict[str, Any], history: list[dict[str, Any]]) -> tuple[ParsedRequest, list]:
+    """Translate and check a body under the chat path's caps (in a worker: ctx.work)."""
     translated = schema.translate(body, history)
     try:
-        return for_model(parse_chat(translated.chat, ctx.tokenizer.vocab_size), ctx.tool_format), \
-            translated.conversation
+        return validate_request(ctx.prep_context(), translated.chat, parse_chat), translated.conversation
+    except RequestError as err:
+        raise schema.responses_names(err) from None
+
+
+def _encode(ctx: ServerContext, parsed: ParsedRequest, request_id: str) -> tuple[list[int], GenRequest]:
+    """The constraint compiled, the prompt rendered and tokenised (in a worker: ctx.work)."""
+    try:
+        if parsed.constraint is not None:   # a schema or a forced call: it compiles now, or it is a 400
+            check_constraint(parsed, ctx.constraint_info())
+        ids = encode_prompt(ctx.tokenizer, parsed, None, ctx.engine.max_context)
+        return ids, to_gen_request(parsed, ids, request_id, ctx.engine.max_context)
     except RequestError as err:
         raise schema.responses_names(err) from None
 
 
 async def _prepare(ctx: ServerContext, parts: ServerParts, store: ResponseStore, request: Request) -> Generation:
     """Parse, check and submit the request as chat completions does; the answer not yet read."""
-    body = await read_json_body(request, ctx.max_body_bytes)
-    parsed, conversation = _parse(ctx, body, store)
+    body = await ctx.work.run(parse_body, await read_body(request, ctx.max_body_bytes))
+    parsed, conversation = await ctx.work.run(_parse, ctx, body, _history(body, store))
     if not ctx.engine.is_ready():
         raise EngineError("the model is still loading", 503, "not_ready")
-    try:
-        if parsed.constraint is not None:   # a schema or a forced call: it compiles now, or it is a 400
-            await run_in_threadpool(lambda: check_constraint(parsed, ctx.constraint_info()))
-        ids = await run_in_threadpool(encode_prompt, ctx.tokenizer, parsed)
-        gen_request = to_gen_request(parsed, ids, request.state.request_id, ctx.engine.max_context)
-    except RequestError as err:
-        raise schema.responses_names(err) from None
+    ids, gen_request = await ctx.work.run(_encode, ctx, parsed, request.state.request_id)
     keep_special = parsed.toolset.active and parsed.tool_format.keeps_special
     stream = parts.text_stream(ctx, gen_request, (), request.state.arrival, keep_special=keep_special)
     thinking_open = ctx.thinks and prompt_opens_thinking(ctx.tokenizer.decode(ids[-8:]))

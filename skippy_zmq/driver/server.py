@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -25,7 +25,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from loguru import logger
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -38,12 +37,15 @@ from skippy_zmq.driver.engine import ChoiceControl, Engine, EngineError, GenRequ
 from skippy_zmq.driver.http_config import EdgeConfig
 from skippy_zmq.driver.http_guard import ApiKeys, BodyTimeout, Guard, expects_body, header
 from skippy_zmq.driver.http_protocol import uvicorn_config
+from skippy_zmq.driver.limits import RequestLimits
 from skippy_zmq.driver.metrics import ServerMetrics, error_kind
+from skippy_zmq.driver.offloop import OffLoop, dumps_in_parts
 from skippy_zmq.driver.openai_schema import (
-    CHAT, COMPLETION, ParsedRequest, RequestError, StopMatcher, TextOffsets, TokenLogprob, check_constraint,
-    encode_prompt, error_body, for_model, parse_chat, parse_completion, read_json_body, to_gen_request, usage,
+    CHAT, COMPLETION, ParsedRequest, RequestError, StopMatcher, TextOffsets, TokenLogprob, error_body, parse_chat,
+    parse_completion, read_body, usage,
 )
-from skippy_zmq.driver.reasoning import prompt_opens_thinking, template_thinks
+from skippy_zmq.driver.reasoning import template_thinks
+from skippy_zmq.driver.request_prep import Parser, PrepContext, parse_request, prepare_prompts
 from skippy_zmq.model.tokenizer import TextTokenizer
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -68,6 +70,8 @@ class ServerContext:
     created: int = field(default_factory=lambda: int(time.time()))
     tool_format: tools.ToolFormat = tools.GENERIC   # how the model writes tool calls (from its template)
     thinks: bool = False                            # the template writes <think>…</think>
+    limits: RequestLimits = field(default_factory=RequestLimits)   # caps on what one request may ask
+    work: OffLoop = field(default_factory=OffLoop)  # request parsing, rendering and assembly, off the loop
     _constraint_info: Any = None
     _constraint_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -84,6 +88,10 @@ class ServerContext:
                     raise RequestError(f"response_format: structured output is not available: {err}",
                                        "response_format") from None
             return self._constraint_info
+
+    def prep_context(self) -> PrepContext:
+        return PrepContext(self.tokenizer, self.tool_format, self.thinks, self.limits, self.constraint_info,
+                           self.engine.max_context)
 
 
 class ClientDisconnected(Exception):
@@ -392,8 +400,8 @@ async def _choice_chunks(ctx: ServerContext, choice: Choice, parsed: ParsedReque
 
     if fmt.chat:
         yield indexed(fmt.chunk_choice("", opening=True))
-    if echo is not None:   # completions echo: the prompt (and its tokens' logprobs) first
-        scored = fmt.logprobs(ctx.tokenizer, stream.prompt_logprobs(), offsets) \
+    if echo is not None:   # completions echo: the prompt (and its tokens' logprobs, built off the loop) first
+        scored = await ctx.work.run(fmt.logprobs, ctx.tokenizer, stream.prompt_logprobs(), offsets) \
             if parsed.options.logprobs is not None else None
         yield indexed(fmt.chunk_choice(echo, logprobs=scored))
     if fmt.chat and (parsed.toolset.active or ctx.thinks):
@@ -466,7 +474,8 @@ async def sse_events(ctx: ServerContext, choices: list[Choice], parsed: ParsedRe
 
     try:
         async for entry in _merged([_choice_chunks(ctx, c, parsed) for c in choices]):
-            yield chunk([entry])
+            # an echoed prompt's logprobs can be big: serialised in a worker
+            yield await ctx.work.run(chunk, [entry]) if _long_logprobs(entry) else chunk([entry])
         if include_usage:
             yield _sse({**fmt.envelope(response_id, created, ctx.model_name, [], chunk=True), "usage": _usage(choices)})
     except EngineError as err:  # headers are gone: report in-band, as OpenAI and vLLM do
@@ -477,6 +486,11 @@ async def sse_events(ctx: ServerContext, choices: list[Choice], parsed: ParsedRe
     finally:
         await close()
     yield _sse("[DONE]")
+
+
+def _long_logprobs(entry: dict[str, Any]) -> bool:
+    scored = entry.get("logprobs") or {}
+    return len(scored.get("tokens") or scored.get("content") or ()) > 64
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -493,40 +507,28 @@ class ClosingStreamingResponse(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[union-attr]
 
 
-Parser = Callable[[Mapping[str, Any], int], ParsedRequest]
-
-
 async def _generate(request: Request, parse: Parser) -> Response:
+    """The event loop moves bytes; parsing, rendering, tokenising and assembling run in ctx.work."""
     ctx: ServerContext = request.app.state.ctx
-    parsed: ParsedRequest = for_model(parse(await read_json_body(request, ctx.max_body_bytes),
-                                            ctx.tokenizer.vocab_size), ctx.tool_format)
+    prep = ctx.prep_context()
+    parsed = await ctx.work.run(parse_request, prep, await read_body(request, ctx.max_body_bytes), parse)
     if not ctx.engine.is_ready():
         raise EngineError("the model is still loading", 503, "not_ready")
-    if parsed.constraint is not None:   # compile it now: a bad schema or grammar is a 400 naming its parameter
-        await run_in_threadpool(lambda: check_constraint(parsed, ctx.constraint_info()))
-    prompts = parsed.prompts or (parsed.prompt,)
+    prompts = await ctx.work.run(prepare_prompts, prep, parsed, request.state.request_id)
     n = parsed.options.n
-    gen_requests = []
-    for i, prompt in enumerate(prompts):   # every prompt is checked before any is submitted
-        ids = await run_in_threadpool(encode_prompt, ctx.tokenizer, parsed, prompt)
-        rid = request.state.request_id if len(prompts) == 1 else f"{request.state.request_id}-{i}"
-        gen_requests.append((prompt, ids, to_gen_request(parsed, ids, rid, ctx.engine.max_context)))
     fans: list[ChoiceFanOut] = []
     choices: list[Choice] = []
-    for prompt, ids, gen_request in gen_requests:   # n choices of a prompt share its prefill (GenRequest.n)
-        echo = None
-        if parsed.options.echo:   # the prompt as sent (token ids: decoded)
-            echo = prompt if isinstance(prompt, str) else ctx.tokenizer.decode(ids)
+    for prompt in prompts:   # n choices of a prompt share its prefill (GenRequest.n)
         control = ChoiceControl()
-        fan = ChoiceFanOut(ctx.engine.generate(gen_request, control), n, control) if n > 1 else None
+        fan = ChoiceFanOut(ctx.engine.generate(prompt.gen_request, control), n, control) if n > 1 else None
         fans += [fan] if fan is not None else []
         for c in range(n):
             events = fan.choice(c) if fan is not None else None
-            stream = TextStream(ctx, gen_request, parsed.options.stop, request.state.arrival,
+            stream = TextStream(ctx, prompt.gen_request, parsed.options.stop, request.state.arrival,
                                 parsed.options.echo_only, events=events,
                                 keep_special=parsed.toolset.active and parsed.tool_format.keeps_special)
-            thinking = ctx.thinks and prompt_opens_thinking(ctx.tokenizer.decode(ids[-8:]))
-            choices.append(Choice(len(choices), stream, echo, first=c == 0, thinking_open=thinking))
+            choices.append(Choice(len(choices), stream, prompt.echo, first=c == 0,
+                                  thinking_open=prompt.thinking_open))
 
     async def close() -> None:
         for c in choices:
@@ -550,7 +552,8 @@ async def _generate(request: Request, parse: Parser) -> Response:
     finally:
         if not handed_off:
             await close()
-    return JSONResponse(_full_response(ctx, parsed, choices, list(texts)))
+    body = await ctx.work.run(lambda: dumps_in_parts(_full_response(ctx, parsed, choices, list(texts))))
+    return Response(body, media_type="application/json")
 
 
 def _full_response(ctx: ServerContext, parsed: ParsedRequest, choices: list[Choice],

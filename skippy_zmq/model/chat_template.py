@@ -15,6 +15,8 @@ and `apply_chat_template`, so a template renders byte for byte as it does there.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from pathlib import Path
@@ -25,7 +27,8 @@ import jinja2.utils
 from jinja2 import meta
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from skippy_zmq.model.template_budget import BudgetedSandbox, RenderBudget, guarded_tree, render_within
 
 DEFAULT = "default"
 TOOL_USE = "tool_use"
@@ -91,16 +94,23 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separato
                       sort_keys=sort_keys)
 
 
-def chat_environment(now: Callable[[], datetime] = datetime.now) -> ImmutableSandboxedEnvironment:
-    """transformers' chat-template environment; `now` is what `strftime_now` formats (tests fix it)."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols])
+# Compiled templates a ChatTemplates keeps; a model declares a handful, so this is never reached
+# by the model's own and bounds what anything else could pile up.
+MAX_COMPILED = 8
+
+
+def chat_environment(now: Callable[[], datetime] = datetime.now,
+                     budget: RenderBudget = RenderBudget()) -> BudgetedSandbox:
+    """transformers' chat-template environment (bounded by `budget`: template_budget); `now` is
+    what `strftime_now` formats (tests fix it)."""
+    env = BudgetedSandbox(
+        budget, trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: now().strftime(fmt)
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
-    return env
+    return env.seal()
 
 
 def plain_data(value: Any) -> Any:
@@ -136,11 +146,14 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class ChatTemplate:
-    """One compiled template and how it is rendered."""
+    """One compiled template and how it is rendered, within `budget` (time and size: a render over
+    it raises RenderBudgetError, a TemplateError)."""
 
-    def __init__(self, text: str, now: Callable[[], datetime] = datetime.now) -> None:
+    def __init__(self, text: str, now: Callable[[], datetime] = datetime.now,
+                 budget: RenderBudget = RenderBudget()) -> None:
         self.text = text
-        self._compiled = chat_environment(now).from_string(text)
+        self._env = chat_environment(now, budget)
+        self._compiled = self._env.from_string(guarded_tree(self._env, text))
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                bos_token: str = "", eos_token: str = "", tools: list[dict[str, Any]] | None = None,
@@ -152,12 +165,14 @@ class ChatTemplate:
             raise TypeError("documents must be a list of objects (title, text)")
         if tools is not None and not all(isinstance(t, Mapping) for t in tools):
             raise TypeError("tools must be a list of objects (JSON schemas)")
-        context = plain_data({"bos_token": bos_token, "eos_token": eos_token, **kwargs})
         try:
-            return self._compiled.render(
-                messages=template_messages(messages), tools=plain_data(tools),
-                documents=plain_data(documents), add_generation_prompt=add_generation_prompt,
-                **context)
+            context = plain_data({"bos_token": bos_token, "eos_token": eos_token, **kwargs})
+            variables = dict(messages=template_messages(messages), tools=plain_data(tools),
+                             documents=plain_data(documents), add_generation_prompt=add_generation_prompt, **context)
+        except RecursionError:
+            raise TemplateError("the template's inputs nest too deeply") from None
+        try:
+            return render_within(self._env, lambda: self._compiled.generate(**variables))
         except TemplateError:
             raise
         except Exception as err:  # a template's own bug (e.g. str + dict): the template failed
@@ -165,14 +180,16 @@ class ChatTemplate:
 
 
 class ChatTemplates:
-    """A model's default template and its named ones, all compiled at load."""
+    """A model's default template and its named ones, all compiled at load. Only these render:
+    a name a caller gives must be one of them, never template text."""
 
     def __init__(self, default: str = "", named: Mapping[str, str] | None = None,
-                 now: Callable[[], datetime] = datetime.now) -> None:
+                 now: Callable[[], datetime] = datetime.now, budget: RenderBudget = RenderBudget()) -> None:
         self.default = default
         self.named = {k: v for k, v in (named or {}).items() if k != DEFAULT}
-        self._now = now
-        self._compiled: dict[str, ChatTemplate] = {}
+        self._now, self._budget = now, budget
+        self._compiled: OrderedDict[str, ChatTemplate] = OrderedDict()   # LRU, MAX_COMPILED at most
+        self._lock = threading.Lock()   # requests render in worker threads
         self.check()
 
     def check(self) -> None:
@@ -187,15 +204,17 @@ class ChatTemplates:
         return bool(self.default or self.named)
 
     def text_for(self, name: str | None = None, tools: Any = None) -> str:
-        """transformers' choice: a requested name (or template text); else `tool_use` when there
-        are tools and the model has one; else the default."""
+        """transformers' choice: a requested name; else `tool_use` when there are tools and the
+        model has one; else the default. Template text in place of a name is refused (transformers
+        renders it; here templates belong to the model)."""
         if name is not None:
             if name == DEFAULT and self.default:
                 return self.default
             if name in self.named:
                 return self.named[name]
-            if "{{" in name or "{%" in name:  # a template given in full, as transformers allows
-                return name
+            if "{{" in name or "{%" in name or "{#" in name:
+                raise ValueError(f"chat_template: template text is not accepted, only the name of one of "
+                                 f"this model's templates ({self.names()})")
             raise ValueError(f"no chat template named {name!r} (this model has: {self.names()})")
         if tools is not None and TOOL_USE in self.named:
             return self.named[TOOL_USE]
@@ -205,14 +224,26 @@ class ChatTemplates:
             raise ValueError(f"this model has only named chat templates {self.names()}: pick one")
         raise ValueError("this model has no chat template (tokenizer.chat_template)")
 
+    @property
+    def compiled_count(self) -> int:
+        """How many compiled templates are kept (MAX_COMPILED at most)."""
+        return len(self._compiled)
+
     def names(self) -> list[str]:
         return sorted({*self.named, *([DEFAULT] if self.default else [])})
 
     def select(self, name: str | None = None, tools: Any = None) -> ChatTemplate:
         text = self.text_for(name, tools)
-        if text not in self._compiled:
-            self._compiled[text] = ChatTemplate(text, self._now)
-        return self._compiled[text]
+        with self._lock:
+            if text in self._compiled:
+                self._compiled.move_to_end(text)
+                return self._compiled[text]
+        template = ChatTemplate(text, self._now, self._budget)   # compiled outside the lock
+        with self._lock:
+            self._compiled[text] = template
+            while len(self._compiled) > MAX_COMPILED:
+                self._compiled.popitem(last=False)
+        return template
 
 
 def template_variables(text: str) -> frozenset[str]:
