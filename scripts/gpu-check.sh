@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check, on a machine with one NVIDIA GPU (the first run on an H200 took over 9 minutes; see README):
+# GPU check, on a machine with one NVIDIA GPU (the first run on an H200 took over 9 minutes; see docs/benchmarks.md):
 #   1. installs the `gpu` extra (jax[cuda12]) into the venv if JAX sees no GPU;
 #   2. tests/test_parity.py on gpu:0 in float32 and bfloat16 (SKIPPY_TEST_DEVICE / SKIPPY_TEST_DTYPE);
 #   3. `skippy-zmq bench single` on gpu:0;

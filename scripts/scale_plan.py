@@ -60,7 +60,7 @@ class Shape:
 # Llama-3.1-70B (config.json of meta-llama/Llama-3.1-70B; rope_scaling llama3, factor 8).
 LLAMA_70B = Shape("Llama-3.1-70B", n_layers=80, d_model=8192, ffn_dim=28672, n_heads=64, n_kv_heads=8,
                   head_dim=128, vocab_size=128256, tied=False)
-# Calibration models (the README's and the brief's measurements).
+# Calibration models (docs/benchmarks.md and the brief).
 SMOLLM2 = Shape("SmolLM2-135M", n_layers=30, d_model=576, ffn_dim=1536, n_heads=9, n_kv_heads=3,
                 head_dim=64, vocab_size=49152, tied=True)
 LLAMA_1B = Shape("Llama-3.2-1B-shaped", n_layers=16, d_model=2048, ffn_dim=8192, n_heads=32, n_kv_heads=8,
@@ -86,7 +86,7 @@ BPW = {
 }
 
 GB = 1e9
-MSG_OVERHEAD_MS = 0.6   # README per-hop breakdown: encode 0.28 + send->recv 0.19 + decode 0.14 (loopback)
+MSG_OVERHEAD_MS = 0.6   # docs/benchmarks.md per-hop breakdown: encode 0.28 + send->recv 0.19 + decode 0.14 (loopback)
 # host memory bandwidth for decode (GB/s): DDR5 desktop, a slower host, and about what this repo's
 # CPU decode reaches on its 2-core VM (the calibration table: 7.7-16.7 GB/s effective)
 BANDWIDTHS_GBS = (50.0, 20.0, 10.0)
@@ -417,10 +417,10 @@ def calibration() -> list[dict[str, Any]]:
     gguf = Mode("Q4_1 GGUF, Q8_0 head", BPW["gguf_q4_1"], BPW["gguf_q8_0"], BPW["gguf_q8_0"], "")
     cases = [
         # (what, shape, mode, ms per step, context, kv bytes, source)
-        ("ours, int8, 4-token context", SMOLLM2, i8, 10.1, 4, 4, "README (side-by-side step timing)"),
-        ("ours, q4, 512-token context", SMOLLM2, q4, 1000 / 55.6, 512, 4, "README goals table (55.6 tok/s)"),
+        ("ours, int8, 4-token context", SMOLLM2, i8, 10.1, 4, 4, "docs/benchmarks.md (side-by-side step timing)"),
+        ("ours, q4, 512-token context", SMOLLM2, q4, 1000 / 55.6, 512, 4, "docs/benchmarks.md goals table (55.6 tok/s)"),
         ("llama.cpp Q4_1, 512-token context", SMOLLM2, gguf, 1000 / 109.4, 512, 2,
-         "README goals table (109.4 tok/s)"),
+         "docs/benchmarks.md goals table (109.4 tok/s)"),
         ("ours, q4, 512-token context", LLAMA_1B, q4, 1000 / 7.05, 512, 4, "earlier side-by-side (7.05 tok/s)"),
         ("ours, q4, a second run", LLAMA_1B, q4, 1000 / 9.95, 512, 4,
          "earlier side-by-side (9.95 tok/s, labelled 'async dispatch off', but jax 0.10.2 ignores that "

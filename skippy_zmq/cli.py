@@ -281,7 +281,7 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--speculative", default=None, choices=["off", "ngram"],
                    help="draft from the prompt and output, verify windows (default: the topology's driver.speculative, "
                         "off without a topology)")
-    p.add_argument("--max-draft", type=int, default=None, help="most drafted tokens per window (default 8)")
+    p.add_argument("--max-draft", type=int, default=None, help="most drafted tokens per window (default 15)")
     add_sampling_flags(p)
     p.set_defaults(func=cmd_generate)
 

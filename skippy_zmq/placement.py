@@ -1,6 +1,6 @@
 """How many bytes a stage needs, and a layer split that fits memory budgets. Pure arithmetic: no JAX.
 
-A stage process's peak resident set (VmHWM over restore, compile and serving; README "Memory"):
+A stage process's peak resident set (VmHWM over restore, compile and serving; docs/models.md, "Memory-aware placement"):
 
     total    = max(serving, loading)
     serving  = weights + KV + cache + overhead

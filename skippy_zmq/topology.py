@@ -31,7 +31,7 @@ is optional; defaults shown)::
                                      # keep_alive_s, max_header_bytes; see skippy_zmq/driver/http_config.py
       speculative:                   # driver-side drafts (n-gram lookup), verified by the target
         method: off                  # off | ngram
-        max_draft: 8                 # most drafted tokens per window (1..32)
+        max_draft: 15                # most drafted tokens per window (1..32)
         # min_draft, min_match, max_match, shared, shared_tokens, min_acceptance,
         # probe_every: see skippy_zmq/driver/speculative.py
     wire:

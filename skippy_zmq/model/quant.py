@@ -10,7 +10,7 @@ convert-multiply-reduce) materialises the widened weight and runs 10-20x
 slower than the f32 dot. So on CPU the QTensor matmul is a small native kernel
 (quant_kernel*.cc, through the XLA FFI) that widens levels in registers;
 elsewhere, or without a C++ compiler, it falls back to the correct but slow
-XLA dequantise-then-dot. README "Native kernel" says how it is built and
+XLA dequantise-then-dot. docs/models.md ("The native kernel") says how it is built and
 dispatched.
 
 Each group of 32 input rows of a column gets W ~= q * s + z, whichever of two
