@@ -112,6 +112,8 @@ def security_for(topology: Topology, role: str) -> PartySecurity | None:
         admits = [DRIVER if i == 0 else ids[i - 1]]
     keys_dir = keys_dir_of(topology)
     generated = topology.keys_dir is None
+    if not (keys_dir / f"{role}.key_secret").exists() and _all_local(topology):
+        ensure_keys(topology)   # started by hand on a one-machine topology: make them as a launcher would
     if generated and keys_dir.exists():
         check_private(keys_dir, "the key folder")
     identity = load_identity(keys_dir, role, strict=generated)  # first: a missing secret is the likelier mistake
@@ -119,6 +121,13 @@ def security_for(topology: Topology, role: str) -> PartySecurity | None:
     return PartySecurity(identity=identity,
                          server_keys={name: publics[name] for name in connects},
                          allowed=tuple(publics[name] for name in admits), admitted=tuple(admits))
+
+
+def _all_local(topology: Topology) -> bool:
+    """Every stage runs on this machine: keys made here are the ones every party reads."""
+    from skippy_zmq.launch import is_local
+
+    return all(is_local(s.host) for s in topology.stages)
 
 
 def warn_unauthenticated(topology: Topology, role: str) -> None:

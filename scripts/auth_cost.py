@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""What authenticated links cost on decode: 1 stream, 2 stages, CURVE vs `security: none`, same run.
+
+Both pipelines (the real model, stage processes on loopback) run side by side, warmed; rounds
+alternate between them (which goes first alternates too), so a machine that gets busier or
+quieter during the run moves both. Reports the median single-stream decode tok/s of each and
+their ratio; writes JSON. Usage (from the repository root):
+
+    python scripts/auth_cost.py [--model models/smollm2-135m-instruct] [--rounds 6] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+from skippy_zmq.bench.common import machine, print_table, synthetic_prompt
+from skippy_zmq.bench.pipeline import run_stream
+from skippy_zmq.harness import running_pipeline, write_topology
+
+MODES = ("curve", "none")
+
+
+def cpu_model() -> str:
+    """lscpu's model name (platform.processor() is often empty on Linux)."""
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+
+
+def decode_tok_s(engine, prompt: list[int], tokens: int) -> float:
+    results: list[dict] = []
+    errors: list[str] = []
+    run_stream(engine, prompt, tokens, results, errors)
+    if errors:
+        raise RuntimeError(errors[0])
+    return (results[0]["tokens"] - 1) / results[0]["decode_s"]
+
+
+def measure(model: Path, rounds: int, tokens: int, prompt_tokens: int, tmp: Path) -> dict:
+    with ExitStack() as stack:
+        engines = {}
+        for mode in MODES:
+            topo = write_topology(tmp, model, 2, name=f"auth-{mode}", security=mode, driver__max_context=512)
+            engines[mode], tokenizer, _, _ = stack.enter_context(running_pipeline(topo, tmp / f"run-{mode}", warm=True))
+        prompt = synthetic_prompt(tokenizer, prompt_tokens)
+        for mode in MODES:   # first request of each: nothing compiled or allocated inside the rounds
+            decode_tok_s(engines[mode], prompt, 8)
+        rates: dict[str, list[float]] = {mode: [] for mode in MODES}
+        for r in range(rounds):
+            for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                rates[mode].append(round(decode_tok_s(engines[mode], prompt, tokens), 2))
+    median = {mode: round(statistics.median(v), 2) for mode, v in rates.items()}
+    return {"rates": rates, "median_tok_s": median, "curve_over_none": round(median["curve"] / median["none"], 4),
+            "slowdown_pct": round(100 * (median["none"] / median["curve"] - 1), 2)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="models/smollm2-135m-instruct")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--tokens", type=int, default=64, help="decoded tokens per round and pipeline")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--out", default="runs/auth_cost.json")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="auth-cost-") as tmp:
+        result = measure(Path(args.model), args.rounds, args.tokens, args.prompt_tokens, Path(tmp))
+    result.update(machine=machine(), cpu_model=cpu_model(), model=args.model, stages=2, streams=1,
+                  rounds=args.rounds, tokens=args.tokens)
+    rows = [{"security": mode, "decode tok/s (median)": result["median_tok_s"][mode],
+             "rounds": " ".join(f"{v:g}" for v in result["rates"][mode])} for mode in MODES]
+    print_table(f"Decode cost of authenticated links: 1 stream, 2 stages, {Path(args.model).name}, "
+                f"{result['cpu_model']}", rows,
+                f"CURVE / none = {result['curve_over_none']:.4f} ({result['slowdown_pct']:+.2f} % time per token; "
+                "goal <= 3 %)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
