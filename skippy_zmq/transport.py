@@ -44,6 +44,13 @@ def context() -> zmq.Context:
     return zmq.Context.instance()
 
 
+def context_for(security: PartySecurity | None) -> zmq.Context:
+    """The context for a driver's sockets: the process's, or with CURVE one of its own (term it
+    after closing them): a ZAP handler serves one context, and one process may run several secured
+    drivers (tests, benchmarks)."""
+    return context() if security is None else zmq.Context()
+
+
 def make_socket(
     ctx: zmq.Context,
     kind: int,

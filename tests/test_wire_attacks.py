@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from procs import running_pipeline, write_topology
-from skippy_zmq import keystore, transport, wire
+from skippy_zmq import keystore, transport
 from skippy_zmq.driver.engine import GenRequest
 from skippy_zmq.security import SocketSecurity
 from skippy_zmq.wire import Kind, Message
@@ -246,3 +246,22 @@ def test_the_drivers_key_without_the_chains_view_gets_no_work_done(live):
     assert dropped["cache_records"] == start["cache_records"] and dropped["messages"] > start["messages"]
     assert dropped["errors"] == start["errors"]   # dropped silently: no ERROR for the driver to act on
     assert_unharmed(engine, clean, procs, before)
+
+
+def test_without_curve_the_same_forged_ready_takes_over_a_stage(small_model_dir, tmp_path):
+    """The control: with `security: none` asked for, a peer with no key sends one READY in stage
+    s0's name and the driver adopts it (the real s0 is fenced off): the attacks above are real."""
+    topo = write_topology(tmp_path, small_model_dir, 2, name="unsecured", security="none")
+    with running_pipeline(topo, tmp_path / "run") as (engine, _, topology, _procs):
+        real = engine.stages["s0"].incarnation
+        adopted = threading.Event()
+        engine.on_reply_hooks.append(lambda sid, m: adopted.set() if m.kind == Kind.READY and sid == "s0"
+                                     and m.extras.get("incarnation") == 0xBAD else None)
+        rogue = Rogue(topology)
+        try:
+            send_all(rogue.socket(zmq.DEALER, topology.driver.return_connect, "driver", b"s0"),
+                     [Message.ready("s0", 0xBAD, {"state": "serving"})])
+            assert adopted.wait(WAIT_S)
+        finally:
+            rogue.close()
+        assert engine.stages["s0"].incarnation == 0xBAD != real and engine.view.stages["s0"] == 0xBAD

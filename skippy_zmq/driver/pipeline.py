@@ -194,10 +194,15 @@ class PipelineEngine:
 
     def _run(self) -> None:
         d = self.topology.driver
-        socks = transport.open_driver_sockets(transport.context(), self.topology.first.connect, d.return_endpoint,
-                                              hwm=self.topology.wire.hwm,
-                                              max_message_bytes=self.topology.wire.max_message_bytes,
-                                              security=self.security, first_stage_id=self.topology.first.id)
+        ctx = transport.context_for(self.security)
+        try:
+            socks = transport.open_driver_sockets(ctx, self.topology.first.connect, d.return_endpoint,
+                                                  hwm=self.topology.wire.hwm,
+                                                  max_message_bytes=self.topology.wire.max_message_bytes,
+                                                  security=self.security, first_stage_id=self.topology.first.id)
+        except Exception:   # said here, or the engine would only ever look "not ready"
+            logger.exception("the driver could not open its sockets")
+            raise
         poller = zmq.Poller()
         poller.register(socks.router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -218,6 +223,8 @@ class PipelineEngine:
                     time.sleep(0.05)   # a failure that repeats every pass must not spin
         finally:
             socks.close()
+            if ctx is not transport.context():
+                ctx.term()
 
     def _step(self, socks: transport.DriverSockets, poller: zmq.Poller) -> None:
         """One pass: wait for replies or a wake-up, handle them and queued commands, send what is due."""
