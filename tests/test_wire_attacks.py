@@ -9,6 +9,7 @@ pipeline refused is awaited through the driver's hooks and the stages' heartbeat
 
 from __future__ import annotations
 
+import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +40,8 @@ def live(small_model_dir, tmp_path_factory) -> Iterator:
     topo = write_topology(tmp, small_model_dir, 2, name="attacked", driver__heartbeat_s=0.2)
     with running_pipeline(topo, tmp / "run") as (engine, _, topology, procs):
         assert topology.security == "curve" and engine.security is not None
+        folder = keystore.keys_dir_of(topology)   # made by the launch, before any stage started
+        assert folder.parent == keystore.keys_home() and stat.S_IMODE(folder.stat().st_mode) == 0o700
         yield engine, topology, procs, generate(engine, "clean")
 
 
