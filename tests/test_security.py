@@ -153,10 +153,14 @@ def test_security_for_none_warns_and_missing_keys_say_how_to_make_them(tmp_path:
     finally:
         logger.remove(sink)
     assert len(lines) == 1 and "s0 runs <dict> with `security: none`" in lines[0] and "NOT authenticated" in lines[0]
+    remote = parse_topology(topology_dict(None, host="10.9.9.9"))   # stages elsewhere: keys made here would not be theirs
     with pytest.raises(SecurityError, match=r"home/[0-9a-f]{20}/driver\.key_secret.*skippy-zmq launch"):
-        security.security_for(parse_topology(topology_dict(None)), "driver")   # curve, keys never made
-    with pytest.raises(SecurityError, match=r"s0\.key_secret"):
-        security.security_for(parse_topology(topology_dict(tmp_path)), "s0")
+        security.security_for(remote, "driver")
+    local = parse_topology(topology_dict(None))   # every stage on this machine: started by hand, it makes them
+    assert security.security_for(local, "s1").identity.name == "s1"
+    assert (keystore.keys_dir_of(local) / "driver.key_secret").is_file()
+    with pytest.raises(SecurityError, match=r"empty/s0\.key_secret"):
+        security.security_for(parse_topology(topology_dict(tmp_path / "empty", host="10.9.9.9")), "s0")
 
 
 def test_curve_is_the_default() -> None:
