@@ -38,9 +38,9 @@ def upstream_socket(topology: Any, stage_id: str) -> Any:
                                  security=upstream.client(stage_id) if upstream is not None else None)
 
 
-def stage_dealer(topology: Any, stage_id: str, name: str) -> Any:
-    """A DEALER into the driver's ROUTER under `stage_id`'s key, its routing identity naming that
-    stage (`stage_id#name`): what a buggy or hostile stage could send the driver."""
+def stage_dealer(topology: Any, stage_id: str, identity: bytes) -> Any:
+    """A DEALER into the driver's ROUTER under `stage_id`'s key (CURVE: the ROUTER admits only
+    stage keys), with routing `identity`: the driver acts only on what names the key's own stage."""
     import zmq
 
     from skippy_zmq import transport
@@ -48,7 +48,7 @@ def stage_dealer(topology: Any, stage_id: str, name: str) -> Any:
 
     stage = security_for(topology, stage_id)
     return transport.make_socket(transport.context(), zmq.DEALER, topology.driver.return_connect, bind=False,
-                                 identity=f"{stage_id}#{name}".encode(),
+                                 identity=identity,
                                  security=stage.client("driver") if stage is not None else None)
 
 

@@ -378,9 +378,10 @@ def test_live_stages_survive_a_malformed_barrage(live, parity):
         if m.kind == Kind.ERROR:
             errors.append((stage_id, m.request_id, m.extras))
     engine.on_reply_hooks.append(hook)
-    # Each stage's legitimate upstream key and a stage's key to the driver (CURVE admits no other).
+    # Each stage's legitimate upstream key, and a stage's key to the driver (CURVE admits no other)
+    # under an identity that names no stage: the driver ignores all of it, as it did unkeyed.
     socks = {s.id: upstream_socket(topology, s.id) for s in topology.stages}
-    socks["driver"] = stage_dealer(topology, topology.last.id, "fuzz")
+    socks["driver"] = stage_dealer(topology, topology.last.id, b"fuzz")
     sent, expected, sessions, decodable = collections.Counter(), collections.Counter(), set(), [0]
     stage_ids = [s.id for s in topology.stages]
     t0 = time.monotonic()
