@@ -23,7 +23,12 @@ sessions, finds no KV for them and fails the request (`kv_gap`). With it:
   so on every stage the new view's first message for a session is its
   re-prefill.
 
-Unstamped messages (tools, tests talking to one stage) are accepted.
+With security on (`Fence.required`, set by the stage loop when its links are
+CURVE) every request must carry a stamp that names this stage's current
+incarnation: an unstamped one, or one that does not name this stage, is
+dropped and counted (`unstamped`), so a holder of a legitimate upstream key who
+does not know the chain's view cannot get work acted on either. Without
+security (tools, tests talking to one stage) unstamped messages are accepted.
 This module is pure: no sockets, no JAX.
 """
 
@@ -35,6 +40,7 @@ from typing import Any, Mapping
 from skippy_zmq.wire import Message
 
 VIEW_KEY = "view"
+UNSTAMPED = "unstamped"   # how every reason for dropping an unstamped request starts
 
 
 @dataclass(frozen=True)
@@ -64,13 +70,17 @@ class Fence:
     incarnation: int
     newest_epoch: dict[int, int] = field(default_factory=dict)   # driver incarnation -> newest epoch acted on
     dropped: int = 0
+    required: bool = False   # security on: a request must carry a stamp naming this stage
+    unstamped: int = 0       # requests dropped for want of one (also counted in `dropped`)
 
     def check(self, msg: Message) -> str | None:
         view = msg.extras.get(VIEW_KEY)
         if view is None:
-            return None
+            return self._drop_unstamped("carries no chain view stamp") if self.required else None
         driver, epoch, stages = _parse(view)
         expected = stages.get(self.stage_id)
+        if expected is None and self.required:
+            return self._drop_unstamped(f"its chain view stamp does not name {self.stage_id}")
         if expected is not None and expected != self.incarnation:
             return self._drop(f"sent for incarnation {expected:08x} of {self.stage_id}, this is {self.incarnation:08x}")
         newest = self.newest_epoch.get(driver, epoch)
@@ -82,6 +92,10 @@ class Fence:
     def _drop(self, reason: str) -> str:
         self.dropped += 1
         return reason
+
+    def _drop_unstamped(self, why: str) -> str:
+        self.unstamped += 1
+        return self._drop(f"{UNSTAMPED} request: {why} (required when the wire is authenticated)")
 
 
 class BadView(ValueError):

@@ -80,7 +80,8 @@ def model_layers(model_dir: Path | str) -> int:
 
 def write_topology(tmp: Path, model_dir: Path | str, n_stages: int, name: str = "topo",
                    n_layers: int | None = None, **overrides) -> Path:
-    """A local topology on free loopback ports; `section__key=value` or `stage_key=value` overrides.
+    """A local topology on free loopback ports; `section__key=value`, `stage_key=value` or
+    `security=...` / `keys_dir=...` (top level) overrides. CURVE keys are made when it is launched.
 
     The layers split evenly; `n_layers` defaults to the model's own count (its model.json).
     """
@@ -91,7 +92,9 @@ def write_topology(tmp: Path, model_dir: Path | str, n_stages: int, name: str = 
     data["driver"]["micro_batches"] = 1   # every stage shares this machine's cores (see topologies/)
     for key, value in overrides.items():
         section, _, field = key.partition("__")
-        if field:
+        if key in ("security", "keys_dir"):
+            data[key] = value
+        elif field:
             data[section][field] = value
         else:
             for stage in data["stages"]:

@@ -1,7 +1,11 @@
 """Start and stop the processes of a topology (downstream first, no sleeps).
 
 Stages on this machine are child processes; a stage whose `host` is not
-local is started over ssh in the same working directory. Helpers for tests and
+local is started over ssh in the same working directory. Before anything is
+spawned the topology's CURVE keys are made if they do not exist yet (first
+launch, keystore.py), so the driver and every local stage share them; a
+remote stage reads them from the same path on its host, where the key folder
+must have been copied (keys never travel over ssh). Helpers for tests and
 benchmarks (free ports, throwaway topologies, a pipeline in a `with`) live in
 harness.py, which builds on this module and never the other way round.
 """
@@ -38,12 +42,23 @@ def stage_command(topology_path: Path, stage: StageConfig, extra: list[str] | No
     return ["ssh", "-o", "BatchMode=yes", "--", stage.host, remote]   # `--`: the host is never an option
 
 
+def prepare_keys(topology_path: Path, stage: StageConfig | None = None) -> None:
+    """Make the topology's CURVE keys on first launch; for a remote `stage`, name the folder to copy."""
+    from skippy_zmq.keystore import ensure_keys
+
+    folder = ensure_keys(load_topology(topology_path))
+    if folder is not None and stage is not None and not is_local(stage.host):
+        logger.warning("stage {} runs on {}: it reads its keys from {} there (copy that folder with `scp -rp` "
+                       "to the same path on that host, once)", stage.id, stage.host, folder)
+
+
 def spawn_stage(topology_path: Path, stage: StageConfig, run_dir: Path,
                 extra: list[str] | None = None, tied: bool = True) -> subprocess.Popen:
     """One stage in the background, logging to RUN_DIR/<id>.log; its pid in RUN_DIR/<id>.pid.
 
     `tied`: a local stage exits when this process dies, by any signal (skippy_zmq/lifetime.py);
     detached (`launch`, `restart-stage`) and remote stages keep running on their own."""
+    prepare_keys(topology_path, stage)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "topology").write_text(f"{Path(topology_path).absolute()}\n")
     log = open(run_dir / f"{stage.id}.log", "ab")
@@ -108,6 +123,7 @@ def _last_words(pid: int, run_dir: Path) -> tuple[str, str]:
 def spawn_driver(topology_path: Path, run_dir: Path, extra: list[str] | None = None,
                  tied: bool = True) -> subprocess.Popen:
     """The driver in the background (`tied`: it exits when this process dies, as spawn_stage's)."""
+    prepare_keys(topology_path)
     log = open(run_dir / "driver.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "skippy_zmq.cli", *(extra or []), "driver", "--topology",
                              str(topology_path)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -1,8 +1,9 @@
-"""CURVE keys and ZAP authentication for every ZeroMQ socket of a topology.
+"""CURVE and ZAP authentication for every ZeroMQ socket of a topology.
 
-Each party ("driver" and every stage id) has one CURVE keypair, written by
-`skippy-zmq keys` as NAME.key (public) and NAME.key_secret (secret, mode 0600).
-Copy every NAME.key to every host and NAME.key_secret only to NAME's host.
+`security: curve` is the default: each party ("driver" and every stage id) has
+one CURVE keypair (keystore.py says where they live and makes them on first
+launch). `security: none` must be asked for, and every process that starts with
+it says so at WARNING.
 
 Roles: the binding side of a connection is the CURVE server (a stage's PULL on
 `listen`, the driver's ROUTER on `return`); the connecting side is a CURVE
@@ -10,9 +11,13 @@ client that must know the server's public key. A server admits only the keys
 of the parties that legitimately connect to it (least privilege): a stage's
 PULL admits its upstream (the driver for stage 0, else the previous stage); the
 driver's ROUTER admits every stage. Admission is checked by one ZAP
-authenticator per process. Server sockets set ZAP_ENFORCE_DOMAIN, so a process
-that forgets to start the authenticator refuses every peer instead of
-admitting every peer (libzmq's default without a ZAP handler).
+authenticator per process, which names each admitted peer: the ZAP User-Id of
+a connection is its key's party name, and every message received on it carries
+that name (`transport.peer_name`), so the driver ties each reply to the stage
+whose key sent it, whatever routing identity the peer claims. Server sockets
+set ZAP_ENFORCE_DOMAIN, so a process that forgets to start the authenticator
+refuses every peer instead of admitting every peer (libzmq's default without a
+ZAP handler).
 
 No JAX here, and no sockets other than the authenticator's own.
 """
@@ -21,112 +26,25 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
 import re
-import shutil
-import stat
-import tempfile
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import zmq
-import zmq.auth
 from loguru import logger
 from zmq.auth.base import Authenticator
+from zmq.utils import z85
 from zmq.auth.thread import ThreadAuthenticator
 
+from skippy_zmq.keystore import (DRIVER, Identity, SecurityError, check_private, ensure_keys,  # noqa: F401
+                                 generate_keys, keys_dir_of, load_identity, load_public_keys, party_names,
+                                 private_mkdirs)
 from skippy_zmq.topology import Topology
 
-DRIVER = "driver"
 ZAP_DOMAIN = "skippy_zmq"  # every CURVE server socket's ZAP domain; the authenticator serves only this one
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _MAX_WARNED_KEYS = 1024  # distinct rogue keys logged at WARNING; later ones at DEBUG (a rogue can mint keys)
-
-
-class SecurityError(RuntimeError):
-    """Keys are missing, unreadable or inconsistent with the topology."""
-
-
-# ------------------------------------------------------------------ keys
-
-
-@dataclass(frozen=True)
-class Identity:
-    """This process's CURVE keypair (Z85 bytes, as libzmq's socket options take them)."""
-
-    name: str
-    public: bytes
-    secret: bytes = field(repr=False)
-
-
-def party_names(topology: Topology) -> list[str]:
-    """"driver" and every stage id, checked to be safe file names."""
-    names = [DRIVER, *(s.id for s in topology.stages)]
-    if DRIVER in names[1:]:
-        raise SecurityError(f"{topology.source}: a stage may not be called {DRIVER!r}: that is the driver's key")
-    for name in names:
-        if not _NAME.fullmatch(name):
-            raise SecurityError(f"{topology.source}: stage id {name!r} cannot name a key file "
-                                "(use letters, digits, '_', '.', '-')")
-    return names
-
-
-def generate_keys(topology: Topology, out_dir: str | Path, force: bool = False) -> list[Path]:
-    """Write NAME.key and NAME.key_secret for the driver and every stage; return the paths.
-
-    Refuses (FileExistsError, nothing written) if any of those files exists,
-    unless `force`: replacing keys means every host needs the new public keys.
-    Each pair is written inside a private (0700) temporary directory, the
-    secret chmod'ed to 0600, then moved into place, so a secret is never
-    readable by others even for a moment.
-    """
-    names = party_names(topology)
-    out = Path(out_dir)
-    out.mkdir(mode=0o700, parents=True, exist_ok=True)
-    existing = [p for n in names for p in (out / f"{n}.key", out / f"{n}.key_secret") if p.exists()]
-    if existing and not force:
-        raise FileExistsError(f"refusing to overwrite existing keys ({', '.join(map(str, existing))}); "
-                              "pass --force to replace them (every host then needs the new public keys)")
-    written: list[Path] = []
-    tmp = Path(tempfile.mkdtemp(prefix=".keys-", dir=out))
-    try:
-        for name in names:
-            public, secret = (Path(p) for p in zmq.auth.create_certificates(tmp, name))
-            os.chmod(secret, 0o600)
-            os.chmod(public, 0o644)
-            for path in (public, secret):
-                os.replace(path, out / path.name)
-                written.append(out / path.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return written
-
-
-def load_identity(keys_dir: str | Path, name: str) -> Identity:
-    """Read NAME.key_secret (public and secret key) from `keys_dir`."""
-    path = Path(keys_dir) / f"{name}.key_secret"
-    public, secret = _load_certificate(path)
-    if not secret:
-        raise SecurityError(f"{path}: holds no secret key (is it a public certificate?)")
-    if stat.S_IMODE(path.stat().st_mode) & 0o077:
-        logger.warning("{} is readable by other users; chmod 600 it", path)
-    return Identity(name, public, secret)
-
-
-def load_public_keys(keys_dir: str | Path, names: Iterable[str]) -> dict[str, bytes]:
-    """Public keys by party name, from NAME.key in `keys_dir`."""
-    return {name: _load_certificate(Path(keys_dir) / f"{name}.key")[0] for name in names}
-
-
-def _load_certificate(path: Path) -> tuple[bytes, bytes | None]:
-    try:
-        return zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as exc:
-        raise SecurityError(f"{path}: cannot load CURVE certificate ({exc}); "
-                            "create keys with `skippy-zmq keys --topology T --out DIR`") from exc
 
 
 # ------------------------------------------------------------------ socket roles
@@ -156,6 +74,7 @@ class PartySecurity:
     identity: Identity
     server_keys: Mapping[str, bytes]  # public key of each party this one connects to, by name
     allowed: tuple[bytes, ...]        # public keys its server sockets admit
+    admitted: tuple[str, ...] = ()    # their party names, in the same order (the ZAP User-Id of each)
 
     def server(self) -> SocketSecurity:
         return SocketSecurity("curve", self.identity.public, self.identity.secret, server=True)
@@ -168,19 +87,21 @@ class PartySecurity:
                               server_key=self.server_keys[peer])
 
     def start_authenticator(self, ctx: zmq.Context) -> CurveAuthenticator:
-        return start_authenticator(ctx, list(self.allowed))
+        return start_authenticator(ctx, dict(zip(self.allowed, self.admitted or self.allowed)))
 
 
 def security_for(topology: Topology, role: str) -> PartySecurity | None:
-    """The CURVE material of `role` ("driver" or a stage id), or None when security is "none".
+    """The CURVE material of `role` ("driver" or a stage id), or None when security is "none"
+    (said at WARNING: every process of such a pipeline says it at every start).
 
     Loads only what the role needs: its own secret, the public keys of the
-    servers it connects to, and of the clients it admits.
+    servers it connects to, and of the clients it admits. A generated key
+    folder (no keys_dir) and its secret are checked to be this user's and
+    private first.
     """
     if topology.security == "none":
+        warn_unauthenticated(topology, role)
         return None
-    if topology.keys_dir is None:
-        raise SecurityError(f"{topology.source}: security: curve needs keys_dir (run `skippy-zmq keys`)")
     party_names(topology)  # every name must be a safe key-file name
     ids = [s.id for s in topology.stages]
     if role == DRIVER:
@@ -189,12 +110,33 @@ def security_for(topology: Topology, role: str) -> PartySecurity | None:
         i = topology.index(role)
         connects = [DRIVER, *ids[i + 1:i + 2]]
         admits = [DRIVER if i == 0 else ids[i - 1]]
-    keys_dir = Path(topology.keys_dir)
-    identity = load_identity(keys_dir, role)  # first: a missing secret is the likelier mistake
+    keys_dir = keys_dir_of(topology)
+    generated = topology.keys_dir is None
+    if not (keys_dir / f"{role}.key_secret").exists() and _all_local(topology):
+        ensure_keys(topology)   # started by hand on a one-machine topology: make them as a launcher would
+    if generated and keys_dir.exists():
+        check_private(keys_dir, "the key folder")
+    identity = load_identity(keys_dir, role, strict=generated)  # first: a missing secret is the likelier mistake
     publics = load_public_keys(keys_dir, dict.fromkeys([*connects, *admits]))
     return PartySecurity(identity=identity,
                          server_keys={name: publics[name] for name in connects},
-                         allowed=tuple(publics[name] for name in admits))
+                         allowed=tuple(publics[name] for name in admits), admitted=tuple(admits))
+
+
+def _all_local(topology: Topology) -> bool:
+    """Every stage runs on this machine: keys made here are the ones every party reads."""
+    from skippy_zmq.launch import is_local
+
+    return all(is_local(s.host) for s in topology.stages)
+
+
+def warn_unauthenticated(topology: Topology, role: str) -> None:
+    """The loud line a `security: none` process logs as it starts."""
+    logger.warning("SECURITY: {} runs {} with `security: none`: its ZeroMQ links are NOT authenticated; any "
+                   "process that can reach {} can forge stage replies, inject work and change other users' "
+                   "output. Remove `security: none` from the topology (CURVE is the default; keys are made on "
+                   "first launch).", role, topology.source,
+                   ", ".join([topology.driver.return_endpoint, *(s.listen for s in topology.stages)]))
 
 
 # ------------------------------------------------------------------ ZAP
@@ -218,12 +160,14 @@ class CurveAuthenticator(ThreadAuthenticator, _ReleaseEndpointOnStop):
     """A ZAP handler (in a thread) that admits only `allowed` CURVE public keys on ZAP_DOMAIN.
 
     It is its own credentials provider (`callback`); rejections are logged
-    with the peer's address and counted, so tests can wait for one.
+    with the peer's address and counted, so tests can wait for one. An
+    admitted connection's User-Id is its key's party name (`allowed` maps
+    Z85 public key -> name), which every message received on it carries.
     """
 
-    def __init__(self, ctx: zmq.Context, allowed: Iterable[bytes]):
+    def __init__(self, ctx: zmq.Context, allowed: Mapping[bytes, str]):
         super().__init__(ctx)
-        self.allowed = frozenset(allowed)
+        self.allowed = dict(allowed)
         self.rejected = 0
         self._rejections = threading.Condition()
         self._peer = "?"
@@ -233,6 +177,9 @@ class CurveAuthenticator(ThreadAuthenticator, _ReleaseEndpointOnStop):
         # ZAP request (RFC 27): version, request id, domain, address, identity, mechanism, credentials.
         self._peer = msg[3].decode(errors="replace") if len(msg) > 3 else "?"
         await super().handle_zap_message(msg)
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return self.allowed[z85.encode(client_public_key)]   # called only for an admitted key
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self.allowed:
@@ -253,11 +200,15 @@ class CurveAuthenticator(ThreadAuthenticator, _ReleaseEndpointOnStop):
             return self._rejections.wait_for(lambda: self.rejected >= count, timeout)
 
 
-def start_authenticator(ctx: zmq.Context, allowed_public_keys: list[bytes]) -> CurveAuthenticator:
-    """Start the context's ZAP handler; do it before any CURVE server socket binds. `stop()` it on close."""
-    if not allowed_public_keys:
+def start_authenticator(ctx: zmq.Context, allowed: Mapping[bytes, str] | list[bytes]) -> CurveAuthenticator:
+    """Start the context's ZAP handler; do it before any CURVE server socket binds. `stop()` it on close.
+
+    `allowed`: Z85 public key -> the party name that becomes the connection's
+    User-Id (a plain list of keys names each peer by its key)."""
+    if not allowed:
         raise SecurityError("an authenticator that admits no key would refuse every peer")
-    auth = CurveAuthenticator(ctx, allowed_public_keys)
+    names = allowed if isinstance(allowed, Mapping) else {key: key.decode() for key in allowed}
+    auth = CurveAuthenticator(ctx, names)
     auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=auth)
     try:
         auth.start()
@@ -310,11 +261,10 @@ def cmd_keys(args: argparse.Namespace) -> int:
     from skippy_zmq.topology import load_topology
 
     topology = load_topology(args.topology)
-    out = args.out or topology.keys_dir
-    if out is None:
-        logger.error("{}: no keys_dir in the topology; pass --out DIR", args.topology)
-        return 2
+    out = args.out or keys_dir_of(topology)
     try:
+        if args.out is None and topology.keys_dir is None:   # the generated folder launches would use
+            private_mkdirs(keys_dir_of(topology))
         paths = generate_keys(topology, out, force=args.force)
     except (FileExistsError, SecurityError) as exc:
         logger.error("{}", exc)
@@ -330,7 +280,8 @@ def add_keys_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     """Register the `keys` subcommand."""
     p = subparsers.add_parser("keys", help="write CURVE keypairs for the driver and every stage")
     p.add_argument("--topology", required=True)
-    p.add_argument("--out", default=None, help="key directory (default: the topology's keys_dir)")
+    p.add_argument("--out", default=None, help="key directory (default: the topology's keys_dir, "
+                   "else its generated folder under ~/.local/state/skippy_zmq/keys)")
     p.add_argument("--force", action="store_true", help="replace existing keys")
     p.set_defaults(func=cmd_keys)
     return p

@@ -7,8 +7,10 @@ is optional; defaults shown)::
                                          # against the CURRENT WORKING DIRECTORY of
                                          # the process, not against this file
     n_layers: 30          # optional; when given, the last stage must end here
-    security: none        # none | curve
-    keys_dir: null        # optional CURVE key directory (same path rule as model)
+    security: curve       # curve | none (none: unauthenticated links, logged at WARNING by every process)
+    keys_dir: null        # CURVE key folder (same path rule as model); default: made on first launch in
+                          # ~/.local/state/skippy_zmq/keys/<digest> (keystore.py); a stage on another
+                          # host needs that folder copied to the same path there
     driver:
       return: tcp://127.0.0.1:5600   # ROUTER bound by the driver; stages connect
       return_advertise: null         # the endpoint stages dial when it is not `return` (a port
@@ -185,7 +187,7 @@ class Topology:
     model: str
     n_layers: int  # as declared, else the last stage's end
     stages: tuple[StageConfig, ...]
-    security: str = "none"
+    security: str = "curve"
     keys_dir: str | None = None
     driver: DriverConfig = DriverConfig()
     wire: WireConfig = WireConfig()
@@ -517,7 +519,7 @@ _TOP_CHECKS: dict[str, Check] = {
 def parse_topology(data: Any, source: str = "<dict>") -> Topology:
     """Validate a parsed YAML document into a Topology."""
     at = _At(source)
-    top = _read(data, at, _TOP_CHECKS, {"n_layers": None, "security": "none", "keys_dir": None,
+    top = _read(data, at, _TOP_CHECKS, {"n_layers": None, "security": "curve", "keys_dir": None,
                                         "driver": DriverConfig(), "wire": WireConfig()})
     raw_stages = top.pop("stages")
     if not isinstance(raw_stages, list) or not raw_stages:

@@ -8,11 +8,20 @@ messages are encoded by `wire` and sent zero-copy.
 With a `PartySecurity` (see `security`), every socket is CURVE-encrypted: the
 binding side is the CURVE server, the connecting side a client that knows the
 server's public key, and the socket set that owns a server socket starts the
-process's ZAP authenticator before binding and stops it on close.
+process's ZAP authenticator before binding and stops it on close. The
+authenticator names each admitted connection by its key's party, and
+`peer_name` reads that name off any message received on it.
+
+A stage's DEALERs claim a routing identity that starts with the stage id
+(`stage_of`). With CURVE the identity also carries 64 random bits
+(`dealer_identity`): the driver's ROUTER hands an identity over to whoever
+claims it last (so a restarted stage is never locked out), and a peer that
+cannot guess an identity cannot take another stage's route.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import zmq
@@ -21,8 +30,9 @@ from skippy_zmq import wire
 from skippy_zmq.security import DRIVER, ZAP_DOMAIN, CurveAuthenticator, PartySecurity, SocketSecurity
 
 
-# A stage heartbeats on a DEALER of its own whose identity is "<stage id>/hb".
+# A stage heartbeats on a DEALER of its own whose identity is "<stage id>[#nonce]/hb".
 HEARTBEAT_SUFFIX = "/hb"
+ROUTE_NONCE = "#"   # a stage id never holds one (keystore.party_names)
 
 # CURVE boxes every frame (8-byte nonce, 16-byte MAC, the MESSAGE command name
 # and flags), and libzmq checks MAXMSGSIZE against the boxed frame.
@@ -32,6 +42,13 @@ CURVE_FRAME_OVERHEAD = 33
 def context() -> zmq.Context:
     """The process-wide context (pyzmq makes a fresh one after fork)."""
     return zmq.Context.instance()
+
+
+def context_for(security: PartySecurity | None) -> zmq.Context:
+    """The context for a driver's sockets: the process's, or with CURVE one of its own (term it
+    after closing them): a ZAP handler serves one context, and one process may run several secured
+    drivers (tests, benchmarks)."""
+    return context() if security is None else zmq.Context()
 
 
 def make_socket(
@@ -133,6 +150,26 @@ def recv_routed(sock: zmq.Socket, flags: int = 0) -> tuple[bytes, list[zmq.Frame
     return first.bytes, frames
 
 
+def peer_name(frames: list[zmq.Frame]) -> str | None:
+    """The party whose CURVE key sent these frames (the ZAP User-Id the authenticator gave its
+    connection), or None on a link without one (security "none", or no frame at all)."""
+    try:
+        return frames[0].get("User-Id") if frames else None
+    except zmq.ZMQError:   # no such property: an unauthenticated connection
+        return None
+
+
+def dealer_identity(stage_id: str, secured: bool, heartbeat: bool = False) -> bytes:
+    """The routing identity of a stage's DEALER: its id, with a random nonce when `secured`."""
+    nonce = f"{ROUTE_NONCE}{os.urandom(8).hex()}" if secured else ""
+    return f"{stage_id}{nonce}{HEARTBEAT_SUFFIX if heartbeat else ''}".encode()
+
+
+def stage_of(identity: bytes) -> str:
+    """The stage a DEALER's routing identity claims to be (to be checked against `peer_name`)."""
+    return identity.decode(errors="replace").removesuffix(HEARTBEAT_SUFFIX).partition(ROUTE_NONCE)[0]
+
+
 # ---------------------------------------------------------------- socket sets
 
 
@@ -182,8 +219,9 @@ def open_stage_sockets(
 ) -> StageSockets:
     """Bind `listen`, connect to the next stage (if any) and to the driver.
 
-    The DEALER identity is the stage id, so the driver's ROUTER knows which
-    stage every reply came from. With `security` the authenticator starts
+    The DEALER identity starts with the stage id (`dealer_identity`); with
+    CURVE the driver believes it only when the key that sent a message is that
+    stage's (`peer_name`). With `security` the authenticator starts
     first, PULL is a CURVE server, PUSH a client of `next_stage_id` and the
     DEALER a client of the driver.
     """
@@ -195,7 +233,8 @@ def open_stage_sockets(
                            security=_server(security))
         if next_listen is not None:
             push = make_socket(ctx, zmq.PUSH, next_listen, bind=False, hwm=hwm, security=push_security)
-        dealer = make_socket(ctx, zmq.DEALER, return_endpoint, bind=False, hwm=hwm, identity=stage_id.encode(),
+        dealer = make_socket(ctx, zmq.DEALER, return_endpoint, bind=False, hwm=hwm,
+                             identity=dealer_identity(stage_id, security is not None),
                              max_message_bytes=max_message_bytes, security=_client(security, DRIVER, "the driver"))
     except BaseException:
         _close(pull, push, auth=auth)
@@ -206,9 +245,9 @@ def open_stage_sockets(
 def open_heartbeat_socket(
     ctx: zmq.Context, return_endpoint: str, stage_id: str, security: PartySecurity | None = None, hwm: int = 1000,
 ) -> zmq.Socket:
-    """A stage's heartbeat DEALER (identity "<stage id>/hb"); a CURVE client of the driver when secured."""
+    """A stage's heartbeat DEALER (identity "<stage id>[#nonce]/hb"); a CURVE client of the driver when secured."""
     return make_socket(ctx, zmq.DEALER, return_endpoint, bind=False, hwm=hwm,
-                       identity=f"{stage_id}{HEARTBEAT_SUFFIX}".encode(),
+                       identity=dealer_identity(stage_id, security is not None, heartbeat=True),
                        security=_client(security, DRIVER, "the driver"))
 
 

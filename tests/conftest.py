@@ -6,6 +6,8 @@ import contextlib
 import json
 import os
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ from loguru import logger
 from skippy_zmq.config import ModelConfig
 from skippy_zmq.cli import CACHE_MIN_S_ENV, configure_jax
 from skippy_zmq.harness import PORT_SLICE_ENV
+from skippy_zmq.keystore import KEYS_HOME_ENV
 from skippy_zmq.model import weights
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,6 +70,16 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 # test_warmup + test_families took 31 s instead of 98 s (the XLA compiles are reads).
 os.environ.setdefault(CACHE_MIN_S_ENV, "0")
 configure_jax()
+# CURVE is the default: every pipeline the suite launches makes its keys on first launch. They go to a
+# private folder of this run (inherited by xdist workers and the stages), not to ~/.local/state.
+OWN_KEYS_HOME = None if os.environ.get(KEYS_HOME_ENV) else tempfile.mkdtemp(prefix="skippy-keys-")
+if OWN_KEYS_HOME:
+    os.environ[KEYS_HOME_ENV] = OWN_KEYS_HOME
+
+
+def pytest_unconfigure(config) -> None:
+    if OWN_KEYS_HOME:
+        shutil.rmtree(OWN_KEYS_HOME, ignore_errors=True)
 
 
 def work_unit(nodeid: str) -> str:

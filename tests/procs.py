@@ -22,6 +22,36 @@ def write_topology(tmp: Path, model_dir: Path | str, n_stages: int, name: str = 
     return harness.write_topology(tmp, model_dir, n_stages, name, n_layers, **overrides)
 
 
+def upstream_socket(topology: Any, stage_id: str) -> Any:
+    """A PUSH into `stage_id`'s PULL as its legitimate upstream opens one (the driver for the first
+    stage, else the previous stage): with CURVE (the default) it carries that party's key, the only
+    one the stage admits. For tests that play a hostile or buggy upstream; what they send must also
+    carry the driver's chain view (`engine.view.stamp(msg)`) or a secured stage drops it unread."""
+    import zmq
+
+    from skippy_zmq import transport
+    from skippy_zmq.security import security_for
+
+    i = topology.index(stage_id)
+    upstream = security_for(topology, "driver" if i == 0 else topology.stages[i - 1].id)
+    return transport.make_socket(transport.context(), zmq.PUSH, topology.stage(stage_id).connect, bind=False,
+                                 security=upstream.client(stage_id) if upstream is not None else None)
+
+
+def stage_dealer(topology: Any, stage_id: str, identity: bytes) -> Any:
+    """A DEALER into the driver's ROUTER under `stage_id`'s key (CURVE: the ROUTER admits only
+    stage keys), with routing `identity`: the driver acts only on what names the key's own stage."""
+    import zmq
+
+    from skippy_zmq import transport
+    from skippy_zmq.security import security_for
+
+    stage = security_for(topology, stage_id)
+    return transport.make_socket(transport.context(), zmq.DEALER, topology.driver.return_connect, bind=False,
+                                 identity=identity,
+                                 security=stage.client("driver") if stage is not None else None)
+
+
 def free_endpoint() -> str:
     """A loopback TCP endpoint on a port the OS just handed out (for endpoints that refer to each other)."""
     return f"tcp://127.0.0.1:{free_base_port(1)}"

@@ -7,6 +7,7 @@ replacement, as ZeroMQ does when the endpoint is bound again.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from conftest import TINY, random_ids
@@ -100,6 +101,26 @@ def test_fence_drops_requests_for_another_incarnation():
     assert fence.check(stamped(s0=5)) is None                            # a view that does not name this stage
     reason = fence.check(stamped(s0=5, s1=0xAC))
     assert reason == "sent for incarnation 000000ac of s1, this is 000000ab" and fence.dropped == 1
+
+
+def test_with_security_on_a_request_must_carry_a_stamp_naming_this_stage():
+    fence = Fence("s1", incarnation=0xAB, required=True)
+    assert fence.check(Message(Kind.STOP, 1, 1)) == ("unstamped request: carries no chain view stamp (required "
+                                                    "when the wire is authenticated)")
+    assert fence.check(stamped(s0=5)).startswith("unstamped request: its chain view stamp does not name s1")
+    assert fence.check(stamped(s0=5, s1=0xAB)) is None
+    assert (fence.unstamped, fence.dropped) == (2, 2)
+
+
+def test_stage_drops_unstamped_work_silently_when_security_is_on(tiny_tree):
+    worker = make_worker(TINY, tiny_tree, 0, 1, stage_id="s0")
+    worker.fence.required = True   # what the stage loop sets when its links are CURVE
+    bias = {"sampling": {"logit_bias": {"7": 100.0}}}
+    assert worker.handle(Message(Kind.CONFIGURE_GENERATION, 4, 4, tokens=np.array([5], np.int32), extras=bias)) == []
+    assert worker.handle(Message(Kind.PREFILL, 4, 4, tokens=np.array([5, 6], np.int32), extras={"record": "x"})) == []
+    status = worker.status()
+    assert (status["unstamped"], status["fenced"], status["errors"], status["lanes_in_use"]) == (2, 2, 0, 0)
+    assert [o.to for o in worker.handle(stamped(s0=worker.info.incarnation))] == ["next"]   # the driver's work
 
 
 def test_fence_drops_an_older_view_after_a_newer_one_per_driver():

@@ -19,11 +19,11 @@ from collections.abc import Callable
 import httpx
 import numpy as np
 import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import TINY, first_mismatch
+from procs import stage_dealer, upstream_socket
 from pipeline_helpers import make_worker
 from skippy_zmq import transport, wire
 from skippy_zmq.driver.engine import EngineError, GenRequest
@@ -346,6 +346,15 @@ def sentinel(rid: int) -> list[bytes]:
     return [HEADER.pack(MAGIC, 99, Kind.STOP, 0, 0, rid, 0, 0, 0, 1, 0), b"\0" * 8, b"", b"", b"", b""]
 
 
+def stamped_frames(engine, msg: Message, frames: list) -> list:
+    """`msg` re-encoded with the driver's current chain view stamp (what a stage with CURVE on
+    requires before it acts), or the frames as they were when the message cannot be re-encoded."""
+    try:
+        return [bytes(f) for f in wire.encode(engine.view.stamp(msg))]
+    except (wire.WireError, TypeError, ValueError, OverflowError):
+        return frames
+
+
 def live_frames(width: int, vocab: int) -> st.SearchStrategy:
     return (mutated_messages(hostile(width, vocab), min_frames=1) | header_shaped()
             | random_frames.filter(bool) | hostile(width, vocab).map(lambda m: [bytes(f) for f in wire.encode(*m)]))
@@ -369,10 +378,10 @@ def test_live_stages_survive_a_malformed_barrage(live, parity):
         if m.kind == Kind.ERROR:
             errors.append((stage_id, m.request_id, m.extras))
     engine.on_reply_hooks.append(hook)
-    ctx = transport.context()
-    socks = {s.id: transport.make_socket(ctx, zmq.PUSH, s.connect, bind=False) for s in topology.stages}
-    socks["driver"] = transport.make_socket(ctx, zmq.DEALER, topology.driver.return_endpoint, bind=False,
-                                            identity=b"fuzz")
+    # Each stage's legitimate upstream key, and a stage's key to the driver (CURVE admits no other)
+    # under an identity that names no stage: the driver ignores all of it, as it did unkeyed.
+    socks = {s.id: upstream_socket(topology, s.id) for s in topology.stages}
+    socks["driver"] = stage_dealer(topology, topology.last.id, b"fuzz")
     sent, expected, sessions, decodable = collections.Counter(), collections.Counter(), set(), [0]
     stage_ids = [s.id for s in topology.stages]
     t0 = time.monotonic()
@@ -380,16 +389,18 @@ def test_live_stages_survive_a_malformed_barrage(live, parity):
     @settings(max_examples=600, deadline=None, database=None, suppress_health_check=ANY_HEALTH)
     @given(target=st.sampled_from([*stage_ids, *stage_ids, "driver"]), frames=live_frames(576, 49152))
     def barrage(target, frames):
-        socks[target].send_multipart(frames)
-        sent[target] += 1
         try:
             decoded = wire.decode(frames, limits)
+            if target != "driver":   # a secured stage acts only on work carrying the driver's chain view
+                frames = stamped_frames(engine, decoded, frames)
             # a lane may be taken for the header's session as well as each row's (CONFIGURE and the
             # restore kinds act on the header's session whatever rows the message lists)
             sessions.update([*decoded.session_ids.tolist(), decoded.session_id])
             decodable[0] += 1
         except wire.WireError as exc:
             expected[(target, exc.code)] += 1
+        socks[target].send_multipart(frames)
+        sent[target] += 1
 
     try:
         barrage()
@@ -403,8 +414,8 @@ def test_live_stages_survive_a_malformed_barrage(live, parity):
         # Free every lane the decodable fuzz messages took (STOP is forwarded down the chain).
         ids = sorted(sessions)
         for chunk in (ids[i:i + 256] for i in range(0, len(ids), 256)):
-            transport.send_message(socks[topology.first.id],
-                                   Message(Kind.STOP, FUZZ_ID, chunk[0], sessions=np.array(chunk, np.uint64)))
+            transport.send_message(socks[topology.first.id], engine.view.stamp(
+                Message(Kind.STOP, FUZZ_ID, chunk[0], sessions=np.array(chunk, np.uint64))))
         fuzz_s = time.monotonic() - t0
     finally:
         engine.on_reply_hooks.remove(hook)
@@ -432,8 +443,9 @@ def test_live_stages_survive_a_malformed_barrage(live, parity):
     assert all("error" in e and "code" in e for _, _, e in errors)
 
 
-def _live_probe(topology, name: str, n: int = 0) -> list[list[bytes]]:
-    """KNOWN_STAGE_CRASHES adapted to the real model on a two-stage pipeline (sent to the first)."""
+def _live_probe(engine, topology, name: str, n: int = 0) -> list[list[bytes]]:
+    """KNOWN_STAGE_CRASHES adapted to the real model on a two-stage pipeline (sent to the first),
+    stamped with the driver's chain view as a secured stage requires."""
     sid = FUZZ_ID + 100 + n
     capacity = topology.driver.max_context
     msgs = {
@@ -445,7 +457,7 @@ def _live_probe(topology, name: str, n: int = 0) -> list[list[bytes]]:
                                                       positions=np.zeros(9, np.int32),
                                                       sessions=np.full(9, sid, np.uint64))],
     }[name]
-    return [[bytes(f) for f in wire.encode(m)] for m in msgs]
+    return [[bytes(f) for f in wire.encode(engine.view.stamp(m))] for m in msgs]
 
 
 LIVE_PROBES = ["trace_not_a_list", "logit_bias_outside_vocab", "repetition_penalty_with_token_outside_vocab",
@@ -460,18 +472,19 @@ def test_live_stage_survives_well_formed_hostile_messages(shared_pipelines):
     def hook(_: str, m: Message) -> None:
         replies.append(m.request_id)
     engine.on_reply_hooks.append(hook)
-    push = transport.make_socket(transport.context(), zmq.PUSH, topology.first.connect, bind=False)
+    push = upstream_socket(topology, topology.first.id)   # the driver's key (CURVE): stage 0 admits no other
     died = []
     try:
         for n, name in enumerate(LIVE_PROBES):
-            for frames in _live_probe(topology, name, n):
+            for frames in _live_probe(engine, topology, name, n):
                 push.send_multipart(frames)
             push.send_multipart(sentinel(SENTINEL_ID + n))
             if not wait_for(lambda: SENTINEL_ID + n in replies or dead(procs), 60) or dead(procs):
                 died.append(name)
                 break
         probes = np.arange(FUZZ_ID + 100, FUZZ_ID + 100 + len(LIVE_PROBES), dtype=np.uint64)
-        transport.send_message(push, Message(Kind.STOP, FUZZ_ID, int(probes[0]), sessions=probes))   # free lanes
+        transport.send_message(push, engine.view.stamp(Message(Kind.STOP, FUZZ_ID, int(probes[0]),
+                                                               sessions=probes)))   # free lanes
     finally:
         push.close(linger=2000)   # the STOP above still goes out
         engine.on_reply_hooks.remove(hook)

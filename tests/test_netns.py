@@ -24,7 +24,7 @@ import yaml
 from conftest import REPO, first_mismatch
 from procs import TEST_CONTEXT
 from skippy_zmq.driver.engine import GenRequest
-from skippy_zmq.launch import check_alive, stop_processes
+from skippy_zmq.launch import check_alive, prepare_keys, stop_processes
 from skippy_zmq.topology import load_topology, plan_topology
 
 N_STAGES = 3
@@ -121,7 +121,8 @@ def established(pid: int) -> set[tuple[str, int, str, int]]:
 
 
 def spawn_in_namespaces(topology, path: Path, run_dir: Path) -> list[subprocess.Popen]:
-    """Stage i inside namespace i, last stage first (as launch.spawn_stages does)."""
+    """Stage i inside namespace i, last stage first (as launch.spawn_stages does, CURVE keys first)."""
+    prepare_keys(path)
     run_dir.mkdir(parents=True, exist_ok=True)
     procs = []
     for i in reversed(range(N_STAGES)):

@@ -7,10 +7,10 @@ import time
 import numpy as np
 import openai
 import pytest
-import zmq
 
 from conftest import first_mismatch
-from skippy_zmq import transport, wire
+from procs import upstream_socket
+from skippy_zmq import wire
 from skippy_zmq.driver.engine import GenRequest
 from skippy_zmq.driver.server import create_app, start_in_thread
 from skippy_zmq.generate import LocalEngine
@@ -127,7 +127,7 @@ def test_malformed_messages_get_error_replies_and_stage_keeps_serving(pipeline, 
         "size_mismatch": lying,
         "too_large": [bytes(huge), *good[1:]],
     }
-    push = transport.make_socket(transport.context(), zmq.PUSH, topology.first.connect, bind=False)
+    push = upstream_socket(topology, topology.first.id)   # the driver's key (CURVE): stage 0 admits no other
     try:
         for frames in cases.values():
             push.send_multipart([bytes(f) for f in frames])

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from loguru import logger
 
-from skippy_zmq import security, transport, wire
+from skippy_zmq import keystore, security, transport, wire
 from skippy_zmq.security import SecurityError, SocketSecurity
 from skippy_zmq.topology import Topology, parse_topology
 from skippy_zmq.wire import Kind, Message
@@ -143,12 +144,93 @@ def test_security_for_driver_and_every_stage(topology: Topology) -> None:
         s0.client("driverx")
 
 
-def test_security_for_none_missing_dir_and_missing_keys(tmp_path: Path) -> None:
-    assert security.security_for(parse_topology(topology_dict(None, "none")), "s0") is None
-    with pytest.raises(SecurityError, match="needs keys_dir"):
-        security.security_for(parse_topology(topology_dict(None)), "driver")
-    with pytest.raises(SecurityError, match=r"s0\.key_secret"):
-        security.security_for(parse_topology(topology_dict(tmp_path)), "s0")
+def test_security_for_none_warns_and_missing_keys_say_how_to_make_them(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(keystore.KEYS_HOME_ENV, str(tmp_path / "home"))
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(m.record["message"]), level="WARNING")
+    try:
+        assert security.security_for(parse_topology(topology_dict(None, "none")), "s0") is None
+    finally:
+        logger.remove(sink)
+    assert len(lines) == 1 and "s0 runs <dict> with `security: none`" in lines[0] and "NOT authenticated" in lines[0]
+    remote = parse_topology(topology_dict(None, host="10.9.9.9"))   # stages elsewhere: keys made here would not be theirs
+    with pytest.raises(SecurityError, match=r"home/[0-9a-f]{20}/driver\.key_secret.*skippy-zmq launch"):
+        security.security_for(remote, "driver")
+    local = parse_topology(topology_dict(None))   # every stage on this machine: started by hand, it makes them
+    assert security.security_for(local, "s1").identity.name == "s1"
+    assert (keystore.keys_dir_of(local) / "driver.key_secret").is_file()
+    with pytest.raises(SecurityError, match=r"empty/s0\.key_secret"):
+        security.security_for(parse_topology(topology_dict(tmp_path / "empty", host="10.9.9.9")), "s0")
+
+
+def test_curve_is_the_default() -> None:
+    data = topology_dict(None)
+    del data["security"]
+    assert parse_topology(data).security == "curve"
+
+
+# ------------------------------------------------------------------ keys made on first launch
+
+
+def test_first_launch_makes_private_keys_once_per_topology(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(keystore.KEYS_HOME_ENV, str(tmp_path / "home"))
+    topo = parse_topology(topology_dict(None))
+    folder = keystore.ensure_keys(topo)
+    assert folder == tmp_path / "home" / keystore.topology_digest(topo)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and stat.S_IMODE(folder.parent.stat().st_mode) == 0o700
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        f"{n}{ext}" for n in ("driver", "s0", "s1") for ext in (".key", ".key_secret"))
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert keystore.ensure_keys(topo) == folder and {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    tuned = topology_dict(None)
+    tuned["driver"]["max_sessions"] = 3   # tuning knobs keep the keys; another endpoint is another pipeline
+    assert keystore.ensure_keys(parse_topology(tuned)) == folder
+    moved = topology_dict(None)
+    moved["stages"][1]["listen"] = "tcp://127.0.0.1:5609"
+    assert keystore.ensure_keys(parse_topology(moved)) != folder
+    s0 = security.security_for(topo, "s0")
+    assert s0.identity.public == security.load_public_keys(folder, ["s0"])["s0"] and s0.admitted == ("driver",)
+    assert keystore.ensure_keys(parse_topology(topology_dict(None, "none"))) is None
+
+
+def test_generated_keys_are_refused_when_others_could_read_or_replace_them(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(keystore.KEYS_HOME_ENV, str(tmp_path / "home"))
+    topo = parse_topology(topology_dict(None))
+    folder = keystore.ensure_keys(topo)
+    folder.chmod(0o755)
+    with pytest.raises(SecurityError, match="mode 0755.*chmod 700"):
+        security.security_for(topo, "driver")
+    with pytest.raises(SecurityError, match="mode 0755"):
+        keystore.ensure_keys(topo)
+    folder.chmod(0o700)
+    (folder / "s1.key_secret").chmod(0o644)
+    with pytest.raises(SecurityError, match=r"s1\.key_secret: the secret key has mode 0644"):
+        security.security_for(topo, "s1")
+    (folder / "s1.key_secret").chmod(0o600)
+    real = folder.rename(folder.with_name("elsewhere"))
+    folder.symlink_to(real)
+    with pytest.raises(SecurityError, match="symbolic link"):
+        security.security_for(topo, "s0")
+    folder.unlink()
+    real.rename(folder)
+    (folder / "s0.key").unlink()
+    with pytest.raises(SecurityError, match=r"some CURVE keys are missing \(s0\.key\)"):
+        keystore.ensure_keys(topo)
+
+
+def test_keys_command_writes_the_generated_folder_by_default(tmp_path: Path, monkeypatch) -> None:
+    import yaml
+
+    monkeypatch.setenv(keystore.KEYS_HOME_ENV, str(tmp_path / "home"))
+    topo_path = tmp_path / "topo.yaml"
+    topo_path.write_text(yaml.safe_dump(topology_dict(None)))
+    parser = argparse.ArgumentParser()
+    security.add_keys_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["keys", "--topology", str(topo_path)])
+    assert args.func(args) == 0
+    folder = keystore.keys_dir_of(parse_topology(topology_dict(None)))
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and (folder / "s1.key_secret").is_file()
+    assert keystore.ensure_keys(parse_topology(topology_dict(None))) == folder
 
 
 def test_socket_security_rejects_inconsistent_roles() -> None:
@@ -187,6 +269,7 @@ def test_curve_push_pull_and_dealer_router_deliver(topology: Topology, new_conte
         assert received(router)
         identity, frames = transport.recv_routed(router)
         assert identity == b"s0" and wire.decode(frames).tokens.tolist() == [44]
+        assert transport.peer_name(frames) == "s0"   # the ZAP User-Id: the party whose key sent it
         transport.send_routed(router, b"s0", Message(Kind.HEARTBEAT))
         assert received(dealer) and wire.decode(transport.recv_frames(dealer)).kind is Kind.HEARTBEAT
         assert auth.rejected == 0
@@ -294,8 +377,9 @@ def test_secured_pipeline_sockets_carry_every_hop(topology: Topology, new_contex
         senders = set()
         for _ in range(2):
             assert received(driver.router)
-            senders.add(transport.recv_routed(driver.router)[0])
-        assert senders == {b"s1", b"s0/hb"}
+            identity, frames = transport.recv_routed(driver.router)
+            senders.add((transport.stage_of(identity), identity.endswith(b"/hb"), transport.peer_name(frames)))
+        assert senders == {("s1", False, "s1"), ("s0", True, "s0")}   # identities carry a nonce; keys name them
         assert (driver.auth.rejected, s0.auth.rejected, s1.auth.rejected) == (0, 0, 0)
     finally:
         beats.close(linger=0)

@@ -47,7 +47,7 @@ def engine_with(spec: SpeculativeConfig) -> SimpleNamespace:
     """What the collectors read of a PipelineEngine."""
     sched = make_scheduler(2, speculative=spec)
     return SimpleNamespace(scheduler=sched, topology=SimpleNamespace(driver=SimpleNamespace(speculative=spec)),
-                           stages={}, faults=[], on_reply_hooks=[], internal_errors=0)
+                           stages={}, faults=[], on_reply_hooks=[], internal_errors=0, wire_rejected=0)
 
 
 def scrape(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:

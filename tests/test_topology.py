@@ -101,7 +101,7 @@ def test_dump_parse_roundtrip(path):
 def test_defaults_and_accessors():
     t = parse_topology(copy.deepcopy(BASE))
     s0, s1 = t.stages
-    assert t.source == "<dict>" and t.security == "none" and t.keys_dir is None
+    assert t.source == "<dict>" and t.security == "curve" and t.keys_dir is None
     assert s0.kv_lanes == 4 == t.driver.max_sessions  # kv_lanes defaults to max_sessions
     assert s0.host == "127.0.0.1" and s0.device == "cpu" and s0.dtype == "float32" and s0.kv_dtype == "f32"
     assert s0.cache == CacheConfig(mode="record") and not s0.cache.lookup and s0.cache.record

@@ -38,6 +38,7 @@ class StageState:
     incarnation: int = 0
     last_seen: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    route: bytes = b""   # the routing identity of its main DEALER (from its READY): driver heartbeats go there
 
 
 class PipelineEngine:
@@ -68,6 +69,8 @@ class PipelineEngine:
         self._thread: threading.Thread | None = None
         self.on_reply_hooks: list[Callable[[str, wire.Message], None]] = []
         self.internal_errors = 0   # driver bugs the loop survived (logged with their traceback)
+        self.wire_rejected = 0     # replies dropped: sent under another party's key, or naming another stage
+        self.on_rejected_hooks: list[Callable[[str, str], None]] = []   # (claimed stage, why), per drop
 
     # ------------------------------------------------------------ lifecycle
 
@@ -191,10 +194,15 @@ class PipelineEngine:
 
     def _run(self) -> None:
         d = self.topology.driver
-        socks = transport.open_driver_sockets(transport.context(), self.topology.first.connect, d.return_endpoint,
-                                              hwm=self.topology.wire.hwm,
-                                              max_message_bytes=self.topology.wire.max_message_bytes,
-                                              security=self.security, first_stage_id=self.topology.first.id)
+        ctx = transport.context_for(self.security)
+        try:
+            socks = transport.open_driver_sockets(ctx, self.topology.first.connect, d.return_endpoint,
+                                                  hwm=self.topology.wire.hwm,
+                                                  max_message_bytes=self.topology.wire.max_message_bytes,
+                                                  security=self.security, first_stage_id=self.topology.first.id)
+        except Exception:   # said here, or the engine would only ever look "not ready"
+            logger.exception("the driver could not open its sockets")
+            raise
         poller = zmq.Poller()
         poller.register(socks.router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -215,6 +223,8 @@ class PipelineEngine:
                     time.sleep(0.05)   # a failure that repeats every pass must not spin
         finally:
             socks.close()
+            if ctx is not transport.context():
+                ctx.term()
 
     def _step(self, socks: transport.DriverSockets, poller: zmq.Poller) -> None:
         """One pass: wait for replies or a wake-up, handle them and queued commands, send what is due."""
@@ -235,7 +245,7 @@ class PipelineEngine:
         for state in self.stages.values():
             if state.ready:
                 try:
-                    transport.send_routed(router, state.stage_id.encode(), beat, flags=zmq.NOBLOCK)
+                    transport.send_routed(router, state.route or state.stage_id.encode(), beat, flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass   # unroutable right now (peer gone); liveness is judged elsewhere
 
@@ -264,14 +274,20 @@ class PipelineEngine:
                 identity, frames = transport.recv_routed(router, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            stage_id = identity.decode(errors="replace").removesuffix(transport.HEARTBEAT_SUFFIX)
+            stage_id = transport.stage_of(identity)
+            if self.security is not None and transport.peer_name(frames) != stage_id:
+                self._reject(stage_id, f"sent under the key of {transport.peer_name(frames)!r}")
+                continue
             try:
                 msg = wire.decode(frames, self.limits)
             except wire.WireError as exc:
                 logger.warning("driver rejected a reply from {}: {} ({})", stage_id, exc.reason, exc.code)
                 continue
+            if msg.kind in (wire.Kind.READY, wire.Kind.HEARTBEAT) and msg.extras.get("stage_id", stage_id) != stage_id:
+                self._reject(stage_id, f"a {msg.kind.name} naming stage {str(msg.extras['stage_id'])[:64]!r}")
+                continue
             try:
-                self._on_reply(stage_id, msg)
+                self._on_reply(stage_id, msg, identity)
             except Exception:   # one reply the driver mishandles ends its own request, not the loop
                 logger.exception("the driver failed on a {} reply from {} (request {}, session {})", msg.kind.name,
                                  stage_id, msg.request_id, msg.session_id)
@@ -280,12 +296,24 @@ class PipelineEngine:
                                              EngineError(f"the driver failed on a {msg.kind.name} reply from "
                                                          f"{stage_id} (see its log)", 500, "driver_error"))
 
-    def _on_reply(self, stage_id: str, msg: wire.Message) -> None:
+    def _reject(self, claimed: str, why: str) -> None:
+        """A message that claims to come from stage `claimed` but does not: drop, count, log (the
+        first ones at WARNING: only a holder of one of the topology's keys gets this far)."""
+        self.wire_rejected += 1
+        log = logger.warning if self.wire_rejected <= 20 or self.wire_rejected.bit_count() == 1 else logger.debug
+        log("driver dropped a message claiming to be from stage {!r}: {} ({} dropped so far)", claimed[:64], why,
+            self.wire_rejected)
+        for hook in self.on_rejected_hooks:
+            hook(claimed, why)
+
+    def _on_reply(self, stage_id: str, msg: wire.Message, identity: bytes = b"") -> None:
         state = self.stages.get(stage_id)
         if state is None:
-            logger.warning("reply from unknown stage {!r} ignored", stage_id)
+            logger.warning("reply from unknown stage {!r} ignored", stage_id[:64])
             return
         state.last_seen = time.monotonic()
+        if msg.kind == wire.Kind.READY and identity:
+            state.route = identity   # READY leaves on the stage's main DEALER, the one that hears heartbeats
         if msg.kind in (wire.Kind.READY, wire.Kind.HEARTBEAT):
             self._on_presence(state, msg)
         else:

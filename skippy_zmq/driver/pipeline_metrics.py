@@ -23,6 +23,9 @@ STAGE_COUNTERS = {"messages": "messages handled", "errors": "error replies sent"
                   "cache_hits": "prefix-store lookups that hit", "cache_misses": "prefix-store lookups that missed",
                   "cache_evictions": "prefix-store entries evicted", "cache_records": "prefix-store records",
                   "fenced": "requests dropped as meant for a dead predecessor or an older chain view",
+                  "unstamped": "requests dropped for want of the driver's chain view stamp (security on)",
+                  "zap_rejected": "connections its authenticator refused (a key that is not its upstream's)",
+                  "peer_rejected": "messages dropped as sent under a key that is not its upstream's",
                   "constraint_mask_seconds": "seconds computing structured-output token masks (final stage; "
                                              "per token: rate of this / rate of constraint_masks)",
                   "constraint_masks": "structured-output token masks computed (final stage)",
@@ -60,6 +63,9 @@ class PipelineCollector(Collector):
         yield faults
         yield CounterMetricFamily(f"{NAMESPACE}_kv_gap_heals", "Sessions re-prefilled after a stage reported a KV gap.",
                                   value=self.engine.scheduler.heals)
+        yield CounterMetricFamily(f"{NAMESPACE}_wire_rejected",
+                                  "Replies the driver dropped: sent under another stage's key, or naming another stage.",
+                                  value=self.engine.wire_rejected)
         yield CounterMetricFamily(f"{NAMESPACE}_driver_internal_errors",
                                   "Driver bugs its loop survived (a reply or command that raised; see the log).",
                                   value=self.engine.internal_errors)

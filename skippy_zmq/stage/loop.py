@@ -2,6 +2,11 @@
 
 Sockets live here and only here: PULL (bound on `listen`), PUSH to the next
 stage, DEALER to the driver. The worker never sees a socket.
+
+With CURVE, work is taken only from the upstream party's key (the driver for
+stage 0, else the previous stage): the PULL's authenticator admits no other
+key, and each message's sender (`transport.peer_name`) is checked again here;
+the worker's fence then requires the driver's chain view stamp on it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ class StageLoop:
         self.hop_delay_s = float(os.environ.get("SKIPPY_HOP_DELAY_MS", "0")) / 1000
         self.delayed: deque[tuple[float, Any, dict[str, Any] | None]] = deque()   # (due, output, arrival)
         self.faults = FaultInjector.from_env(stage.id)   # chaos runs and tests only
+        index = topology.index(stage.id)
+        self.upstream = DRIVER if index == 0 else topology.stages[index - 1].id   # the one party whose work we take
+        self.peer_rejected = 0   # messages on the PULL from any other party (only a key holder gets that far)
+        worker.fence.required = security is not None   # unstamped work is dropped, counted and logged
         nxt = topology.next_stage(stage.id)
         self.sockets = transport.open_stage_sockets(
             transport.context(), stage.listen, nxt.connect if nxt else None, topology.driver.return_connect,
@@ -91,6 +100,12 @@ class StageLoop:
 
     def handle_frames(self, frames: list, recv_ns: int = 0) -> None:
         t0 = time.perf_counter()
+        if self.security is not None and (sender := transport.peer_name(frames)) != self.upstream:
+            self.peer_rejected += 1
+            if self.peer_rejected <= 20 or self.peer_rejected.bit_count() == 1:
+                logger.warning("stage {} dropped work sent under the key of {!r}: it takes work only from {} "
+                               "({} dropped so far)", self.stage.id, sender, self.upstream, self.peer_rejected)
+            return
         try:
             msg = wire.decode(frames, self.limits)
         except wire.WireError as exc:
@@ -105,7 +120,14 @@ class StageLoop:
         self.worker.run_deferred()
 
     def heartbeat_message(self, state: str = "serving") -> wire.Message:
-        return wire.Message.heartbeat(self.stage.id, self.incarnation, {"state": state, **self.worker.status()})
+        return wire.Message.heartbeat(self.stage.id, self.incarnation,
+                                      {"state": state, **self.worker.status(), **self.wire_status()})
+
+    def wire_status(self) -> dict[str, int]:
+        """What the wire refused: peers whose key the PULL's authenticator rejected, messages from
+        an admitted key that is not the upstream's (heartbeats carry these to the driver)."""
+        auth = self.sockets.auth
+        return {"zap_rejected": auth.rejected if auth is not None else 0, "peer_rejected": self.peer_rejected}
 
     def heartbeat_thread(self) -> None:
         """Heartbeats on a socket of their own, so a long compile or prefill never looks like death."""

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 from loguru import logger
 
-from skippy_zmq.fencing import BadView, Fence
+from skippy_zmq.fencing import UNSTAMPED, BadView, Fence
 from skippy_zmq.kv.prefix_store import PrefixStore
 from skippy_zmq.model.runner import SliceRunner
 from skippy_zmq.placement import rss_bytes
@@ -63,8 +63,10 @@ class StageWorker:
         except BadView as exc:
             return [self.error(msg.request_id, msg.session_id, str(exc), "bad_view")]
         if stale:   # meant for a dead predecessor or an older chain view: acting on it would corrupt KV
-            logger.info("stage {} dropped {} request {} session {}: {}", self.info.stage_id, msg.kind.name,
-                        msg.request_id, msg.session_id, stale)
+            # (an unstamped one, with security on, was not sent by the driver: say it louder)
+            log = logger.warning if stale.startswith(UNSTAMPED) else logger.info
+            log("stage {} dropped {} request {} session {}: {}", self.info.stage_id, msg.kind.name,
+                msg.request_id, msg.session_id, stale)
             return []
         try:
             if handler is None:
@@ -452,7 +454,8 @@ class StageWorker:
 
     def status(self) -> dict[str, Any]:
         out = {"lanes_in_use": len(self.sessions), "lanes": self.sessions.lanes, **self.counters,
-               "fenced": self.fence.dropped, **self.memory, "rss_bytes": rss_bytes(),
+               "fenced": self.fence.dropped, "unstamped": self.fence.unstamped, **self.memory,
+               "rss_bytes": rss_bytes(),
                "warmups_pending": len(self.warm_later), **{f"kernel_{k}": v for k, v in self.kernels.items()}}
         if getattr(self.runner, "moe_layers", 0):   # a mixture-of-experts slice: its routing counts
             out.update(moe_layer_passes=self.runner.stats.moe_layer_passes,
