@@ -7,7 +7,6 @@ for token and a forced tool call makes a full tool_use / tool_result round trip.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import anthropic
 import httpx
@@ -15,13 +14,12 @@ import jsonschema
 import openai
 import pytest
 from fake_engine import FakeEngine
+from scripted_server import engine, fresh_engine, scripted, server, tok  # noqa: F401 (fixtures)
 
 from skippy_zmq.driver.engine import EngineError
 from skippy_zmq.driver.server import create_app, start_in_thread
 from skippy_zmq.model.tokenizer import TextTokenizer
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-TOKENIZER_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
 REPLY = "Hello there! The quick fox says STOP now, then 日本語 and more."
 ASK = [{"role": "user", "content": "Say hello."}]
 WEATHER = {"name": "get_weather", "description": "Current weather in a city.",
@@ -31,40 +29,6 @@ OPENAI_WEATHER = {"type": "function", "function": {"name": WEATHER["name"], "des
                                                    "parameters": WEATHER["input_schema"]}}
 EVENTS = ["message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
           "message_stop"]
-
-
-@pytest.fixture(scope="module")
-def tok() -> TextTokenizer:
-    if not (TOKENIZER_DIR / "tokenizer.json").is_file():
-        pytest.skip(f"no tokenizer at {TOKENIZER_DIR}")
-    return TextTokenizer.load(TOKENIZER_DIR)
-
-
-def scripted(tok: TextTokenizer, text: str) -> list[int]:
-    return [*tok.encode(text, add_bos=False), tok.eos_ids[0]]
-
-
-@pytest.fixture(scope="module")
-def engine(tok) -> FakeEngine:
-    return FakeEngine(scripted(tok, REPLY), tok.eos_ids, model_name="engine-name", max_context=512)
-
-
-@pytest.fixture(scope="module")
-def server(engine, tok):
-    handle = start_in_thread(create_app(engine, tok, model_name="smol"))
-    yield handle
-    handle.stop()
-
-
-@pytest.fixture(autouse=True)
-def fresh_engine(request, tok):
-    if "engine" not in request.fixturenames:
-        yield None
-        return
-    engine = request.getfixturevalue("engine")
-    engine.reset()
-    engine.script = scripted(tok, REPLY)
-    yield engine
 
 
 @pytest.fixture

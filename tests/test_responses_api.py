@@ -8,20 +8,18 @@ full function_call / function_call_output round trip, and an Agents SDK run call
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
 from fake_engine import FakeEngine
+from scripted_server import engine, fresh_engine, scripted, server, tok  # noqa: F401 (fixtures)
 
 from skippy_zmq.driver.responses_output import ResponseStore
 from skippy_zmq.driver.server import create_app, start_in_thread
 from skippy_zmq.model.tokenizer import TextTokenizer
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-TOKENIZER_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
 REPLY = "Hello there! The quick fox says 日本語 and more."
 ASK = [{"role": "user", "content": "Say hello."}]
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
@@ -33,40 +31,6 @@ CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather", "descrip
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 TEXT_EVENTS = ["response.output_item.added", "response.content_part.added", "response.output_text.delta",
                "response.output_text.done", "response.content_part.done", "response.output_item.done"]
-
-
-@pytest.fixture(scope="module")
-def tok() -> TextTokenizer:
-    if not (TOKENIZER_DIR / "tokenizer.json").is_file():
-        pytest.skip(f"no tokenizer at {TOKENIZER_DIR}")
-    return TextTokenizer.load(TOKENIZER_DIR)
-
-
-def scripted(tok: TextTokenizer, text: str) -> list[int]:
-    return [*tok.encode(text, add_bos=False), tok.eos_ids[0]]
-
-
-@pytest.fixture(scope="module")
-def engine(tok) -> FakeEngine:
-    return FakeEngine(scripted(tok, REPLY), tok.eos_ids, model_name="engine-name", max_context=512)
-
-
-@pytest.fixture(scope="module")
-def server(engine, tok):
-    handle = start_in_thread(create_app(engine, tok, model_name="smol"))
-    yield handle
-    handle.stop()
-
-
-@pytest.fixture(autouse=True)
-def fresh_engine(request, tok):
-    if "engine" not in request.fixturenames:
-        yield None
-        return
-    engine = request.getfixturevalue("engine")
-    engine.reset()
-    engine.script = scripted(tok, REPLY)
-    yield engine
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from skippy_zmq.driver.openai_schema import MAX_STOP_STRINGS, RequestError
+from skippy_zmq.driver.openai_schema import MAX_STOP_STRINGS, RequestError, renamed
 
 MESSAGES_ENDPOINT = "/v1/messages"
 COUNT_TOKENS_ENDPOINT = "/v1/messages/count_tokens"
@@ -73,11 +73,7 @@ _RENAMES = ((re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"tools[\1].i
 
 def anthropic_names(err: RequestError) -> RequestError:
     """The chat path's error with the Anthropic field names."""
-    message = err.message
-    for pattern, name in _RENAMES:
-        message = pattern.sub(name, message)
-    param = re.split(r"[.\[:]", message, maxsplit=1)[0] if message != err.message else err.param
-    return RequestError(message, param, err.status, err.code)
+    return renamed(err, _RENAMES)
 
 
 # ---------------------------------------------------------------- request

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,6 +39,16 @@ class RequestError(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.code = message, param, status, code
+
+
+def renamed(err: RequestError, renames: Sequence[tuple[re.Pattern[str], str]]) -> RequestError:
+    """`err` with the chat path's field names replaced by another API's (a message starts with the
+    path it is about; the param is that path's first name)."""
+    message = err.message
+    for pattern, name in renames:
+        message = pattern.sub(name, message)
+    param = re.split(r"[.\[:]", message, maxsplit=1)[0] if message != err.message else err.param
+    return RequestError(message, param, err.status, err.code)
 
 
 def error_type(status: int) -> str:

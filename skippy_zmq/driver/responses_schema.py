@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from skippy_zmq.driver.openai_schema import RequestError
+from skippy_zmq.driver.openai_schema import RequestError, renamed
 
 RESPONSES_ENDPOINT = "/v1/responses"
 # Sampling and serving extensions passed to the chat request as they are (llama-server and vLLM take
@@ -58,13 +58,10 @@ _RENAMES = ((re.compile(r"^tools\[(\d+)\]\.function\.(\w+)"), r"tools[\1].\2"),
 
 def responses_names(err: RequestError) -> RequestError:
     """The chat path's error with the Responses field names."""
-    message = err.message
-    for pattern, name in _RENAMES:
-        message = pattern.sub(name, message)
-    param = re.split(r"[.\[:]", message, maxsplit=1)[0] if message != err.message else err.param
-    if param in ("max_tokens", "response_format"):   # errors whose message does not start with the field
-        param = {"max_tokens": "max_output_tokens", "response_format": "text"}[param]
-    return RequestError(message, param, err.status, err.code)
+    out = renamed(err, _RENAMES)
+    if out.param in ("max_tokens", "response_format"):   # errors whose message does not start with the field
+        out.param = {"max_tokens": "max_output_tokens", "response_format": "text"}[out.param]
+    return out
 
 
 @dataclass(frozen=True)

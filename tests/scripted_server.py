@@ -1,0 +1,49 @@
+"""A live server over a scripted engine and SmolLM2's real tokenizer and template: the fixtures the
+API adapters' tests share. A module that imports them sets REPLY, the answer the engine scripts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fake_engine import FakeEngine
+
+from skippy_zmq.driver.server import create_app, start_in_thread
+from skippy_zmq.model.tokenizer import TextTokenizer
+
+TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def tok() -> TextTokenizer:
+    if not (TOKENIZER_DIR / "tokenizer.json").is_file():
+        pytest.skip(f"no tokenizer at {TOKENIZER_DIR}")
+    return TextTokenizer.load(TOKENIZER_DIR)
+
+
+def scripted(tok: TextTokenizer, text: str) -> list[int]:
+    return [*tok.encode(text, add_bos=False), tok.eos_ids[0]]
+
+
+@pytest.fixture(scope="module")
+def engine(request, tok) -> FakeEngine:
+    return FakeEngine(scripted(tok, request.module.REPLY), tok.eos_ids, model_name="engine-name", max_context=512)
+
+
+@pytest.fixture(scope="module")
+def server(engine, tok):
+    handle = start_in_thread(create_app(engine, tok, model_name="smol"))
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(autouse=True)
+def fresh_engine(request, tok):
+    """Every test that uses the engine starts it afresh on the module's REPLY."""
+    if "engine" not in request.fixturenames:
+        yield None
+        return
+    engine = request.getfixturevalue("engine")
+    engine.reset()
+    engine.script = scripted(tok, request.module.REPLY)
+    yield engine
