@@ -135,10 +135,10 @@ def print_table(result: dict) -> None:
         totals.update(counts)
         print(f"| {name:<36} | {counts['passed']:>6} | {counts['failed']:>6} | {counts['skipped']:>7} |")
     print(f"| {'total':<36} | {totals['passed']:>6} | {totals['failed']:>6} | {totals['skipped']:>7} |")
-    for kind in ("failed", "skipped"):
-        rows = [t for t in result["tests"] if t["outcome"] == kind]
+    for kind in ("passed", "failed", "skipped"):
+        rows = [t for t in result["tests"] if t["outcome"] == kind and t["reason"]]
         if rows:
-            print(f"\n{kind}:")
+            print(f"\n{kind} ({'with a reason' if kind == 'passed' else 'with the reason'}):")
             for t in rows:
                 print(f"  {t['nodeid']}: {t['reason']}")
 
