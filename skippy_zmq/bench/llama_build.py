@@ -75,18 +75,25 @@ def _tool(name: str) -> str:
     return str(here)
 
 
+def sdist(root: Path | None = None) -> Path:
+    """The llama-cpp-python sdist under root/sdist, downloaded there (pip, from PyPI) if absent;
+    raises CalledProcessError where pip cannot get it (no network)."""
+    download = (root or cache_dir()) / "sdist"
+    archive = download / f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
+    if not archive.is_file():
+        download.mkdir(parents=True, exist_ok=True)
+        print(f"[peers] downloading the llama-cpp-python {SDIST_VERSION} sdist", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={SDIST_VERSION}", "-d", str(download)], check=True)
+    return archive
+
+
 def _source(root: Path) -> Path:
     """vendor/llama.cpp of the sdist, downloaded (pip, from PyPI) and unpacked under root once."""
     source = root / "src" / f"llama_cpp_python-{SDIST_VERSION}" / "vendor" / "llama.cpp"
     if (source / "CMakeLists.txt").is_file():
         return source
-    download = root / "sdist"
-    download.mkdir(parents=True, exist_ok=True)
-    archive = download / f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
-    if not archive.is_file():
-        print(f"[peers] downloading the llama-cpp-python {SDIST_VERSION} sdist", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={SDIST_VERSION}", "-d", str(download)], check=True)
+    archive = sdist(root)
     with tarfile.open(archive) as tar:
         tar.extractall(root / "src", filter="data")
     if not (source / "CMakeLists.txt").is_file():
