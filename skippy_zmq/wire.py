@@ -37,6 +37,7 @@ VERSION = 1
 N_FRAMES = 6
 HEADER = struct.Struct("<4sBBHB3xQQiIII")
 
+POOLINGS = ("mean", "last")   # a PREFILL's extras["pool"]: how the final stage pools an embedding's prompt
 Buffer = bytes | bytearray | memoryview
 _Fail = Callable[[str, str], "WireError"]
 

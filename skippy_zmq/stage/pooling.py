@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 
 from skippy_zmq.stage.types import StageFault
-
-POOLINGS = ("mean", "last")
+from skippy_zmq.wire import POOLINGS
 
 
 @dataclass
