@@ -201,9 +201,13 @@ def test_base64_decodes_to_the_same_floats(served):
     for a, b in zip(plain["data"], packed["data"]):
         decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
         np.testing.assert_array_equal(decoded, np.array(a["embedding"], np.float32))
-    sdk = client(s.url).embeddings.create(model="m", input=TEXT, encoding_format="base64")   # the SDK decodes it
+    # The SDK asks for base64 itself when no encoding_format is given, and decodes it ...
+    sdk = client(s.url).embeddings.create(model="m", input=TEXT)
     np.testing.assert_array_equal(np.array(sdk.data[0].embedding, np.float32),
                                   np.array(plain["data"][0]["embedding"], np.float32))
+    # ... and hands the string back as it came when base64 is asked for explicitly
+    raw = client(s.url).embeddings.create(model="m", input=TEXT, encoding_format="base64")
+    assert raw.data[0].embedding == packed["data"][0]["embedding"]
 
 
 @pytest.mark.parametrize("body, param, text", [
