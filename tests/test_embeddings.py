@@ -237,3 +237,20 @@ def test_the_sdk_sees_a_bad_request(served):
 
     with pytest.raises(openai.BadRequestError, match="dimensions"):
         client(served[1].url).embeddings.create(model="m", input=TEXT, dimensions=8)
+
+
+# ---------------------------------------------------------------- the real model (the session's shared pipeline)
+
+
+def test_real_model_alone_and_in_a_batch_agree_with_the_model(shared_pipelines, model_dir):
+    """SmolLM2-135M on 2 stages: the same text alone and as one of 32 gives the same vector, which
+    is the directly computed mean of its final-norm hidden states."""
+    from skippy_zmq.model.loader import load_slice
+
+    s = shared_pipelines(2)
+    api = client(s.url)
+    alone = np.array(api.embeddings.create(model="m", input=TEXT).data[0].embedding, np.float32)
+    many = api.embeddings.create(model="m", input=batch_of_32())
+    np.testing.assert_allclose(np.array(many.data[7].embedding, np.float32), alone, atol=1e-5, rtol=0)
+    cfg, params = load_slice(model_dir)
+    assert cosine(alone, reference(cfg, params, s.tokenizer.encode(TEXT))) >= 0.9999
