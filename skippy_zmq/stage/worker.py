@@ -290,7 +290,8 @@ class StageWorker:
         if not batch.score:
             row = batch.rows[0]
             if batch.pool is not None:
-                return Scored(pooled=pool_chunk(self.sessions.get(row.session_id), batch.pool[0], ran.result, row.start))
+                session = self.sessions.get(row.session_id)
+                return Scored(pooled=pool_chunk(session, batch.pool[0], ran.result, row.start))
             if batch.prompt_top is None:
                 return Scored()
             return Scored(prompt_logprobs=self._prompt_logprobs(self.sessions.get(row.session_id), ran.result,
