@@ -115,6 +115,20 @@ TEXT = "Pipelines pass activations from stage to stage until the last one pools 
 
 
 @pytest.fixture(scope="module")
+def fake():
+    """The HTTP server over a scripted engine (tests/fake_engine.py): the request layer alone."""
+    from fake_engine import FakeEngine
+    from test_server import _load_tokenizer
+
+    from skippy_zmq.driver.server import create_app, start_in_thread
+
+    tok = _load_tokenizer()
+    handle = start_in_thread(create_app(FakeEngine([5], tok.eos_ids, max_context=512), tok, model_name="fake-embed"))
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="module")
 def served(small_model_dir, tmp_path_factory):
     """The HTTP server over 1, 2 and 3 real stage processes of the small random model."""
     from procs import serving, write_topology
@@ -224,19 +238,28 @@ def test_base64_decodes_to_the_same_floats(served):
     ({"input": TEXT, "normalize": "yes"}, "normalize", "must be a boolean"),
     ({}, "input", "input: is required"),
 ])
-def test_refusals_are_400_naming_the_field(served, body, param, text):
-    s = served[1]
-    r = httpx.post(s.url + "/v1/embeddings", json=body, timeout=60)
+def test_refusals_are_400_naming_the_field(fake, body, param, text):
+    r = httpx.post(fake.url + "/v1/embeddings", json=body, timeout=60)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and text in error["message"], error
 
 
-def test_the_sdk_sees_a_bad_request(served):
+def test_the_sdk_sees_a_bad_request(fake):
     import openai
 
     with pytest.raises(openai.BadRequestError, match="dimensions"):
-        client(served[1].url).embeddings.create(model="m", input=TEXT, dimensions=8)
+        client(fake.url).embeddings.create(model="m", input=TEXT, dimensions=8)
+
+
+def test_answer_shape_and_normalisation_over_a_fake_engine(fake):
+    """The HTTP layer alone: one engine request per input, in order, each L2-normalised (or raw)."""
+    got = client(fake.url).embeddings.create(model="m", input=[[3, 4], [5]], encoding_format="float")
+    assert [d.index for d in got.data] == [0, 1] and got.usage.prompt_tokens == 3 == got.usage.total_tokens
+    np.testing.assert_allclose(got.data[0].embedding, np.resize([3, 4], 8) / np.linalg.norm(np.resize([3, 4], 8)),
+                               rtol=1e-6)
+    raw = httpx.post(fake.url + "/v1/embeddings", json={"input": [5], "normalize": False}, timeout=60).json()
+    assert raw["data"][0]["embedding"] == [5.0] * 8 and raw["model"] == "fake-embed"
 
 
 # ---------------------------------------------------------------- the real model (the session's shared pipeline)
