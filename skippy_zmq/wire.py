@@ -37,6 +37,7 @@ VERSION = 1
 N_FRAMES = 6
 HEADER = struct.Struct("<4sBBHB3xQQiIII")
 
+POOLINGS = ("mean", "last")   # a PREFILL's extras["pool"]: how the final stage pools an embedding's prompt
 Buffer = bytes | bytearray | memoryview
 _Fail = Callable[[str, str], "WireError"]
 
@@ -57,6 +58,7 @@ class Kind(enum.IntEnum):
     ACK = 34
     PREDICTED_TOKENS = 35
     ERROR = 36
+    EMBEDDING = 37        # a pooled prompt: tokens [n pooled], activation [1, width] f32 (the vector)
 
 
 class WireDType(enum.IntEnum):
@@ -195,6 +197,13 @@ class Message:
             extras["lengths"] = [int(n) for n in lengths]
         return cls(Kind.PREDICTED_TOKENS, request_id, int(rows[0]) if rows.size else 0,
                    tokens=np.asarray(tokens, dtype=np.int32).reshape(-1), sessions=rows, extras=extras)
+
+    @classmethod
+    def embedding(cls, request_id: int, session_id: int, vector: np.ndarray, pooled: int,
+                  extras: dict[str, Any] | None = None) -> Message:
+        """The final stage's pooled vector of a session's prompt (`pooled` tokens went into it)."""
+        return cls(Kind.EMBEDDING, request_id, session_id, tokens=np.array([pooled], np.int32),
+                   activation=np.asarray(vector, np.float32).reshape(1, -1), extras=dict(extras or {}))
 
 
 # ---------------------------------------------------------------- activations
@@ -346,6 +355,8 @@ def decode(frames: Sequence[Any], limits: WireLimits = WireLimits()) -> Message:
         raise fail(f"unknown wire dtype {dtype}", "bad_dtype")
     kind, dtype = Kind(kind), WireDType(dtype)
     _check_counts(kind, dtype, n_tokens, n_rows, width, limits, fail)
+    if kind == Kind.EMBEDDING and dtype != WireDType.F32:
+        raise fail(f"EMBEDDING carries its vector as f32, got wire dtype {dtype.label}", "bad_dtype")
     _, v_sessions, v_tokens, v_positions, v_activation, v_extras = views
     rows = activation_rows(kind, n_tokens)
     _check_frame_sizes(dtype, n_tokens, rows, n_rows, width, v_sessions, v_tokens, v_positions, v_activation, fail)
@@ -382,6 +393,9 @@ def _check_lengths(kind: Kind, extras: dict[str, Any], n_tokens: int, n_rows: in
     if kind == Kind.PREFILL and n_rows != 1:
         raise fail(f"PREFILL names {n_rows} sessions; a prefill carries one session's tokens "
                    "(send one PREFILL per session)", "bad_rows")
+    if kind == Kind.EMBEDDING and (n_rows != 1 or n_tokens != 1):
+        raise fail(f"EMBEDDING carries one session's vector and its pooled token count, got {n_rows} rows "
+                   f"and {n_tokens} tokens", "bad_rows")
     if "lengths" not in extras:
         if kind == Kind.DECODE and n_rows > 1 and n_tokens != n_rows:
             raise fail(f"{kind.name} with {n_rows} rows must carry one token per row, got {n_tokens} tokens "

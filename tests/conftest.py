@@ -58,7 +58,7 @@ SPAWNING_MODULES = {"test_quant_kernel", "test_orphans"}
 # so each of those pipelines still starts once. Each worker picks ports from its own slice.
 # (xdist's own `--dist loadgroup` does nothing under pytest 9.2: it renames node ids through an
 # attribute pytest no longer reads.)
-SHARED_MODULES = {"test_anthropic_api", "test_bench_peers", "test_console", "test_frameworks", "test_fuzz",
+SHARED_MODULES = {"test_anthropic_api", "test_bench_peers", "test_console", "test_embeddings", "test_frameworks", "test_fuzz",
                   "test_logprobs", "test_pipeline", "test_responses_api", "test_serving", "test_soak",
                   "test_structured_output"}
 SHARED_UNIT = "shared-pipelines"

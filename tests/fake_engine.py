@@ -11,6 +11,8 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Sequence
 
+import numpy as np
+
 from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
 
 
@@ -50,6 +52,10 @@ class FakeEngine:
             control.bind(self.choices_cancelled.append)
         if self.fail is not None:
             raise self.fail
+        if request.pooling is not None:   # an embedding: a made-up vector (the prompt ids, repeated to 8 values)
+            self.finished.append(request.request_id)
+            yield TokenEvent(finish_reason="stop", embedding=np.resize(np.asarray(request.prompt_ids, np.float32), 8))
+            return
         script = self.script if self.script is not None else list(request.prompt_ids)
         done = False
         try:

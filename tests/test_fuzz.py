@@ -628,7 +628,8 @@ HTTP_CASES = [
     ("prompt_batch_of_empty", COMPLETIONS, _completion(prompt=["a", []]), JSON, 400),
     ("prompt_past_context", COMPLETIONS, _completion(prompt=[5] * 5000), JSON, 400),
     ("model_number", CHAT, _chat(model=5), JSON, 400),
-    ("unknown_path", "/v1/embeddings", _chat(), JSON, 404),
+    ("embeddings_without_input", "/v1/embeddings", _chat(), JSON, 400),
+    ("unknown_path", "/v1/audio/speech", _chat(), JSON, 404),
 ]
 
 

@@ -7,7 +7,7 @@ into token ids. The pipeline scheduler is one Engine; tests use small fakes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from skippy_zmq.sampling import SamplingParams
 
@@ -41,6 +41,9 @@ class GenRequest:
     # echo: the prompt tokens' logprobs with N alternatives (None: off). Bypasses the prefix cache:
     # a restored prefix has no logits.
     prompt_logprobs: int | None = None
+    # An embedding: "mean" or "last". The whole prompt is prefilled, the final stage pools its
+    # final-norm hidden states and one TokenEvent (finish_reason "stop", `embedding` set) ends it.
+    pooling: str | None = None
 
 
 @dataclass
@@ -60,6 +63,8 @@ class TokenEvent:
     # First event, with GenRequest.prompt_logprobs set: one (logprob, [(id, logprob), ...]) per prompt
     # token, None for the first (nothing predicts it) and for any the stages did not report.
     prompt_logprobs: list | None = None
+    # GenRequest.pooling: the pooled vector (float32 numpy [D], not normalised), on the one event.
+    embedding: Any = None
 
 
 class ChoiceControl:

@@ -120,7 +120,7 @@ class Job:
     @property
     def decodable(self) -> bool:
         return self.prefill_sent >= self.prefill_total and not self.in_flight and not self.done \
-            and not self.restoring and not self.waiting_fork
+            and not self.restoring and not self.waiting_fork and self.req.pooling is None
 
     @property
     def kv_tokens(self) -> list[int]:
@@ -168,7 +168,7 @@ class Scheduler:
     # ------------------------------------------------------------ requests
 
     def submit(self, req: GenRequest, sink: Sink) -> int:
-        if len(req.prompt_ids) + 1 > self.cfg.max_context:
+        if len(req.prompt_ids) + (req.pooling is None) > self.cfg.max_context:   # an embedding generates nothing
             raise EngineError(f"prompt of {len(req.prompt_ids)} tokens exceeds the context of "
                               f"{self.cfg.max_context} tokens", 400, "context_length_exceeded")
         if not 1 <= req.n <= self.cfg.max_sessions:
@@ -220,6 +220,21 @@ class Scheduler:
                 self._on_restore_ack(msg)
         elif msg.kind == Kind.ERROR:
             self._on_error(stage_id, msg)
+        elif msg.kind == Kind.EMBEDDING:
+            self._on_embedding(msg)
+
+    def _on_embedding(self, msg: Message) -> None:
+        """An embedding's last prefill chunk answered with its pooled vector: the request ends."""
+        self.prefill_in_flight.pop(msg.request_id, None)
+        job = self.running.get(msg.session_id)
+        if job is None or job.done or job.req.pooling is None or msg.request_id < job.fence_rid:
+            logger.warning("dropping an embedding for session {} (request {}): no such embedding in flight",
+                           msg.session_id, msg.request_id)
+            return
+        vector = np.array(msg.activation[0], np.float32)
+        job.sink(TokenEvent(finish_reason="stop", embedding=vector, stats={"trace": msg.extras.get("trace", []),
+                                                                             "pooled": int(msg.tokens[0])}))
+        self._finish(job)
 
     def _on_prompt_logprobs(self, msg: Message) -> None:
         """A prefill chunk's ACK with the prompt tokens' logprobs (echo): kept by position."""
@@ -539,6 +554,9 @@ class Scheduler:
     def _start(self, job: Job) -> None:
         self.running[job.session_id] = job
         job.next_token, job.next_pos = job.prompt[-1], len(job.prompt) - 1
+        if job.req.pooling is not None:   # an embedding prefills every prompt token and decodes none
+            job.next_pos = len(job.prompt)
+            return
         # n > 1: only choice 0 drafts (a forked choice's sampled windows drifted from its plain
         # decode in one measured case; until that is found, the other choices decode plainly)
         if self.cfg.speculative.enabled and job.req.speculative is not False and not job.choice:
@@ -558,7 +576,8 @@ class Scheduler:
                 self.outbox.append(self._configure(child))
             # echo needs logits at every prompt position, which a restored prefix does not have; n > 1
             # forks choice 0's prefilled lane, so it prefills (the fork follows its last chunk)
-            restorable = self.index is not None and job.req.prompt_logprobs is None and not job.children
+            restorable = (self.index is not None and job.req.prompt_logprobs is None and not job.children
+                          and job.req.pooling is None)   # an embedding pools every token's hidden state
             matched = self.index.longest(job.namespace, job.prompt, len(job.prompt) - 1) if restorable else 0
             if not matched:
                 self.outbox.append(self._configure(job))
@@ -601,7 +620,9 @@ class Scheduler:
                 rid = next(self._ids)
                 extras = {}
                 history = job.history
-                if end == job.prefill_total and self.index is not None:   # the prompt is in: record it
+                if job.req.pooling is not None:   # an embedding: the final stage pools, the last chunk answers
+                    extras = {"pool": job.req.pooling, "pool_last": end == job.prefill_total}
+                elif end == job.prefill_total and self.index is not None:   # the prompt is in: record it
                     self.index.add(job.namespace, history[:end])
                     extras = {"record": job.namespace}
                 if job.req.prompt_logprobs is not None and not job.generated:   # echo: score the prompt

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from skippy_zmq.driver import anthropic_api, console, responses_api, tools
+from skippy_zmq.driver import anthropic_api, console, embeddings_api, responses_api, tools
 from skippy_zmq.driver.anthropic_schema import COUNT_TOKENS_ENDPOINT, MESSAGES_ENDPOINT
 from skippy_zmq.driver.responses_schema import RESPONSES_ENDPOINT
 from skippy_zmq.driver.chat_output import ChatOutput, message_fields
@@ -49,7 +49,8 @@ from skippy_zmq.driver.request_prep import Parser, PrepContext, parse_request, p
 from skippy_zmq.model.tokenizer import TextTokenizer
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-GENERATION_ENDPOINTS = (CHAT.endpoint, COMPLETION.endpoint, MESSAGES_ENDPOINT, RESPONSES_ENDPOINT)
+GENERATION_ENDPOINTS = (CHAT.endpoint, COMPLETION.endpoint, MESSAGES_ENDPOINT, RESPONSES_ENDPOINT,
+                        embeddings_api.EMBEDDINGS_ENDPOINT)
 KNOWN_ENDPOINTS = (*GENERATION_ENDPOINTS, COUNT_TOKENS_ENDPOINT, "/v1/models", "/health", "/readyz", "/metrics",
                    *console.ENDPOINTS)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -614,6 +615,7 @@ def _install_routes(app: FastAPI, ctx: ServerContext) -> None:
     parts = anthropic_api.ServerParts(TextStream, unless_disconnected, ClientDisconnected, ClosingStreamingResponse)
     anthropic_api.install_routes(app, ctx, parts)   # /v1/messages, /v1/messages/count_tokens
     responses_api.install_routes(app, ctx, parts)   # /v1/responses, /v1/responses/{id}
+    embeddings_api.install_routes(app, ctx, parts)  # /v1/embeddings
     console.install_routes(app, ctx)   # the page at /, its assets, /v1/console/status
 
 

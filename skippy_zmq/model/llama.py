@@ -413,7 +413,8 @@ def forward_slice(params: Params, kv: KVCache, inputs: jax.Array, positions: jax
     """Run layers [start, end) on `inputs` ([B, T] ids if start == 0, else [B, T, D]).
 
     output: "hidden" -> [B, T, D] activations; "logits" -> [B, T, V] float32 logits
-    at every position (needs end == n_layers; a verify window needs each one); "none" -> KV only.
+    at every position (needs end == n_layers; a verify window needs each one); "normed" -> the
+    final norm's [B, T, D] float32 output, what the head reads (embeddings pool it); "none" -> KV only.
     The third result: routed experts summed over the slice's MoE layers (int32; 0 when dense).
     """
     x = embed(params, inputs, cfg) if start == 0 else inputs.astype(jnp.dtype(cfg.dtype))
@@ -435,6 +436,10 @@ def forward_slice(params: Params, kv: KVCache, inputs: jax.Array, positions: jax
         if end != cfg.n_layers:
             raise ValueError("logits requested from a stage that does not end the model")
         return head(params, x, cfg), kv, routed
+    if output == "normed":
+        if end != cfg.n_layers:
+            raise ValueError("the final norm requested from a stage that does not end the model")
+        return rms_norm(x, params["norm"], cfg.norm_eps).astype(jnp.float32), kv, routed
     return x, kv, routed
 
 

@@ -70,6 +70,7 @@ class Batch:
     score: bool                         # decode / verify rows: the final stage samples every position
     prompt_top: int | None              # a final-stage prefill's "prompt_logprobs"
     lanes: np.ndarray | None = None     # the rows' lanes, once placed in their sessions
+    pool: tuple[str, bool] | None = None   # a final-stage prefill pooled for an embedding: (how, last chunk)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Scored:
     errors: list[Outbound] = field(default_factory=list)
     sample_ms: float = 0.0
     prompt_logprobs: dict[str, Any] | None = None
+    pooled: Any = None                  # an embedding prefill's stage.pooling.Pool, after this chunk
 
 
 def narrow(batch: Batch, keep: list[Row]) -> Batch:

@@ -18,6 +18,7 @@ class Session:
     length: int = 0                 # KV is valid for positions [0, length)
     request_id: int = 0
     sampler: Any = None             # final stage only
+    pool: Any = None                # final stage, an embedding's prompt: its stage.pooling.Pool
     tokens: list[int] = field(default_factory=list)   # ids at positions [0, length) (prefix-store keys)
     last_used: float = field(default_factory=time.monotonic)
 

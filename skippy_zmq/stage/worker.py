@@ -19,6 +19,7 @@ from skippy_zmq.kv.prefix_store import PrefixStore
 from skippy_zmq.model.runner import SliceRunner
 from skippy_zmq.placement import rss_bytes
 from skippy_zmq.sampling import Sampler, SamplingParams, check_top_logprobs, token_logprobs
+from skippy_zmq.stage.pooling import pool_chunk, pool_request
 from skippy_zmq.stage.recorder import Recorder
 from skippy_zmq.stage.restore import RestoreRoutes
 from skippy_zmq.stage.rows import Batch, Ran, Row, RuntimeLock, Scored, logprob_entry, narrow
@@ -238,7 +239,8 @@ class StageWorker:
         x = self._inputs(msg, int(msg.tokens.shape[0]))
         # echo: a prefill that asks for "prompt_logprobs" (N) is scored at the final stage too
         prompt_top = self._prompt_top(msg) if self.info.last and not score else None
-        return Batch(msg, x, rows, score, prompt_top)
+        pool = pool_request(msg.extras) if self.info.last and not score else None   # an embedding's prompt
+        return Batch(msg, x, rows, score, prompt_top, pool=pool)
 
     def _place(self, batch: Batch) -> tuple[Batch | None, list[Outbound]]:
         """Step 2: every row aligned in its session's lane; a row refused there (kv_gap,
@@ -261,6 +263,7 @@ class StageWorker:
         lengths = np.array([row.length for row in batch.rows])
         last = self.info.last
         output = "logits" if last and (batch.score or batch.prompt_top is not None) else ("none" if last else "hidden")
+        output = "normed" if batch.pool is not None else output
         t0 = time.perf_counter()
         if batch.score:
             result = self.lock.run(lambda: self.runner.step(batch.lanes, batch.x, starts, lengths, output))
@@ -285,9 +288,12 @@ class StageWorker:
         the row's own sampler; whatever fails in one row (sampler, constraint, logprobs) ends that
         row's request alone."""
         if not batch.score:
+            row = batch.rows[0]
+            if batch.pool is not None:
+                session = self.sessions.get(row.session_id)
+                return Scored(pooled=pool_chunk(session, batch.pool[0], ran.result, row.start))
             if batch.prompt_top is None:
                 return Scored()
-            row = batch.rows[0]
             return Scored(prompt_logprobs=self._prompt_logprobs(self.sessions.get(row.session_id), ran.result,
                                                                 row.start, batch.prompt_top))
         t0 = time.perf_counter()
@@ -315,6 +321,9 @@ class StageWorker:
         if scored is None:
             return [Outbound(NEXT, replace(msg, activation=ran.result, extras=ran.extras))]
         trace = ran.extras["trace"]
+        if batch.pool is not None and batch.pool[1]:   # an embedding's last chunk: its vector
+            return [Outbound(DRIVER, Message.embedding(msg.request_id, msg.session_id, scored.pooled.vector(),
+                                                       scored.pooled.count, {"trace": trace}))]
         if not batch.score:
             stats = {"prefilled": self.sessions.get(batch.rows[0].session_id).length, "trace": trace}
             if scored.prompt_logprobs is not None:
