@@ -148,7 +148,9 @@ def _stage_info(weights: int, tokens: int) -> dict:
 def fed_pipeline(tmp_path, tok):
     """A real PipelineEngine and its app on a 2-stage topology whose stages are test sockets: READY,
     one heartbeat each and one decode step's reply with a trace, sent over ZeroMQ."""
-    topology = load_topology(write_topology(tmp_path, tmp_path / "model", 2, n_layers=6,
+    # The stages here are test sockets without keys: the console reads replies, the wire's checks are
+    # tests/test_wire_attacks.py's.
+    topology = load_topology(write_topology(tmp_path, tmp_path / "model", 2, n_layers=6, security="none",
                                             driver__dead_after_s=600.0))
     engine = PipelineEngine(topology, tok.eos_ids, model_name="fed").start()
     handle = start_in_thread(build_app(topology, engine, tok, api_key=API_KEY))

@@ -20,7 +20,7 @@ from loguru import logger
 
 from skippy_zmq import keystore, security, transport, wire
 from skippy_zmq.security import SecurityError, SocketSecurity
-from skippy_zmq.topology import Topology, parse_topology
+from skippy_zmq.topology import Topology, TopologyError, parse_topology
 from skippy_zmq.wire import Kind, Message
 from procs import free_endpoint
 
@@ -115,9 +115,10 @@ def test_generate_keys_refuses_existing_files_and_unsafe_names(tmp_path: Path) -
     with pytest.raises(FileExistsError, match="--force"):
         security.generate_keys(topo, tmp_path)
     bad = topology_dict(None)
-    bad["stages"][1]["id"] = "../s1"
-    with pytest.raises(SecurityError, match="cannot name a key file"):
-        security.generate_keys(parse_topology(bad), tmp_path / "other")
+    bad["stages"][1]["id"] = "../s1"   # refused before any key is named: the topology checks stage ids
+    with pytest.raises(TopologyError, match=r"stages\[1\]\.id: expected a name"):
+        parse_topology(bad)
+    assert not (tmp_path / "other").exists()
     bad["stages"][1]["id"] = "driver"
     with pytest.raises(SecurityError, match="driver"):
         security.generate_keys(parse_topology(bad), tmp_path / "other")
