@@ -3,8 +3,10 @@ API adapters' tests share. A module that imports them sets REPLY, the answer the
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import httpx
 import pytest
 from fake_engine import FakeEngine
 
@@ -47,3 +49,15 @@ def fresh_engine(request, tok):
     engine.reset()
     engine.script = scripted(tok, request.module.REPLY)
     yield engine
+
+
+def sse_events(url: str, body: dict) -> list[tuple[str, dict]]:
+    """(event name, data) of each server-sent event of a streamed POST to `url`."""
+    with httpx.stream("POST", url, json={"stream": True, **body}, timeout=20) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        text = resp.read().decode()
+    events = []
+    for chunk in text.strip().split("\n\n"):
+        name, data = chunk.split("\n")
+        events.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return events

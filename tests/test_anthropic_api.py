@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 from fake_engine import FakeEngine
-from scripted_server import engine, fresh_engine, scripted, server, tok  # noqa: F401 (fixtures)
+from scripted_server import engine, fresh_engine, scripted, server, sse_events, tok  # noqa: F401 (fixtures)
 
 from skippy_zmq.driver.engine import EngineError
 from skippy_zmq.driver.server import create_app, start_in_thread
@@ -59,15 +59,8 @@ def create(client, **kwargs):
 
 
 def raw_events(url: str, body: dict) -> list[tuple[str, dict]]:
-    """(event name, data) of each SSE event of a streamed request, pings included."""
-    with httpx.stream("POST", url + "/v1/messages", json={"stream": True, **body}, timeout=20) as resp:
-        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
-        text = resp.read().decode()
-    events = []
-    for chunk in text.strip().split("\n\n"):
-        name, data = chunk.split("\n")
-        events.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
-    return events
+    """(event name, data) of each SSE event of a streamed /v1/messages request, pings included."""
+    return sse_events(url + "/v1/messages", body)
 
 
 # ---------------------------------------------------------------- scripted engine
