@@ -279,7 +279,9 @@ def test_console_in_a_browser(browser, keyed, served, tmp_path):
         assert (rows[cfg.id]["host"], rows[cfg.id]["device"]) == (cfg.host, cfg.device)
     page.set_sampling(temperature=0, max_tokens=400, seed=7)
     stopped = page.chat("Count from 1 to 500, one number per line.", stop_after_text=True)
-    assert stopped.state == "stopped" and stopped.text
+    # Stopped once text showed; the rendered text may be empty afterwards ("1." renders as an empty
+    # ordered-list item), so what counts is that some text was seen before the stop.
+    assert stopped.state == "stopped" and any(stopped.observed), stopped
     page.new_chat()
     page.set_sampling(temperature=0, max_tokens=96, seed=7)
     answer = page.chat("Give three short tips for writing clear Python code, as a bulleted list.")
