@@ -4,7 +4,7 @@ Issue 42's goal for embeddings: cosine >= 0.9999 against transformers. Run it fr
 with the `parity` extra (torch, transformers) against a running server of ours on the same model:
 
     .venv/bin/skippy-zmq up topologies/smollm2-2stage.yaml &                 # our server
-    PY=/path/to/parity-venv/bin/python                                       # torch, transformers, gguf, httpx
+    PY=/path/to/parity-venv/bin/python      # torch, transformers (setup.cfg parity extra), accelerate, gguf, httpx
     $PY scripts/embeddings_parity.py --url http://127.0.0.1:8000 --out bench-out/embeddings_parity.json
 
 Both sides see the same token ids (transformers' tokenizer of the GGUF makes them; our server gets
