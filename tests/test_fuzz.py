@@ -416,6 +416,12 @@ def test_live_stages_survive_a_malformed_barrage(live, parity):
         for chunk in (ids[i:i + 256] for i in range(0, len(ids), 256)):
             transport.send_message(socks[topology.first.id], engine.view.stamp(
                 Message(Kind.STOP, FUZZ_ID, chunk[0], sessions=np.array(chunk, np.uint64))))
+        # The STOPs reach stage 0 on this socket's own connection, which its PULL fair-queues with the
+        # driver's: wait until it has handled them (a probe behind them on the same connection answers),
+        # or the next request may overtake them and find every lane of stage 1 still taken.
+        stopped_id = SENTINEL_ID + len(topology.stages)
+        socks[topology.first.id].send_multipart(sentinel(stopped_id))
+        assert wait_for(lambda: any(rid == stopped_id for _, rid, _ in errors), 60), "the STOPs were not handled"
         fuzz_s = time.monotonic() - t0
     finally:
         engine.on_reply_hooks.remove(hook)
