@@ -58,7 +58,7 @@ bench-quick: install model
 # ($$SKIPPY_PEERS_DIR); about 10-15 minutes on 2 cores, reused afterwards.
 peers: install
 	$(BIN)/pip install -q -e '.[peers-build]'
-	$(BIN)/python -c "from skippy_zmq.bench.llama_build import build; build()"
+	$(BIN)/python -c "from skippy_zmq.devtools.bench.llama_build import build; build()"
 
 # Ours beside llama-server on the same GGUF through both HTTP APIs: single stream, speculation, concurrency;
 # writes bench-out/peers.{json,md}.

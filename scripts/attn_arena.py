@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One-row decode step time against the attention length, with and without the KV arena's spare
-slot (skippy_zmq.config.KV_SPARE_SLOTS), side by side in one process: on XLA:CPU a step whose
+slot (skippy_zmq.config.model.KV_SPARE_SLOTS), side by side in one process: on XLA:CPU a step whose
 attention length equals the arena's length (every position up to the capacity) ran about 4x slower
 than one that reads all but the last position.
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     configure_jax()
-    from skippy_zmq.generate import LocalEngine
+    from skippy_zmq.engine.generate import LocalEngine
     from skippy_zmq.model import llama
 
     cases = [tuple(int(x) for x in c.split(":")) for c in args.cases]

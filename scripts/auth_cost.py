@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from skippy_zmq import security, transport, wire
-from skippy_zmq.bench.common import machine, print_table, synthetic_prompt
-from skippy_zmq.bench.pipeline import run_stream
-from skippy_zmq.harness import running_pipeline, write_topology
+from skippy_zmq.protocol import security, transport, wire
+from skippy_zmq.devtools.bench.common import machine, print_table, synthetic_prompt
+from skippy_zmq.devtools.bench.pipeline import run_stream
+from skippy_zmq.devtools.harness import running_pipeline, write_topology
 
 MODES = ("curve", "none")
 HOPS_PER_TOKEN = 3   # 2 stages: driver -> s0 -> s1 -> driver

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from skippy_zmq.model.tokenizer import TextTokenizer, _byte_level_table
+from skippy_zmq.text.tokenizer import TextTokenizer, _byte_level_table
 
 # The test suite's schemas (bounded numbers and strings, so a walk ends).
 SCHEMAS: dict[str, dict] = json.loads((Path(__file__).parent.parent / "tests" / "fixtures" / "json_schemas.json").read_text())
@@ -205,7 +205,7 @@ def bench_library(lib, tokenizer: TextTokenizer, repeats: int) -> dict:
 
 def bench_matcher(tokenizer: TextTokenizer, model_dir: str) -> dict:
     """Our Matcher on top of llguidance, per token: apply (mask + -inf into float32 logits) and advance."""
-    from skippy_zmq.constrain import ConstraintSpec, Matcher, tokenizer_info
+    from skippy_zmq.text.constrain import ConstraintSpec, Matcher, tokenizer_info
     info = tokenizer_info(model_dir)
     apply_us, advance_us = [], []
     logits = np.zeros(info.vocab_size, dtype=np.float32)
@@ -255,7 +255,7 @@ def print_table(results: dict) -> None:
                 print(f"  {case}: {row['error']}")
     row = results.get("matcher")
     if row:
-        print(f"skippy_zmq.constrain.Matcher (JSON cases): apply p50 {row['apply_p50_us']:.1f} / p99 "
+        print(f"skippy_zmq.text.constrain.Matcher (JSON cases): apply p50 {row['apply_p50_us']:.1f} / p99 "
               f"{row['apply_p99_us']:.1f} us, advance p50 {row['advance_p50_us']:.1f} / p99 "
               f"{row['advance_p99_us']:.1f} us, mask_stats mean {row['mask_mean_us']:.1f} us")
 

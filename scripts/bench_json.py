@@ -28,9 +28,9 @@ import openai
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from skippy_zmq.driver.main import build_app  # noqa: E402
-from skippy_zmq.driver.server import start_in_thread  # noqa: E402
-from skippy_zmq.harness import running_pipeline, write_topology  # noqa: E402
+from skippy_zmq.api.main import build_app  # noqa: E402
+from skippy_zmq.api.server import start_in_thread  # noqa: E402
+from skippy_zmq.devtools.harness import running_pipeline, write_topology  # noqa: E402
 
 # The cost schema: a list of records, long enough (~150 tokens) that the decode rate is steady.
 RECORDS = {"type": "object", "properties": {"people": {

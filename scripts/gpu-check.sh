@@ -120,7 +120,7 @@ for dtype in float32 bfloat16; do
 done
 step single "$BIN/skippy-zmq" bench single --model "$MODEL" --device $DEVICE --repeats 1 --out "$OUT/single"
 
-"$BIN/python" -m skippy_zmq.bench.gpu_check "$OUT" --device $DEVICE --elapsed-s "$SECONDS"
+"$BIN/python" -m skippy_zmq.devtools.bench.gpu_check "$OUT" --device $DEVICE --elapsed-s "$SECONDS"
 rc=$?
 echo "gpu-check: ${SECONDS}s${failed[*]:+; failed steps: ${failed[*]}}"
 [ "$SECONDS" -le 480 ] || echo "gpu-check: took longer than the 8-minute budget" >&2

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from skippy_zmq.bench.greedy import first_mismatch
-from skippy_zmq.generate import LocalEngine
+from skippy_zmq.devtools.bench.greedy import first_mismatch
+from skippy_zmq.engine.generate import LocalEngine
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -3,7 +3,7 @@
 Serves the OpenAI app in a child process (so the clients here do not share its GIL) over a scripted
 engine (tests/fake_engine.py: the HTTP layer is what is measured, not the model) with the real
 SmolLM2 tokenizer, then for each kind of
-skippy_zmq/worst_requests.py sends it `--repeat` times in a row while a prober polls /health every
+skippy_zmq/devtools/worst_requests.py sends it `--repeat` times in a row while a prober polls /health every
 `--interval-ms` (and on until `--min-seconds` have passed); an idle row first. The prober runs
 in a third process, so only the server's own work can delay it. Prints a table and writes bench-out/health_latency.json.
 
@@ -26,9 +26,9 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from fake_engine import FakeEngine  # noqa: E402
 
-from skippy_zmq.driver.server import create_app, start_in_thread  # noqa: E402
-from skippy_zmq.model.tokenizer import TextTokenizer  # noqa: E402
-from skippy_zmq.worst_requests import HealthProbe, send, worst_requests  # noqa: E402
+from skippy_zmq.api.server import create_app, start_in_thread  # noqa: E402
+from skippy_zmq.text.tokenizer import TextTokenizer  # noqa: E402
+from skippy_zmq.devtools.worst_requests import HealthProbe, send, worst_requests  # noqa: E402
 
 TOKENIZER_DIR = REPO / "models" / "smollm2-135m-instruct"
 MAX_CONTEXT = 65536

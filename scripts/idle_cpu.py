@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from skippy_zmq.harness import running_pipeline, write_topology
+from skippy_zmq.devtools.harness import running_pipeline, write_topology
 
 TICK = os.sysconf("SC_CLK_TCK")
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from skippy_zmq.driver.http_config import EdgeConfig
-from skippy_zmq.driver.server import ServerHandle, create_app, start_in_thread
+from skippy_zmq.config.http import EdgeConfig
+from skippy_zmq.api.server import ServerHandle, create_app, start_in_thread
 
 # llama-server serves its OpenAI routes without the /v1 prefix too; we serve them under /v1 only, so
 # the shim sends their unprefixed paths there. ("/completions" without /v1 is llama-server's native

@@ -2,7 +2,7 @@
 
     python scripts/llama_server_tests.py [--json out.json] [unit/test_x.py ...]
 
-The llama-cpp-python sdist (skippy_zmq.bench.llama_build.sdist: pip from PyPI once, then cached) vendors
+The llama-cpp-python sdist (skippy_zmq.devtools.bench.llama_build.sdist: pip from PyPI once, then cached) vendors
 llama.cpp with `tools/server/tests/`; only that folder is unpacked, into a cache folder named by the
 sdist's sha256. A real 1-stage SmolLM2 pipeline starts once; scripts/llama_server_shim.py makes their
 `ServerProcess.start()` serve our app over it (with the test's api_key and model alias), and skips
@@ -31,9 +31,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_server_shim import ShimPlugin  # noqa: E402  (the shim sits beside this script)
 
-from skippy_zmq.bench import llama_build  # noqa: E402
-from skippy_zmq.driver.server import create_app, start_in_thread  # noqa: E402
-from skippy_zmq.harness import running_pipeline, write_topology  # noqa: E402
+from skippy_zmq.devtools.bench import llama_build  # noqa: E402
+from skippy_zmq.api.server import create_app, start_in_thread  # noqa: E402
+from skippy_zmq.devtools.harness import running_pipeline, write_topology  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"

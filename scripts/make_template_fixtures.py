@@ -3,7 +3,7 @@
     .venv/bin/python scripts/make_template_fixtures.py [MODELS_DIR]
 
 MODELS_DIR defaults to llama.cpp's models/ folder (fetched from the llama-cpp-python sdist by
-skippy_zmq.fetch): its `templates/*.jinja`, and the templates inside its `ggml-vocab-*.gguf`
+skippy_zmq.files.fetch): its `templates/*.jinja`, and the templates inside its `ggml-vocab-*.gguf`
 (fixtures named gguf.<vocab>.<name>.json, with the file and field they came from). Each template is rendered for every case in
 tests/fixtures/chat_templates/cases.json (written here too) the way
 `PreTrainedTokenizerBase.apply_chat_template(tokenize=False)` does it: messages normalised by
@@ -165,5 +165,5 @@ if __name__ == "__main__":
     if len(sys.argv) > 1:
         main(Path(sys.argv[1]))
     else:
-        from skippy_zmq.fetch import fetch_llama_cpp_models
+        from skippy_zmq.files.fetch import fetch_llama_cpp_models
         main(fetch_llama_cpp_models())

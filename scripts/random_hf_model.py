@@ -42,9 +42,9 @@ def random_matrix(rng: np.random.Generator, shape: tuple[int, int], dtype: type)
 
 
 def shape_config(a: argparse.Namespace) -> dict:
-    """A random-model shape's real config (skippy_zmq.model.random_model.SHAPES), --layers cutting it;
+    """A random-model shape's real config (skippy_zmq.devtools.random_model.SHAPES), --layers cutting it;
     the writer's other flags follow it."""
-    from skippy_zmq.model.random_model import SHAPES
+    from skippy_zmq.devtools.random_model import SHAPES
 
     cfg = dict(SHAPES[a.shape], eos_token_id=2, bos_token_id=1)
     cfg["num_hidden_layers"] = a.layers or cfg["num_hidden_layers"]

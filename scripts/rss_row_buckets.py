@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 from skippy_zmq.cli import configure_jax
 configure_jax()
-from skippy_zmq.harness import write_topology
+from skippy_zmq.devtools.harness import write_topology
 from skippy_zmq.stage import factory
-from skippy_zmq.topology import load_topology
+from skippy_zmq.config.topology import load_topology
 
 def vm(key):
     for line in open("/proc/self/status"):

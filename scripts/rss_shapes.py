@@ -45,9 +45,9 @@ def main() -> None:
     p.add_argument("--max-draft", type=int, default=8, help="the driver's max_draft; 0: no speculation")
     a = p.parse_args()
     configure_jax()
-    from skippy_zmq.harness import write_topology
+    from skippy_zmq.devtools.harness import write_topology
     from skippy_zmq.stage import factory
-    from skippy_zmq.topology import load_topology
+    from skippy_zmq.config.topology import load_topology
 
     spec = {"method": "ngram", "max_draft": a.max_draft} if a.max_draft > 0 else {"method": "off"}
     path = write_topology(Path(tempfile.mkdtemp()), a.model.absolute(), a.stages, name="shapes",

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Measure stage processes' resident memory against skippy_zmq/placement.py's prediction.
+"""Measure stage processes' resident memory against skippy_zmq/ops/placement.py's prediction.
 
 For each stage count and weights format: start real stage processes (harness.running_pipeline,
 prefix cache off so the cache term is 0), run a few greedy requests, read every stage's VmRSS
@@ -29,11 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from skippy_zmq import placement  # noqa: E402
-from skippy_zmq.config import ModelConfig  # noqa: E402
-from skippy_zmq.driver.engine import GenRequest  # noqa: E402
-from skippy_zmq.harness import running_pipeline, write_topology  # noqa: E402
-from skippy_zmq.model.checkpoint import stored_weights  # noqa: E402
+from skippy_zmq.ops import placement  # noqa: E402
+from skippy_zmq.config.model import ModelConfig  # noqa: E402
+from skippy_zmq.engine.request import GenRequest  # noqa: E402
+from skippy_zmq.devtools.harness import running_pipeline, write_topology  # noqa: E402
+from skippy_zmq.checkpoint.checkpoint import stored_weights  # noqa: E402
 from skippy_zmq.sampling import SamplingParams  # noqa: E402
 
 
@@ -79,7 +79,7 @@ def timeline(model: Path, n_stages: int, fmt: str, index: int, context: int | No
 
     from skippy_zmq.model import runner as runner_module
     from skippy_zmq.stage import factory
-    from skippy_zmq.topology import load_topology
+    from skippy_zmq.config.topology import load_topology
 
     from skippy_zmq.cli import configure_jax
 

@@ -12,9 +12,9 @@ from typing import Any, Callable
 
 from loguru import logger
 
-from skippy_zmq.bench import SUITES
-from skippy_zmq.bench.common import int_list
-from skippy_zmq.lifetime import watch_parent
+from skippy_zmq.devtools.bench import SUITES
+from skippy_zmq.devtools.bench.common import int_list
+from skippy_zmq.ops.lifetime import watch_parent
 
 DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct")
 DEFAULT_GGUF_DIR = Path("models")
@@ -38,7 +38,7 @@ def configure_jax(cache_dir: str | None = None) -> None:
     """
     import jax
 
-    from skippy_zmq.private_dirs import private_cache_dir
+    from skippy_zmq.files.private_dirs import private_cache_dir
 
     flag = os.environ.get("JAX_CPU_ENABLE_ASYNC_DISPATCH", "").strip().lower()
     if flag:
@@ -54,7 +54,7 @@ def configure_jax(cache_dir: str | None = None) -> None:
 
 
 def cmd_fetch_model(args: argparse.Namespace) -> int:
-    from skippy_zmq.fetch import FetchError, fetch_smollm2
+    from skippy_zmq.files.fetch import FetchError, fetch_smollm2
 
     if args.name != "smollm2":
         raise SystemExit(f"unknown model {args.name!r} (known: smollm2)")
@@ -70,7 +70,7 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     import resource
 
-    from skippy_zmq.model.convert import ConvertError, convert_gguf, convert_hf
+    from skippy_zmq.checkpoint.convert import ConvertError, convert_gguf, convert_hf
 
     t0 = time.perf_counter()
     try:
@@ -135,11 +135,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_prompt_args(args)
     sampling = sampling_from_args(args)
     if args.topology:
-        from skippy_zmq.driver.main import generate_with_pipeline
+        from skippy_zmq.api.main import generate_with_pipeline
 
         return generate_with_pipeline(args, sampling, lambda tokenizer: prompt_ids_from_args(tokenizer, args))
-    from skippy_zmq.driver.speculative import SpeculativeConfig
-    from skippy_zmq.generate import LocalEngine
+    from skippy_zmq.config.speculative import SpeculativeConfig
+    from skippy_zmq.engine.generate import LocalEngine
 
     engine = LocalEngine(Path(args.model), dtype=args.dtype, device=args.device, weights=args.weights)
     ids = prompt_ids_from_args(engine.tokenizer, args)
@@ -162,9 +162,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from skippy_zmq.placement import PlacementError, parse_bytes
-    from skippy_zmq.planner import PlanRequest, plan_text
-    from skippy_zmq.topology import TopologyError
+    from skippy_zmq.ops.placement import PlacementError, parse_bytes
+    from skippy_zmq.ops.planner import PlanRequest, plan_text
+    from skippy_zmq.config.topology import TopologyError
 
     try:
         req = PlanRequest(Path(args.model), args.stages, tuple(float(w) for w in args.split.split(",")) if args.split
@@ -179,7 +179,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from skippy_zmq import bench
+    from skippy_zmq.devtools import bench
 
     if args.device != "cpu":
         # The stage processes and this driver share one accelerator: each takes memory as it needs it
@@ -190,26 +190,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_stage(args: argparse.Namespace) -> int:
     from skippy_zmq.stage.loop import run_stage
-    from skippy_zmq.topology import load_topology
+    from skippy_zmq.config.topology import load_topology
 
     return run_stage(load_topology(args.topology), args.stage)
 
 
 def cmd_driver(args: argparse.Namespace) -> int:
-    from skippy_zmq.driver.main import run_driver
+    from skippy_zmq.api.main import run_driver
 
     return run_driver(args)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from skippy_zmq.driver.main import run_up
+    from skippy_zmq.api.main import run_up
 
     return run_up(args)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from skippy_zmq.launch import launch
-    from skippy_zmq.topology import load_topology
+    from skippy_zmq.ops.launch import launch
+    from skippy_zmq.config.topology import load_topology
 
     url = launch(load_topology(args.topology), Path(args.topology), Path(args.run_dir), args.timeout, tied=False)
     print(url)
@@ -217,7 +217,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_restart_stage(args: argparse.Namespace) -> int:
-    from skippy_zmq.launch import restart_stage
+    from skippy_zmq.ops.launch import restart_stage
 
     proc = restart_stage(Path(args.run_dir), args.stage)
     print(proc.pid)
@@ -225,7 +225,7 @@ def cmd_restart_stage(args: argparse.Namespace) -> int:
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
-    from skippy_zmq.chaos import main as chaos_main
+    from skippy_zmq.devtools.chaos import main as chaos_main
 
     return chaos_main(args.topology, args.rounds, args.out, args.only.split(",") if args.only else None)
 
@@ -396,7 +396,7 @@ def add_bench_parser(sub: Any) -> None:
 def cmd_random_model(args: argparse.Namespace) -> int:
     import resource
 
-    from skippy_zmq.model.random_model import RandomModelError, RandomSpec, write_random_model
+    from skippy_zmq.devtools.random_model import RandomModelError, RandomSpec, write_random_model
 
     t0 = time.perf_counter()
     try:
@@ -413,7 +413,7 @@ def cmd_random_model(args: argparse.Namespace) -> int:
 
 
 def add_random_model_parser(sub: Any) -> None:
-    from skippy_zmq.model.random_model import SHAPES, WEIGHT_FORMATS   # numpy only: the parser stays quick
+    from skippy_zmq.devtools.random_model import SHAPES, WEIGHT_FORMATS  # numpy only: the parser stays quick
 
     p = sub.add_parser("random-model", help="a model of a real shape with random weights (and its GGUF)")
     p.add_argument("--shape", required=True, choices=list(SHAPES))
@@ -446,7 +446,7 @@ SUBCOMMAND_PARSERS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from skippy_zmq.security import add_keys_parser
+    from skippy_zmq.protocol.security import add_keys_parser
 
     parser = argparse.ArgumentParser(prog="skippy-zmq", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("SKIPPY_LOG_LEVEL", "INFO"))

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from loguru import logger
 
-from skippy_zmq.config import ModelConfig
+from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.cli import CACHE_MIN_S_ENV, configure_jax
-from skippy_zmq.harness import PORT_SLICE_ENV
-from skippy_zmq.keystore import KEYS_HOME_ENV
+from skippy_zmq.devtools.harness import PORT_SLICE_ENV
+from skippy_zmq.protocol.keystore import KEYS_HOME_ENV
 from skippy_zmq.model import weights
 
 REPO = Path(__file__).resolve().parent.parent
@@ -165,7 +165,7 @@ def small_model_dir(model_dir, tmp_path_factory) -> Path:
     """A 4-layer random model of SmolLM2's shape with its real vocabulary and template (from the
     GGUF): for the tests of processes (lifetimes, restarts, one row's failure), whose stages start
     in seconds where the real model's take tens of seconds on 2 cores. Its tokens are noise."""
-    from skippy_zmq.model.random_model import RandomSpec, write_random_model
+    from skippy_zmq.devtools.random_model import RandomSpec, write_random_model
 
     gguf = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not gguf.is_file():
@@ -246,7 +246,7 @@ def lanes_in_use(url: str) -> dict[str, float]:
 @pytest.fixture(scope="session")
 def llama_cpp_models() -> Path:
     """llama.cpp's models/ folder (vocab test vectors, real chat templates) from the sdist, cached once."""
-    from skippy_zmq.fetch import FetchError, fetch_llama_cpp_models
+    from skippy_zmq.files.fetch import FetchError, fetch_llama_cpp_models
 
     try:
         return fetch_llama_cpp_models()

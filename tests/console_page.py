@@ -1,4 +1,4 @@
-"""The console page (skippy_zmq/driver/console_assets) as a browser test drives it: a page object
+"""The console page (skippy_zmq/api/console_assets) as a browser test drives it: a page object
 over Selenium, reading only what the page shows (text, the data- attributes it sets)."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
-from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
+from skippy_zmq.engine.request import EngineError, GenRequest, TokenEvent
 
 
 class FakeEngine:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from skippy_zmq import wire
-from skippy_zmq.config import Buckets, KVConfig, ModelConfig
-from skippy_zmq.driver.prefix_index import PrefixIndex
-from skippy_zmq.driver.scheduler import Scheduler, SchedulerConfig
+from skippy_zmq.protocol import wire
+from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig
+from skippy_zmq.engine.prefix_index import PrefixIndex
+from skippy_zmq.engine.scheduler import Scheduler, SchedulerConfig
 from skippy_zmq.kv.prefix_store import PrefixStore, StoreConfig, StoreIdentity
-from skippy_zmq.inproc import InprocChain
+from skippy_zmq.engine.inproc import InprocChain
 from skippy_zmq.model import weights
 from skippy_zmq.model.runner import SliceRunner
 from skippy_zmq.stage.sessions import SessionTable

@@ -5,8 +5,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from skippy_zmq import harness
-from skippy_zmq.harness import free_base_port, running_pipeline  # noqa: F401
+from skippy_zmq.devtools import harness
+from skippy_zmq.devtools.harness import free_base_port, running_pipeline  # noqa: F401
 
 # Every test pipeline holds 512 positions a session (the shipped default is 2048): its stages compile
 # every prefill chunk and 1- and 2-row decode at each attention length before READY, and verify windows
@@ -29,8 +29,8 @@ def upstream_socket(topology: Any, stage_id: str) -> Any:
     carry the driver's chain view (`engine.view.stamp(msg)`) or a secured stage drops it unread."""
     import zmq
 
-    from skippy_zmq import transport
-    from skippy_zmq.security import security_for
+    from skippy_zmq.protocol import transport
+    from skippy_zmq.protocol.security import security_for
 
     i = topology.index(stage_id)
     upstream = security_for(topology, "driver" if i == 0 else topology.stages[i - 1].id)
@@ -43,8 +43,8 @@ def stage_dealer(topology: Any, stage_id: str, identity: bytes) -> Any:
     stage keys), with routing `identity`: the driver acts only on what names the key's own stage."""
     import zmq
 
-    from skippy_zmq import transport
-    from skippy_zmq.security import security_for
+    from skippy_zmq.protocol import transport
+    from skippy_zmq.protocol.security import security_for
 
     stage = security_for(topology, stage_id)
     return transport.make_socket(transport.context(), zmq.DEALER, topology.driver.return_connect, bind=False,
@@ -70,8 +70,8 @@ class Served(NamedTuple):
 @contextmanager
 def serving(topology_path: Path, run_dir: Path) -> Iterator[Served]:
     """running_pipeline plus the OpenAI HTTP server in a thread."""
-    from skippy_zmq.driver.main import build_app
-    from skippy_zmq.driver.server import start_in_thread
+    from skippy_zmq.api.main import build_app
+    from skippy_zmq.api.server import start_in_thread
 
     with running_pipeline(topology_path, run_dir) as (engine, tokenizer, topology, procs):
         handle = start_in_thread(build_app(topology, engine, tokenizer))

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from fake_engine import FakeEngine
 
-from skippy_zmq.driver.server import create_app, start_in_thread
-from skippy_zmq.model.tokenizer import TextTokenizer
+from skippy_zmq.api.server import create_app, start_in_thread
+from skippy_zmq.text.tokenizer import TextTokenizer
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct"
 

@@ -10,15 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from skippy_zmq.bench.common import format_table, int_list
-from skippy_zmq.bench import gpu_check
-from skippy_zmq.bench.greedy import agreement_row, pipeline_tokens
-from skippy_zmq.bench.hops import corrected_base, hop_delay, hop_model, hop_row
-from skippy_zmq.bench import llama_build
-from skippy_zmq.bench.peers import llama_server_command, ratio, ratio_rows
-from skippy_zmq.bench.pipeline import (BENCH_TOPOLOGY, STREAMS, bubble, one_stream_rows, per_hop_overhead_us,
-                                       percentile, stage_busy_ms, step_compute_ms, wire_rows)
-from skippy_zmq.bench.plots import matplotlib_available, write_plots
+from skippy_zmq.devtools.bench.common import format_table, int_list
+from skippy_zmq.devtools.bench import gpu_check
+from skippy_zmq.devtools.bench.greedy import agreement_row, pipeline_tokens
+from skippy_zmq.devtools.bench.hops import corrected_base, hop_delay, hop_model, hop_row
+from skippy_zmq.devtools.bench import llama_build
+from skippy_zmq.devtools.bench.peers import llama_server_command, ratio, ratio_rows
+from skippy_zmq.devtools.bench.pipeline import BENCH_TOPOLOGY, STREAMS, bubble, one_stream_rows, per_hop_overhead_us, percentile, stage_busy_ms, step_compute_ms, wire_rows
+from skippy_zmq.devtools.bench.plots import matplotlib_available, write_plots
 
 
 def test_table_is_markdown_with_note_and_missing_cells():
@@ -56,9 +55,9 @@ def test_one_stream_rows_without_a_one_stage_row():
 
 
 def test_bench_topology_runs_32_streams_on_the_chosen_device(tmp_path):
-    from skippy_zmq.harness import write_topology
+    from skippy_zmq.devtools.harness import write_topology
     from skippy_zmq.stage.factory import stage_buckets
-    from skippy_zmq.topology import load_topology
+    from skippy_zmq.config.topology import load_topology
 
     assert max(STREAMS) == 32
     path = write_topology(tmp_path, tmp_path, 2, n_layers=30, **BENCH_TOPOLOGY, device="gpu:0", dtype="bfloat16")
@@ -219,7 +218,7 @@ def test_plots_write_pngs(tmp_path: Path):
 
 
 def test_hop_breakdown_from_stage_telemetry():
-    from skippy_zmq.bench.pipeline import hop_breakdown
+    from skippy_zmq.devtools.bench.pipeline import hop_breakdown
 
     def step(offset_ns):
         return [{"stage": "s0", "compute_ms": 5.0, "send_ns": 1_000_000 + offset_ns},
@@ -232,7 +231,7 @@ def test_hop_breakdown_from_stage_telemetry():
 
 
 def test_goal_rows_read_one_run_and_say_what_is_missing():
-    from skippy_zmq.bench.goals import goal_rows
+    from skippy_zmq.devtools.bench.goals import goal_rows
 
     result = {"single": {"decode_tok_s": 40.0}, "single_int8": {"decode_tok_s": 70.0},
               "single_q4": {"decode_tok_s": 95.0}, "peers": {"llama_cpp": {"decode_tok_s": 90.0}, "concurrency": [
@@ -261,7 +260,7 @@ def test_goal_rows_read_one_run_and_say_what_is_missing():
 
 
 def test_steady_throughput_counts_only_while_every_stream_decodes():
-    from skippy_zmq.bench.pipeline import steady_tok_s
+    from skippy_zmq.devtools.bench.pipeline import steady_tok_s
 
     early = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]        # one token a second from t=0
     late = [2.0, 2.5, 3.0, 3.5, 4.0, 6.0]         # starts at 2, two a second
@@ -272,7 +271,7 @@ def test_steady_throughput_counts_only_while_every_stream_decodes():
 def test_scale_process_measurements(tmp_path):
     import os
 
-    from skippy_zmq.bench.scale_procs import peak_rss_bytes, run_measured, stage_start_times
+    from skippy_zmq.devtools.bench.scale_procs import peak_rss_bytes, run_measured, stage_start_times
 
     got = run_measured([sys.executable, "-c", "b = bytearray(300 << 20); b[::4096] = b'x' * len(b[::4096])"],
                        tmp_path / "child.log")
@@ -284,14 +283,14 @@ def test_scale_process_measurements(tmp_path):
                    "x | INFO | stage s1 layers [8, 16) on cpu: restored in 2.5s, compiled in 1.0s\n")
     assert stage_start_times(log) == {"s1": {"restored_s": 2.5, "compiled_s": 1.0}}
     assert stage_start_times(tmp_path / "none.log") == {}
-    from skippy_zmq.bench.scale_procs import logged_peak_gib
+    from skippy_zmq.devtools.bench.scale_procs import logged_peak_gib
 
     (tmp_path / "c.log").write_text("x - converted 2 layers in 1.0s, peak RSS 0.50 GiB\n... peak RSS 5.03 GiB\n")
     assert logged_peak_gib(tmp_path / "c.log") == 5.03 and logged_peak_gib(log) is None
 
 
 def test_scale_cases_and_tables():
-    from skippy_zmq.bench.scale import FULL, QUICK, model_dir, scale_tables
+    from skippy_zmq.devtools.bench.scale import FULL, QUICK, model_dir, scale_tables
 
     assert [(c.shape, c.stages, c.context, c.new_tokens) for c in FULL] == [
         ("llama-3.2-1b", (1, 2, 3), 512, 128), ("llama-3.1-8b", (1, 2), 256, 32)]
@@ -306,7 +305,7 @@ def test_scale_cases_and_tables():
 
 
 def test_scale_moe_cases_run_by_name_with_the_moe_over_dense_ratio():
-    from skippy_zmq.bench.scale import FULL, MOE, QUICK, scale_tables, select_cases
+    from skippy_zmq.devtools.bench.scale import FULL, MOE, QUICK, scale_tables, select_cases
 
     assert select_cases(FULL, "", MOE) == FULL                      # MoE (35 GB of files) only when named
     assert [c.shape for c in select_cases(FULL, "qwen3-30b-a3b,llama-3.2-3b", MOE)] == ["qwen3-30b-a3b", "llama-3.2-3b"]
@@ -327,8 +326,8 @@ def test_scale_moe_cases_run_by_name_with_the_moe_over_dense_ratio():
 def test_scale_quick_path_end_to_end(tmp_path):
     """One tiny case through everything the scale bench does: make the model, 2 stage processes,
     llama.cpp when installed, the conversion subprocess."""
-    from skippy_zmq.bench.common import llama_cpp_available
-    from skippy_zmq.bench.scale import ScaleCase, run_case
+    from skippy_zmq.devtools.bench.common import llama_cpp_available
+    from skippy_zmq.devtools.bench.scale import ScaleCase, run_case
 
     case = ScaleCase("qwen2.5-0.5b", (2,), context=16, new_tokens=4, layers=2, streams=2)
     out = run_case(case, tmp_path, root=tmp_path / "models")
@@ -346,8 +345,7 @@ def test_scale_quick_path_end_to_end(tmp_path):
 
 
 def test_spec_arithmetic_acceptance_identity_and_goals():
-    from skippy_zmq.bench.spec import (acceptance, concurrent_speed, decode_speed, identity, spec_counts,
-                                       spec_goal_rows)
+    from skippy_zmq.devtools.bench.spec import acceptance, concurrent_speed, decode_speed, identity, spec_counts, spec_goal_rows
 
     assert spec_counts({"speculative": {"windows": 2, "drafted": 8, "accepted": 6}}) == \
         {"windows": 2, "drafted": 8, "accepted": 6}
@@ -393,10 +391,10 @@ def test_bench_spec_quick_end_to_end(tmp_path, model_dir):
     time, and 2 streams), llama.cpp when installed; the JSON has every row, acceptance and the identity counts."""
     import subprocess
 
-    from skippy_zmq.bench.common import llama_cpp_available
+    from skippy_zmq.devtools.bench.common import llama_cpp_available
 
     cli = Path(sys.executable).parent / "skippy-zmq"
-    from skippy_zmq.lifetime import tied_env
+    from skippy_zmq.ops.lifetime import tied_env
 
     # tied: if pytest dies, the bench and its stages go too; the bound stops a hang on a busy machine
     run = subprocess.run([str(cli), "bench", "spec", "--quick", "--model", str(model_dir), "--out", str(tmp_path)],

@@ -1,17 +1,17 @@
-"""bench peers' client (skippy_zmq/bench/peers.py), the same code for both engines, against our real
+"""bench peers' client (skippy_zmq/devtools/bench/peers.py), the same code for both engines, against our real
 server (the session's shared pipeline)."""
 
 from __future__ import annotations
 
 import pytest
 
-from skippy_zmq.bench.peers import concurrent, single_stream, stream_completion
+from skippy_zmq.devtools.bench.peers import concurrent, single_stream, stream_completion
 
 pytestmark = pytest.mark.slow
 
 
 def test_the_client_times_every_token_of_a_greedy_stream(shared_pipelines, model_dir):
-    from skippy_zmq.model.tokenizer import TextTokenizer
+    from skippy_zmq.text.tokenizer import TextTokenizer
 
     base = shared_pipelines(2).url + "/v1"
     ids = TextTokenizer.load(model_dir).encode("The capital of France is", add_bos=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from procs import write_topology
-from skippy_zmq import chaos
+from skippy_zmq.devtools import chaos
 
 # The suite plays each fault once, each on one stage, the stages rotating (a fault on every stage x
 # kind is the tool's job: `skippy-zmq chaos`, scripts/chaos.sh); about 30 s a scenario on 2 cores.
@@ -76,7 +76,7 @@ def test_the_suite_plays_every_fault_but_the_fork_kill_once_on_every_stage_posit
 
 
 def test_an_outcome_differs_on_text_choices_calls_and_logprobs_beyond_the_tolerance():
-    from skippy_zmq.chaos_requests import LOGPROB_TOL, Outcome
+    from skippy_zmq.devtools.chaos_requests import LOGPROB_TOL, Outcome
 
     clean = Outcome(text="{}", choices=("a", "b"), calls=(("f", {"x": 1}),),
                     logprobs=(("A", None, None), ("B", -0.5, {"B": -0.5, "C": -1.25})))
@@ -96,7 +96,7 @@ def test_an_outcome_differs_on_text_choices_calls_and_logprobs_beyond_the_tolera
 
 
 def test_the_kinds_read_a_chat_tool_call_and_n_choices_with_logprobs():
-    from skippy_zmq.chaos_requests import KINDS
+    from skippy_zmq.devtools.chaos_requests import KINDS
 
     chat = {"choices": [{"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}}],
@@ -130,7 +130,7 @@ def test_a_window_fault_counts_only_decodes_that_carry_a_window(tmp_path, monkey
     import numpy as np
 
     from skippy_zmq.stage import faults
-    from skippy_zmq.wire import Kind, Message
+    from skippy_zmq.protocol.wire import Kind, Message
 
     killed = []
     monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append(sig))

@@ -15,9 +15,8 @@ import gguf
 import pytest
 from jinja2.exceptions import SecurityError, TemplateError
 
-from skippy_zmq.model.chat_template import (
-    ChatTemplate, ChatTemplates, generation_eos_ids, gguf_templates, read_hf_templates, template_variables)
-from skippy_zmq.model.tokenizer import TextTokenizer
+from skippy_zmq.text.chat_template import ChatTemplate, ChatTemplates, generation_eos_ids, gguf_templates, read_hf_templates, template_variables
+from skippy_zmq.text.tokenizer import TextTokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 CASES = json.loads((FIXTURES / "cases.json").read_text(encoding="utf-8"))

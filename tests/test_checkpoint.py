@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from conftest import REPO, TINY
 
-from skippy_zmq.model import checkpoint, loader, quant, sources, weights
-from skippy_zmq.model.checkpoint import CheckpointError, CheckpointWriter
-from skippy_zmq.model.convert import LAYER_NAMES, TOP_NAMES, stream_checkpoint, unpermute_rows
+from skippy_zmq.checkpoint import checkpoint, loader, sources
+from skippy_zmq.model import quant, weights
+from skippy_zmq.checkpoint.checkpoint import CheckpointError, CheckpointWriter
+from skippy_zmq.checkpoint.convert import LAYER_NAMES, TOP_NAMES, stream_checkpoint, unpermute_rows
 
 
 def write_tree(out: Path, tree: dict, fmt: str, rows_per_block: int = 40) -> Path:
@@ -294,7 +295,7 @@ def test_conversion_memory_is_bounded(tmp_path):
 def test_q4_checkpoint_runs_cached_decode_like_its_full_forward(tmp_path, tiny_tree):
     import jax.numpy as jnp
 
-    from skippy_zmq.config import KVConfig
+    from skippy_zmq.config.model import KVConfig
     from skippy_zmq.model.llama import forward_reference
     from skippy_zmq.model.runner import SliceRunner
 
@@ -314,8 +315,8 @@ def test_q4_checkpoint_runs_cached_decode_like_its_full_forward(tmp_path, tiny_t
 @pytest.mark.slow
 def test_real_model_q4_checkpoint_greedy_matches_transformers(model_dir, parity, tmp_path):
     """The shipped Q4_1 GGUF converted --weights q4 (its exact levels, Q8_0 embedding as int8 rows)."""
-    from skippy_zmq.generate import LocalEngine
-    from skippy_zmq.model.convert import convert_gguf
+    from skippy_zmq.engine.generate import LocalEngine
+    from skippy_zmq.checkpoint.convert import convert_gguf
 
     convert_gguf(REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf", tmp_path / "q4", "q4")
     engine = LocalEngine(tmp_path / "q4", weights="q4", capacity=256)

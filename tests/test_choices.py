@@ -10,11 +10,11 @@ import pytest
 
 from conftest import TINY, random_ids
 from pipeline_helpers import make_chain, make_scheduler, make_worker
-from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
-from skippy_zmq.driver.speculative import SpeculativeConfig
-from skippy_zmq.inproc import run_requests
+from skippy_zmq.engine.request import EngineError, GenRequest, TokenEvent
+from skippy_zmq.config.speculative import SpeculativeConfig
+from skippy_zmq.engine.inproc import run_requests
 from skippy_zmq.sampling import SamplingParams
-from skippy_zmq.wire import Kind, Message
+from skippy_zmq.protocol.wire import Kind, Message
 
 
 def by_choice(events: list) -> dict[int, list[int]]:
@@ -174,8 +174,8 @@ def test_a_stop_string_in_one_choice_cancels_that_choice_at_the_engine():
     from fake_engine import FakeEngine
 
     from conftest import MODEL_DIR
-    from skippy_zmq.driver.server import create_app, start_in_thread
-    from skippy_zmq.model.tokenizer import TextTokenizer
+    from skippy_zmq.api.server import create_app, start_in_thread
+    from skippy_zmq.text.tokenizer import TextTokenizer
 
     if not (MODEL_DIR / "tokenizer.json").is_file():
         pytest.skip(f"no tokenizer at {MODEL_DIR}")

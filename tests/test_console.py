@@ -17,15 +17,15 @@ import httpx
 import pytest
 from fake_engine import FakeEngine
 
-from skippy_zmq import transport, wire
-from skippy_zmq.driver import console
-from skippy_zmq.driver.console_status import RateWindow
-from skippy_zmq.driver.main import build_app
-from skippy_zmq.driver.pipeline import PipelineEngine
-from skippy_zmq.driver.server import create_app, start_in_thread
-from skippy_zmq.harness import write_topology
-from skippy_zmq.model.tokenizer import TextTokenizer
-from skippy_zmq.topology import load_topology
+from skippy_zmq.protocol import transport, wire
+from skippy_zmq.api import console
+from skippy_zmq.api.console_status import RateWindow
+from skippy_zmq.api.main import build_app
+from skippy_zmq.engine.pipeline import PipelineEngine
+from skippy_zmq.api.server import create_app, start_in_thread
+from skippy_zmq.devtools.harness import write_topology
+from skippy_zmq.text.tokenizer import TextTokenizer
+from skippy_zmq.config.topology import load_topology
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
@@ -33,7 +33,7 @@ SCREENSHOT_ENV = "SKIPPY_CONSOLE_SCREENSHOT"   # a path: where the browser test 
                                              # to refresh the README's); default: the test's temporary folder
 API_KEY = "console-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-ASSET_DIR = resources.files("skippy_zmq.driver").joinpath(console.ASSET_DIR)
+ASSET_DIR = resources.files("skippy_zmq.api").joinpath(console.ASSET_DIR)
 SVG_NAMESPACE = "http://www.w3.org/2000/svg"   # an XML namespace name (never fetched): the one URL allowed
 MARKDOWN = ("Hi **bold** and *it*, `x<y` and snake_case_name.\n\n- one\n- two\n\n"
             "```py\nprint('<b>')\n```\n<img src=x onerror=alert(1)>")
@@ -98,7 +98,7 @@ def test_the_page_runs_no_inline_script_and_never_writes_html():
 
 def test_package_data_ships_the_assets():
     setup = (REPO_ROOT / "setup.cfg").read_text()
-    line = re.search(r"^skippy_zmq\.driver = (.*)$", setup, re.M).group(1)
+    line = re.search(r"^skippy_zmq\.api = (.*)$", setup, re.M).group(1)
     globs = [g.strip().removeprefix(f"{console.ASSET_DIR}/") for g in line.split(",")]
     assert all(any(Path(name).match(g) for g in globs) for name, _ in console.ASSETS.values())
 

@@ -1,4 +1,4 @@
-"""The constraint engine (skippy_zmq/constrain.py) with the real SmolLM2 tokenizer: request
+"""The constraint engine (skippy_zmq/text/constrain.py) with the real SmolLM2 tokenizer: request
 parsing and its errors, random walks whose decoded text must parse and validate, rollback."""
 
 from __future__ import annotations
@@ -12,16 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from skippy_zmq.constrain import (
-    SYNTAXES,
-    ConstraintError,
-    ConstraintSpec,
-    Matcher,
-    mask_logits,
-    tokenizer_info,
-    validate,
-)
-from skippy_zmq.driver.tools import GENERIC, validate_tools
+from skippy_zmq.text.constrain import SYNTAXES, ConstraintError, ConstraintSpec, Matcher, mask_logits, tokenizer_info, validate
+from skippy_zmq.text.tools import GENERIC, validate_tools
 from skippy_zmq.sampling import Sampler, SamplingParams
 
 SCHEMAS = json.loads((Path(__file__).parent / "fixtures" / "json_schemas.json").read_text())
@@ -191,7 +183,7 @@ def test_tool_call_spec(info):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
         {"type": "function", "function": {"name": "now"}}]
-    # a forced call is a json_schema after the format's prefix (skippy_zmq.driver.tools)
+    # a forced call is a json_schema after the format's prefix (skippy_zmq.text.tools)
     assert GENERIC.constraint(validate_tools(tools, "auto")) is None
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         matcher = Matcher(GENERIC.constraint(validate_tools(tools, choice)), info)

@@ -1,4 +1,4 @@
-"""Sampler + constraint matcher (skippy_zmq/sampling/ with skippy_zmq/constrain.py): the mask
+"""Sampler + constraint matcher (skippy_zmq/sampling/ with skippy_zmq/text/constrain.py): the mask
 follows the generated tokens as the penalty history does, through windows, rejected drafts,
 truncation and puts; greedy and sampled outputs always parse."""
 
@@ -10,7 +10,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from skippy_zmq.constrain import ConstraintSpec, Matcher, tokenizer_info
+from skippy_zmq.text.constrain import ConstraintSpec, Matcher, tokenizer_info
 from skippy_zmq.sampling import Sampler, SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
@@ -162,8 +162,8 @@ def test_scheduler_sends_the_constraint_and_ends_constrained_requests_at_eos():
     apply to a constrained request (its constraint allows nothing but EOS once complete)."""
     from pipeline_helpers import CACHE, make_scheduler
 
-    from skippy_zmq.driver.engine import GenRequest
-    from skippy_zmq.wire import Kind
+    from skippy_zmq.engine.request import GenRequest
+    from skippy_zmq.protocol.wire import Kind
 
     spec = ConstraintSpec("json_object").to_dict()
     sched = make_scheduler(1, eos=frozenset({2}))
@@ -208,7 +208,7 @@ class DeadAfter:
         self.inner, self.token, self.taken = inner, token, []
 
     def _check(self) -> None:
-        from skippy_zmq.constrain import ConstraintError
+        from skippy_zmq.text.constrain import ConstraintError
 
         if self.token in self.taken:
             raise ConstraintError("the schema cannot continue: injected", "response_format")
@@ -246,7 +246,7 @@ def test_a_draft_leading_to_a_dead_end_is_refused_not_fatal(info):
     for j in range(3):                           # positions before it are masked as plain decoding masks them
         assert reference_mask(info, ids[:j])[outs[j]]
     # the same dead state reached by accepted tokens alone is the request's failure
-    from skippy_zmq.constrain import ConstraintError
+    from skippy_zmq.text.constrain import ConstraintError
 
     s.truncate(start + 1)
     s.put(start + 1, ids[:3])

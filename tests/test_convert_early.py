@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from skippy_zmq.model import sources
-from skippy_zmq.model.convert import ConvertError, convert_gguf, convert_hf
-from skippy_zmq.model.families import hf_model_config
+from skippy_zmq.checkpoint import sources
+from skippy_zmq.checkpoint.convert import ConvertError, convert_gguf, convert_hf
+from skippy_zmq.checkpoint.families import hf_model_config
 from test_families import FIXTURES, fixture_config
 from test_families_gguf import write_gguf
 

@@ -11,8 +11,8 @@ import yaml
 import zmq
 
 from procs import running_pipeline, write_topology
-from skippy_zmq import transport, wire
-from skippy_zmq.driver.engine import GenRequest
+from skippy_zmq.protocol import transport, wire
+from skippy_zmq.engine.request import GenRequest
 
 
 def test_curve_pipeline_serves_and_rejects_rogue_peers(small_model_dir, tmp_path):

@@ -19,9 +19,9 @@ import pytest
 from conftest import TINY, lanes_in_use, random_ids
 from pipeline_helpers import make_chain, make_scheduler
 
-from skippy_zmq import wire
-from skippy_zmq.driver.engine import GenRequest, TokenEvent
-from skippy_zmq.inproc import run_requests
+from skippy_zmq.protocol import wire
+from skippy_zmq.engine.request import GenRequest, TokenEvent
+from skippy_zmq.engine.inproc import run_requests
 from skippy_zmq.model import llama, weights
 from skippy_zmq.stage.worker import DRIVER
 
@@ -120,7 +120,7 @@ def fake():
     from fake_engine import FakeEngine
     from test_server import _load_tokenizer
 
-    from skippy_zmq.driver.server import create_app, start_in_thread
+    from skippy_zmq.api.server import create_app, start_in_thread
 
     tok = _load_tokenizer()
     handle = start_in_thread(create_app(FakeEngine([5], tok.eos_ids, max_context=512), tok, model_name="fake-embed"))
@@ -144,7 +144,7 @@ def served(small_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def small_reference(small_model_dir):
-    from skippy_zmq.model.loader import load_slice
+    from skippy_zmq.checkpoint.loader import load_slice
 
     return load_slice(small_model_dir)
 
@@ -268,7 +268,7 @@ def test_answer_shape_and_normalisation_over_a_fake_engine(fake):
 def test_real_model_alone_and_in_a_batch_agree_with_the_model(shared_pipelines, model_dir):
     """SmolLM2-135M on 2 stages: the same text alone and as one of 32 gives the same vector, which
     is the directly computed mean of its final-norm hidden states."""
-    from skippy_zmq.model.loader import load_slice
+    from skippy_zmq.checkpoint.loader import load_slice
 
     s = shared_pipelines(2)
     api = client(s.url)

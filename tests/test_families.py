@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 from conftest import MODEL_DIR
-from skippy_zmq.config import Buckets, KVConfig, ModelConfig
-from skippy_zmq.model import loader, weights
-from skippy_zmq.model.convert import ConvertError, convert_hf, hf_model_config
+from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig
+from skippy_zmq.checkpoint import loader
+from skippy_zmq.model import weights
+from skippy_zmq.checkpoint.convert import ConvertError, convert_hf, hf_model_config
 from skippy_zmq.model.runner import SliceRunner
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "families"
@@ -325,7 +326,7 @@ def test_unimplemented_math_is_refused_by_name(config, field):
 
 
 def test_random_model_shapes_of_gemma3_and_phi4_mini_are_the_real_configs():
-    from skippy_zmq.model.random_model import RandomSpec, model_config
+    from skippy_zmq.devtools.random_model import RandomSpec, model_config
 
     c = model_config(RandomSpec("gemma-3-1b"))
     assert (c.arch, c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size) == \
@@ -345,7 +346,7 @@ def test_random_model_shapes_of_gemma3_and_phi4_mini_are_the_real_configs():
 
 
 def test_random_model_gguf_of_gemma3_is_refused_by_name(tmp_path):
-    from skippy_zmq.model.random_model import RandomModelError, RandomSpec, write_random_model
+    from skippy_zmq.devtools.random_model import RandomModelError, RandomSpec, write_random_model
 
     with pytest.raises(RandomModelError, match="--gguf is not implemented for gemma-3-1b"):
         write_random_model(RandomSpec("gemma-3-1b", layers=1), tmp_path / "m", gguf="q4_1")

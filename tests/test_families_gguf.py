@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skippy_zmq.config import ModelConfig
-from skippy_zmq.model.convert import LAYER_NAMES, TOP_NAMES, ConvertError, convert_gguf, gguf_model_config
-from skippy_zmq.model.families import hf_model_config
-from skippy_zmq.model.gguf_writer import llama3_rope_factors, rotary_row_order
+from skippy_zmq.config.model import ModelConfig
+from skippy_zmq.checkpoint.convert import LAYER_NAMES, TOP_NAMES, ConvertError, convert_gguf, gguf_model_config
+from skippy_zmq.checkpoint.families import hf_model_config
+from skippy_zmq.checkpoint.gguf_writer import llama3_rope_factors, rotary_row_order
 from test_families import FIXTURES, RTOL, expected, fixture_config, last_logits, stage_runners
 
 gguf = pytest.importorskip("gguf")
@@ -181,7 +181,7 @@ def test_a_fused_projection_that_disagrees_with_the_config_is_refused_by_name(tm
     import json
     import shutil
 
-    from skippy_zmq.model.convert import convert_hf
+    from skippy_zmq.checkpoint.convert import convert_hf
 
     hf = tmp_path / "hf"
     shutil.copytree(FIXTURES / "phi3", hf)

@@ -12,10 +12,10 @@ import pytest
 
 from conftest import TINY, random_ids
 from pipeline_helpers import make_chain, make_scheduler, make_worker
-from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
-from skippy_zmq.fencing import VIEW_KEY, ChainView, Fence
-from skippy_zmq.inproc import InprocChain
-from skippy_zmq.wire import Kind, Message
+from skippy_zmq.engine.request import EngineError, GenRequest, TokenEvent
+from skippy_zmq.protocol.fencing import VIEW_KEY, ChainView, Fence
+from skippy_zmq.engine.inproc import InprocChain
+from skippy_zmq.protocol.wire import Kind, Message
 
 CUTS = [1, 3]
 BOUNDS = [0, *CUTS, TINY.n_layers]

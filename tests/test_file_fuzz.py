@@ -20,16 +20,16 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from skippy_zmq.model.convert import TOP_NAMES, convert_gguf, convert_hf, hf_layer_name
-from skippy_zmq.model.families import hf_model_config
-from skippy_zmq.model import loader
-from skippy_zmq.model.filecheck import ModelFileError, read_safetensors_header
-from skippy_zmq.model.formats import CheckpointError
-from skippy_zmq.model.formats import Encoded, dequantize_grid
-from skippy_zmq.model.gguf_layout import read_gguf_layout
-from skippy_zmq.model.gguf_writer import GGUFStream
-from skippy_zmq.model.random_model import random_tensors, tensor_specs
-from skippy_zmq.model.tokenizer import TextTokenizer, word_level_tokenizer
+from skippy_zmq.checkpoint.convert import TOP_NAMES, convert_gguf, convert_hf, hf_layer_name
+from skippy_zmq.checkpoint.families import hf_model_config
+from skippy_zmq.checkpoint import loader
+from skippy_zmq.files.filecheck import ModelFileError, read_safetensors_header
+from skippy_zmq.checkpoint.formats import CheckpointError
+from skippy_zmq.checkpoint.formats import Encoded, dequantize_grid
+from skippy_zmq.files.gguf_layout import read_gguf_layout
+from skippy_zmq.checkpoint.gguf_writer import GGUFStream
+from skippy_zmq.devtools.random_model import random_tensors, tensor_specs
+from skippy_zmq.text.tokenizer import TextTokenizer, word_level_tokenizer
 
 TINY_HF = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
            "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 64, "vocab_size": 64,
@@ -244,8 +244,8 @@ def test_damaged_checkpoint_items_fail_naming_the_item(tiny_files, tmp_path):
 
 
 def test_tokenizer_files_are_capped_and_checked(tiny_files, tmp_path):
-    from skippy_zmq.model.filecheck import read_json_capped
-    from skippy_zmq.model.tokenizer import TextTokenizer
+    from skippy_zmq.files.filecheck import read_json_capped
+    from skippy_zmq.text.tokenizer import TextTokenizer
 
     _, hf = tiny_files
     big = tmp_path / "tokenizer.json"

@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 from conftest import TINY, first_mismatch
 from procs import stage_dealer, upstream_socket
 from pipeline_helpers import make_worker
-from skippy_zmq import transport, wire
-from skippy_zmq.driver.engine import EngineError, GenRequest
-from skippy_zmq.harness import wait_warmed
+from skippy_zmq.protocol import transport, wire
+from skippy_zmq.engine.request import EngineError, GenRequest
+from skippy_zmq.devtools.harness import wait_warmed
 from skippy_zmq.stage.sessions import SessionTable
-from skippy_zmq.wire import HEADER, MAGIC, Kind, Message, WireDType
+from skippy_zmq.protocol.wire import HEADER, MAGIC, Kind, Message, WireDType
 
 LIMITS = wire.WireLimits()
 ANY_HEALTH = list(HealthCheck)

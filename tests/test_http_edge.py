@@ -15,10 +15,10 @@ import pytest
 from fake_engine import FakeEngine
 from test_server import MESSAGES, MODEL, REPLY, _load_tokenizer
 
-from skippy_zmq.driver.http_config import EdgeConfig
-from skippy_zmq.driver.http_guard import ApiKeys
-from skippy_zmq.driver.server import create_app, start_in_thread
-from skippy_zmq.model.tokenizer import TextTokenizer
+from skippy_zmq.config.http import EdgeConfig
+from skippy_zmq.api.http_guard import ApiKeys
+from skippy_zmq.api.server import create_app, start_in_thread
+from skippy_zmq.text.tokenizer import TextTokenizer
 
 API_KEY = "edge-key-1"
 METRICS_KEY = "scrape-key-2"

@@ -14,9 +14,9 @@ import pytest
 from loguru import logger
 from test_http_edge import API_KEY, APP_ORIGIN, METRICS_KEY, _chat_body
 
-from skippy_zmq.driver.http_config import EdgeConfig, EdgeConfigError, split_host
-from skippy_zmq.driver.http_guard import ApiKeys, KeySourceError, resolve_keys
-from skippy_zmq.topology import TopologyError, parse_topology, plan_topology
+from skippy_zmq.config.http import EdgeConfig, EdgeConfigError, split_host
+from skippy_zmq.api.http_guard import ApiKeys, KeySourceError, resolve_keys
+from skippy_zmq.config.topology import TopologyError, parse_topology, plan_topology
 
 
 def test_key_sources_file_env_argv(tmp_path, monkeypatch):
@@ -78,7 +78,7 @@ def test_split_host():
 
 def test_cli_driver_flags_reach_the_server(tmp_path, monkeypatch):
     from skippy_zmq.cli import build_parser
-    from skippy_zmq.driver.main import http_edge
+    from skippy_zmq.api.main import http_edge
 
     key_file = tmp_path / "key"
     key_file.write_text(API_KEY)
@@ -103,9 +103,9 @@ def test_driver_process_takes_its_key_from_a_file_not_argv(small_model_dir, tmp_
     """`skippy-zmq driver --api-key-file`: the key guards /v1 and /metrics (a metrics key from the
     environment opens /metrics alone), Hosts are checked, and the key is nowhere in the process's argv."""
     from procs import write_topology
-    from skippy_zmq.launch import spawn_stages, stop_processes, wait_http_ready
-    from skippy_zmq.lifetime import tied_env
-    from skippy_zmq.topology import load_topology
+    from skippy_zmq.ops.launch import spawn_stages, stop_processes, wait_http_ready
+    from skippy_zmq.ops.lifetime import tied_env
+    from skippy_zmq.config.topology import load_topology
 
     topo_path = write_topology(tmp_path, small_model_dir, 1, name="edge", driver__http_edge={"max_connections": 16})
     topology = load_topology(topo_path)

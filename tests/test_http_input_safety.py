@@ -18,12 +18,12 @@ from jinja2.exceptions import TemplateError
 from loguru import logger
 from test_server import MESSAGES, REPLY, _load_tokenizer
 
-from skippy_zmq.driver.limits import RequestLimits
-from skippy_zmq.driver.server import create_app, start_in_thread
-from skippy_zmq.model.chat_template import MAX_COMPILED, ChatTemplate, ChatTemplates
-from skippy_zmq.model.template_budget import RenderBudget, RenderBudgetError
-from skippy_zmq.model.tokenizer import TextTokenizer
-from skippy_zmq.worst_requests import HealthProbe, send, worst_requests
+from skippy_zmq.api.limits import RequestLimits
+from skippy_zmq.api.server import create_app, start_in_thread
+from skippy_zmq.text.chat_template import MAX_COMPILED, ChatTemplate, ChatTemplates
+from skippy_zmq.text.template_budget import RenderBudget, RenderBudgetError
+from skippy_zmq.text.tokenizer import TextTokenizer
+from skippy_zmq.devtools.worst_requests import HealthProbe, send, worst_requests
 
 MAX_CONTEXT = 65536   # room for the tools-at-cap prompt (~40k tokens)
 # /health must answer within this while the worst requests run: a liveness bound, not a speed figure

@@ -10,12 +10,12 @@ import pytest
 
 from conftest import TINY, random_ids
 from pipeline_helpers import make_chain, make_scheduler, make_worker
-from skippy_zmq import wire
-from skippy_zmq.driver.engine import EngineError, GenRequest, TokenEvent
-from skippy_zmq.inproc import tokens_of
+from skippy_zmq.protocol import wire
+from skippy_zmq.engine.request import EngineError, GenRequest, TokenEvent
+from skippy_zmq.engine.inproc import tokens_of
 from skippy_zmq.sampling import SamplingParams
 from skippy_zmq.stage.worker import DRIVER
-from skippy_zmq.wire import Kind, Message
+from skippy_zmq.protocol.wire import Kind, Message
 
 ROWS = 8
 BAD_SEED = 666   # the request whose sampler fails
@@ -89,7 +89,7 @@ def test_one_failing_row_of_eight_ends_alone_and_the_other_seven_get_their_token
 
 
 def test_a_constraint_error_in_one_row_is_a_constraint_error_reply(tiny_tree):
-    from skippy_zmq.constrain import ConstraintError
+    from skippy_zmq.text.constrain import ConstraintError
 
     worker = one_stage(tiny_tree)
     failing_on(worker, BAD_SEED, ConstraintError("the schema cannot continue", "response_format"))

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO
 from procs import write_topology
-from skippy_zmq.bench.hops import DELAY_ENV
+from skippy_zmq.devtools.bench.hops import DELAY_ENV
 
 HOP_DELAY_MS = 20
 

@@ -1,5 +1,6 @@
-"""Module layout: no import cycle among skippy_zmq modules (lazy imports inside functions included),
-and every distribution the package imports at run time is declared in setup.cfg's install_requires."""
+"""Module layout: the package's folders are layered (a folder imports only the folders below it),
+no import cycle among skippy_zmq modules (lazy imports inside functions included), and every
+distribution the package imports at run time is declared in setup.cfg's install_requires."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _type_checking_only(node: ast.AST) -> bool:
 
 
 def _nearest(dotted: str, modules: dict[str, Path]) -> str | None:
-    """The module a dotted name lives in (`skippy_zmq.wire.Kind` -> `skippy_zmq.wire`), if ours."""
+    """The module a dotted name lives in (`skippy_zmq.protocol.wire.Kind` -> `skippy_zmq.protocol.wire`), if ours."""
     while dotted and dotted not in modules:
         dotted = dotted.rpartition(".")[0]
     return dotted or None
@@ -102,8 +103,8 @@ def test_no_import_cycle_among_skippy_modules():
     graph = import_graph()
     for a, b in TOLERATED:
         graph[a].discard(b)
-    assert {"skippy_zmq.cli", "skippy_zmq.launch", "skippy_zmq.harness", "skippy_zmq.driver.main"} <= set(graph)
-    assert "skippy_zmq.launch" in graph["skippy_zmq.harness"]
+    assert {"skippy_zmq.cli", "skippy_zmq.ops.launch", "skippy_zmq.devtools.harness", "skippy_zmq.api.main"} <= set(graph)
+    assert "skippy_zmq.ops.launch" in graph["skippy_zmq.devtools.harness"]
     assert "skippy_zmq.stage.factory" in graph["skippy_zmq.stage.loop"]
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
@@ -114,10 +115,67 @@ def test_find_cycle_reports_one():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_serving_code_never_imports_the_test_harness():
+# The package's folders, lowest first: each may import only itself and the folders before it, so
+# the folders form no loop and a reader can learn them in this order. Why this order:
+#   files       reading untrusted files (checks, the GGUF layout), private folders, fetching: no deps
+#   sampling    logits -> token, numpy only
+#   kv          the prefix KV store (bytes keyed by token prefixes)
+#   config      every frozen dataclass and the topology loader
+#   protocol    message frames, sockets, CURVE keys and ZAP (needs the topology's parties)
+#   text        vocabularies, tokenizers, chat templates, grammar constraints, the output side
+#   model       the JAX decoder, rope, quantised weights and kernels, the runner
+#   checkpoint  model files -> our checkpoint (reads text's tokenizer, writes model's weights)
+#   ops         launching processes, their lifetime, memory placement and layer planning
+#   stage       one stage process: the worker (messages in, messages out) and its socket loop
+#   engine      the driver's scheduler, speculation, prefix index, the socket pipeline, local engines
+#   api         the HTTP server and the API shapes it speaks
+#   devtools    test and bench tooling (harness, chaos, soak, random models, bench suites)
+#   cli         the command line (the package root's entry point)
+LAYERS = ["files", "sampling", "kv", "config", "protocol", "text", "model", "checkpoint", "ops", "stage",
+          "engine", "api", "devtools", "cli"]
+# The package root holds only the entry point; everything else lives in a folder by concern.
+ROOT_MODULES = {"skippy_zmq", "skippy_zmq.cli"}
+
+
+def folder_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """`a -> b` for every import of a folder at or above the importer's own layer (other than itself)."""
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    bad = []
+    for module, targets in sorted(graph.items()):
+        here = folder_of(module)
+        for target in sorted(targets):
+            there = folder_of(target)
+            if there and there != here and (here not in rank or there not in rank or rank[there] >= rank[here]):
+                bad.append(f"{module} -> {target}")
+    return bad
+
+
+def test_folders_import_only_the_folders_below_them():
     graph = import_graph()
-    users = sorted(m for m, targets in graph.items() if "skippy_zmq.harness" in targets)
-    assert all(m.startswith("skippy_zmq.bench.") for m in users), users
+    assert {folder_of(m) for m in graph} - {""} == set(LAYERS), "a folder is missing from LAYERS (or gone)"
+    assert layer_violations(graph) == []
+
+
+def test_layer_violations_names_an_upward_import():
+    graph = {"skippy_zmq.text.tokenizer": {"skippy_zmq.api.server", "skippy_zmq.files.filecheck"},
+             "skippy_zmq.files.filecheck": set()}
+    assert layer_violations(graph) == ["skippy_zmq.text.tokenizer -> skippy_zmq.api.server"]
+
+
+def test_the_package_root_holds_only_the_entry_point():
+    assert {m for m in module_names() if m.count(".") < 1 or (m.count(".") == 1 and not
+            (PACKAGE / m.split(".")[1]).is_dir())} == ROOT_MODULES
+
+
+def test_serving_code_never_imports_the_dev_tools():
+    graph = import_graph()
+    users = sorted(m for m, targets in graph.items() if any(t.startswith("skippy_zmq.devtools") for t in targets))
+    assert all(m.startswith("skippy_zmq.devtools") or m == "skippy_zmq.cli" for m in users), users
 
 
 def test_tolerated_edges_still_exist():

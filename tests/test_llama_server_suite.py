@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from skippy_zmq.bench import llama_build
+from skippy_zmq.devtools.bench import llama_build
 
 pytestmark = pytest.mark.slow
 

@@ -15,9 +15,9 @@ import pytest
 
 from conftest import TINY, random_ids
 from pipeline_helpers import CACHE, make_chain, make_scheduler
-from skippy_zmq.driver.engine import GenRequest, TokenEvent
-from skippy_zmq.driver.speculative import SpeculativeConfig
-from skippy_zmq.inproc import run_requests, tokens_of
+from skippy_zmq.engine.request import GenRequest, TokenEvent
+from skippy_zmq.config.speculative import SpeculativeConfig
+from skippy_zmq.engine.inproc import run_requests, tokens_of
 from skippy_zmq.sampling import SamplingParams, TokenHistory, adjust_logits
 
 SPEC = SpeculativeConfig(method="ngram", max_draft=8, min_match=1, shared=False)
@@ -163,8 +163,8 @@ FAKE_REPLY = "Hello there! 日本語 and more."
 def fake_server():
     from fake_engine import FakeEngine
 
-    from skippy_zmq.driver.server import create_app, start_in_thread
-    from skippy_zmq.model.tokenizer import TextTokenizer
+    from skippy_zmq.api.server import create_app, start_in_thread
+    from skippy_zmq.text.tokenizer import TextTokenizer
 
     from conftest import MODEL_DIR
     if not (MODEL_DIR / "tokenizer.json").is_file():
@@ -284,7 +284,7 @@ def real_pipeline(shared_pipelines):
 @pytest.fixture(scope="module")
 def real_reference(model_dir):
     """Weights of the whole model in f32 (loader.load_slice), for an independent forward."""
-    from skippy_zmq.model import loader
+    from skippy_zmq.checkpoint import loader
     return loader.load_slice(model_dir)
 
 
@@ -313,7 +313,7 @@ def test_real_pipeline_logprobs_match_a_float64_reference_forward(real_pipeline,
 
 @pytest.mark.slow
 def test_openai_client_logprobs_on_the_real_pipeline(real_pipeline):
-    from skippy_zmq.driver.server import create_app, start_in_thread
+    from skippy_zmq.api.server import create_app, start_in_thread
 
     engine, tokenizer = real_pipeline[0], real_pipeline[1]
     handle = start_in_thread(create_app(engine, tokenizer, model_name="smollm2"))
@@ -386,7 +386,7 @@ def test_echo_shapes_streamed_and_not(fake_server):
 
 
 def test_echo_on_chat_is_a_400():
-    from skippy_zmq.driver.openai_schema import RequestError, parse_chat
+    from skippy_zmq.api.openai_schema import RequestError, parse_chat
 
     with pytest.raises(RequestError) as err:
         parse_chat({"messages": [{"role": "user", "content": "hi"}], "echo": True}, 100)
@@ -423,7 +423,7 @@ def test_inproc_prompt_logprobs_match_a_float64_reference(cuts):
 def test_real_pipeline_echo_prompt_logprobs_match_the_reference(real_pipeline, real_reference):
     import jax.numpy as jnp
 
-    from skippy_zmq.driver.server import create_app, start_in_thread
+    from skippy_zmq.api.server import create_app, start_in_thread
     from skippy_zmq.model.llama import forward_reference
 
     engine, tokenizer = real_pipeline[0], real_pipeline[1]
@@ -468,7 +468,7 @@ def test_real_pipeline_constrained_logprobs_are_over_the_masked_logits(real_pipe
     unmasked model's logprob of the same token, and output tokens still parse."""
     import json
 
-    from skippy_zmq.constrain import ConstraintSpec
+    from skippy_zmq.text.constrain import ConstraintSpec
 
     engine, tokenizer = real_pipeline[0], real_pipeline[1]
     cfg, params = real_reference

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from conftest import TINY, counting_compiles, random_ids
-from skippy_zmq.config import Buckets, KVConfig
-from skippy_zmq.model import loader, weights
-from skippy_zmq.model.convert import convert_hf, unpermute_rows
+from skippy_zmq.config.model import Buckets, KVConfig
+from skippy_zmq.checkpoint import loader
+from skippy_zmq.model import weights
+from skippy_zmq.checkpoint.convert import convert_hf, unpermute_rows
 from skippy_zmq.model.llama import forward_jit, forward_reference
 from skippy_zmq.model.runner import SliceRunner
 

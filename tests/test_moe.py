@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from skippy_zmq.config import ModelConfig
+from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.model import quant, weights
-from skippy_zmq.model.convert import ConvertError, hf_model_config
+from skippy_zmq.checkpoint.convert import ConvertError, hf_model_config
 from skippy_zmq.model.llama import mlp, routed_experts
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "families"
@@ -134,9 +134,9 @@ def test_moe_families_we_do_not_implement_are_refused_by_name(kind, words):
 def test_a_stage_holds_the_bytes_the_plan_counts_for_moe_layers(fmt, tmp_path):
     """checkpoint.stage_nbytes (placement's weight bytes) is what an MoE stage holds: every expert of
     its layers, the router in f32 under every format."""
-    from skippy_zmq.model import loader
-    from skippy_zmq.model.checkpoint import stage_nbytes
-    from skippy_zmq.model.convert import convert_hf
+    from skippy_zmq.checkpoint import loader
+    from skippy_zmq.checkpoint.checkpoint import stage_nbytes
+    from skippy_zmq.checkpoint.convert import convert_hf
 
     cfg = convert_hf(FIXTURES / "qwen2-moe", tmp_path / "m", fmt=fmt)
     for start, end in ((0, 1), (1, 2)):
@@ -150,7 +150,7 @@ def test_a_stage_holds_the_bytes_the_plan_counts_for_moe_layers(fmt, tmp_path):
 
 
 def test_random_moe_shapes_are_the_real_configs():
-    from skippy_zmq.model.random_model import RandomSpec, model_config
+    from skippy_zmq.devtools.random_model import RandomSpec, model_config
 
     q3 = model_config(RandomSpec("qwen3-30b-a3b"))
     assert (q3.n_layers, q3.d_model, q3.n_heads, q3.n_kv_heads, q3.head_dim, q3.vocab_size) == (48, 2048, 32, 4, 128, 151936)
@@ -165,10 +165,11 @@ def test_random_moe_shapes_are_the_real_configs():
 def test_a_random_moe_model_is_written_loaded_and_decodes(tmp_path, monkeypatch):
     """A small qwen3_moe shape through random-model: every expert stored, a stage holds what the plan
     counts, and one process and two stages decode the same greedy ids; --gguf is refused for MoE."""
-    from skippy_zmq.model import loader, random_model
-    from skippy_zmq.model.checkpoint import stage_nbytes
+    from skippy_zmq.checkpoint import loader
+    from skippy_zmq.devtools import random_model
+    from skippy_zmq.checkpoint.checkpoint import stage_nbytes
     from skippy_zmq.model.runner import SliceRunner
-    from skippy_zmq.config import Buckets, KVConfig
+    from skippy_zmq.config.model import Buckets, KVConfig
 
     tiny = {**random_model.SHAPES["qwen3-30b-a3b"], "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
             "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 96, "moe_intermediate_size": 32,
@@ -216,7 +217,7 @@ def test_a_random_moe_model_is_written_loaded_and_decodes(tmp_path, monkeypatch)
     assert 2 * 2 <= routed_in_prefill <= 2 * 6
     assert stats.moe_experts_routed - routed_in_prefill == 8 * 2 * 2
     # ... which the stage's heartbeat status carries to the driver's /metrics (skippy_stage_moe_*)
-    from skippy_zmq.driver.pipeline_metrics import STAGE_COUNTERS
+    from skippy_zmq.engine.pipeline_metrics import STAGE_COUNTERS
     from skippy_zmq.stage.sessions import SessionTable
     from skippy_zmq.stage.worker import StageInfo, StageWorker
 
@@ -241,8 +242,9 @@ def test_a_random_moe_gguf_converts_back_to_the_very_same_weights(shape, extra, 
     expert_count; qwen2moe with its shared expert): `ffn_gate_inp` f32, the experts as 3-D Q4_1
     `ffn_*_exps` tensors. convert --gguf reads
     it back into the same config and, expert by expert, the same levels: every runtime array equal."""
-    from skippy_zmq.model import loader, random_model
-    from skippy_zmq.model.convert import convert_gguf
+    from skippy_zmq.checkpoint import loader
+    from skippy_zmq.devtools import random_model
+    from skippy_zmq.checkpoint.convert import convert_gguf
 
     monkeypatch.setitem(random_model.SHAPES, "tiny", {**random_model.SHAPES[shape], **TINY_MOE, **extra})
     cfg = random_model.write_random_model(random_model.RandomSpec("tiny", weights="q4"), tmp_path / "m", gguf="q4_1")
@@ -305,7 +307,7 @@ def test_a_dense_random_gguf_keeps_llama_cpp_dense_names(tmp_path):
     loads it (a dense model written with `_exps` names once failed to load in llama-bench)."""
     import gguf
 
-    from skippy_zmq.model import random_model
+    from skippy_zmq.devtools import random_model
 
     random_model.write_random_model(random_model.RandomSpec("smollm2-135m", layers=1), tmp_path / "m", gguf="q4_1")
     names = {t.name for t in gguf.GGUFReader(tmp_path / "m" / "model.gguf").tensors}

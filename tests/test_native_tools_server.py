@@ -15,8 +15,8 @@ import pytest
 from fake_engine import FakeEngine
 from tokenizers import AddedToken, Tokenizer
 
-from skippy_zmq.driver.server import create_app, start_in_thread
-from skippy_zmq.model.tokenizer import TextTokenizer
+from skippy_zmq.api.server import create_app, start_in_thread
+from skippy_zmq.text.tokenizer import TextTokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"

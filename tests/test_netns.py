@@ -23,9 +23,9 @@ import yaml
 
 from conftest import REPO, first_mismatch
 from procs import TEST_CONTEXT
-from skippy_zmq.driver.engine import GenRequest
-from skippy_zmq.launch import check_alive, prepare_keys, stop_processes
-from skippy_zmq.topology import load_topology, plan_topology
+from skippy_zmq.engine.request import GenRequest
+from skippy_zmq.ops.launch import check_alive, prepare_keys, stop_processes
+from skippy_zmq.config.topology import load_topology, plan_topology
 
 N_STAGES = 3
 PID = os.getpid()
@@ -136,7 +136,7 @@ def spawn_in_namespaces(topology, path: Path, run_dir: Path) -> list[subprocess.
 
 
 def test_three_stages_in_three_namespaces_match_transformers(network, model_dir, parity, tmp_path):
-    from skippy_zmq.driver.main import open_engine
+    from skippy_zmq.api.main import open_engine
 
     path = write_netns_topology(tmp_path, model_dir, network)
     topology = load_topology(path)

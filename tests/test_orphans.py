@@ -1,5 +1,5 @@
 """Nothing outlives its parent: stages (and a driver) spawned by a local process exit when that
-process is SIGKILLed, whichever command spawned them (skippy_zmq/lifetime.py)."""
+process is SIGKILLed, whichever command spawned them (skippy_zmq/ops/lifetime.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from procs import write_topology
-from skippy_zmq.bench.hops import DELAY_ENV
-from skippy_zmq.lifetime import tied_env
+from skippy_zmq.devtools.bench.hops import DELAY_ENV
+from skippy_zmq.ops.lifetime import tied_env
 
 READY_TIMEOUT_S = 300.0   # stages load and compile the real model on a shared machine
 GONE_WITHIN_S = 5.0       # the issue's goal
@@ -23,8 +23,8 @@ GONE_WITHIN_S = 5.0       # the issue's goal
 HARNESS_PARENT = """
 import sys
 from pathlib import Path
-from skippy_zmq.harness import running_pipeline
-from skippy_zmq.lifetime import watch_parent
+from skippy_zmq.devtools.harness import running_pipeline
+from skippy_zmq.ops.lifetime import watch_parent
 watch_parent("harness")   # tied to the test: if pytest dies, this parent goes, and so do its stages
 with running_pipeline(Path(sys.argv[1]), Path(sys.argv[2])):
     sys.stdin.read()   # held until killed
@@ -104,7 +104,7 @@ def test_spawned_stages_exit_when_their_parent_is_sigkilled(small_model_dir, tmp
 def test_a_child_whose_parent_is_already_gone_exits_at_start(tmp_path):
     """The race between fork and the watch: a child told to watch a pid that is not its parent
     (its parent died before it got there) exits at once, non-zero."""
-    code = "from skippy_zmq.lifetime import watch_parent; watch_parent('probe'); print('survived')"
+    code = "from skippy_zmq.ops.lifetime import watch_parent; watch_parent('probe'); print('survived')"
     env = {**os.environ, "SKIPPY_PARENT_PID": "1"}   # never this child's parent
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "survived" not in out.stdout
@@ -116,13 +116,13 @@ def test_a_tied_child_is_stopped_by_sigterm_when_its_parent_dies(tmp_path):
     SIGKILLed, the child hears SIGTERM (its handler writes a file) within GONE_WITHIN_S."""
     marker = tmp_path / "heard"
     child = ("import os, signal, sys, time\n"
-             "from skippy_zmq.lifetime import watch_parent\n"
+             "from skippy_zmq.ops.lifetime import watch_parent\n"
              f"signal.signal(signal.SIGTERM, lambda *_: (open({str(marker)!r}, 'w').write('x'), os._exit(0)))\n"
              "watch_parent('child')\n"
              "print('watching', flush=True)\n"
              "signal.pause()\n")
     parent = ("import subprocess, sys\n"
-              "from skippy_zmq.lifetime import tied_env\n"
+              "from skippy_zmq.ops.lifetime import tied_env\n"
               f"p = subprocess.Popen([sys.executable, '-c', {child!r}], env=tied_env())\n"
               "print(p.pid, flush=True)\n"
               "sys.stdin.read()\n")
@@ -160,7 +160,7 @@ def test_settle_heap_keeps_full_collections_off_what_is_alive():
     frozen), and garbage made before it is freed, not frozen."""
     import gc
 
-    from skippy_zmq.lifetime import settle_heap
+    from skippy_zmq.ops.lifetime import settle_heap
 
     class Node:
         pass

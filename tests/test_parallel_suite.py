@@ -10,7 +10,8 @@ import time
 import pytest
 
 from conftest import LONGEST_FIRST, SHARED_MODULES, SHARED_UNIT, work_unit
-from skippy_zmq import fetch, harness
+from skippy_zmq.files import fetch
+from skippy_zmq.devtools import harness
 
 
 def test_port_slices_are_disjoint_and_cover_the_range(monkeypatch):

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from conftest import first_mismatch
-from skippy_zmq.generate import LocalEngine
+from skippy_zmq.engine.generate import LocalEngine
 
 DEVICE = os.environ.get("SKIPPY_TEST_DEVICE", "cpu")
 DTYPE = os.environ.get("SKIPPY_TEST_DTYPE", "float32")

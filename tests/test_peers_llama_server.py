@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from skippy_zmq.bench import llama_build
-from skippy_zmq.bench.peers import SPEC_TYPES, bench_peers
+from skippy_zmq.devtools.bench import llama_build
+from skippy_zmq.devtools.bench.peers import SPEC_TYPES, bench_peers
 
 pytestmark = pytest.mark.slow
 

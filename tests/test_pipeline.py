@@ -10,12 +10,12 @@ import pytest
 
 from conftest import first_mismatch
 from procs import upstream_socket
-from skippy_zmq import wire
-from skippy_zmq.driver.engine import GenRequest
-from skippy_zmq.driver.server import create_app, start_in_thread
-from skippy_zmq.generate import LocalEngine
+from skippy_zmq.protocol import wire
+from skippy_zmq.engine.request import GenRequest
+from skippy_zmq.api.server import create_app, start_in_thread
+from skippy_zmq.engine.generate import LocalEngine
 from skippy_zmq.sampling import SamplingParams
-from skippy_zmq.wire import Kind, Message
+from skippy_zmq.protocol.wire import Kind, Message
 
 
 @pytest.fixture(scope="module")

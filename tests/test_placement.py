@@ -15,16 +15,17 @@ import yaml
 
 from conftest import TINY
 from procs import free_endpoint, running_pipeline, write_topology
-from skippy_zmq import placement
-from skippy_zmq.config import ModelConfig
-from skippy_zmq.model import loader, weights
+from skippy_zmq.ops import placement
+from skippy_zmq.config.model import ModelConfig
+from skippy_zmq.checkpoint import loader
+from skippy_zmq.model import weights
 from skippy_zmq.model.llama import KVCache
-from skippy_zmq.placement import GiB, MiB, PlacementError, StageSettings
-from skippy_zmq.planner import PlanRequest, plan, plan_text
+from skippy_zmq.ops.placement import GiB, MiB, PlacementError, StageSettings
+from skippy_zmq.ops.planner import PlanRequest, plan, plan_text
 from skippy_zmq.stage import factory
 from skippy_zmq.stage.factory import build_worker
 from skippy_zmq.stage.loop import StageLoop, run_stage
-from skippy_zmq.topology import TopologyError, load_topology, parse_topology
+from skippy_zmq.config.topology import TopologyError, load_topology, parse_topology
 
 SMOLLM2 = ModelConfig(arch="llama", n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,
                       vocab_size=49152, rope_theta=100000.0, norm_eps=1e-5, tied_embeddings=True, max_seq_len=8192)
@@ -64,7 +65,7 @@ def test_kv_bytes_equal_the_runner_kv_cache(kv_dtype, jnp_dtype):
     ("q4", 10, 20), ("q4", 0, 30),
     ("int8", 20, 30), ("q4", 20, 30)])
 def test_predicted_weight_bytes_equal_the_loaded_slice(model_dir, fmt, start, end):
-    from skippy_zmq.model.checkpoint import stored_weights
+    from skippy_zmq.checkpoint.checkpoint import stored_weights
 
     cfg, params = loader.load_slice(model_dir, start, end, "float32", None, None if fmt == "f32" else fmt)
     held = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
@@ -139,7 +140,7 @@ def test_a_float_checkpoint_quantised_at_load_can_peak_while_loading():
 
 
 def _layer_q4_bytes() -> int:
-    from skippy_zmq.model.formats import runtime_nbytes
+    from skippy_zmq.checkpoint.formats import runtime_nbytes
 
     return sum(runtime_nbytes(shape[::-1], "q4", key) for key, shape in weights.layer_shapes(SMOLLM2).items()
                if len(shape) == 2)
@@ -262,7 +263,7 @@ def test_prefill_chunks_are_capped_to_a_small_kv_capacity(tiny_model, tmp_path):
 def test_restored_rows_are_aligned_so_jax_adopts_them_without_a_copy():
     """checkpoint.aligned_empty: JAX's CPU client takes a 64-byte aligned numpy buffer as it is (the
     embedding's rows are then held once while a stage loads, not twice)."""
-    from skippy_zmq.model.checkpoint import aligned_empty
+    from skippy_zmq.checkpoint.checkpoint import aligned_empty
 
     rows = aligned_empty((1000, 64), jnp.int8)
     rows[:] = 3

@@ -7,11 +7,11 @@ import pytest
 
 from conftest import TINY, random_ids
 from pipeline_helpers import CACHE, make_chain, make_scheduler, make_worker
-from skippy_zmq.driver.engine import GenRequest
-from skippy_zmq.inproc import run_requests, tokens_of
+from skippy_zmq.engine.request import GenRequest
+from skippy_zmq.engine.inproc import run_requests, tokens_of
 from skippy_zmq.kv.prefix_store import StoreConfig
 from skippy_zmq.stage.types import DRIVER, NEXT
-from skippy_zmq.wire import Kind, Message
+from skippy_zmq.protocol.wire import Kind, Message
 
 SYSTEM = random_ids(40, TINY.vocab_size, seed=11).tolist()
 
@@ -168,7 +168,7 @@ def test_restore_routes_use_only_their_host(last):
 def test_driver_index_is_bounded_by_the_stores():
     """The driver's index remembers at most KEYS_PER_ENTRY prefixes per entry a store can hold, oldest
     forgotten first, so its memory stops growing once the stores are full."""
-    from skippy_zmq.driver.prefix_index import KEYS_PER_ENTRY, PrefixIndex
+    from skippy_zmq.engine.prefix_index import KEYS_PER_ENTRY, PrefixIndex
 
     configs = [StoreConfig(max_entries=8, stride=16, min_tokens=4), StoreConfig(max_entries=4, stride=16, min_tokens=4)]
     index = PrefixIndex(configs)

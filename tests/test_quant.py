@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from conftest import MODEL_DIR, TINY, first_mismatch, random_ids
-from skippy_zmq.config import KVConfig
+from skippy_zmq.config.model import KVConfig
 from skippy_zmq.model import quant, weights
 from skippy_zmq.model.llama import forward_reference
 from skippy_zmq.model.runner import SliceRunner
-from skippy_zmq.topology import TopologyError, parse_topology
+from skippy_zmq.config.topology import TopologyError, parse_topology
 
 GGUF = MODEL_DIR.parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -228,7 +228,7 @@ def test_topology_stage_weights_choice():
 @pytest.mark.parametrize("weights_format", ["int8", "q4"])
 def test_real_model_quantised_greedy_matches_transformers(model_dir, parity, weights_format):
     """Measured 96/96 tokens for both: the grids hold the GGUF source's levels exactly."""
-    from skippy_zmq.generate import LocalEngine
+    from skippy_zmq.engine.generate import LocalEngine
 
     engine = LocalEngine(model_dir, weights=weights_format, capacity=256)
     for case in parity["prompts"]:
@@ -240,7 +240,7 @@ def test_real_model_quantised_greedy_matches_transformers(model_dir, parity, wei
 def test_topology_stage_with_int8_weights_serves_the_reference_tokens(model_dir, parity, tmp_path):
     """`weights: int8` on every stage of a real 2-stage pipeline keeps greedy agreement."""
     from procs import running_pipeline, write_topology
-    from skippy_zmq.driver.engine import GenRequest
+    from skippy_zmq.engine.request import GenRequest
 
     topo = write_topology(tmp_path, model_dir, 2, name="int8", weights="int8")
     with running_pipeline(topo, tmp_path / "run") as (engine, _, _, _):

@@ -11,11 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skippy_zmq.model.formats import dequantize_grid
-from skippy_zmq.model.gguf_writer import llama3_rope_factors, q4_1_bytes, rotary_row_order
-from skippy_zmq.model.random_model import (INIT_STD, SHAPES, RandomModelError, RandomSpec, make_tensor, model_config,
-                                           random_q4_blocks, tensor_rng, tensor_specs, word_tokenizer,
-                                           write_random_model)
+from skippy_zmq.checkpoint.formats import dequantize_grid
+from skippy_zmq.checkpoint.gguf_writer import llama3_rope_factors, q4_1_bytes, rotary_row_order
+from skippy_zmq.devtools.random_model import INIT_STD, SHAPES, RandomModelError, RandomSpec, make_tensor, model_config, random_q4_blocks, tensor_rng, tensor_specs, word_tokenizer, write_random_model
 
 
 def test_shapes_are_the_real_configs():
@@ -64,7 +62,7 @@ def test_q4_1_bytes_are_what_gguf_dequantises():
 
 
 def test_rotary_order_is_what_convert_undoes():
-    from skippy_zmq.model.convert import unpermute_rows
+    from skippy_zmq.checkpoint.convert import unpermute_rows
 
     w = np.arange(8 * 64 * 3, dtype=np.float32).reshape(8 * 64, 3)
     assert np.array_equal(unpermute_rows(w[rotary_row_order(512, 8)], 8), w)
@@ -110,8 +108,8 @@ def test_checkpoint_and_gguf_hold_the_same_weights(tmp_path):
     import gguf
     from gguf import quants
 
-    from skippy_zmq.model import checkpoint
-    from skippy_zmq.model.convert import unpermute_rows
+    from skippy_zmq.checkpoint import checkpoint
+    from skippy_zmq.checkpoint.convert import unpermute_rows
 
     spec = RandomSpec("llama-3.2-1b", seed=5, layers=1)
     cfg = write_random_model(spec, tmp_path, gguf="q4_1")
@@ -155,7 +153,7 @@ def llama_cpp_greedy(gguf_path: Path, prompt: list[int], n: int) -> tuple[list[i
 
 
 def ours_greedy(model: Path, weights: str, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    from skippy_zmq.generate import LocalEngine
+    from skippy_zmq.engine.generate import LocalEngine
 
     engine = LocalEngine(model, weights=weights, capacity=256)
     r = engine.runner
@@ -191,8 +189,8 @@ def test_llama_cpp_runs_the_same_weights(tmp_path, shape):
 def test_vocab_from_a_converted_model_directory(tmp_path, model_dir):
     """`--vocab DIR`: a converted model's tokenizer files (what an offline GPU check carries) give the
     random model its tokenizer, special ids, chat template and vocab_size."""
-    from skippy_zmq.model.random_model import write_random_model
-    from skippy_zmq.model.tokenizer import TextTokenizer
+    from skippy_zmq.devtools.random_model import write_random_model
+    from skippy_zmq.text.tokenizer import TextTokenizer
 
     real = TextTokenizer.load(model_dir)
     spec = RandomSpec("llama-3.2-1b", weights="q4", layers=1, vocab=str(model_dir))

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from procs import serving, write_topology
-from skippy_zmq.model.random_model import RandomSpec, write_random_model
-from skippy_zmq.model.tokenizer import META_FILE, TextTokenizer
+from skippy_zmq.devtools.random_model import RandomSpec, write_random_model
+from skippy_zmq.text.tokenizer import META_FILE, TextTokenizer
 
 pytestmark = pytest.mark.slow
 

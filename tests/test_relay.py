@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from skippy_zmq.bench.relay import relays, serve
+from skippy_zmq.devtools.bench.relay import relays, serve
 
 DELAY_S = 0.05
 
@@ -98,9 +98,9 @@ def test_a_pipeline_dialled_through_relays_matches_transformers(model_dir, parit
 
     from conftest import first_mismatch
     from procs import TEST_CONTEXT
-    from skippy_zmq.driver.engine import GenRequest
-    from skippy_zmq.harness import running_pipeline, write_topology
-    from skippy_zmq.topology import load_topology
+    from skippy_zmq.engine.request import GenRequest
+    from skippy_zmq.devtools.harness import running_pipeline, write_topology
+    from skippy_zmq.config.topology import load_topology
 
     path = write_topology(tmp_path, model_dir, 2, driver__max_context=TEST_CONTEXT)
     topology = load_topology(path)

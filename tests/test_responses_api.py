@@ -16,9 +16,9 @@ import pytest
 from fake_engine import FakeEngine
 from scripted_server import engine, fresh_engine, scripted, server, sse_events, tok  # noqa: F401 (fixtures)
 
-from skippy_zmq.driver.responses_output import ResponseStore
-from skippy_zmq.driver.server import create_app, start_in_thread
-from skippy_zmq.model.tokenizer import TextTokenizer
+from skippy_zmq.api.responses_output import ResponseStore
+from skippy_zmq.api.server import create_app, start_in_thread
+from skippy_zmq.text.tokenizer import TextTokenizer
 
 REPLY = "Hello there! The quick fox says 日本語 and more."
 ASK = [{"role": "user", "content": "Say hello."}]

@@ -32,9 +32,9 @@ def test_70b_weights_and_bytes(sp):
 
 
 def test_own_formulas_match_placement(sp):
-    """Where skippy_zmq/placement.py exists the script uses it; its own fallback must give the same bytes."""
+    """Where skippy_zmq/ops/placement.py exists the script uses it; its own fallback must give the same bytes."""
     if sp._placement is None:
-        pytest.skip("skippy_zmq/placement.py not in this tree")
+        pytest.skip("skippy_zmq/ops/placement.py not in this tree")
     s = sp.LLAMA_70B
     for key in ("q4_f16", "bf16"):
         m = sp.MODES[key]

@@ -18,10 +18,10 @@ import pytest
 import zmq
 from loguru import logger
 
-from skippy_zmq import keystore, security, transport, wire
-from skippy_zmq.security import SecurityError, SocketSecurity
-from skippy_zmq.topology import Topology, TopologyError, parse_topology
-from skippy_zmq.wire import Kind, Message
+from skippy_zmq.protocol import keystore, security, transport, wire
+from skippy_zmq.protocol.security import SecurityError, SocketSecurity
+from skippy_zmq.config.topology import Topology, TopologyError, parse_topology
+from skippy_zmq.protocol.wire import Kind, Message
 from procs import free_endpoint
 
 WAIT_MS = 2000      # bound for what must arrive (returns as soon as it does)

@@ -15,10 +15,10 @@ from fake_engine import FakeEngine
 from loguru import logger
 from prometheus_client.parser import text_string_to_metric_families
 
-from skippy_zmq.driver.engine import EngineError
-from skippy_zmq.driver.openai_schema import StopMatcher
-from skippy_zmq.driver.server import create_app, start_in_thread
-from skippy_zmq.model.tokenizer import TextTokenizer
+from skippy_zmq.engine.request import EngineError
+from skippy_zmq.api.openai_schema import StopMatcher
+from skippy_zmq.api.server import create_app, start_in_thread
+from skippy_zmq.text.tokenizer import TextTokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"

@@ -1,4 +1,4 @@
-"""The soak benchmark's request mix (skippy_zmq/soak.py): kinds, turns, and one short mixed soak
+"""The soak benchmark's request mix (skippy_zmq/devtools/soak.py): kinds, turns, and one short mixed soak
 against the shared 2-stage pipeline with the official client."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from skippy_zmq import soak
+from skippy_zmq.devtools import soak
 
 
 def test_mix_parses_names_and_all():

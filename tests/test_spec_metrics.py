@@ -16,12 +16,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import TINY, random_ids
 from pipeline_helpers import make_chain, make_scheduler
-from skippy_zmq.driver import pipeline_metrics
-from skippy_zmq.driver.engine import GenRequest
-from skippy_zmq.driver.metrics import ACCEPTANCE_BUCKETS, ServerMetrics
-from skippy_zmq.driver.pipeline_metrics import ACCEPTED_LENGTH_BUCKETS
-from skippy_zmq.driver.speculative import SpeculativeConfig
-from skippy_zmq.inproc import run_requests
+from skippy_zmq.engine import pipeline_metrics
+from skippy_zmq.engine.request import GenRequest
+from skippy_zmq.engine.metrics import ACCEPTANCE_BUCKETS, ServerMetrics
+from skippy_zmq.engine.pipeline_metrics import ACCEPTED_LENGTH_BUCKETS
+from skippy_zmq.config.speculative import SpeculativeConfig
+from skippy_zmq.engine.inproc import run_requests
 from skippy_zmq.model import weights
 from skippy_zmq.sampling import SamplingParams
 

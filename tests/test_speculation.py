@@ -15,11 +15,12 @@ import pytest
 
 from conftest import TINY, random_ids
 from pipeline_helpers import CACHE, make_chain, make_scheduler, make_worker
-from skippy_zmq.driver.engine import GenRequest
-from skippy_zmq.driver.speculative import SpeculativeConfig, accepted_run
-from skippy_zmq.inproc import run_requests, tokens_of
+from skippy_zmq.engine.request import GenRequest
+from skippy_zmq.engine.speculative import accepted_run
+from skippy_zmq.config.speculative import SpeculativeConfig
+from skippy_zmq.engine.inproc import run_requests, tokens_of
 from skippy_zmq.sampling import Sampler, SamplingParams
-from skippy_zmq.wire import Kind, Message
+from skippy_zmq.protocol.wire import Kind, Message
 
 SPEC = SpeculativeConfig(method="ngram", max_draft=8, min_match=1, shared=False)
 
@@ -238,7 +239,7 @@ def test_sampler_window_equals_step_by_step_on_the_model():
 @pytest.mark.slow
 def test_local_engine_speculation_on_the_real_model(model_dir, parity):
     """`generate --speculative ngram` (single process): identical greedy tokens, windows reported."""
-    from skippy_zmq.generate import LocalEngine
+    from skippy_zmq.engine.generate import LocalEngine
 
     engine = LocalEngine(model_dir)
     copy = engine.tokenizer.encode_chat([{"role": "user", "content": (
@@ -253,7 +254,7 @@ def test_local_engine_speculation_on_the_real_model(model_dir, parity):
 
 
 def test_judge_window_tells_the_policy_of_plain_steps_so_a_stopped_session_probes_again():
-    from skippy_zmq.driver.speculative import DraftPolicy, judge_window
+    from skippy_zmq.engine.speculative import DraftPolicy, judge_window
 
     cfg = SpeculativeConfig(method="ngram", probe_every=4, min_acceptance=0.5)
     policy = DraftPolicy(cfg)
@@ -270,8 +271,8 @@ def test_judge_window_tells_the_policy_of_plain_steps_so_a_stopped_session_probe
 def test_single_process_generation_uses_the_schedulers_accept_step(model_dir, monkeypatch):
     """generate.py's speculation loop accepts through judge_window (one implementation), so its
     draft policy hears of plain steps; the tokens equal plain decoding's."""
-    from skippy_zmq import generate
-    from skippy_zmq.driver.speculative import judge_window
+    from skippy_zmq.engine import generate
+    from skippy_zmq.engine.speculative import judge_window
 
     calls = []
 
@@ -355,7 +356,7 @@ def test_deeper_than_the_stages_and_never_ahead_in_a_busy_pipeline():
 
 
 def test_a_proposal_can_assume_tokens_still_in_flight():
-    from skippy_zmq.driver.speculative import NgramProposer, propose_draft
+    from skippy_zmq.engine.speculative import NgramProposer, propose_draft
 
     p = NgramProposer(SPEC, [5, 6, 7, 8, 5, 6])
     assert p.propose(2) == [7, 8]

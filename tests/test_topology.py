@@ -10,17 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from skippy_zmq.config import KVConfig
-from skippy_zmq.topology import (
-    CacheConfig,
-    Topology,
-    TopologyError,
-    dump_topology,
-    load_topology,
-    parse_topology,
-    plan_topology,
-    split_layers,
-)
+from skippy_zmq.config.model import KVConfig
+from skippy_zmq.config.topology import CacheConfig, Topology, TopologyError, dump_topology, load_topology, parse_topology, plan_topology, split_layers
 
 TOPOLOGIES = sorted((Path(__file__).resolve().parents[1] / "topologies").glob("*.yaml"))
 
@@ -305,7 +296,7 @@ def test_topology_error_is_value_error():
 
 
 def test_imports_neither_jax_nor_zmq():
-    code = "import sys, skippy_zmq.topology; assert not {'jax', 'zmq'} & set(sys.modules), sorted(sys.modules)"
+    code = "import sys, skippy_zmq.config.topology; assert not {'jax', 'zmq'} & set(sys.modules), sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -419,7 +410,7 @@ def test_plan_records_stage_and_driver_keys():
 
 
 def test_driver_speculative_parses_and_round_trips(tmp_path):
-    from skippy_zmq.driver.speculative import SpeculativeConfig
+    from skippy_zmq.config.speculative import SpeculativeConfig
 
     assert load_mutated(tmp_path, lambda d: None).driver.speculative == SpeculativeConfig()
     topo = load_mutated(tmp_path, lambda d: d["driver"].update(speculative={"method": "ngram", "max_draft": 4}))

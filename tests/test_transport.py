@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import zmq
 
-from skippy_zmq import transport, wire
-from skippy_zmq.wire import Kind, Message, WireDType
+from skippy_zmq.protocol import transport, wire
+from skippy_zmq.protocol.wire import Kind, Message, WireDType
 from procs import free_endpoint
 
 WAIT_MS = 2000  # upper bound for things that must arrive; they return as soon as they do

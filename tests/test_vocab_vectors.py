@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from skippy_zmq.model.tokenizer import TextTokenizer
-from skippy_zmq.model.vocab import GGUFMetadata, UnsupportedVocab, check_vocab
+from skippy_zmq.text.tokenizer import TextTokenizer
+from skippy_zmq.text.vocab import GGUFMetadata, UnsupportedVocab, check_vocab
 
 SEPARATOR = "\n__ggml_vocab_test__\n"
 # The vocabulary files with vectors whose tokenizer.ggml.model is gpt2 (BPE) or llama (SentencePiece).
@@ -97,8 +97,8 @@ def test_other_vocabularies_refused_by_name(llama_cpp_models: Path, name: str, m
 
 @pytest.mark.parametrize(("shape", "name"), [("llama-3.2-1b", "llama-bpe"), ("qwen2.5-0.5b", "qwen2")])
 def test_random_model_takes_a_real_vocabulary(llama_cpp_models: Path, tmp_path: Path, shape: str, name: str) -> None:
-    from skippy_zmq.config import ModelConfig
-    from skippy_zmq.model.random_model import RandomSpec, write_random_model
+    from skippy_zmq.config.model import ModelConfig
+    from skippy_zmq.devtools.random_model import RandomSpec, write_random_model
 
     vocab = str(llama_cpp_models / f"ggml-vocab-{name}.gguf")
     real = load(llama_cpp_models, name)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY, counting_compiles, random_ids
-from skippy_zmq.config import Buckets, KVConfig, decode_shapes, widest_window
+from skippy_zmq.config.model import Buckets, KVConfig, decode_shapes, widest_window
 from skippy_zmq.model import quant, weights
 from skippy_zmq.model.runner import WARM_RUN_TOKENS, SliceRunner
 from skippy_zmq.stage.factory import warm_before_ready

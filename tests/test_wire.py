@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from skippy_zmq import wire
-from skippy_zmq.wire import HEADER, Kind, Message, WireDType, WireError, WireLimits
+from skippy_zmq.protocol import wire
+from skippy_zmq.protocol.wire import HEADER, Kind, Message, WireDType, WireError, WireLimits
 
 RNG = np.random.default_rng(0)
 

@@ -19,10 +19,10 @@ import pytest
 import zmq
 
 from procs import running_pipeline, write_topology
-from skippy_zmq import keystore, transport
-from skippy_zmq.driver.engine import GenRequest
-from skippy_zmq.security import SocketSecurity
-from skippy_zmq.wire import Kind, Message
+from skippy_zmq.protocol import keystore, transport
+from skippy_zmq.engine.request import GenRequest
+from skippy_zmq.protocol.security import SocketSecurity
+from skippy_zmq.protocol.wire import Kind, Message
 
 pytestmark = pytest.mark.slow
 

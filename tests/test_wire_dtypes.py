@@ -6,11 +6,11 @@ import pytest
 
 from conftest import first_mismatch
 from pipeline_helpers import make_chain, make_scheduler
-from skippy_zmq import wire
-from skippy_zmq.config import ModelConfig
-from skippy_zmq.driver.engine import GenRequest
-from skippy_zmq.inproc import run_requests, tokens_of
-from skippy_zmq.model import checkpoint
+from skippy_zmq.protocol import wire
+from skippy_zmq.config.model import ModelConfig
+from skippy_zmq.engine.request import GenRequest
+from skippy_zmq.engine.inproc import run_requests, tokens_of
+from skippy_zmq.checkpoint import checkpoint
 
 # Measured on this machine with 32 greedy tokens per reference prompt (see the
 # closing note of the pipeline issue): agreement = tokens equal to transformers'

@@ -7,12 +7,12 @@ import pytest
 
 from conftest import TINY, random_ids
 from pipeline_helpers import make_chain, make_scheduler, make_worker
-from skippy_zmq import wire
-from skippy_zmq.driver.engine import EngineError, GenRequest
-from skippy_zmq.inproc import run_requests, tokens_of
+from skippy_zmq.protocol import wire
+from skippy_zmq.engine.request import EngineError, GenRequest
+from skippy_zmq.engine.inproc import run_requests, tokens_of
 from skippy_zmq.sampling import SamplingParams
 from skippy_zmq.stage.worker import DRIVER, NEXT
-from skippy_zmq.wire import Kind, Message
+from skippy_zmq.protocol.wire import Kind, Message
 
 
 def prefill(sid: int, ids: np.ndarray, pos: int = 0, rid: int = 1) -> Message:

@@ -44,7 +44,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from skippy_zmq.config import KV_SPARE_SLOTS, ModelConfig
+from skippy_zmq.config.model import KV_SPARE_SLOTS, ModelConfig
 from skippy_zmq.model import quant
 from skippy_zmq.model import rope as rope_freqs
 from skippy_zmq.model.quant import dense, embed_rows, expert_dense

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from loguru import logger
 
-from skippy_zmq.private_dirs import private_cache_dir, unsafe_reason
+from skippy_zmq.files.private_dirs import private_cache_dir, unsafe_reason
 
 PANEL = 64
 GROUP_SIZE = 32   # input rows per scale; to_qtensor falls back to one group when it does not divide

@@ -35,7 +35,7 @@ from typing import Callable
 
 import numpy as np
 
-from skippy_zmq.config import ModelConfig
+from skippy_zmq.config.model import ModelConfig
 
 
 def default_inv_freq(cfg: ModelConfig, theta: float | None = None) -> np.ndarray:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from skippy_zmq.config import Buckets, KVConfig, ModelConfig
+from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig
 from skippy_zmq.model.llama import KVCache, forward_jit
 from skippy_zmq.model import quant
 from skippy_zmq.model.quant import for_device

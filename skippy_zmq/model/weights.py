@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from skippy_zmq.config import ModelConfig
+from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.model import quant
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")

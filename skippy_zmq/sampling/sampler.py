@@ -42,7 +42,7 @@ class Sampler:
     Positions: ``history`` holds the input token at each position (prompt at
     [0, P)); the logits at position p predict the token at p + 1.
 
-    ``matcher`` (optional; a ``skippy_zmq.constrain.Matcher`` or anything with
+    ``matcher`` (optional; a ``skippy_zmq.text.constrain.Matcher`` or anything with
     its ``allows / advance / rollback / mask / apply``) constrains the output:
     it follows the generated tokens exactly as the penalty history does (the
     generated tokens are its input), and ``choose`` at position p masks the

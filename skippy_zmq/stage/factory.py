@@ -17,15 +17,15 @@ from typing import Any, Callable
 import jax
 from loguru import logger
 
-from skippy_zmq import placement
-from skippy_zmq.config import Buckets, KVConfig, ModelConfig, decode_shapes
+from skippy_zmq.ops import placement
+from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig, decode_shapes
 from skippy_zmq.kv.prefix_store import PrefixStore, StoreConfig, StoreIdentity
-from skippy_zmq.model import checkpoint, loader
-from skippy_zmq.model.convert import model_digest
+from skippy_zmq.checkpoint import checkpoint, loader
+from skippy_zmq.checkpoint.convert import model_digest
 from skippy_zmq.model.runner import WARM_RUN_TOKENS, SliceRunner, resolve_device
 from skippy_zmq.stage.sessions import SessionTable
 from skippy_zmq.stage.worker import StageInfo, StageWorker
-from skippy_zmq.topology import StageConfig, Topology
+from skippy_zmq.config.topology import StageConfig, Topology
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from skippy_zmq.wire import Kind, Message
+from skippy_zmq.protocol.wire import Kind, Message
 
 ENV = "SKIPPY_FAULT_DIR"
 

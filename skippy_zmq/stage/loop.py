@@ -22,14 +22,14 @@ from typing import Any
 import zmq
 from loguru import logger
 
-from skippy_zmq import transport, wire
-from skippy_zmq.lifetime import arm_hard_exit, settle_heap, watch_parent
-from skippy_zmq.placement import PlacementError
-from skippy_zmq.security import security_for
+from skippy_zmq.protocol import transport, wire
+from skippy_zmq.ops.lifetime import arm_hard_exit, settle_heap, watch_parent
+from skippy_zmq.ops.placement import PlacementError
+from skippy_zmq.protocol.security import security_for
 from skippy_zmq.stage.factory import build_worker
 from skippy_zmq.stage.faults import FaultInjector
 from skippy_zmq.stage.worker import DRIVER, StageWorker
-from skippy_zmq.topology import StageConfig, Topology
+from skippy_zmq.config.topology import StageConfig, Topology
 
 DRAIN_BATCH = 64
 IDLE_POLL_MS = 1000   # an idle loop's wake-up; driver loss is detected within dead_after_s + this

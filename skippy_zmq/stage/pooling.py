@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from skippy_zmq.stage.types import StageFault
-from skippy_zmq.wire import POOLINGS
+from skippy_zmq.protocol.wire import POOLINGS
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 from skippy_zmq.stage.types import Outbound
-from skippy_zmq.wire import Message
+from skippy_zmq.protocol.wire import Message
 
 
 @dataclass

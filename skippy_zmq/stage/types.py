@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
-from skippy_zmq.wire import Message
+from skippy_zmq.protocol.wire import Message
 
 NEXT, DRIVER = "next", "driver"
 

@@ -14,10 +14,10 @@ from typing import Any, Callable
 import numpy as np
 from loguru import logger
 
-from skippy_zmq.fencing import UNSTAMPED, BadView, Fence
+from skippy_zmq.protocol.fencing import UNSTAMPED, BadView, Fence
 from skippy_zmq.kv.prefix_store import PrefixStore
 from skippy_zmq.model.runner import SliceRunner
-from skippy_zmq.placement import rss_bytes
+from skippy_zmq.ops.placement import rss_bytes
 from skippy_zmq.sampling import Sampler, SamplingParams, check_top_logprobs, token_logprobs
 from skippy_zmq.stage.pooling import pool_chunk, pool_request
 from skippy_zmq.stage.recorder import Recorder
@@ -25,7 +25,7 @@ from skippy_zmq.stage.restore import RestoreRoutes
 from skippy_zmq.stage.rows import Batch, Ran, Row, RuntimeLock, Scored, logprob_entry, narrow
 from skippy_zmq.stage.sessions import LanesBusy, SessionTable
 from skippy_zmq.stage.types import DRIVER, NEXT, Outbound, StageFault, StageInfo  # noqa: F401 (re-exported)
-from skippy_zmq.wire import Kind, Message
+from skippy_zmq.protocol.wire import Kind, Message
 
 class StageWorker:
     def __init__(self, info: StageInfo, runner: SliceRunner, sessions: SessionTable,
@@ -139,7 +139,7 @@ class StageWorker:
         if self._constraint_info is None:
             if self.tokenizer_source is None:
                 raise StageFault("this stage has no tokenizer to constrain output with", "bad_constraint")
-            from skippy_zmq.constrain import tokenizer_info
+            from skippy_zmq.text.constrain import tokenizer_info
 
             model_dir, vocab_size = self.tokenizer_source
             self._constraint_info = tokenizer_info(model_dir, vocab_size)
@@ -158,7 +158,7 @@ class StageWorker:
             raise StageFault(f"bad sampling configuration: {exc}", "bad_sampling") from exc
         matcher = None
         if extras.get("constraint") is not None:
-            from skippy_zmq.constrain import ConstraintError, ConstraintSpec, Matcher
+            from skippy_zmq.text.constrain import ConstraintError, ConstraintSpec, Matcher
 
             try:
                 matcher = Matcher(ConstraintSpec.from_dict(extras["constraint"]), self.constraint_info())
@@ -377,7 +377,7 @@ class StageWorker:
     def _row_failure(self, request_id: int, session_id: int, exc: Exception) -> Outbound:
         """The error reply of one row whose sampling raised: the constraint engine (a limit, a dead
         end) or anything else; the other rows of its message are unaffected."""
-        from skippy_zmq.constrain import ConstraintError
+        from skippy_zmq.text.constrain import ConstraintError
 
         if isinstance(exc, ConstraintError):
             return self.error(request_id, session_id, f"constrained decoding failed: {exc}", "constraint_error")

@@ -1,0 +1,140 @@
+"""Tensor sources for conversion: one tensor (or a block of its rows) at a time.
+
+Both readers read the file with plain reads into fresh buffers, never through a
+memory map: pages of a mapping that a conversion has touched stay resident and
+count in its RSS, so mapping a 16 GB file would show a 16 GB peak.
+
+`read(name, start, stop)` returns rows [start, stop) of an [out, in] tensor
+(PyTorch / GGUF numpy order): float32, or for a GGUF's Q4_0 / Q4_1 / Q8_0
+blocks their exact levels and f16 scales (checkpoint.Encoded), so they reach
+the checkpoint without an f32 round trip. Other GGUF types are dequantised,
+that block alone, with the `gguf` package.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from skippy_zmq.files.filecheck import read_safetensors_header
+from skippy_zmq.checkpoint.formats import Encoded, int8_blocks, q4_blocks
+
+SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+BLOCK = 32   # elements per Q4_0 / Q4_1 / Q8_0 block, along the input dim
+
+
+class SourceError(ValueError):
+    """A tensor cannot be read; the message names it."""
+
+
+def _read_at(f: Any, offset: int, nbytes: int) -> np.ndarray:
+    buf = np.empty(nbytes, np.uint8)
+    f.seek(offset)
+    if f.readinto(memoryview(buf)) != nbytes:
+        raise SourceError(f"{f.name}: truncated at byte {offset}")
+    return buf
+
+
+class SafetensorsSource:
+    """Every *.safetensors file of a directory, by tensor name (bf16 included)."""
+
+    def __init__(self, directory: Path):
+        self.files = sorted(Path(directory).glob("*.safetensors"))
+        if not self.files:
+            raise SourceError(f"{directory}: no *.safetensors files")
+        self.index: dict[str, tuple[Path, int, dict[str, Any]]] = {}
+        for file in self.files:
+            data_start, tensors = read_safetensors_header(file)   # bounded and checked: ModelFileError
+            for name, info in tensors.items():
+                self.index[name] = (file, data_start, info)
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        entry = self.index.get(name)
+        return None if entry is None else tuple(entry[2]["shape"])
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        file, base, info = self.index[name]
+        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise SourceError(f"tensor {name}: unsupported dtype {info['dtype']}")
+        shape = tuple(info["shape"])
+        if not shape:
+            raise SourceError(f"tensor {name}: a scalar, not a matrix or vector")
+        stop = shape[0] if stop is None else min(stop, shape[0])
+        row = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
+        with open(file, "rb") as f:
+            raw = _read_at(f, base + info["data_offsets"][0] + start * row, (stop - start) * row)
+        return raw.view(dtype).reshape(stop - start, *shape[1:]).astype(np.float32)
+
+
+class GGUFSource:
+    """A GGUF file's tensors by name; metadata through gguf.GGUFReader, data by plain reads."""
+
+    def __init__(self, path: Path, reader: Any):
+        self.path = Path(path)
+        self.tensors = {t.name: t for t in reader.tensors}
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        t = self.tensors.get(name)
+        return None if t is None else tuple(int(x) for x in reversed(t.shape))   # GGUF lists dims inner first
+
+    def type_name(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray | Encoded:
+        from gguf import GGML_QUANT_SIZES, quants
+
+        t = self.tensors[name]
+        shape = self.shape(name)
+        stop = shape[0] if stop is None else min(stop, shape[0])
+        inner = int(np.prod(shape[1:], dtype=np.int64))
+        block, type_bytes = GGML_QUANT_SIZES[t.tensor_type]
+        row = inner // block * type_bytes
+        with open(self.path, "rb") as f:
+            raw = _read_at(f, int(t.data_offset) + start * row, (stop - start) * row).reshape(stop - start, row)
+        kind = t.tensor_type.name
+        if kind in ("Q4_0", "Q4_1", "Q8_0") and len(shape) == 2:
+            return parse_blocks(raw, kind)
+        try:
+            w = quants.dequantize(raw, t.tensor_type)
+        except NotImplementedError as exc:
+            raise SourceError(f"tensor {name}: cannot dequantise type {kind}") from exc
+        return np.asarray(w, np.float32).reshape(stop - start, *shape[1:])
+
+
+def read_part(src: Any, name: str, part: int) -> np.ndarray | Encoded:
+    """Slice `part` [out, in] of a 3-D [parts, out, in] tensor (an expert of llama.cpp's `_exps`
+    tensors): one expert read, its Q4_0 / Q4_1 / Q8_0 blocks kept exact."""
+    if isinstance(src, GGUFSource) and (kind := src.type_name(name)) in ("Q4_0", "Q4_1", "Q8_0"):
+        from gguf import GGML_QUANT_SIZES
+
+        shape, t = src.shape(name), src.tensors[name]
+        block, type_bytes = GGML_QUANT_SIZES[t.tensor_type]
+        row = shape[2] // block * type_bytes
+        with open(src.path, "rb") as f:
+            raw = _read_at(f, int(t.data_offset) + part * shape[1] * row, shape[1] * row)
+        return parse_blocks(raw.reshape(shape[1], row), kind)
+    return src.read(name, part, part + 1)[0]    # float (or another GGUF type, dequantised): that expert alone
+
+
+def parse_blocks(raw: np.ndarray, kind: str) -> Encoded:
+    """Rows of raw Q4_0 / Q4_1 / Q8_0 blocks [rows, bytes] -> exact levels and f16 scales.
+
+    Q4_0: f16 d, 16 bytes of nibbles, w = (q - 8) d (stored as m = -8 d);
+    Q4_1: f16 d, f16 m, 16 bytes, w = q d + m; Q8_0: f16 d, 32 int8, w = q d.
+    Nibbles (as gguf.quants): byte j holds element j (low) and j + 16 (high).
+    """
+    rows = raw.shape[0]
+    head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[kind]
+    blocks = raw.reshape(rows, -1, head + (BLOCK if kind == "Q8_0" else BLOCK // 2))
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+    body = blocks[..., head:]
+    if kind == "Q8_0":
+        return int8_blocks(np.ascontiguousarray(body).view(np.int8).reshape(rows, -1), d)
+    levels = np.concatenate([body & 15, body >> 4], axis=-1).reshape(rows, -1)
+    if kind == "Q4_1":
+        return q4_blocks(levels, d, np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0])
+    return q4_blocks(levels, d, (d.astype(np.float32) * -8.0).astype(np.float16))
