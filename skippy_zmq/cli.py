@@ -334,6 +334,8 @@ def add_http_edge_args(p: argparse.ArgumentParser) -> None:
 def add_driver_parser(sub: Any) -> None:
     p = sub.add_parser("driver", help="run the driver: OpenAI API over the pipeline")
     p.add_argument("--topology", required=True)
+    p.add_argument("--cluster", action="store_true", help="serve the stages to workers that join with the token "
+                   "this prints (as the topology's `cluster:` section does; docs/cluster.md)")
     add_http_edge_args(p)
     p.set_defaults(func=cmd_driver)
 
@@ -446,6 +448,7 @@ SUBCOMMAND_PARSERS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from skippy_zmq.cluster.commands import add_manifest_parser, add_worker_parser
     from skippy_zmq.protocol.security import add_keys_parser
 
     parser = argparse.ArgumentParser(prog="skippy-zmq", description=__doc__)
@@ -455,6 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     for add in SUBCOMMAND_PARSERS:
         add(sub)
     add_keys_parser(sub)
+    add_worker_parser(sub)
+    add_manifest_parser(sub)
     return parser
 
 
@@ -463,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_json)
     if args.command not in ("stage", "driver"):   # those tie themselves, under their own names
         watch_parent(args.command)   # a no-op from a shell; spawned tied by a local process: die with it
-    if args.command not in ("fetch-model", "plan", "keys"):
+    if args.command not in ("fetch-model", "plan", "keys", "worker", "manifest"):   # (a worker's stages do)
         configure_jax()
     return int(args.func(args) or 0)
 

@@ -127,12 +127,14 @@ def test_find_cycle_reports_one():
 #   checkpoint  model files -> our checkpoint (reads text's tokenizer, writes model's weights)
 #   ops         launching processes, their lifetime, memory placement and layer planning
 #   stage       one stage process: the worker (messages in, messages out) and its socket loop
+#   cluster     hosts that join a driver: tokens, weight transfer, the worker that runs stages (it
+#               starts stage processes and reads checkpoints; the driver's engine and API start it)
 #   engine      the driver's scheduler, speculation, prefix index, the socket pipeline, local engines
 #   api         the HTTP server and the API shapes it speaks
 #   devtools    test and bench tooling (harness, chaos, soak, random models, bench suites)
 #   cli         the command line (the package root's entry point)
 LAYERS = ["files", "sampling", "kv", "config", "protocol", "text", "model", "checkpoint", "ops", "stage",
-          "engine", "api", "devtools", "cli"]
+          "cluster", "engine", "api", "devtools", "cli"]
 # The package root holds only the entry point; everything else lives in a folder by concern.
 ROOT_MODULES = {"skippy_zmq", "skippy_zmq.cli"}
 

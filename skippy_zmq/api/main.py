@@ -115,13 +115,22 @@ def run_driver(args: argparse.Namespace) -> int:
     watch_parent("driver")   # spawned by a local process (chaos, soak, tests): die with it
     topology = load_topology(args.topology)
     keys, edge = http_edge(args, topology)
-    engine, tokenizer = open_engine(topology)
-    stop = threading.Event()
-    install_stop_signals(stop)
+    cluster = None
+    if args.cluster or topology.cluster is not None:   # workers join, fetch their items and run the stages
+        from skippy_zmq.cluster.commands import start_cluster
+
+        cluster, topology = start_cluster(topology)
     try:
-        serve_http(topology, engine, tokenizer, keys, edge, stop)
+        engine, tokenizer = open_engine(topology)
+        stop = threading.Event()
+        install_stop_signals(stop)
+        try:
+            serve_http(topology, engine, tokenizer, keys, edge, stop)
+        finally:
+            engine.close()
     finally:
-        engine.close()
+        if cluster is not None:
+            cluster.close()
     return 0
 
 

@@ -44,6 +44,7 @@ import orbax.checkpoint as ocp
 from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.model import quant, weights
 from skippy_zmq.files.filecheck import read_json_capped
+from skippy_zmq.checkpoint.manifest import MANIFEST_FILE, write_manifest
 from skippy_zmq.checkpoint.formats import FORMATS, GROUP, CheckpointError, Encoded, check_format, dequantize_grid, encode, grid, int8_blocks, q4_blocks, runtime_nbytes, stored_format, stored_nbytes, to_float
 
 VERSION = 2
@@ -118,6 +119,7 @@ class CheckpointWriter:
             shutil.rmtree(self.params)
         self.params.mkdir(parents=True)
         (self.out / "model.json").unlink(missing_ok=True)   # its presence means a finished conversion
+        (self.out / MANIFEST_FILE).unlink(missing_ok=True)
         self._ckpt = ocp.PyTreeCheckpointer()
         self._rows = {"embed": 0, "head": 0}
         self._layers: set[int] = set()
@@ -205,6 +207,7 @@ class CheckpointWriter:
         (self.params / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         (self.out / "source.json").write_text(json.dumps(source, indent=2) + "\n")
         self.cfg.save(self.out / "model.json")
+        write_manifest(self.out)   # sha256 per file, for workers that fetch their items (cluster/)
 
     def _save(self, name: str, tree: dict[str, Any]) -> None:
         self._ckpt.save(self.params / name, tree, force=True)

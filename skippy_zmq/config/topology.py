@@ -81,6 +81,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import yaml
 
+from skippy_zmq.config.cluster import ClusterConfig
 from skippy_zmq.config.http import EdgeConfig, EdgeConfigError
 from skippy_zmq.config.speculative import SpeculativeConfig, SpeculativeConfigError
 from skippy_zmq.config.units import parse_bytes
@@ -200,6 +201,7 @@ class Topology:
     keys_dir: str | None = None
     driver: DriverConfig = DriverConfig()
     wire: WireConfig = WireConfig()
+    cluster: ClusterConfig | None = None   # workers join with a token (config/cluster.py)
     # Derived / provenance: not part of equality, so dump -> parse round-trips.
     model_path: Path = field(default=Path(), compare=False)
     source: str = field(default="<dict>", compare=False)
@@ -246,6 +248,8 @@ class Topology:
         driver = dataclasses.asdict(self.driver)
         out["driver"] = {"return": driver.pop("return_endpoint"), **driver}
         out["wire"] = dataclasses.asdict(self.wire)
+        if self.cluster is not None:
+            out["cluster"] = dataclasses.asdict(self.cluster)
         out["stages"] = [
             {"id": s.id, "layers": [s.start, s.end], "listen": s.listen, "host": s.host, "device": s.device,
              "dtype": s.dtype, "weights": s.weights, "kv_lanes": s.kv_lanes, "kv_dtype": s.kv_dtype,
@@ -433,6 +437,18 @@ _wire = _section(WireConfig, {
 })
 
 
+def _tcp(value: Any, at: _At) -> str:
+    if not (isinstance(value, str) and _TCP.match(value)):
+        at.fail(f"expected tcp://host:port, got {value!r}")
+    return _endpoint(value, at)
+
+
+_cluster = _section(ClusterConfig, {
+    "listen": _tcp, "advertise": lambda v, at: None if v is None else _dial(_tcp(v, at), at),
+    "token_ttl_s": _seconds, "max_chunk_bytes": _integer(4096),
+})
+
+
 def _speculative(raw: Any, at: _At) -> SpeculativeConfig:
     try:
         return SpeculativeConfig.from_dict(raw)
@@ -510,6 +526,8 @@ def _check_endpoints(topology: Topology, at: _At) -> None:
     d = topology.driver
     places = [("driver.return", d.return_endpoint), ("driver.http", f"tcp://{d.http}")]
     places += [(f"stages[{i}].listen", s.listen) for i, s in enumerate(topology.stages)]
+    if topology.cluster is not None:
+        places.append(("cluster.listen", topology.cluster.listen))
     for path, endpoint in places:
         m = _TCP.match(endpoint)
         key = (m["host"].lower(), int(m["port"])) if m else endpoint
@@ -521,6 +539,7 @@ def _check_endpoints(topology: Topology, at: _At) -> None:
 _TOP_CHECKS: dict[str, Check] = {
     "model": _text, "n_layers": _integer(1), "security": _choice("none", "curve"),
     "keys_dir": lambda v, at: None if v is None else _text(v, at), "driver": _driver, "wire": _wire,
+    "cluster": lambda v, at: ClusterConfig() if v is None else _cluster(v, at),
     "stages": lambda v, at: v,  # checked stage by stage in parse_topology
 }
 
@@ -529,7 +548,7 @@ def parse_topology(data: Any, source: str = "<dict>") -> Topology:
     """Validate a parsed YAML document into a Topology."""
     at = _At(source)
     top = _read(data, at, _TOP_CHECKS, {"n_layers": None, "security": "curve", "keys_dir": None,
-                                        "driver": DriverConfig(), "wire": WireConfig()})
+                                        "driver": DriverConfig(), "wire": WireConfig(), "cluster": None})
     raw_stages = top.pop("stages")
     if not isinstance(raw_stages, list) or not raw_stages:
         at.key("stages").fail(f"expected a non-empty list of stages, got {raw_stages!r}")

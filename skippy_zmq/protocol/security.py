@@ -28,7 +28,7 @@ import argparse
 import ipaddress
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import zmq
@@ -185,10 +185,13 @@ class CurveAuthenticator(ThreadAuthenticator, _ReleaseEndpointOnStop):
             self._warned.add(key)
         log = logger.warning if first else logger.debug
         log("rejected CURVE peer {} with unknown public key {}", self._peer, key.decode(errors="replace"))
+        self.count_rejection()
+        return False
+
+    def count_rejection(self) -> None:
         with self._rejections:
             self.rejected += 1
             self._rejections.notify_all()
-        return False
 
     def wait_rejected(self, count: int, timeout: float) -> bool:
         """Block until at least `count` peers have been rejected, or `timeout` seconds pass."""
@@ -196,15 +199,18 @@ class CurveAuthenticator(ThreadAuthenticator, _ReleaseEndpointOnStop):
             return self._rejections.wait_for(lambda: self.rejected >= count, timeout)
 
 
-def start_authenticator(ctx: zmq.Context, allowed: Mapping[bytes, str] | list[bytes]) -> CurveAuthenticator:
+def start_authenticator(ctx: zmq.Context, allowed: Mapping[bytes, str] | list[bytes],
+                        make: Callable[[zmq.Context, dict[bytes, str]], CurveAuthenticator] = CurveAuthenticator,
+                        ) -> CurveAuthenticator:
     """Start the context's ZAP handler; do it before any CURVE server socket binds. `stop()` it on close.
 
     `allowed`: Z85 public key -> the party name that becomes the connection's
-    User-Id (a plain list of keys names each peer by its key)."""
+    User-Id (a plain list of keys names each peer by its key). `make`: the
+    authenticator's class (a subclass with rules of its own, e.g. expiring keys)."""
     if not allowed:
         raise SecurityError("an authenticator that admits no key would refuse every peer")
-    names = allowed if isinstance(allowed, Mapping) else {key: key.decode() for key in allowed}
-    auth = CurveAuthenticator(ctx, names)
+    names = dict(allowed) if isinstance(allowed, Mapping) else {key: key.decode() for key in allowed}
+    auth = make(ctx, names)
     auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=auth)
     try:
         auth.start()

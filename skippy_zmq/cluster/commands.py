@@ -1,0 +1,79 @@
+"""The cluster's command-line pieces: `skippy-zmq worker`, `skippy-zmq manifest`, and the driver's
+`--cluster` start (the token it prints)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from loguru import logger
+
+from skippy_zmq.config.topology import Topology
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from skippy_zmq.cluster.token import TokenError, parse
+    from skippy_zmq.cluster.worker import WorkerOptions, run_worker
+
+    try:
+        token = parse(args.join)
+    except TokenError as exc:
+        logger.error("worker: {}", exc)
+        return 2
+    stage_args = ("--log-level", args.log_level)
+    return run_worker(WorkerOptions(token, Path(args.cache).expanduser(), args.name or "", args.join_timeout,
+                                    args.reply_timeout, args.chunk_bytes, not args.no_measure,
+                                    not args.no_devices, stage_args))
+
+
+def add_worker_parser(sub: argparse._SubParsersAction) -> None:
+    from skippy_zmq.cluster.worker import DEFAULT_CACHE
+
+    p = sub.add_parser("worker", help="join a driver's cluster with its token; fetch and run the stage it gives")
+    p.add_argument("--join", required=True, metavar="TOKEN", help="the join token the driver printed")
+    p.add_argument("--cache", default=str(DEFAULT_CACHE), help="where fetched checkpoint files are kept "
+                   "(by model digest: a restart fetches nothing)")
+    p.add_argument("--name", default=None, help="this worker's name (default: host name + a hash of --cache)")
+    p.add_argument("--join-timeout", type=float, default=30.0, help="seconds to wait for the driver's answer")
+    p.add_argument("--reply-timeout", type=float, default=30.0, help="seconds to wait for each chunk")
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per fetch request (the driver caps it)")
+    p.add_argument("--no-measure", action="store_true", help="do not measure this host's speed before starting")
+    p.add_argument("--no-devices", action="store_true", help="do not list devices (skips a JAX child process)")
+    p.set_defaults(func=cmd_worker)
+
+
+def cmd_manifest(args: argparse.Namespace) -> int:
+    from skippy_zmq.checkpoint.manifest import ManifestError, model_digest, write_manifest
+
+    try:
+        manifest = write_manifest(Path(args.model))
+    except (ManifestError, OSError) as exc:
+        logger.error("manifest: {}", exc)
+        return 1
+    print(model_digest(manifest))
+    return 0
+
+
+def add_manifest_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("manifest", help="write a converted model's manifest.json (sha256 per file); print its digest")
+    p.add_argument("--model", required=True)
+    p.set_defaults(func=cmd_manifest)
+
+
+def start_cluster(topology: Topology, timeout_s: float | None = None):   # -> (ClusterServer, Topology | None)
+    """Serve the topology to workers: print the join token (stdout) and wait until every stage has
+    a worker; returns the server (close it when done) and the placed topology (None: timed out)."""
+    from skippy_zmq.cluster.server import ClusterServer
+
+    server = ClusterServer(topology)
+    print(server.token.text(), flush=True)
+    until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(server.token.expires_at))
+    logger.info("cluster: on each host run `skippy-zmq worker --join TOKEN` with the token above (it admits "
+                "workers until {}); waiting for {} workers", until, len(topology.stages))
+    try:
+        return server, server.wait_placed(timeout_s)
+    except BaseException:
+        server.close()
+        raise
+

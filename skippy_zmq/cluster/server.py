@@ -1,0 +1,278 @@
+"""The driver's side of the cluster: workers join with a token, get a stage, fetch its items, start it.
+
+One ROUTER (CURVE server, a keypair of this driver run) on `cluster.listen`, served by one thread
+that only moves bytes: it answers each request at once from the checkpoint's files (a read of at
+most max_chunk_bytes), and hashing happened before it started (the manifest). Workers are admitted
+by a ZAP handler of its own context (TokenAuthenticator): a connection whose key is no live
+token's is refused in the handshake, so it can never send a request, let alone receive a byte.
+
+Stages go to workers in the order they join (s0 to the first); a worker that rejoins under its
+name gets its stage back. Once every stage has a worker the topology is placed (assign.py), the
+keys are made, and each worker is told to START its stage; `wait_placed` hands the placed topology
+to the driver, which then opens its pipeline as usual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+from loguru import logger
+
+from skippy_zmq.checkpoint.manifest import item_files, load_manifest, model_digest, stage_item_names
+from skippy_zmq.cluster import link, token
+from skippy_zmq.cluster.assign import placed_topology, stage_key_files
+from skippy_zmq.config.cluster import ClusterConfig
+from skippy_zmq.config.model import ModelConfig
+from skippy_zmq.config.topology import Topology
+from skippy_zmq.protocol.security import CurveAuthenticator, SocketSecurity, start_authenticator
+from skippy_zmq.protocol.transport import make_socket
+
+MAX_WORKERS = 256
+POLL_MS = 100
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+WORKER = "worker"   # the ZAP User-Id of every token's connections
+
+
+class TokenAuthenticator(CurveAuthenticator):
+    """Admits a token's key until that token expires; says why it refuses a worker."""
+
+    def __init__(self, ctx: zmq.Context, allowed: dict[bytes, str], expires: dict[bytes, float]):
+        super().__init__(ctx, allowed)
+        self.expires = expires   # public key -> unix seconds; the server adds tokens as it issues them
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        expires = self.expires.get(key)
+        if expires is not None and time.time() < expires:
+            return True
+        reason = (f"its join token expired at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(expires))}"
+                  if expires is not None else "its join token was not issued by this driver (a wrong token, "
+                                              "or one from an earlier run of the driver)")
+        logger.warning("cluster: refused a worker from {}: {}; it gets nothing", self._peer, reason)
+        self.count_rejection()
+        return False
+
+
+@dataclasses.dataclass
+class WorkerRecord:
+    name: str
+    identity: bytes
+    address: str
+    report: dict[str, Any]
+    stage: str | None
+    sent_bytes: int = 0
+    started: dict[str, Any] | None = None
+
+
+class ClusterServer:
+    """Serve a topology's stages to workers; `close()` when done."""
+
+    def __init__(self, topology: Topology, on_chunk: Callable[[str, int], None] | None = None):
+        self.topology, self.on_chunk = topology, on_chunk
+        self.config = topology.cluster or ClusterConfig()
+        self.model_dir = topology.model_path
+        self.manifest = load_manifest(self.model_dir, build=True)
+        self.digest = model_digest(self.manifest)
+        cfg = ModelConfig.load(self.model_dir / "model.json")
+        self.stage_files = {s.id: item_files(self.manifest, stage_item_names(cfg, s.start, s.end))
+                            for s in topology.stages}
+        self.workers: dict[str, WorkerRecord] = {}
+        self.by_identity: dict[bytes, str] = {}
+        self.sent_bytes = 0
+        self.placed: Topology | None = None
+        self._placed = threading.Event()
+        self.changed = threading.Condition()   # notified when a worker joins, is sent a chunk or starts
+        self._stop = threading.Event()
+        self._expires: dict[bytes, float] = {}
+        self.ctx = zmq.Context()       # its own: a ZAP handler serves one context
+        public, secret = zmq.curve_keypair()
+        self.server_key = public
+        self.token = self.issue_token()
+        self.auth = start_authenticator(self.ctx, {self.token.public: WORKER},
+                                        make=functools.partial(TokenAuthenticator, expires=self._expires))
+        try:
+            self.router = make_socket(self.ctx, zmq.ROUTER, self.config.listen, bind=True,
+                                      max_message_bytes=link.MAX_WORKER_MESSAGE,
+                                      security=SocketSecurity("curve", public, secret, server=True))
+        except BaseException:
+            self.auth.stop()
+            raise
+        self.thread = threading.Thread(target=self._serve, name="cluster-server", daemon=True)
+        self.thread.start()
+
+    def issue_token(self, ttl_s: float | None = None, expires_at: float | None = None) -> token.JoinToken:
+        """A new join token (a keypair of its own), admitted until it expires."""
+        ttl = self.config.token_ttl_s if ttl_s is None else ttl_s
+        made = token.issue(self.config.connect, self.server_key, ttl)
+        if expires_at is not None:
+            made = dataclasses.replace(made, expires_at=expires_at)
+        self._expires[made.public] = made.expires_at
+        if hasattr(self, "auth"):
+            self.auth.allowed[made.public] = WORKER
+        return made
+
+    @property
+    def rejected(self) -> int:
+        return self.auth.rejected
+
+    def wait_placed(self, timeout: float | None = None) -> Topology | None:
+        """The placed topology once every stage has a worker (None on timeout or close)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._placed.wait(0.2):
+            if self._stop.is_set() or (deadline is not None and time.monotonic() > deadline):
+                return None
+        return self.placed
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Block until `predicate()` holds (checked whenever a worker joins, gets a chunk or starts)."""
+        with self.changed:
+            return self.changed.wait_for(predicate, timeout)
+
+    def _changed(self) -> None:
+        with self.changed:
+            self.changed.notify_all()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=5)
+        self.router.close(linger=0)
+        self.auth.stop()
+        self.ctx.term()
+
+    # ---------------------------------------------------------------- the loop
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(POLL_MS):
+                continue
+            while True:
+                try:
+                    identity, *parts = self.router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(identity, parts)
+                self._changed()
+
+    def _handle(self, identity_frame: zmq.Frame, parts: list[zmq.Frame]) -> None:
+        identity = identity_frame.bytes
+        try:
+            msg = link.parse(parts)
+            handler = {"HELLO": self._hello, "FETCH": self._fetch, "STARTED": self._started}.get(msg.kind)
+            if handler is None:
+                raise link.LinkError(f"{msg.kind} is not a worker's message")
+            address = parts[0].get("Peer-Address") if parts else "?"
+            handler(identity, msg, address)
+        except (link.LinkError, OSError) as exc:
+            logger.warning("cluster: refused a request of worker {}: {}", self.by_identity.get(identity, "?"), exc)
+            self._send(identity, link.Message("REFUSED", {"reason": str(exc)[:500]}))
+        except Exception:   # a bug or a broken key folder must not stop the other workers' transfers
+            logger.exception("cluster: failed to handle a request of worker {}", self.by_identity.get(identity, "?"))
+            self._send(identity, link.Message("REFUSED", {"reason": "the driver failed on this request (see its log)"}))
+
+    def _send(self, identity: bytes, msg: link.Message) -> None:
+        try:
+            self.router.send_multipart([identity, *link.frames(msg)], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.warning("cluster: worker {} is not reading; dropped a {}", self.by_identity.get(identity, "?"),
+                           msg.kind)
+
+    def _hello(self, identity: bytes, msg: link.Message, address: str) -> None:
+        name = link.field(msg, "name", str)
+        if not _NAME.fullmatch(name):
+            raise link.LinkError(f"worker name {name[:80]!r}: use letters, digits, '_', '.', ':', '-' (at most 64)")
+        report = link.field(msg, "report", dict)
+        record = self.workers.get(name)
+        if record is None:
+            if len(self.workers) >= MAX_WORKERS:
+                raise link.LinkError(f"this driver already has {MAX_WORKERS} workers")
+            taken = {w.stage for w in self.workers.values()}
+            free = [s.id for s in self.topology.stages if s.id not in taken]
+            record = WorkerRecord(name, identity, address, report, free[0] if free else None)
+            self.workers[name] = record
+        self.by_identity.pop(record.identity, None)
+        record.identity, record.address, record.report, record.started = identity, address, report, None
+        self.by_identity[identity] = name
+        log_join(record)
+        self._send(identity, link.Message("ASSIGN", self._assignment(record)))
+        if self.placed is None and all(any(w.stage == s.id for w in self.workers.values())
+                                       for s in self.topology.stages):
+            self._place()
+        elif self.placed is not None and record.stage is not None:
+            self._start(record)
+
+    def _assignment(self, record: WorkerRecord) -> dict[str, Any]:
+        if record.stage is None:
+            return {"stage": None, "reason": "every stage has a worker; standing by"}
+        stage = self.topology.stage(record.stage)
+        return {"stage": stage.id, "layers": [stage.start, stage.end], "digest": self.digest,
+                "files": self.stage_files[stage.id], "max_chunk_bytes": self.config.max_chunk_bytes}
+
+    def _place(self) -> None:
+        addresses = {w.stage: w.address for w in self.workers.values() if w.stage is not None}
+        self.placed = placed_topology(self.topology, addresses)
+        logger.info("cluster: every stage has a worker: {}", ", ".join(
+            f"{w.stage} on {w.name} ({w.address})" for w in self.workers.values() if w.stage is not None))
+        for record in self.workers.values():
+            if record.stage is not None:
+                self._start(record)
+        self._placed.set()
+
+    def _start(self, record: WorkerRecord) -> None:
+        assert self.placed is not None and record.stage is not None
+        self._send(record.identity, link.Message("START", {
+            "stage": record.stage, "topology": self.placed.to_dict(),
+            "keys": stage_key_files(self.placed, record.stage)}))
+
+    def _fetch(self, identity: bytes, msg: link.Message, address: str) -> None:
+        record = self.workers.get(self.by_identity.get(identity, ""))
+        if record is None or record.stage is None:
+            raise link.LinkError("FETCH before HELLO, or from a worker with no stage")
+        rel = link.field(msg, "path", str)
+        entry = self.stage_files[record.stage].get(rel)
+        if entry is None:
+            raise link.LinkError(f"{rel[:200]!r} is not a file of stage {record.stage}")
+        offset = link.field(msg, "offset", int, 0)
+        length = link.field(msg, "length", int, 1)
+        if length > self.config.max_chunk_bytes or offset + length > entry["bytes"]:
+            raise link.LinkError(f"{rel}: [{offset}, +{length}) is past its {entry['bytes']} bytes or over "
+                                 f"the chunk cap ({self.config.max_chunk_bytes})")
+        fd = os.open(self.model_dir / rel, os.O_RDONLY)
+        try:
+            data = os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+        self._send(identity, link.Message("CHUNK", {"path": rel, "offset": offset}, data))
+        record.sent_bytes += len(data)
+        self.sent_bytes += len(data)
+        if self.on_chunk is not None:
+            self.on_chunk(record.name, record.sent_bytes)
+
+    def _started(self, identity: bytes, msg: link.Message, address: str) -> None:
+        name = self.by_identity.get(identity)
+        if name is None:
+            raise link.LinkError("STARTED before HELLO")
+        self.workers[name].started = msg.header
+        logger.info("cluster: worker {} started stage {} (pid {}), fetched {} bytes{}", name,
+                    msg.header.get("stage"), msg.header.get("pid"), msg.header.get("fetched_bytes"),
+                    f", speed {msg.header['speed']}" if msg.header.get("speed") else "")
+
+
+def log_join(record: WorkerRecord) -> None:
+    r = record.report
+    mem = r.get("memory") if isinstance(r.get("memory"), dict) else {}
+    devices = r.get("devices") if isinstance(r.get("devices"), list) else []
+    kinds = ", ".join(str(d.get("kind", "?")) for d in devices if isinstance(d, dict)) or "unknown"
+    gib = 1 << 30
+    logger.info("cluster: worker {} joined from {}: {} cores, memory {:.1f} GiB ({:.1f} available), {:.1f} GiB "
+                "free disk, devices: {}; stage: {}", record.name, record.address, r.get("cores"),
+                (mem.get("total") or 0) / gib, (mem.get("available") or 0) / gib, (r.get("disk_free") or 0) / gib,
+                kinds, record.stage or "none (standing by)")

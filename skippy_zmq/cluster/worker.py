@@ -1,0 +1,264 @@
+"""`skippy-zmq worker --join TOKEN`: one per host. It joins the driver named in the token over CURVE,
+reports what it has, fetches the checkpoint files of the stage it is given (only those, resuming
+partial files, each checked by sha256; cached by model digest, so a restart fetches nothing), then
+runs that stage as its child (it dies with the worker: ops/lifetime.py) until it is stopped.
+
+Every wait has a deadline: the join (a refused token is seen in the CURVE handshake and said so),
+each chunk (asked again from the same offset, then given up), and the stage's start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+import zmq
+from loguru import logger
+from zmq.utils.monitor import recv_monitor_message
+
+from skippy_zmq.cluster import link
+from skippy_zmq.cluster.assign import write_key_files
+from skippy_zmq.cluster.cache import CacheError, ModelCache
+from skippy_zmq.cluster.report import host_report, measure_speed
+from skippy_zmq.cluster.token import JoinToken
+from skippy_zmq.config.topology import TopologyError, parse_topology
+from skippy_zmq.ops.lifetime import STOP_GRACE_S, tied_env
+from skippy_zmq.protocol.security import SocketSecurity
+from skippy_zmq.protocol.transport import make_socket
+
+DEFAULT_CACHE = Path.home() / ".cache" / "skippy_zmq" / "worker"
+FETCH_RETRIES = 3
+MAX_MESSAGE_BYTES = 64 << 20
+_AUTH_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+
+class Refused(RuntimeError):
+    """The driver refused this worker (its token, or a request); the message says why."""
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    token: JoinToken
+    cache: Path = DEFAULT_CACHE
+    name: str = ""                     # default: this host's name and a hash of the cache folder
+    join_timeout_s: float = 30.0
+    reply_timeout_s: float = 30.0
+    chunk_bytes: int = 1 << 20
+    measure: bool = True               # run cluster/measure.py's measure_host when it exists
+    report_devices: bool = True
+    stage_args: tuple[str, ...] = field(default=())   # e.g. ("--log-level", "DEBUG") before `stage`
+
+
+def default_name(cache: Path) -> str:
+    """This host's name and a hash of the cache folder: the same worker keeps its name over restarts."""
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:40] or "host"
+    return f"{host}-{hashlib.sha256(str(cache.resolve()).encode()).hexdigest()[:8]}"
+
+
+class Worker:
+    def __init__(self, options: WorkerOptions):
+        self.opts = options
+        self.name = options.name or default_name(options.cache)
+        self.stop = threading.Event()
+        self.fetched_bytes = 0
+        self.pending_start: link.Message | None = None
+        self.ctx = zmq.Context()
+        token = options.token
+        self.sock = make_socket(self.ctx, zmq.DEALER, token.endpoint, bind=False, max_message_bytes=MAX_MESSAGE_BYTES,
+                                security=SocketSecurity("curve", token.public, token.secret, server=False,
+                                                        server_key=token.server_key))
+        self.monitor = self.sock.get_monitor_socket(_AUTH_FAILED)
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    # ---------------------------------------------------------------- messages
+
+    def send(self, kind: str, header: dict[str, Any]) -> None:
+        self.sock.send_multipart(link.frames(link.Message(kind, header)))
+
+    def recv(self, timeout_s: float) -> link.Message | None:
+        """The next message within `timeout_s` (None: none came); Refused when the driver refuses us."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while not self.stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(min(left, 0.2) * 1000))
+            if self.monitor in ready:
+                event = recv_monitor_message(self.monitor)
+                raise Refused(self._refusal(event))
+            if self.sock in ready:
+                msg = link.parse(self.sock.recv_multipart(copy=False))
+                if msg.kind == "REFUSED":
+                    raise Refused(f"the driver refused a request: {msg.header.get('reason', '?')}")
+                return msg
+        return None
+
+    def _refusal(self, event: dict[str, Any]) -> str:
+        token = self.opts.token
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = (f"it expired at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(token.expires_at))}"
+                   if token.expired() else "it is not one the driver issued, or it expired by the driver's clock")
+            return f"the driver at {token.endpoint} refused this join token: {why}; ask the driver for a new one"
+        return (f"the CURVE handshake with {token.endpoint} failed: the token's driver key is not this driver's "
+                "(a token from another driver or an earlier run?)")
+
+    def expect(self, kinds: set[str], timeout_s: float, what: str) -> link.Message:
+        """The next message of one of `kinds` (a START that comes early is kept for later)."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0 and not self.stop.is_set():
+            msg = self.recv(left)
+            if msg is None:
+                break
+            if msg.kind in kinds:
+                return msg
+            if msg.kind == "START":
+                self.pending_start = msg
+        if self.stop.is_set():
+            raise InterruptedError("stopped")
+        raise TimeoutError(f"no {what} from the driver at {self.opts.token.endpoint} within {timeout_s:g} s")
+
+    # ---------------------------------------------------------------- steps
+
+    def join(self) -> link.Message:
+        self.send("HELLO", {"name": self.name, "protocol": link.PROTOCOL,
+                            "report": host_report(self.opts.cache, devices=self.opts.report_devices)})
+        try:
+            return self.expect({"ASSIGN"}, self.opts.join_timeout_s, "answer to this worker's HELLO")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}: is the driver running, and is the token (its endpoint) right?") from None
+
+    def fetch(self, assign: link.Message) -> ModelCache:
+        """Every file of the assignment into the cache (only what is missing), verified."""
+        cache = ModelCache(self.opts.cache, link.field(assign, "digest", str))
+        files = link.field(assign, "files", dict)
+        chunk = min(self.opts.chunk_bytes, link.field(assign, "max_chunk_bytes", int, 1))
+        missing = cache.missing(files)
+        t0 = time.monotonic()
+        for rel in sorted(missing):
+            self.fetch_file(cache, rel, missing[rel], chunk)
+        seconds = time.monotonic() - t0
+        logger.info("worker {}: fetched {} bytes of {} files ({} of {} files were cached) in {:.1f} s", self.name,
+                    self.fetched_bytes, len(missing), len(files) - len(missing), len(files), seconds)
+        return cache
+
+    def fetch_file(self, cache: ModelCache, rel: str, entry: dict[str, Any], chunk: int) -> None:
+        part = cache.open(rel, entry)
+        try:
+            tries = 0
+            while not part.done:
+                length = min(chunk, part.size - part.offset)
+                self.send("FETCH", {"path": rel, "offset": part.offset, "length": length})
+                try:
+                    msg = self.expect({"CHUNK"}, self.opts.reply_timeout_s, f"chunk of {rel}")
+                except TimeoutError:
+                    tries += 1
+                    if tries >= FETCH_RETRIES:
+                        raise
+                    logger.warning("worker {}: no chunk of {} at {} within {:g} s; asking again", self.name, rel,
+                                   part.offset, self.opts.reply_timeout_s)
+                    continue
+                if msg.header.get("path") != rel or msg.header.get("offset") != part.offset:
+                    continue     # an answer to a request asked again: already written
+                part.append(part.offset, msg.data)
+                self.fetched_bytes += len(msg.data)
+            part.finish()
+        finally:
+            part.close()
+
+    def stage_topology(self, start: link.Message, cache: ModelCache, run_dir: Path) -> Path:
+        """Write the stage's topology (the placed one, over this worker's model copy and keys)."""
+        data = dict(link.field(start, "topology", dict))
+        data["model"] = str(cache.dir)
+        keys = link.field(start, "keys", dict)
+        if keys:
+            write_key_files(run_dir / "keys", keys)
+            data["keys_dir"] = str(run_dir / "keys")
+        path = run_dir / "topology.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        parse_topology(yaml.safe_load(path.read_text()), str(path))   # validated before a stage reads it
+        return path
+
+    def start_stage(self, stage_id: str, topology_path: Path, run_dir: Path) -> subprocess.Popen:
+        log = open(run_dir / f"{stage_id}.log", "ab")
+        cmd = [sys.executable, "-m", "skippy_zmq.cli", *self.opts.stage_args, "stage", "--topology",
+               str(topology_path), "--stage", stage_id]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=tied_env())
+        log.close()
+        logger.info("worker {}: started stage {} (pid {}), log {}", self.name, stage_id, proc.pid,
+                    run_dir / f"{stage_id}.log")
+        return proc
+
+    def run(self) -> int:
+        assign = self.join()
+        stage_id = assign.header.get("stage")
+        if stage_id is None:
+            logger.info("worker {}: joined; {}", self.name, assign.header.get("reason", "no stage"))
+            self.stop.wait()
+            return 0
+        logger.info("worker {}: joined; runs stage {} (layers {})", self.name, stage_id, assign.header.get("layers"))
+        cache = self.fetch(assign)
+        start = self.pending_start or self.expect({"START"}, float("inf"), "START")
+        if start.header.get("stage") != stage_id:
+            raise Refused(f"START names stage {start.header.get('stage')!r}, but this worker was given {stage_id!r}")
+        run_dir = self.opts.cache / "runs" / re.sub(r"[^A-Za-z0-9_.-]", "_", stage_id)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        topology_path = self.stage_topology(start, cache, run_dir)
+        stage = parse_topology(yaml.safe_load(topology_path.read_text())).stage(stage_id)
+        speed = measure_speed(cache.dir, stage.weights, stage.device) if self.opts.measure else None
+        proc = self.start_stage(stage_id, topology_path, run_dir)
+        self.send("STARTED", {"stage": stage_id, "pid": proc.pid, "fetched_bytes": self.fetched_bytes,
+                              **({"speed": speed} if speed else {})})
+        return self.supervise(proc, stage_id, run_dir)
+
+    def supervise(self, proc: subprocess.Popen, stage_id: str, run_dir: Path) -> int:
+        """Until stopped (SIGTERM / SIGINT) or the stage exits; the link is drained meanwhile."""
+        while not self.stop.wait(0.2):
+            if proc.poll() is not None:
+                logger.error("worker {}: stage {} exited with code {}; see {}", self.name, stage_id, proc.returncode,
+                             run_dir / f"{stage_id}.log")
+                return 1
+            while self.sock.poll(0):
+                self.sock.recv_multipart()     # nothing is expected while serving (a re-cut would come here)
+        proc.terminate()
+        try:
+            proc.wait(STOP_GRACE_S + 2)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return 0
+
+
+def run_worker(options: WorkerOptions) -> int:
+    """The `worker` command: join, fetch, run the stage; 0 when stopped, 1 on a failure, 3 when refused."""
+    options.cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+    worker = Worker(options)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.stop.set())
+    try:
+        return worker.run()
+    except Refused as exc:
+        logger.error("worker {}: {}", worker.name, exc)
+        return 3
+    except (TimeoutError, CacheError, link.LinkError, TopologyError, ValueError, OSError) as exc:
+        logger.error("worker {}: {}", worker.name, exc)
+        return 1
+    except InterruptedError:
+        return 0
+    finally:
+        worker.close()

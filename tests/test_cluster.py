@@ -1,0 +1,326 @@
+"""Cluster: join tokens, the checkpoint manifest, the worker's cache, and real workers (processes,
+CURVE over real ZeroMQ) that join a driver, fetch only their stage's items and serve them."""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import TINY
+from loguru import logger
+
+from procs import free_endpoint, write_topology
+from skippy_zmq.checkpoint.checkpoint import CheckpointWriter
+from skippy_zmq.checkpoint.manifest import (MANIFEST_FILE, ManifestError, build_manifest, check_manifest, item_files,
+                                            load_manifest, model_digest, stage_item_names)
+from skippy_zmq.cluster import token as tokens
+from skippy_zmq.cluster.assign import place_stage, placed_topology
+from skippy_zmq.cluster.cache import CacheError, ModelCache
+from skippy_zmq.config.topology import TopologyError, parse_topology
+from skippy_zmq.devtools.random_model import word_tokenizer
+from skippy_zmq.model import weights
+from skippy_zmq.ops.lifetime import tied_env
+
+SERVER_KEY = b"rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """TINY (4 layers, width 64) with random weights and a word-level tokenizer, as `convert` writes it."""
+    out = tmp_path_factory.mktemp("tiny") / "m"
+    tree = weights.random_params(TINY, seed=0)
+    w = CheckpointWriter(out, TINY, "f32", rows_per_block=40)
+    w.add_top("norm", tree["norm"])
+    w.add_top("embed", tree["embed"])
+    for i in range(TINY.n_layers):
+        w.add_layer(i, {k: (v.T if v.ndim == 2 else v) for k, v in tree["layers"][str(i)].items()})
+    word_tokenizer(TINY.vocab_size).save(out)
+    w.finish({"format": "test", "sha256": "0" * 64})
+    return out
+
+
+# ---------------------------------------------------------------- tokens
+
+
+def test_a_token_round_trips_and_expires():
+    made = tokens.issue("tcp://10.0.0.5:5590", SERVER_KEY, ttl_s=60, now=1000.0)
+    text = made.text()
+    assert text.startswith("skz1.") and all(c.isalnum() or c in "-_." for c in text)
+    back = tokens.parse(text)
+    assert (back.endpoint, back.server_key, back.secret, back.expires_at) == (made.endpoint, SERVER_KEY, made.secret, 1060)
+    assert back.public == made.public != SERVER_KEY
+    assert not back.expired(now=1059.0) and back.expired(now=1060.0)
+    assert made.secret.decode() not in repr(back)                      # a log line never shows the secret
+
+
+def _forge(body: dict) -> str:
+    return "skz1." + base64.urlsafe_b64encode(json.dumps(body).encode()).decode().rstrip("=")
+
+
+@pytest.mark.parametrize("text, says", [
+    ("hello", "must start with 'skz1.'"),
+    ("skz1.%%%", "damaged"),
+    ("skz1." + "A" * 3000, "characters"),
+    (_forge({"e": "tcp://h:1", "k": "x"}), "expected the fields e, k, s, x"),
+    (_forge({"e": "ipc:///tmp/x", "k": SERVER_KEY.decode(), "s": SERVER_KEY.decode(), "x": 1}), "not tcp://host:port"),
+    (_forge({"e": "tcp://h:1", "k": "short", "s": SERVER_KEY.decode(), "x": 1}), "keys are damaged"),
+    (_forge({"e": "tcp://h:1", "k": SERVER_KEY.decode(), "s": SERVER_KEY.decode(), "x": "soon"}), "expiry"),
+])
+def test_a_malformed_token_is_refused_with_its_reason(text, says):
+    with pytest.raises(tokens.TokenError, match=says.replace("(", r"\(").replace("'", "'")):
+        tokens.parse(text)
+
+
+# ---------------------------------------------------------------- manifest, items, cache
+
+
+def test_convert_writes_a_manifest_and_a_stage_needs_only_its_items(tiny_model):
+    manifest = load_manifest(tiny_model)
+    assert manifest == build_manifest(tiny_model)                 # written at convert time, and recomputable
+    files = manifest["files"]
+    assert {"model.json", "source.json", "params/format.json", "tokenizer.json"} <= set(files)
+    assert len(model_digest(manifest)) == 64
+    first = item_files(manifest, stage_item_names(TINY, 0, 2))
+    last = item_files(manifest, stage_item_names(TINY, 2, 4))
+    assert all(p.startswith(("params/layer_00000/", "params/layer_00001/", "params/embed/")) or
+               p in ("model.json", "source.json", "params/format.json") for p in first)
+    assert not any("layer_00002" in p or "tokenizer" in p or "params/top" in p for p in first)
+    assert any(p.startswith("params/top/") for p in last) and "tokenizer.json" in last
+    assert any(p.startswith("params/embed/") for p in last)          # tied head: the last stage reads the embedding
+    assert not any(p.startswith(("params/layer_00000/", "params/layer_00001/")) for p in last)
+
+
+def test_a_checkpoint_without_a_manifest_gets_one(tiny_model, tmp_path):
+    import shutil
+
+    copy = tmp_path / "old"
+    shutil.copytree(tiny_model, copy)
+    (copy / MANIFEST_FILE).unlink()
+    with pytest.raises(ManifestError, match="no manifest"):
+        load_manifest(copy)
+    assert load_manifest(copy, build=True) == load_manifest(tiny_model)
+    assert (copy / MANIFEST_FILE).is_file()
+    bad = json.loads((copy / MANIFEST_FILE).read_text())
+    bad["files"]["../../etc/passwd"] = {"bytes": 1, "sha256": "0" * 64}
+    with pytest.raises(ManifestError, match="not a checkpoint path"):
+        check_manifest(bad, "x")
+
+
+def test_the_cache_resumes_a_partial_file_and_checks_its_hash(tiny_model, tmp_path):
+    manifest = load_manifest(tiny_model)
+    rel, entry = max(manifest["files"].items(), key=lambda kv: kv[1]["bytes"])
+    data = (tiny_model / rel).read_bytes()
+    cache = ModelCache(tmp_path, model_digest(manifest))
+    assert cache.missing({rel: entry}) == {rel: entry}
+    part = cache.open(rel, entry)
+    half = len(data) // 2
+    part.append(0, data[:half])
+    part.close()                                                   # a broken transfer
+    part = cache.open(rel, entry)
+    assert part.offset == half                                     # resumes where it stopped
+    with pytest.raises(CacheError, match="does not continue"):
+        part.append(0, data[:10])
+    part.append(half, data[half:])
+    part.finish()
+    assert (cache.dir / rel).read_bytes() == data and cache.missing({rel: entry}) == {}
+    assert ModelCache(tmp_path, model_digest(manifest)).missing({rel: entry}) == {}   # by its stamp
+    wrong = {**entry, "sha256": "f" * 64}
+    other = ModelCache(tmp_path / "b", model_digest(manifest)).open(rel, wrong)
+    other.append(0, data)
+    with pytest.raises(CacheError, match="sha256"):
+        other.finish()
+    with pytest.raises(CacheError, match="not a path inside"):
+        cache.path("../x")
+
+
+# ---------------------------------------------------------------- topology
+
+
+def test_a_topology_may_have_a_cluster_section(tiny_model, tmp_path):
+    data = yaml.safe_load(write_topology(tmp_path, tiny_model, 2).read_text())
+    assert parse_topology(data).cluster is None                   # existing topologies are unchanged
+    data["cluster"] = {"listen": "tcp://0.0.0.0:5590", "token_ttl_s": 600}
+    topology = parse_topology(data)
+    assert topology.cluster.listen == "tcp://0.0.0.0:5590" and topology.cluster.max_chunk_bytes == 1 << 20
+    assert parse_topology(topology.to_dict()) == topology
+    for bad, says in [({"listn": "x"}, "cluster.listn: unknown key"), ({"listen": "ipc:///x"}, "cluster.listen"),
+                      ({"max_chunk_bytes": 10}, "at least 4096"),
+                      ({"listen": data["driver"]["return"]}, "already used")]:
+        with pytest.raises(TopologyError, match=says):
+            parse_topology({**data, "cluster": bad})
+
+
+def test_a_stage_is_placed_on_its_workers_address(tiny_model, tmp_path):
+    topology = parse_topology(yaml.safe_load(write_topology(tmp_path, tiny_model, 2).read_text()))
+    port = topology.stages[1].listen.rsplit(":", 1)[1]
+    moved = place_stage(topology.stages[1], "10.1.2.3")
+    assert (moved.listen, moved.connect, moved.host) == (f"tcp://0.0.0.0:{port}", f"tcp://10.1.2.3:{port}", "10.1.2.3")
+    assert place_stage(topology.stages[1], "127.0.0.1") == topology.stages[1]
+    placed = placed_topology(topology, {"s0": "127.0.0.1", "s1": "10.1.2.3"})
+    assert placed.stages[0] == topology.stages[0] and placed.stages[1].connect == f"tcp://10.1.2.3:{port}"
+
+
+# ---------------------------------------------------------------- real workers
+
+
+def cluster_topology(tmp: Path, model: Path, n_stages: int, **cluster) -> Path:
+    path = write_topology(tmp, model, n_stages, name=f"cluster{n_stages}")
+    data = yaml.safe_load(path.read_text())
+    data["cluster"] = {"listen": free_endpoint(), **cluster}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def start_worker(token_text: str, cache: Path, log: Path, *extra: str) -> subprocess.Popen:
+    """A real `skippy-zmq worker` process, tied to this one (it dies with the test run)."""
+    cmd = [sys.executable, "-m", "skippy_zmq.cli", "worker", "--join", token_text, "--cache", str(cache),
+           "--no-measure", "--join-timeout", "20", *extra]
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=tied_env())
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def items_bytes(server, stage_id: str) -> int:
+    return sum(e["bytes"] for e in server.stage_files[stage_id].values())
+
+
+@pytest.fixture
+def driver_log():
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="INFO")
+    yield lines
+    logger.remove(sink)
+
+
+@pytest.mark.slow
+def test_a_wrong_or_expired_token_is_refused_and_gets_no_byte(tiny_model, tmp_path, driver_log):
+    from skippy_zmq.cluster.server import ClusterServer
+    from skippy_zmq.config.topology import load_topology
+
+    server = ClusterServer(load_topology(cluster_topology(tmp_path, tiny_model, 1)))
+    try:
+        wrong = tokens.issue(server.token.endpoint, server.server_key, ttl_s=600)     # a key this driver never issued
+        expired = server.issue_token(expires_at=time.time() - 1)
+        for i, (made, says) in enumerate([(wrong, "not issued by this driver"), (expired, "expired at")]):
+            log = tmp_path / f"w{i}.log"
+            proc = start_worker(made.text(), tmp_path / f"cache{i}", log, "--no-devices")
+            assert proc.wait(60) == 3
+            assert "refused this join token" in log.read_text()
+            assert any("refused a worker" in line and says in line for line in driver_log)
+        assert server.rejected >= 2 and server.workers == {} and server.sent_bytes == 0
+        assert not list((tmp_path / "cache0").rglob("params"))                   # not one weight file
+    finally:
+        server.close()
+
+
+@pytest.mark.slow
+def test_a_transfer_killed_halfway_resumes_and_resends_at_most_one_chunk(tiny_model, tmp_path):
+    import threading
+
+    from skippy_zmq.cluster.server import ClusterServer
+    from skippy_zmq.config.topology import load_topology
+
+    topology = load_topology(cluster_topology(tmp_path, tiny_model, 1, max_chunk_bytes=4096))
+    halfway, resume = threading.Event(), threading.Event()
+    need = {}
+
+    def on_chunk(name: str, sent: int) -> None:
+        if not halfway.is_set() and sent >= need["bytes"] // 2:
+            halfway.set()
+            resume.wait(30)               # the worker is killed while the driver holds the next chunk
+
+    server = ClusterServer(topology, on_chunk=on_chunk)
+    need["bytes"] = items_bytes(server, "s0")
+    try:
+        cache = tmp_path / "cache"
+        proc = start_worker(server.token.text(), cache, tmp_path / "w.log", "--no-devices", "--chunk-bytes", "4096")
+        assert halfway.wait(60)
+        proc.kill()
+        proc.wait()
+        resume.set()
+        proc = start_worker(server.token.text(), cache, tmp_path / "w.log", "--no-devices", "--chunk-bytes", "4096")
+        (record,) = server.workers.values()
+        assert server.wait_until(lambda: record.started is not None, 60), (tmp_path / "w.log").read_text()[-3000:]
+        resent = record.sent_bytes - need["bytes"]
+        assert 0 <= resent <= 4096, resent
+        assert 0 < record.started["fetched_bytes"] <= need["bytes"] // 2 + 4096
+        stop(proc)
+    finally:
+        server.close()
+
+
+def wait_ready(engine, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not engine.wait_ready(0.5):
+        assert time.monotonic() < deadline, f"pipeline not ready: {engine.not_ready_reason()}"
+
+
+def greedy(engine, request_id: str, prompt: list[int], n: int) -> list[int]:
+    from skippy_zmq.engine.request import GenRequest
+
+    events = engine.generate_blocking(GenRequest(request_id, tuple(prompt), max_tokens=n, ignore_eos=True))
+    return [e.token_id for e in events if e.token_id is not None]
+
+
+@pytest.mark.slow
+def test_two_workers_serve_a_model_as_one_process_does(tiny_model, tmp_path):
+    """Driver + 2 workers on this machine: each fetches exactly its stage's items, greedy output equals
+    the one-process engine's; a restarted worker fetches nothing and the pipeline resumes."""
+    from skippy_zmq.api.main import open_engine
+    from skippy_zmq.cluster.server import ClusterServer
+    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.engine.generate import LocalEngine
+    from skippy_zmq.sampling import SamplingParams
+
+    prompt = [5, 17, 33, 8, 61, 40, 12]
+    expected = LocalEngine(tiny_model).generate(prompt, SamplingParams(), 12, True).token_ids
+    server = ClusterServer(load_topology(cluster_topology(tmp_path, tiny_model, 2)))
+    procs, engine = {}, None
+    try:
+        for name in ("a", "b"):
+            procs[name] = start_worker(server.token.text(), tmp_path / name, tmp_path / f"{name}.log", "--name", name,
+                                       *(["--no-devices"] if name == "b" else []))
+        placed = server.wait_placed(120)
+        assert placed is not None, [(tmp_path / f"{n}.log").read_text()[-2000:] for n in procs]
+        assert server.wait_until(lambda: all(w.started for w in server.workers.values()), 60)
+        a, b = server.workers["a"], server.workers["b"]
+        assert (a.stage, b.stage) == ("s0", "s1")
+        assert a.report["cores"] >= 1 and a.report["memory"]["total"] > a.report["memory"]["available"] > 0
+        assert a.report["disk_free"] > 0 and [d["platform"] for d in a.report["devices"]] == ["cpu"]
+        for w in (a, b):
+            need = items_bytes(server, w.stage)
+            assert 1.0 <= w.sent_bytes / need <= 1.01 and w.started["fetched_bytes"] == w.sent_bytes
+        assert server.sent_bytes < sum(e["bytes"] for e in server.manifest["files"].values()) * 0.9
+        engine, _ = open_engine(placed)
+        wait_ready(engine, 180)
+        assert greedy(engine, "one", prompt, 12) == expected
+        stop(procs["b"])                                   # its stage dies with it
+        sent = server.sent_bytes
+        procs["b"] = start_worker(server.token.text(), tmp_path / "b", tmp_path / "b.log", "--name", "b",
+                                  "--no-devices")
+        assert server.wait_until(lambda: b.started is not None, 60)
+        assert b.started["fetched_bytes"] == 0 and server.sent_bytes == sent   # a restart moves nothing
+        wait_ready(engine, 180)
+        assert greedy(engine, "two", prompt, 12) == expected
+    finally:
+        if engine is not None:
+            engine.close()
+        for proc in procs.values():
+            stop(proc)
+        server.close()
