@@ -324,3 +324,62 @@ def test_two_workers_serve_a_model_as_one_process_does(tiny_model, tmp_path):
         for proc in procs.values():
             stop(proc)
         server.close()
+
+
+def read_line(stream, timeout: float) -> str:
+    """One line from a child's pipe within `timeout` seconds ('' if none came)."""
+    import selectors
+
+    with selectors.DefaultSelector() as sel:
+        sel.register(stream, selectors.EVENT_READ)
+        return stream.readline().decode().strip() if sel.select(timeout) else ""
+
+
+def serving(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/readyz", timeout=30).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.mark.slow
+def test_the_driver_command_prints_a_token_that_workers_join_with(tiny_model, tmp_path):
+    """The user's flow: `skippy-zmq driver --cluster` prints a token, two `skippy-zmq worker --join` use
+    it, and the OpenAI API answers greedily as one process does."""
+    import httpx
+
+    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.engine.generate import LocalEngine
+    from skippy_zmq.sampling import SamplingParams
+    from skippy_zmq.text.tokenizer import TextTokenizer
+
+    prompt = [5, 17, 33, 8, 61, 40, 12]
+    expected = LocalEngine(tiny_model).generate(prompt, SamplingParams(), 12, True).token_ids
+    path = write_topology(tmp_path, tiny_model, 2, name="plain")          # no cluster: section: --cluster's defaults
+    data = yaml.safe_load(path.read_text())
+    listen = free_endpoint()
+    data["cluster"] = {"listen": listen}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    url = f"http://{load_topology(path).driver.http}"
+    with open(tmp_path / "driver.log", "ab") as log:
+        driver = subprocess.Popen([sys.executable, "-m", "skippy_zmq.cli", "driver", "--topology", str(path),
+                                   "--cluster"], stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                                  env=tied_env())
+    workers = []
+    try:
+        token_text = read_line(driver.stdout, 300)
+        assert tokens.parse(token_text).endpoint == listen, (tmp_path / "driver.log").read_text()[-2000:]
+        workers = [start_worker(token_text, tmp_path / n, tmp_path / f"{n}.log", "--no-devices") for n in "ab"]
+        deadline = time.monotonic() + 400
+        while not serving(url):   # a liveness poll: the driver serves HTTP once every stage has a worker
+            assert driver.poll() is None and time.monotonic() < deadline, (tmp_path / "driver.log").read_text()[-3000:]
+            time.sleep(0.5)
+        reply = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": "m", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == TextTokenizer.load(tiny_model).decode(expected)
+    finally:
+        for proc in [*workers, driver]:
+            stop(proc)
