@@ -183,7 +183,7 @@ def test_ipc_and_inproc_endpoints_and_curve():
 @pytest.mark.parametrize(
     "mutate, fragments",
     [
-        (lambda d: d.update(modle="x"), ["modle: unknown key (allowed: driver, keys_dir, model"]),
+        (lambda d: d.update(modle="x"), ["modle: unknown key (allowed: cluster, driver, keys_dir, model"]),
         (lambda d: d["driver"].update(retrun="tcp://127.0.0.1:1"), ["driver.retrun: unknown key", "return"]),
         (lambda d: d.update(wire={"hwn": 1}), ["wire.hwn: unknown key (allowed: activation_dtype, hwm,"]),
         (

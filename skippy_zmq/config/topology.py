@@ -40,6 +40,9 @@ is optional; defaults shown)::
       activation_dtype: f32          # f32 | f16 | bf16 | q8
       max_message_bytes: 67108864
       hwm: 1000                      # ZeroMQ high-water mark (0 = unlimited)
+    cluster:                         # optional: workers join with a token and fetch their stage's
+      listen: tcp://0.0.0.0:5590     # items (listen, advertise, token_ttl_s, max_chunk_bytes; see
+                                     # skippy_zmq/config/cluster.py and docs/cluster.md)
     stages:                          # in chain order
       - id: s0
         layers: [0, 15]              # half-open [start, end); contiguous from 0
