@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -265,6 +266,18 @@ def test_a_transfer_killed_halfway_resumes_and_resends_at_most_one_chunk(tiny_mo
         server.close()
 
 
+def gone(pid: int, timeout: float) -> bool:
+    """The process `pid` has exited within `timeout` seconds (a liveness poll)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def wait_ready(engine, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not engine.wait_ready(0.5):
@@ -310,7 +323,9 @@ def test_two_workers_serve_a_model_as_one_process_does(tiny_model, tmp_path):
         wait_ready(engine, 400)
         assert greedy(engine, "one", prompt, 12) == expected
         last = next(w for w in server.workers.values() if w.stage == "s1")
-        stop(procs[last.name])                             # its stage dies with it
+        procs[last.name].kill()                            # SIGKILL: its stage must die with it all the same
+        procs[last.name].wait()
+        assert gone(last.started["pid"], 60)
         sent, before = server.sent_bytes, last.started
         procs[last.name] = start_worker(server.token.text(), tmp_path / last.name, tmp_path / f"{last.name}.log",
                                         "--name", last.name, "--no-devices")

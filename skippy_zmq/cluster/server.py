@@ -94,7 +94,8 @@ class ClusterServer:
         self.ctx = zmq.Context()       # its own: a ZAP handler serves one context
         public, secret = zmq.curve_keypair()
         self.server_key = public
-        self.token = self.issue_token()
+        self.auth: TokenAuthenticator | None = None
+        self.token = self.issue_token()        # before the authenticator, which starts admitting its key
         self.auth = start_authenticator(self.ctx, {self.token.public: WORKER},
                                         make=functools.partial(TokenAuthenticator, expires=self._expires))
         try:
@@ -114,7 +115,7 @@ class ClusterServer:
         if expires_at is not None:
             made = dataclasses.replace(made, expires_at=expires_at)
         self._expires[made.public] = made.expires_at
-        if hasattr(self, "auth"):
+        if self.auth is not None:
             self.auth.allowed[made.public] = WORKER
         return made
 
