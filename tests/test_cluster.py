@@ -218,14 +218,19 @@ def test_a_wrong_or_expired_token_is_refused_and_gets_no_byte(tiny_model, tmp_pa
     try:
         wrong = tokens.issue(server.token.endpoint, server.server_key, ttl_s=600)     # a key this driver never issued
         expired = server.issue_token(expires_at=time.time() - 1)
-        for i, (made, says) in enumerate([(wrong, "not issued by this driver"), (expired, "expired at")]):
+        other_driver = tokens.issue(server.token.endpoint, tokens.issue("tcp://h:1", SERVER_KEY, 1).public, 600)
+        cases = [(wrong, "refused this join token", "refused a worker", "not issued by this driver"),
+                 (expired, "refused this join token", "refused a worker", "expired at"),
+                 (other_driver, "driver key is not this driver's", "failed the CURVE handshake", "another driver")]
+        for i, (made, worker_says, driver_says, why) in enumerate(cases):
             log = tmp_path / f"w{i}.log"
             proc = start_worker(made.text(), tmp_path / f"cache{i}", log, "--no-devices")
             assert proc.wait(300) == 3
-            assert "refused this join token" in log.read_text()
-            assert any("refused a worker" in line and says in line for line in driver_log)
-        assert server.rejected >= 2 and server.workers == {} and server.sent_bytes == 0
-        assert not list((tmp_path / "cache0").rglob("params"))                   # not one weight file
+            assert worker_says in log.read_text()
+            assert any(driver_says in line and why in line for line in driver_log), driver_log[-5:]
+        assert server.rejected >= 2 and server.handshake_failures >= 1
+        assert server.workers == {} and server.sent_bytes == 0
+        assert not [p for i in range(3) for p in (tmp_path / f"cache{i}").rglob("*") if p.is_file()]   # no file
     finally:
         server.close()
 

@@ -20,11 +20,11 @@ import os
 import re
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import zmq
 from loguru import logger
+from zmq.utils.monitor import recv_monitor_message
 
 from skippy_zmq.checkpoint.manifest import item_files, load_manifest, model_digest, stage_item_names
 from skippy_zmq.cluster import link, token
@@ -37,6 +37,7 @@ from skippy_zmq.protocol.transport import make_socket
 
 MAX_WORKERS = 256
 POLL_MS = 100
+HANDSHAKE_LOG_EVERY_S = 60.0   # a peer with a wrong driver key retries every 100 ms: log it once a minute
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 WORKER = "worker"   # the ZAP User-Id of every token's connections
 
@@ -91,6 +92,8 @@ class ClusterServer:
         self.changed = threading.Condition()   # notified when a worker joins, is sent a chunk or starts
         self._stop = threading.Event()
         self._expires: dict[bytes, float] = {}
+        self.handshake_failures = 0
+        self._last_handshake_log = -HANDSHAKE_LOG_EVERY_S
         self.ctx = zmq.Context()       # its own: a ZAP handler serves one context
         public, secret = zmq.curve_keypair()
         self.server_key = public
@@ -150,18 +153,40 @@ class ClusterServer:
     # ---------------------------------------------------------------- the loop
 
     def _serve(self) -> None:
+        monitor = self.router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(POLL_MS):
-                continue
-            while True:
-                try:
-                    identity, *parts = self.router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self._handle(identity, parts)
-                self._changed()
+        poller.register(monitor, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(POLL_MS))
+                if monitor in ready:
+                    self._handshake_failed(recv_monitor_message(monitor))
+                if self.router in ready:
+                    self._drain()
+        finally:
+            self.router.disable_monitor()
+            monitor.close(linger=0)
+
+    def _handshake_failed(self, event: dict[str, Any]) -> None:
+        """A peer that cannot finish the CURVE handshake: a token made for another driver (or an
+        earlier run of this one), or not a worker at all. It never reaches the request handlers."""
+        self.handshake_failures += 1
+        now = time.monotonic()
+        if now - self._last_handshake_log >= HANDSHAKE_LOG_EVERY_S:
+            self._last_handshake_log = now
+            logger.warning("cluster: refused a connection on {} that failed the CURVE handshake (protocol error "
+                           "{:#x}): a join token from another driver or an earlier run of this one? ({} so far)",
+                           self.config.listen, event.get("value", 0), self.handshake_failures)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                identity, *parts = self.router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(identity, parts)
+            self._changed()
 
     def _handle(self, identity_frame: zmq.Frame, parts: list[zmq.Frame]) -> None:
         identity = identity_frame.bytes

@@ -39,7 +39,11 @@ from skippy_zmq.protocol.transport import make_socket
 DEFAULT_CACHE = Path.home() / ".cache" / "skippy_zmq" / "worker"
 FETCH_RETRIES = 3
 MAX_MESSAGE_BYTES = 64 << 20
-_AUTH_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+# A handshake that fails without a reason is what a wrong driver key looks like from here (the driver
+# cannot decrypt us), but a connection broken mid-handshake looks the same once: refuse on the third.
+WRONG_KEY_FAILURES = 3
 
 
 class Refused(RuntimeError):
@@ -77,7 +81,8 @@ class Worker:
         self.sock = make_socket(self.ctx, zmq.DEALER, token.endpoint, bind=False, max_message_bytes=MAX_MESSAGE_BYTES,
                                 security=SocketSecurity("curve", token.public, token.secret, server=False,
                                                         server_key=token.server_key))
-        self.monitor = self.sock.get_monitor_socket(_AUTH_FAILED)
+        self.monitor = self.sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        self.failed_handshakes = 0
 
     def close(self) -> None:
         self.sock.disable_monitor()
@@ -100,7 +105,10 @@ class Worker:
             ready = dict(poller.poll(min(left, 0.2) * 1000))
             if self.monitor in ready:
                 event = recv_monitor_message(self.monitor)
-                raise Refused(self._refusal(event))
+                self.failed_handshakes += 1
+                if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or \
+                        self.failed_handshakes >= WRONG_KEY_FAILURES:
+                    raise Refused(self._refusal(event))
             if self.sock in ready:
                 msg = link.parse(self.sock.recv_multipart(copy=False))
                 if msg.kind == "REFUSED":
