@@ -403,3 +403,61 @@ def test_the_driver_command_prints_a_token_that_workers_join_with(tiny_model, tm
     finally:
         for proc in [*workers, driver]:
             stop(proc)
+
+
+def test_a_worker_gets_only_its_own_stages_files_within_the_caps(tiny_model, tmp_path):
+    """A DEALER holding a live token (as a worker would): what it may ask for is its stage's files,
+    at most max_chunk_bytes at a time, and nothing before it has said HELLO."""
+    import zmq
+
+    from skippy_zmq.cluster import link
+    from skippy_zmq.cluster.server import ClusterServer
+    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.protocol.security import SocketSecurity
+    from skippy_zmq.protocol.transport import make_socket
+
+    server = ClusterServer(load_topology(cluster_topology(tmp_path, tiny_model, 2, max_chunk_bytes=4096)))
+    ctx = zmq.Context()
+    t = server.token
+    sock = make_socket(ctx, zmq.DEALER, t.endpoint, bind=False, security=SocketSecurity(
+        "curve", t.public, t.secret, server=False, server_key=t.server_key))
+
+    def ask(kind: str, header: dict) -> link.Message:
+        sock.send_multipart(link.frames(link.Message(kind, header)))
+        assert sock.poll(30_000), f"no answer to {kind}"
+        return link.parse(sock.recv_multipart())
+
+    try:
+        layer0 = "params/layer_00000/_METADATA"
+        assert "FETCH before HELLO" in ask("FETCH", {"path": layer0, "offset": 0, "length": 10}).header["reason"]
+        assign = ask("HELLO", {"name": "probe", "report": {}})
+        assert assign.kind == "ASSIGN" and assign.header["stage"] == "s0"
+        assert set(assign.header["files"]) == set(server.stage_files["s0"])
+        chunk = ask("FETCH", {"path": layer0, "offset": 0, "length": 10})
+        assert chunk.kind == "CHUNK" and bytes(chunk.data) == (tiny_model / layer0).read_bytes()[:10]
+        refusals = [({"path": "params/layer_00003/_METADATA", "offset": 0, "length": 10}, "not a file of stage s0"),
+                    ({"path": "../../etc/passwd", "offset": 0, "length": 10}, "not a file of stage s0"),
+                    ({"path": layer0, "offset": 0, "length": 5000}, "chunk cap (4096)"),
+                    ({"path": layer0, "offset": 10**9, "length": 10}, "past its"),
+                    ({"path": layer0, "offset": -1, "length": 10}, "at least 0")]
+        for header, says in refusals:
+            reply = ask("FETCH", header)
+            assert reply.kind == "REFUSED" and says in reply.header["reason"], reply.header
+        assert server.sent_bytes == 10
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        server.close()
+
+
+def test_malformed_link_messages_are_named():
+    from skippy_zmq.cluster import link
+
+    for parts, says in [([b"HELLO"], "expected 2 or 3 frames"), ([b"NOPE", b"{}"], "unknown message kind"),
+                        ([b"HELLO", b"[1]"], "not a JSON object"), ([b"HELLO", b"{x"], "not JSON"),
+                        ([b"CHUNK", b"{}"], "a data frame is required"), ([b"FETCH", b"{}", b"x"], "unexpected data")]:
+        with pytest.raises(link.LinkError, match=says):
+            link.parse(parts)
+    msg = link.parse([b"FETCH", b'{"offset": true}'])
+    with pytest.raises(link.LinkError, match="'offset' must be int"):
+        link.field(msg, "offset", int)

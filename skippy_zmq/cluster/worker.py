@@ -26,6 +26,7 @@ import zmq
 from loguru import logger
 from zmq.utils.monitor import recv_monitor_message
 
+from skippy_zmq.checkpoint.manifest import MANIFEST_VERSION, check_manifest
 from skippy_zmq.cluster import link
 from skippy_zmq.cluster.assign import write_key_files
 from skippy_zmq.cluster.cache import CacheError, ModelCache
@@ -153,7 +154,8 @@ class Worker:
     def fetch(self, assign: link.Message) -> ModelCache:
         """Every file of the assignment into the cache (only what is missing), verified."""
         cache = ModelCache(self.opts.cache, link.field(assign, "digest", str))
-        files = link.field(assign, "files", dict)
+        files = check_manifest({"version": MANIFEST_VERSION, "files": link.field(assign, "files", dict)},
+                               "the driver's file table")["files"]
         chunk = min(self.opts.chunk_bytes, link.field(assign, "max_chunk_bytes", int, 1))
         missing = cache.missing(files)
         t0 = time.monotonic()
