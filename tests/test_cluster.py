@@ -153,6 +153,7 @@ def test_a_topology_may_have_a_cluster_section(tiny_model, tmp_path):
     assert parse_topology(topology.to_dict()) == topology
     for bad, says in [({"listn": "x"}, "cluster.listn: unknown key"), ({"listen": "ipc:///x"}, "cluster.listen"),
                       ({"max_chunk_bytes": 10}, "at least 4096"),
+                      ({"max_chunk_bytes": 1 << 30}, "at most 16777216"),
                       ({"listen": data["driver"]["return"]}, "already used")]:
         with pytest.raises(TopologyError, match=says):
             parse_topology({**data, "cluster": bad})

@@ -446,9 +446,15 @@ def _tcp(value: Any, at: _At) -> str:
     return _endpoint(value, at)
 
 
+def _chunk_bytes(value: Any, at: _At) -> int:
+    if _integer(4096)(value, at) > 16 << 20:   # a worker's socket takes frames up to 64 MiB
+        at.fail(f"must be at most {16 << 20} (16 MiB), got {value}")
+    return value
+
+
 _cluster = _section(ClusterConfig, {
     "listen": _tcp, "advertise": lambda v, at: None if v is None else _dial(_tcp(v, at), at),
-    "token_ttl_s": _seconds, "max_chunk_bytes": _integer(4096),
+    "token_ttl_s": _seconds, "max_chunk_bytes": _chunk_bytes,
 })
 
 
