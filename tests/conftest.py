@@ -94,6 +94,7 @@ def work_unit(nodeid: str) -> str:
 # test_launch for the end). Units not listed follow in collection order.
 LONGEST_FIRST = ["shared-pipelines",   # 300 s
                  "test_llama_server_suite",   # 230 s (llama.cpp's server tests against a pipeline of its own)
+                 "test_cluster",              # ~150 s (worker processes, a driver, stages) on a busy machine
                  "test_chaos", "test_bench", "test_quant_kernel", "test_quant", "test_resume",   # 78-52 s
                  "test_launch", "test_checkpoint", "test_placement", "test_orphans",            # 40-27 s
                  "test_speculation", "test_families", "test_curve_pipeline", "test_real_vocab_serving",
