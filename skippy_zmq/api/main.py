@@ -24,7 +24,8 @@ from skippy_zmq.engine.pipeline import PipelineEngine
 from skippy_zmq.ops.launch import check_alive, spawn_stages, stop_processes
 from skippy_zmq.ops.lifetime import settle_heap, watch_parent
 from skippy_zmq.text.tokenizer import TextTokenizer
-from skippy_zmq.config.topology import Topology, load_topology
+from skippy_zmq.config.topology import Topology
+from skippy_zmq.config.topology_yaml import load_topology
 
 if TYPE_CHECKING:
     from skippy_zmq.engine.generate import GenerationResult
