@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from skippy_zmq.devtools.bench.spec import copy_messages  # noqa: E402
+from skippy_zmq.devtools.bench.spec_workloads import copy_messages  # noqa: E402
 
 
 def run(model: str, prompt: str, mode: str, max_tokens: int) -> dict:

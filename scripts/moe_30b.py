@@ -24,12 +24,13 @@ import httpx
 
 from skippy_zmq.devtools.bench import llama_build
 from skippy_zmq.devtools.bench.common import print_table
-from skippy_zmq.devtools.bench.peers import concurrent, llama_bench, ratio, single_stream, stream_completion
+from skippy_zmq.devtools.bench.peers import llama_bench, ratio
+from skippy_zmq.devtools.bench.peers_client import concurrent, single_stream, stream_completion
 from skippy_zmq.devtools.bench.scale import prompt_ids
 from skippy_zmq.devtools.harness import free_base_port
 from skippy_zmq.ops.launch import spawn_driver, spawn_stages, stop_processes, wait_http_ready
 from skippy_zmq.devtools.soak import wait_warmed
-from skippy_zmq.config.topology import load_topology
+from skippy_zmq.config.topology_yaml import load_topology
 
 
 def plan(model: Path, caps: str, lanes: int, context: int) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ from skippy_zmq.cli import configure_jax
 configure_jax()
 from skippy_zmq.devtools.harness import write_topology
 from skippy_zmq.stage import factory
-from skippy_zmq.config.topology import load_topology
+from skippy_zmq.config.topology_yaml import load_topology
 
 def vm(key):
     for line in open("/proc/self/status"):

@@ -47,7 +47,7 @@ def main() -> None:
     configure_jax()
     from skippy_zmq.devtools.harness import write_topology
     from skippy_zmq.stage import factory
-    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.config.topology_yaml import load_topology
 
     spec = {"method": "ngram", "max_draft": a.max_draft} if a.max_draft > 0 else {"method": "off"}
     path = write_topology(Path(tempfile.mkdtemp()), a.model.absolute(), a.stages, name="shapes",

@@ -79,7 +79,7 @@ def timeline(model: Path, n_stages: int, fmt: str, index: int, context: int | No
 
     from skippy_zmq.model import runner as runner_module
     from skippy_zmq.stage import factory
-    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.config.topology_yaml import load_topology
 
     from skippy_zmq.cli import configure_jax
 

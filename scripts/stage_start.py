@@ -55,7 +55,7 @@ def main() -> int:
     from jax import monitoring
 
     from skippy_zmq.stage.factory import build_worker, stage_buckets
-    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.config.topology_yaml import load_topology
 
     if args.explain:
         jax.config.update("jax_explain_cache_misses", True)

@@ -190,7 +190,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_stage(args: argparse.Namespace) -> int:
     from skippy_zmq.stage.loop import run_stage
-    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.config.topology_yaml import load_topology
 
     return run_stage(load_topology(args.topology), args.stage)
 
@@ -209,7 +209,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from skippy_zmq.ops.launch import launch
-    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.config.topology_yaml import load_topology
 
     url = launch(load_topology(args.topology), Path(args.topology), Path(args.run_dir), args.timeout, tied=False)
     print(url)

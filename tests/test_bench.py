@@ -15,7 +15,8 @@ from skippy_zmq.devtools.bench import gpu_check
 from skippy_zmq.devtools.bench.greedy import agreement_row, pipeline_tokens
 from skippy_zmq.devtools.bench.hops import corrected_base, hop_delay, hop_model, hop_row
 from skippy_zmq.devtools.bench import llama_build
-from skippy_zmq.devtools.bench.peers import llama_server_command, ratio, ratio_rows
+from skippy_zmq.devtools.bench.peers import ratio, ratio_rows
+from skippy_zmq.devtools.bench.peers_engines import llama_server_command
 from skippy_zmq.devtools.bench.pipeline import BENCH_TOPOLOGY, STREAMS, bubble, one_stream_rows, per_hop_overhead_us, percentile, stage_busy_ms, step_compute_ms, wire_rows
 from skippy_zmq.devtools.bench.plots import matplotlib_available, write_plots
 
@@ -57,7 +58,7 @@ def test_one_stream_rows_without_a_one_stage_row():
 def test_bench_topology_runs_32_streams_on_the_chosen_device(tmp_path):
     from skippy_zmq.devtools.harness import write_topology
     from skippy_zmq.stage.factory import stage_buckets
-    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.config.topology_yaml import load_topology
 
     assert max(STREAMS) == 32
     path = write_topology(tmp_path, tmp_path, 2, n_layers=30, **BENCH_TOPOLOGY, device="gpu:0", dtype="bfloat16")
@@ -345,7 +346,7 @@ def test_scale_quick_path_end_to_end(tmp_path):
 
 
 def test_spec_arithmetic_acceptance_identity_and_goals():
-    from skippy_zmq.devtools.bench.spec import acceptance, concurrent_speed, decode_speed, identity, spec_counts, spec_goal_rows
+    from skippy_zmq.devtools.bench.spec_goals import acceptance, concurrent_speed, decode_speed, identity, spec_counts, spec_goal_rows
 
     assert spec_counts({"speculative": {"windows": 2, "drafted": 8, "accepted": 6}}) == \
         {"windows": 2, "drafted": 8, "accepted": 6}

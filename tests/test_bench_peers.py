@@ -1,11 +1,11 @@
-"""bench peers' client (skippy_zmq/devtools/bench/peers.py), the same code for both engines, against our real
+"""bench peers' client (skippy_zmq/devtools/bench/peers_client.py), the same code for both engines, against our real
 server (the session's shared pipeline)."""
 
 from __future__ import annotations
 
 import pytest
 
-from skippy_zmq.devtools.bench.peers import concurrent, single_stream, stream_completion
+from skippy_zmq.devtools.bench.peers_client import concurrent, single_stream, stream_completion
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,8 @@ from skippy_zmq.checkpoint.manifest import (MANIFEST_FILE, ManifestError, build_
 from skippy_zmq.cluster import token as tokens
 from skippy_zmq.cluster.assign import place_stage, placed_topology
 from skippy_zmq.cluster.cache import CacheError, ModelCache
-from skippy_zmq.config.topology import TopologyError, parse_topology
+from skippy_zmq.config.topology import TopologyError
+from skippy_zmq.config.topology_yaml import parse_topology
 from skippy_zmq.devtools.random_model import word_tokenizer
 from skippy_zmq.model import weights
 from skippy_zmq.ops.lifetime import tied_env
@@ -213,7 +214,7 @@ def driver_log():
 @pytest.mark.slow
 def test_a_wrong_or_expired_token_is_refused_and_gets_no_byte(tiny_model, tmp_path, driver_log):
     from skippy_zmq.cluster.server import ClusterServer
-    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.config.topology_yaml import load_topology
 
     server = ClusterServer(load_topology(cluster_topology(tmp_path, tiny_model, 1)))
     try:
@@ -241,7 +242,7 @@ def test_a_transfer_killed_halfway_resumes_and_resends_at_most_one_chunk(tiny_mo
     import threading
 
     from skippy_zmq.cluster.server import ClusterServer
-    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.config.topology_yaml import load_topology
 
     topology = load_topology(cluster_topology(tmp_path, tiny_model, 1, max_chunk_bytes=4096))
     halfway, resume = threading.Event(), threading.Event()
@@ -303,7 +304,7 @@ def test_two_workers_serve_a_model_as_one_process_does(tiny_model, tmp_path):
     the one-process engine's; a restarted worker fetches nothing and the pipeline resumes."""
     from skippy_zmq.api.main import open_engine
     from skippy_zmq.cluster.server import ClusterServer
-    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.config.topology_yaml import load_topology
     from skippy_zmq.engine.generate import LocalEngine
     from skippy_zmq.sampling import SamplingParams
 
@@ -371,7 +372,7 @@ def test_the_driver_command_prints_a_token_that_workers_join_with(tiny_model, tm
     it, and the OpenAI API answers greedily as one process does."""
     import httpx
 
-    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.config.topology_yaml import load_topology
     from skippy_zmq.engine.generate import LocalEngine
     from skippy_zmq.sampling import SamplingParams
     from skippy_zmq.text.tokenizer import TextTokenizer
@@ -413,7 +414,7 @@ def test_a_worker_gets_only_its_own_stages_files_within_the_caps(tiny_model, tmp
 
     from skippy_zmq.cluster import link
     from skippy_zmq.cluster.server import ClusterServer
-    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.config.topology_yaml import load_topology
     from skippy_zmq.protocol.security import SocketSecurity
     from skippy_zmq.protocol.transport import make_socket
 

@@ -25,7 +25,7 @@ from skippy_zmq.engine.pipeline import PipelineEngine
 from skippy_zmq.api.server import create_app, start_in_thread
 from skippy_zmq.devtools.harness import write_topology
 from skippy_zmq.text.tokenizer import TextTokenizer
-from skippy_zmq.config.topology import load_topology
+from skippy_zmq.config.topology_yaml import load_topology
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"

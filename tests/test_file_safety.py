@@ -19,7 +19,8 @@ from skippy_zmq.files.fetch import extract_under
 from skippy_zmq.ops.launch import stage_command
 from skippy_zmq.model import quant
 from skippy_zmq.files.private_dirs import private_cache_dir, unsafe_reason
-from skippy_zmq.config.topology import TopologyError, parse_topology
+from skippy_zmq.config.topology import TopologyError
+from skippy_zmq.config.topology_yaml import parse_topology
 
 # ---------------------------------------------------------------- caches of compiled code
 

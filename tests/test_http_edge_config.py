@@ -16,7 +16,8 @@ from test_http_edge import API_KEY, APP_ORIGIN, METRICS_KEY, _chat_body
 
 from skippy_zmq.config.http import EdgeConfig, EdgeConfigError, split_host
 from skippy_zmq.api.http_guard import ApiKeys, KeySourceError, resolve_keys
-from skippy_zmq.config.topology import TopologyError, parse_topology, plan_topology
+from skippy_zmq.config.topology import TopologyError
+from skippy_zmq.config.topology_yaml import parse_topology, plan_topology
 
 
 def test_key_sources_file_env_argv(tmp_path, monkeypatch):
@@ -105,7 +106,7 @@ def test_driver_process_takes_its_key_from_a_file_not_argv(small_model_dir, tmp_
     from procs import write_topology
     from skippy_zmq.ops.launch import spawn_stages, stop_processes, wait_http_ready
     from skippy_zmq.ops.lifetime import tied_env
-    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.config.topology_yaml import load_topology
 
     topo_path = write_topology(tmp_path, small_model_dir, 1, name="edge", driver__http_edge={"max_connections": 16})
     topology = load_topology(topo_path)

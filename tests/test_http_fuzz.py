@@ -29,7 +29,8 @@ from test_server import REPLY, _load_tokenizer
 from skippy_zmq.api import openai_schema
 from skippy_zmq.config.http import EdgeConfig
 from skippy_zmq.api.http_guard import ApiKeys
-from skippy_zmq.api.server import KNOWN_ENDPOINTS, create_app, start_in_thread
+from skippy_zmq.api.middleware import KNOWN_ENDPOINTS
+from skippy_zmq.api.server import create_app, start_in_thread
 
 API_KEY = "fuzz-key"
 ORIGIN = "http://console.example"

@@ -25,7 +25,7 @@ from conftest import REPO, first_mismatch
 from procs import TEST_CONTEXT
 from skippy_zmq.engine.request import GenRequest
 from skippy_zmq.ops.launch import check_alive, prepare_keys, stop_processes
-from skippy_zmq.config.topology import load_topology, plan_topology
+from skippy_zmq.config.topology_yaml import load_topology, plan_topology
 
 N_STAGES = 3
 PID = os.getpid()

@@ -25,7 +25,8 @@ from skippy_zmq.ops.planner import PlanRequest, plan, plan_text
 from skippy_zmq.stage import factory
 from skippy_zmq.stage.factory import build_worker
 from skippy_zmq.stage.loop import StageLoop, run_stage
-from skippy_zmq.config.topology import TopologyError, load_topology, parse_topology
+from skippy_zmq.config.topology import TopologyError
+from skippy_zmq.config.topology_yaml import load_topology, parse_topology
 
 SMOLLM2 = ModelConfig(arch="llama", n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,
                       vocab_size=49152, rope_theta=100000.0, norm_eps=1e-5, tied_embeddings=True, max_seq_len=8192)

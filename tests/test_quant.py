@@ -15,7 +15,8 @@ from skippy_zmq.config.model import KVConfig
 from skippy_zmq.model import quant, weights
 from skippy_zmq.model.llama import forward_reference
 from skippy_zmq.model.runner import SliceRunner
-from skippy_zmq.config.topology import TopologyError, parse_topology
+from skippy_zmq.config.topology import TopologyError
+from skippy_zmq.config.topology_yaml import parse_topology
 
 GGUF = MODEL_DIR.parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -100,7 +100,7 @@ def test_a_pipeline_dialled_through_relays_matches_transformers(model_dir, parit
     from procs import TEST_CONTEXT
     from skippy_zmq.engine.request import GenRequest
     from skippy_zmq.devtools.harness import running_pipeline, write_topology
-    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.config.topology_yaml import load_topology
 
     path = write_topology(tmp_path, model_dir, 2, driver__max_context=TEST_CONTEXT)
     topology = load_topology(path)

@@ -20,7 +20,8 @@ from loguru import logger
 
 from skippy_zmq.protocol import keystore, security, transport, wire
 from skippy_zmq.protocol.security import SecurityError, SocketSecurity
-from skippy_zmq.config.topology import Topology, TopologyError, parse_topology
+from skippy_zmq.config.topology import Topology, TopologyError
+from skippy_zmq.config.topology_yaml import parse_topology
 from skippy_zmq.protocol.wire import Kind, Message
 from procs import free_endpoint
 

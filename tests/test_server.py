@@ -433,6 +433,29 @@ def test_client_disconnect_non_streaming_cancels(server, engine):
     assert time.monotonic() - started < 4.0 and engine.finished == []
 
 
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 150}),
+    ("/v1/messages", {"messages": MESSAGES, "max_tokens": 150}),
+    ("/v1/responses", {"input": "Say hello.", "max_output_tokens": 150}),
+])
+def test_every_api_shape_cancels_when_its_client_leaves(server, http, engine, tok, path, body):
+    """The respond flow the API shapes share (streaming.respond): a client gone before the whole
+    answer cancels the engine request and counts a client_disconnect."""
+    saved, engine.script = engine.script, [*tok.encode("word " * 200), tok.eos_ids[0]]   # 3 s at 20 ms a token
+    engine.delay_s = 0.02
+    key = ("skippy_errors_total", (("kind", "client_disconnect"),))
+    before = _metric_samples(http).get(key, 0.0)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, timeout=0.3)
+        assert engine.wait_cancelled(timeout_s=5.0)
+    finally:
+        engine.script = saved
+    assert engine.cancelled == [engine.requests[-1].request_id] and engine.finished == []
+    assert _metric_samples(http)[key] == before + 1
+
+
 # ---------------------------------------------------------------- structured output and tools (fake engine)
 
 FN = {"type": "function", "function": {"name": "f", "parameters": {

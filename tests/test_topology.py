@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from skippy_zmq.config.model import KVConfig
-from skippy_zmq.config.topology import CacheConfig, Topology, TopologyError, dump_topology, load_topology, parse_topology, plan_topology, split_layers
+from skippy_zmq.config.topology import CacheConfig, Topology, TopologyError
+from skippy_zmq.config.topology_yaml import dump_topology, load_topology, parse_topology, plan_topology, split_layers
 
 TOPOLOGIES = sorted((Path(__file__).resolve().parents[1] / "topologies").glob("*.yaml"))
 

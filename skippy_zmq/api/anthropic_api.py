@@ -7,17 +7,16 @@ engine, one ChatOutput splits its text into reasoning, content and tool calls, a
 anthropic_blocks.ContentBlocks turns that into Anthropic's content blocks and stream events.
 Errors on these routes are in Anthropic's shape.
 
-server.py registers these routes, so this module does not import it: what it uses of the
-server (TextStream, the disconnect watch, the closing streamed response) comes in `ServerParts`.
+The respond flow (wait for the first events, stream or collect, a 499 for a client gone) is
+streaming.respond's, as for every API shape.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -31,28 +30,16 @@ from skippy_zmq.engine.metrics import error_kind
 from skippy_zmq.api.openai_schema import ParsedRequest, RequestError, check_constraint, parse_chat, read_body, to_gen_request
 from skippy_zmq.api.prompt_encoding import encode_prompt
 from skippy_zmq.text.reasoning import prompt_opens_thinking
+from skippy_zmq.api.context import ServerContext, engine_status, keeps_special, retry_headers
 from skippy_zmq.api.request_prep import parse_body, validate_request
-
-if TYPE_CHECKING:
-    from skippy_zmq.api.server import ServerContext, TextStream
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+from skippy_zmq.api.streaming import Reply, respond
+from skippy_zmq.api.text_stream import TextStream
 
 
-@dataclass(frozen=True)
-class ServerParts:
-    """The pieces of server.py the routes use (passed in: server.py imports this module)."""
-
-    text_stream: type[TextStream]                                  # server.TextStream
-    unless_disconnected: Callable[[Request, Awaitable[Any]], Awaitable[Any]]
-    disconnected: type[Exception]                                  # server.ClientDisconnected
-    streaming_response: type[Response]                             # server.ClosingStreamingResponse
-
-
-def install_routes(app: FastAPI, ctx: ServerContext, parts: ServerParts) -> None:
+def install_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post(schema.MESSAGES_ENDPOINT)
     async def messages(request: Request) -> Response:
-        return await _answer(ctx, request, lambda: _create_message(ctx, parts, request))
+        return await _answer(ctx, request, lambda: _create_message(ctx, request))
 
     @app.post(schema.COUNT_TOKENS_ENDPOINT)
     async def count_tokens(request: Request) -> Response:
@@ -75,10 +62,9 @@ async def _answer(ctx: ServerContext, request: Request, handle: Callable[[], Awa
     except RequestError as err:
         return error_response(ctx, request, err.status, err.message)
     except EngineError as err:
-        status = err.status if 400 <= err.status <= 599 else 500
+        status = engine_status(err)
         logger.warning("engine error {} ({}): {}", status, err.code, err.message)
-        retry = {"Retry-After": str(max(1, math.ceil(err.retry_after)))} if err.retry_after is not None else None
-        return error_response(ctx, request, status, err.message, retry)
+        return error_response(ctx, request, status, err.message, retry_headers(err))
 
 
 def _parse(ctx: ServerContext, raw: bytes, count_only: bool = False) -> ParsedRequest:
@@ -159,11 +145,10 @@ class Answer:
         return reason, None if reason != "stop_sequence" else sequence, counts
 
 
-async def _prepare(ctx: ServerContext, parts: ServerParts, request: Request) -> Answer:
+async def _prepare(ctx: ServerContext, request: Request) -> Answer:
     """Parse, check and submit the request as chat completions does; the answer not yet read."""
     parsed = await _parsed(ctx, request)
-    if not ctx.engine.is_ready():
-        raise EngineError("the model is still loading", 503, "not_ready")
+    ctx.require_ready()
     if parsed.constraint is not None:   # a forced tool call: its schema compiles now, or it is a 400
         try:
             await ctx.work.run(lambda: check_constraint(parsed, ctx.constraint_info()))
@@ -179,34 +164,23 @@ async def _prepare(ctx: ServerContext, parts: ServerParts, request: Request) -> 
         raise RequestError(f"prompt is too long: {len(ids)} tokens > {ctx.engine.max_context - 1} maximum",
                            "messages", code=err.code) from None
     tokens: list[int] = []
-    keep_special = parsed.toolset.active and parsed.tool_format.keeps_special
-    stream = parts.text_stream(ctx, gen_request, parsed.options.stop, request.state.arrival,
-                               events=_recording(ctx.engine.generate(gen_request), tokens),
-                               keep_special=keep_special)
+    keep_special = keeps_special(parsed)
+    stream = TextStream(ctx, gen_request, parsed.options.stop, request.state.arrival,
+                        events=_recording(ctx.engine.generate(gen_request), tokens), keep_special=keep_special)
     thinking_open = ctx.thinks and prompt_opens_thinking(ctx.tokenizer.decode(ids[-8:]))
-    output = ChatOutput(parsed.tool_format, parsed.toolset, parsed.output_prefix,
-                        reasoning=ctx.thinks and parsed.reasoning_format != "none", thinking_open=thinking_open)
-    return Answer(ctx, parsed, stream, output, tokens, keep_special)
+    return Answer(ctx, parsed, stream, ctx.chat_output(parsed, thinking_open), tokens, keep_special)
 
 
-async def _create_message(ctx: ServerContext, parts: ServerParts, request: Request) -> Response:
-    answer = await _prepare(ctx, parts, request)
-    handed_off = False
-    try:
-        await parts.unless_disconnected(request, answer.stream.start())
-        if answer.parsed.options.stream:
-            handed_off = True
-            return parts.streaming_response(_sse_events(ctx, request, answer), media_type="text/event-stream",
-                                            headers=SSE_HEADERS)
-        body = await parts.unless_disconnected(request, _whole_message(ctx, answer))
-    except parts.disconnected:
-        ctx.metrics.count_error("client_disconnect")
-        logger.info("client disconnected; request cancelled")
-        return Response(status_code=499)
-    finally:
-        if not handed_off:
-            await answer.stream.close()
-    return JSONResponse(body)
+async def _create_message(ctx: ServerContext, request: Request) -> Response:
+    answer = await _prepare(ctx, request)
+
+    async def finish(body: dict[str, Any]) -> Response:
+        return JSONResponse(body)
+
+    return await respond(ctx, request, Reply(
+        start=answer.stream.start, events=lambda: _sse_events(ctx, request, answer),
+        collect=lambda: _whole_message(ctx, answer), finish=finish, close=answer.stream.close),
+        answer.parsed.options.stream)
 
 
 async def _whole_message(ctx: ServerContext, answer: Answer) -> dict[str, Any]:
@@ -243,7 +217,7 @@ async def _sse_events(ctx: ServerContext, request: Request, answer: Answer) -> A
                     "usage": counts})
         yield _sse({"type": "message_stop"})
     except EngineError as err:   # the headers are gone: an `error` event, as the API sends one
-        status = err.status if 400 <= err.status <= 599 else 500
+        status = engine_status(err)
         logger.warning("engine error mid-stream {} ({}): {}", status, err.code, err.message)
         ctx.metrics.count_error(error_kind(status))
         yield _sse(schema.error_body(status, err.message, request.state.request_id))

@@ -20,7 +20,7 @@ from skippy_zmq.api.console_status import ConsoleStatus, PipelineTelemetry
 
 if TYPE_CHECKING:
     from skippy_zmq.engine.pipeline import PipelineEngine
-    from skippy_zmq.api.server import ServerContext
+    from skippy_zmq.api.context import ServerContext
 
 ASSET_DIR = "console_assets"   # skippy_zmq/api/console_assets/ (setup.cfg package_data)
 STATUS_ENDPOINT = "/v1/console/status"

@@ -22,7 +22,7 @@ from skippy_zmq.protocol import wire
 
 if TYPE_CHECKING:   # the pipeline (and zmq) load only where a pipeline is served
     from skippy_zmq.engine.pipeline import PipelineEngine
-    from skippy_zmq.api.server import ServerContext
+    from skippy_zmq.api.context import ServerContext
 
 RECENT_TRACES = 64       # decode steps the step and hop medians are taken over
 RATE_WINDOW_S = 5.0      # tokens/s: the counter's rise over about the last few seconds

@@ -17,20 +17,19 @@ import asyncio
 import base64
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from skippy_zmq.api.context import ServerContext
+from skippy_zmq.api.streaming import ClientDisconnected, client_gone, unless_disconnected
 from skippy_zmq.engine.request import EngineError, GenRequest
 from skippy_zmq.api.openai_schema import RequestError, read_body
 from skippy_zmq.api.request_prep import parse_body
 from skippy_zmq.protocol.wire import POOLINGS
 
-if TYPE_CHECKING:
-    from skippy_zmq.api.anthropic_api import ServerParts
-    from skippy_zmq.api.server import ServerContext
 
 EMBEDDINGS_ENDPOINT = "/v1/embeddings"
 MAX_INPUTS = 256          # inputs in one request (each is its own session through the pipeline)
@@ -39,10 +38,10 @@ DEFAULT_POOLING = "mean"  # for a model that declares none (llama-server: --pool
 ENCODINGS = ("float", "base64")
 
 
-def install_routes(app: FastAPI, ctx: ServerContext, parts: ServerParts) -> None:
+def install_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post(EMBEDDINGS_ENDPOINT)
     async def embeddings(request: Request) -> Response:
-        return await _embeddings(ctx, parts, request)
+        return await _embeddings(ctx, request)
 
 
 # ---------------------------------------------------------------- the request
@@ -174,15 +173,13 @@ async def _all(ctx: ServerContext, requests: list[GenRequest]) -> list[np.ndarra
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _embeddings(ctx: ServerContext, parts: ServerParts, request: Request) -> Response:
+async def _embeddings(ctx: ServerContext, request: Request) -> Response:
     raw = await read_body(request, ctx.max_body_bytes)
     requests, encoding, normalize = await ctx.work.run(parse_embeddings, ctx, raw, request.state.request_id)
-    if not ctx.engine.is_ready():
-        raise EngineError("the model is still loading", 503, "not_ready")
+    ctx.require_ready()
     try:
-        vectors = await parts.unless_disconnected(request, _all(ctx, requests))
-    except parts.disconnected:
-        ctx.metrics.count_error("client_disconnect")
-        return Response(status_code=499)
+        vectors = await unless_disconnected(request, _all(ctx, requests))
+    except ClientDisconnected:
+        return client_gone(ctx)
     body = await ctx.work.run(assemble, ctx, requests, vectors, encoding, normalize)
     return Response(body, media_type="application/json")

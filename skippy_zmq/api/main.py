@@ -8,11 +8,12 @@ import ipaddress
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from loguru import logger
 
@@ -23,7 +24,11 @@ from skippy_zmq.engine.pipeline import PipelineEngine
 from skippy_zmq.ops.launch import check_alive, spawn_stages, stop_processes
 from skippy_zmq.ops.lifetime import settle_heap, watch_parent
 from skippy_zmq.text.tokenizer import TextTokenizer
-from skippy_zmq.config.topology import Topology, load_topology
+from skippy_zmq.config.topology import Topology
+from skippy_zmq.config.topology_yaml import load_topology
+
+if TYPE_CHECKING:
+    from skippy_zmq.engine.generate import GenerationResult
 
 
 def open_engine(topology: Topology) -> tuple[PipelineEngine, TextTokenizer]:
@@ -174,39 +179,20 @@ def generate_with_pipeline(args: argparse.Namespace, sampling: Any,
     if getattr(args, "speculative", None) is not None or getattr(args, "max_draft", None) is not None:
         topology = dataclasses.replace(topology, driver=dataclasses.replace(
             topology.driver, speculative=topology.driver.speculative.override(args.speculative, args.max_draft)))
-    procs = spawn_stages(topology, Path(args.topology), Path(args.run_dir or "runs/generate")) if args.spawn else []
+    run_dir = Path(args.run_dir or "runs/generate")
+    procs = spawn_stages(topology, Path(args.topology), run_dir) if args.spawn else []
     engine, tokenizer = open_engine(topology)
     try:
-        deadline = time.monotonic() + args.ready_timeout
-        while not engine.wait_ready(0.5):
-            check_alive(procs, Path(args.run_dir or "runs/generate"))
-            if time.monotonic() > deadline:
-                raise SystemExit(f"pipeline not ready after {args.ready_timeout:g} s: {engine.not_ready_reason()}")
+        _wait_ready(engine, procs, run_dir, args.ready_timeout)
         ids = prompt_ids(tokenizer)
         result = GenerationResult(prompt_ids=ids)
         stream = tokenizer.stream_decoder()
-        t0 = time.perf_counter()
-        t_first = t0
         req = GenRequest("cli", tuple(ids), sampling, args.max_tokens, args.ignore_eos)
         try:
-            for event in engine.generate_blocking(req):
-                if event.token_id is not None:
-                    if not result.token_ids:
-                        t_first = time.perf_counter()
-                        result.ttft_s = t_first - t0
-                    result.token_ids.append(event.token_id)
-                    if not args.json:
-                        sys.stdout.write(stream.push(event.token_id))
-                        sys.stdout.flush()
-                if event.finish_reason:
-                    result.finish_reason = event.finish_reason
-                    result.speculative = event.stats.get("speculative", {})
+            _run_request(engine, req, result, None if args.json else stream.push)
         except EngineError as exc:
             logger.error("generation failed: {}", exc.message)
             return 1
-        result.decode_s = time.perf_counter() - t_first
-        # The pipeline interleaves prefill with the first decode; TTFT covers both.
-        result.prefill_s = result.ttft_s
         result.text = tokenizer.decode(result.token_ids, skip_special=True)
         if args.json:
             print(json.dumps(result.to_json()))
@@ -216,3 +202,36 @@ def generate_with_pipeline(args: argparse.Namespace, sampling: Any,
     finally:
         engine.close()
         stop_processes(procs)
+
+
+def _wait_ready(engine: PipelineEngine, procs: list[subprocess.Popen], run_dir: Path, timeout_s: float) -> None:
+    """Until the pipeline is ready; exits with the reason if it is not within `timeout_s` or a
+    spawned stage died."""
+    deadline = time.monotonic() + timeout_s
+    while not engine.wait_ready(0.5):
+        check_alive(procs, run_dir)
+        if time.monotonic() > deadline:
+            raise SystemExit(f"pipeline not ready after {timeout_s:g} s: {engine.not_ready_reason()}")
+
+
+def _run_request(engine: PipelineEngine, req: GenRequest, result: GenerationResult,
+                 echo: Callable[[int], str] | None) -> None:
+    """Generate `req` into `result` (tokens, timings, finish); `echo` turns each token into the
+    text written to stdout as it comes (None: nothing written)."""
+    t0 = time.perf_counter()
+    t_first = t0
+    for event in engine.generate_blocking(req):
+        if event.token_id is not None:
+            if not result.token_ids:
+                t_first = time.perf_counter()
+                result.ttft_s = t_first - t0
+            result.token_ids.append(event.token_id)
+            if echo is not None:
+                sys.stdout.write(echo(event.token_id))
+                sys.stdout.flush()
+        if event.finish_reason:
+            result.finish_reason = event.finish_reason
+            result.speculative = event.stats.get("speculative", {})
+    result.decode_s = time.perf_counter() - t_first
+    # The pipeline interleaves prefill with the first decode; TTFT covers both.
+    result.prefill_s = result.ttft_s

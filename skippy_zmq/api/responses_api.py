@@ -9,8 +9,8 @@ Errors are the chat path's (OpenAI's shape, raised to the app's handlers), named
 Responses fields. Finished responses with `store` (the API's default) go into a bounded
 ResponseStore, which GET /v1/responses/{id} reads and previous_response_id continues.
 
-server.py registers these routes, so this module does not import it: what it uses of the server
-comes in anthropic_api.ServerParts.
+The respond flow (wait for the first events, stream or collect, a 499 for a client gone) is
+streaming.respond's, as for every API shape.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from loguru import logger
 
 from skippy_zmq.api import responses_schema as schema
-from skippy_zmq.api.anthropic_api import SSE_HEADERS, ServerParts
+from skippy_zmq.api.context import ServerContext, engine_status, keeps_special
 from skippy_zmq.text.chat_output import ChatOutput
 from skippy_zmq.engine.request import EngineError, GenRequest
 from skippy_zmq.engine.metrics import error_kind
@@ -34,17 +34,16 @@ from skippy_zmq.api.prompt_encoding import encode_prompt
 from skippy_zmq.text.reasoning import prompt_opens_thinking
 from skippy_zmq.api.request_prep import parse_body, validate_request
 from skippy_zmq.api.responses_output import Envelope, OutputItems, ResponseStore, output_messages, usage
+from skippy_zmq.api.streaming import Reply, respond
+from skippy_zmq.api.text_stream import TextStream
 
-if TYPE_CHECKING:
-    from skippy_zmq.api.server import ServerContext, TextStream
 
-
-def install_routes(app: FastAPI, ctx: ServerContext, parts: ServerParts) -> None:
+def install_routes(app: FastAPI, ctx: ServerContext) -> None:
     store = ResponseStore()   # one per app: what this server answered, bounded
 
     @app.post(schema.RESPONSES_ENDPOINT)
     async def create_response(request: Request) -> Response:
-        return await _create(ctx, parts, store, request)
+        return await _create(ctx, store, request)
 
     @app.get(schema.RESPONSES_ENDPOINT + "/{response_id}")
     async def get_response(response_id: str) -> Response:
@@ -138,19 +137,15 @@ def _encode(ctx: ServerContext, parsed: ParsedRequest, request_id: str) -> tuple
         raise schema.responses_names(err) from None
 
 
-async def _prepare(ctx: ServerContext, parts: ServerParts, store: ResponseStore, request: Request) -> Generation:
+async def _prepare(ctx: ServerContext, store: ResponseStore, request: Request) -> Generation:
     """Parse, check and submit the request as chat completions does; the answer not yet read."""
     body = await ctx.work.run(parse_body, await read_body(request, ctx.max_body_bytes))
     parsed, conversation = await ctx.work.run(_parse, ctx, body, _history(body, store))
-    if not ctx.engine.is_ready():
-        raise EngineError("the model is still loading", 503, "not_ready")
+    ctx.require_ready()
     ids, gen_request = await ctx.work.run(_encode, ctx, parsed, request.state.request_id)
-    keep_special = parsed.toolset.active and parsed.tool_format.keeps_special
-    stream = parts.text_stream(ctx, gen_request, (), request.state.arrival, keep_special=keep_special)
+    stream = TextStream(ctx, gen_request, (), request.state.arrival, keep_special=keeps_special(parsed))
     thinking_open = ctx.thinks and prompt_opens_thinking(ctx.tokenizer.decode(ids[-8:]))
-    output = ChatOutput(parsed.tool_format, parsed.toolset, parsed.output_prefix,
-                        reasoning=ctx.thinks and parsed.reasoning_format != "none", thinking_open=thinking_open)
-    return Generation(parsed, stream, output, Envelope.new(ctx.model_name, body),
+    return Generation(parsed, stream, ctx.chat_output(parsed, thinking_open), Envelope.new(ctx.model_name, body),
                       conversation if body.get("store") is not False else [])
 
 
@@ -161,25 +156,17 @@ def _keep(store: ResponseStore, generation: Generation, response: dict[str, Any]
             logger.warning("response {} not stored: over the store's {} bytes", response["id"], store.max_bytes)
 
 
-async def _create(ctx: ServerContext, parts: ServerParts, store: ResponseStore, request: Request) -> Response:
-    generation = await _prepare(ctx, parts, store, request)
-    handed_off = False
-    try:
-        await parts.unless_disconnected(request, generation.stream.start())
-        if generation.parsed.options.stream:
-            handed_off = True
-            return parts.streaming_response(_sse_events(ctx, store, generation), media_type="text/event-stream",
-                                            headers=SSE_HEADERS)
-        response = await parts.unless_disconnected(request, _whole(generation))
-    except parts.disconnected:
-        ctx.metrics.count_error("client_disconnect")
-        logger.info("client disconnected; request cancelled")
-        return Response(status_code=499)
-    finally:
-        if not handed_off:
-            await generation.stream.close()
-    _keep(store, generation, response)
-    return JSONResponse(response)
+async def _create(ctx: ServerContext, store: ResponseStore, request: Request) -> Response:
+    generation = await _prepare(ctx, store, request)
+
+    async def finish(response: dict[str, Any]) -> Response:
+        _keep(store, generation, response)
+        return JSONResponse(response)
+
+    return await respond(ctx, request, Reply(
+        start=generation.stream.start, events=lambda: _sse_events(ctx, store, generation),
+        collect=lambda: _whole(generation), finish=finish, close=generation.stream.close),
+        generation.parsed.options.stream)
 
 
 async def _whole(generation: Generation) -> dict[str, Any]:
@@ -214,7 +201,7 @@ async def _sse_events(ctx: ServerContext, store: ResponseStore, generation: Gene
         yield numbered({"type": f"response.{response['status']}", "response": response})
     except Exception as err:   # the headers are gone: response.failed, as the API sends one
         if isinstance(err, EngineError):
-            status, code, message = (err.status if 400 <= err.status <= 599 else 500), err.code, err.message
+            status, code, message = engine_status(err), err.code, err.message
             logger.warning("engine error mid-stream {} ({}): {}", status, code, message)
         else:
             status, code, message = 500, "server_error", "internal server error"

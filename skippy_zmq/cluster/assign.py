@@ -15,7 +15,8 @@ import re
 from pathlib import Path
 from typing import Mapping
 
-from skippy_zmq.config.topology import StageConfig, Topology, is_local, parse_topology
+from skippy_zmq.config.topology import StageConfig, Topology, is_local
+from skippy_zmq.config.topology_yaml import parse_topology
 from skippy_zmq.protocol.keystore import DRIVER, ensure_keys, keys_dir_of
 
 MAX_KEY_FILE_BYTES = 4096

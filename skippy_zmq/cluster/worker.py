@@ -32,7 +32,8 @@ from skippy_zmq.cluster.assign import write_key_files
 from skippy_zmq.cluster.cache import CacheError, ModelCache
 from skippy_zmq.cluster.report import host_report, measure_speed
 from skippy_zmq.cluster.token import JoinToken
-from skippy_zmq.config.topology import TopologyError, parse_topology
+from skippy_zmq.config.topology import TopologyError
+from skippy_zmq.config.topology_yaml import parse_topology
 from skippy_zmq.ops.lifetime import STOP_GRACE_S, tied_env
 from skippy_zmq.protocol.security import SocketSecurity
 from skippy_zmq.protocol.transport import make_socket

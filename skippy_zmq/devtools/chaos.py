@@ -50,7 +50,8 @@ from loguru import logger
 from skippy_zmq.ops import launch
 from skippy_zmq.devtools.chaos_requests import KINDS, REQUEST_TIMEOUT_S, Outcome, send
 from skippy_zmq.stage import faults
-from skippy_zmq.config.topology import Topology, load_topology
+from skippy_zmq.config.topology import Topology
+from skippy_zmq.config.topology_yaml import load_topology
 from skippy_zmq.protocol.wire import Kind
 
 SHORT = "List the planets of the solar system and describe each one:"

@@ -22,7 +22,7 @@ import yaml
 from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.api.main import open_engine
 from skippy_zmq.ops.launch import check_alive, spawn_stages, stop_processes
-from skippy_zmq.config.topology import load_topology, plan_topology
+from skippy_zmq.config.topology_yaml import load_topology, plan_topology
 
 
 def free_base_port(count: int) -> int:

@@ -415,7 +415,7 @@ def start(args: argparse.Namespace) -> tuple[str, Path | None, bool]:
     if args.url:
         return args.url.rstrip("/"), args.run_dir, False
     from skippy_zmq.ops.launch import launch
-    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.config.topology_yaml import load_topology
 
     run_dir = args.run_dir or Path(f"runs/soak-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"launching {args.topology} into {run_dir} ...", flush=True)

@@ -23,7 +23,8 @@ from pathlib import Path
 from loguru import logger
 
 from skippy_zmq.ops.lifetime import tied_env
-from skippy_zmq.config.topology import StageConfig, Topology, is_local, load_topology
+from skippy_zmq.config.topology import StageConfig, Topology, is_local
+from skippy_zmq.config.topology_yaml import load_topology
 
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from skippy_zmq.ops import placement
 from skippy_zmq.config.model import ModelConfig
-from skippy_zmq.config.topology import Topology, TopologyError, dump_topology, plan_topology
+from skippy_zmq.config.topology import Topology, TopologyError
+from skippy_zmq.config.topology_yaml import dump_topology, plan_topology
 
 
 @dataclass(frozen=True)

@@ -260,7 +260,7 @@ def warn_public_binds(topology: Topology) -> list[str]:
 
 def cmd_keys(args: argparse.Namespace) -> int:
     """`skippy-zmq keys --topology T [--out DIR] [--force]`."""
-    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.config.topology_yaml import load_topology
 
     topology = load_topology(args.topology)
     out = args.out or keys_dir_of(topology)

@@ -24,280 +24,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
-import threading
-import time
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from skippy_zmq.devtools.bench.common import find_gguf, print_table, synthetic_prompt, write_report
-from skippy_zmq.devtools.bench.pipeline import percentile
+from skippy_zmq.devtools.bench.peers_client import concurrent, run_together, single_stream, stream_completion
+from skippy_zmq.devtools.bench.peers_engines import THREADS, free_port, llama_rpc, llama_server, our_server
 
 NOT_BUILT = "not built (make peers)"
 SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 STREAM_COUNTS = (1, 8, 16, 32)
-THREADS = 2
-START_S = 600.0
 HOP_DELAYS_MS = (0.0, 20.0)
 
 
 def ratio(ours: float | None, theirs: float | None) -> float | None:
     return round(ours / theirs, 3) if ours and theirs else None
-
-
-# ---------------------------------------------------------------- the client, the same for both engines
-
-
-@dataclass
-class Streamed:
-    start: float
-    first: float | None = None       # first token's arrival
-    end: float = 0.0
-    tokens: int = 0                  # completion tokens (the usage, else the chunks)
-    text: str = ""
-    arrivals: list[float] = field(default_factory=list)   # one per chunk that carried text
-    error: str | None = None
-
-    @property
-    def e2e_tok_s(self) -> float:
-        """Completion tokens over the whole request (prompt included): what a stream that delivers
-        several tokens in one chunk (a verify window) cannot inflate."""
-        return self.tokens / (self.end - self.start) if self.end > self.start else 0.0
-
-    @property
-    def decode_tok_s(self) -> float | None:
-        if self.first is None or self.tokens < 2 or self.end <= self.first:
-            return None
-        return (self.tokens - 1) / (self.end - self.first)
-
-
-def stream_completion(base: str, prompt: list[int], max_tokens: int, extra: dict[str, Any] | None = None,
-                      timeout: float = 600.0) -> Streamed:
-    """One streamed greedy /v1/completions request over token ids; arrival times on the client."""
-    import httpx
-
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}, **(extra or {})}
-    got = Streamed(start=time.perf_counter())
-    usage = None
-    try:
-        with httpx.stream("POST", base + "/completions", json=body, timeout=timeout) as r:
-            if r.status_code != 200:
-                got.error = f"HTTP {r.status_code}: {r.read()[:300]!r}"
-                return got
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                usage = event.get("usage") or usage
-                piece = "".join(c.get("text") or "" for c in event.get("choices") or [])
-                if piece:
-                    now = time.perf_counter()
-                    got.first = got.first or now
-                    got.arrivals.append(now)
-                    got.text += piece
-    except (httpx.HTTPError, ValueError) as exc:
-        got.error = f"{type(exc).__name__}: {exc}"
-    got.end = got.arrivals[-1] if got.arrivals else time.perf_counter()
-    got.tokens = int((usage or {}).get("completion_tokens") or len(got.arrivals))
-    return got
-
-
-def run_together(base: str, prompts: list[list[int]], max_tokens: int, extra: dict[str, Any] | None = None
-                 ) -> tuple[list[Streamed], float]:
-    """All prompts at once, one thread each; (results, wall seconds)."""
-    out: list[Streamed | None] = [None] * len(prompts)
-
-    def one(i: int) -> None:
-        out[i] = stream_completion(base, prompts[i], max_tokens, extra)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return [o for o in out if o is not None], time.perf_counter() - t0
-
-
-def _check(results: list[Streamed], what: str) -> None:
-    bad = [r.error for r in results if r.error]
-    if bad:
-        raise RuntimeError(f"{what}: {len(bad)} request(s) failed, first: {bad[0]}")
-
-
-def single_stream(base: str, prompts: list[list[int]], new_tokens: int, extra: dict[str, Any] | None = None
-                  ) -> dict[str, Any]:
-    """Each prompt alone, one after another: medians of prefill and decode tok/s, and the texts."""
-    runs = [stream_completion(base, p, new_tokens, extra) for p in prompts]
-    _check(runs, "single stream")
-    return {"prefill_tok_s": round(statistics.median(len(p) / (r.first - r.start) for p, r in zip(prompts, runs)), 1),
-            "decode_tok_s": round(statistics.median(r.decode_tok_s or 0.0 for r in runs), 2),
-            "e2e_tok_s": round(sum(r.tokens for r in runs) / sum(r.end - r.start for r in runs), 2),
-            "texts": [r.text for r in runs], "tokens": [r.tokens for r in runs]}
-
-
-def concurrent(base: str, prompts: list[list[int]], new_tokens: int, extra: dict[str, Any] | None = None
-               ) -> dict[str, Any]:
-    """All at once: aggregate tok/s (every completion token over the wall time) and the time between
-    a stream's tokens (p50/p99 over every stream)."""
-    runs, wall = run_together(base, prompts, new_tokens, extra)
-    _check(runs, f"{len(prompts)} streams")
-    gaps = sorted(b - a for r in runs for a, b in zip(r.arrivals, r.arrivals[1:])) or [0.0]
-    return {"streams": len(prompts), "agg_tok_s": round(sum(r.tokens for r in runs) / wall, 1),
-            "itl_p50_ms": round(1000 * percentile(gaps, 0.5), 1), "itl_p99_ms": round(1000 * percentile(gaps, 0.99), 1)}
-
-
-# ---------------------------------------------------------------- the engines
-
-
-def _http_ok(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(url, timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _port_open(port: int) -> bool:
-    import socket
-
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
-        return True
-    except OSError:
-        return False
-
-
-def _wait(ready: Any, what: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    """Until `ready()` (a server answering), failing at once if its process exits, or at the deadline."""
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if proc.poll() is not None:
-            raise RuntimeError(f"{log.stem} exited with {proc.returncode}; see {log}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not ready after {timeout:g} s; see {log}")
-        time.sleep(0.2)    # the server is loading; nothing to block on
-
-
-def llama_server_command(binary: str, gguf: Path, port: int, slots: int, context: int,
-                         spec_type: str | None = None) -> list[str]:
-    """llama-server as a user runs it on this CPU: THREADS threads, `slots` parallel slots with
-    `context` positions each (the total is divided among slots), continuous batching (its default)."""
-    cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(THREADS),
-           "-tb", str(THREADS), "-np", str(slots), "-c", str(context * slots), "-ngl", "0", "--no-webui"]
-    return cmd + (["--spec-type", spec_type] if spec_type else [])
-
-
-@contextmanager
-def llama_server(binary: str, gguf: Path, port: int, run_dir: Path, slots: int = 1, context: int = 1024,
-                 spec_type: str | None = None) -> Iterator[str]:
-    """A llama-server process; yields its API base URL; always stopped."""
-    from skippy_zmq.ops.launch import stop_processes
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log = run_dir / f"llama-server-np{slots}{'-' + spec_type if spec_type else ''}.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(llama_server_command(binary, gguf, port, slots, context, spec_type),
-                                stdout=f, stderr=subprocess.STDOUT)
-    try:
-        _wait(lambda: _http_ok(f"http://127.0.0.1:{port}/health"), f"llama-server on port {port}", proc, log, START_S)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        stop_processes([proc])
-
-
-@contextmanager
-def llama_rpc(binaries: dict[str, str], gguf: Path, hosts: int, run_dir: Path, context: int,
-              hop_ms: float = 0.0) -> Iterator[str]:
-    """llama.cpp's pipeline across processes: `hosts` rpc-servers on localhost (THREADS threads each)
-    and a llama-server that puts every layer on them, split evenly (`-ts 1,1,...`), as a user splits
-    a model across machines; with `hop_ms`, llama-server dials each rpc-server through a relay that
-    holds every byte that long each way. Yields the API base URL."""
-    from skippy_zmq.ops.launch import stop_processes
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    procs: list[subprocess.Popen] = []
-    with ExitStack() as stack:
-        stack.callback(lambda: stop_processes(procs[::-1]))
-        ports = []
-        for i in range(hosts):
-            port, log = _port(), run_dir / f"rpc-server-{hosts}-{i}.log"
-            with open(log, "w") as f:
-                procs.append(subprocess.Popen([binaries["rpc-server"], "-H", "127.0.0.1", "-p", str(port), "-t",
-                                               str(THREADS)], stdout=f, stderr=subprocess.STDOUT))
-            _wait(lambda p=port: _port_open(p), f"rpc-server on port {port}", procs[-1], log, START_S)
-            ports.append(port)
-        ports = stack.enter_context(_delayed(ports, hop_ms))
-        port, log = _port(), run_dir / f"llama-server-rpc{hosts}.log"
-        cmd = llama_server_command(binaries["llama-server"], gguf, port, 1, context)
-        cmd[cmd.index("-ngl") + 1] = "999"
-        cmd += ["--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-ts", ",".join(["1"] * hosts)]
-        with open(log, "w") as f:
-            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT))
-        _wait(lambda: _http_ok(f"http://127.0.0.1:{port}/health"), f"llama-server on port {port}", procs[-1], log,
-              START_S)
-        yield f"http://127.0.0.1:{port}/v1"
-
-
-@contextmanager
-def _delayed(ports: list[int], hop_ms: float) -> Iterator[list[int]]:
-    """The ports to dial for `ports` on localhost: themselves at 0 ms, else one relay each that holds
-    every byte `hop_ms` each way (bench/relay.py)."""
-    from skippy_zmq.devtools.bench.relay import relays
-
-    if not hop_ms:
-        yield ports
-        return
-    from skippy_zmq.devtools.harness import free_base_port
-
-    base = free_base_port(len(ports))
-    fronts = list(range(base, base + len(ports)))
-    with relays([(front, "127.0.0.1", port) for front, port in zip(fronts, ports)], hop_ms):
-        yield fronts
-
-
-@contextmanager
-def our_server(model: Path, stages: int, run_dir: Path, lanes: int, context: int,
-               hop_ms: float = 0.0) -> Iterator[str]:
-    """Our stages and driver (speculation available per request), warmed; with `hop_ms`, every stage
-    and the driver's return endpoint are dialled through a relay that holds every byte that long each
-    way (the topology's `advertise` keys). Yields the API base URL."""
-    import yaml
-
-    from skippy_zmq.devtools.harness import write_topology
-    from skippy_zmq.ops.launch import spawn_driver, spawn_stages, stop_processes, wait_http_ready
-    from skippy_zmq.devtools.soak import wait_warmed
-    from skippy_zmq.config.topology import load_topology
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = write_topology(run_dir, model.absolute(), stages, name=f"peers-{stages}", weights="q4",
-                          kv_lanes=lanes, driver__max_sessions=lanes, driver__max_context=context,
-                          driver__speculative={"method": "ngram"}, driver__request_timeout_s=900.0,
-                          driver__reply_timeout_s=300.0, driver__dead_after_s=60.0)
-    topology = load_topology(path)
-    endpoints = [topology.driver.return_endpoint] + [s.listen for s in topology.stages]
-    with _delayed([int(e.rsplit(":", 1)[1]) for e in endpoints], hop_ms) as fronts:
-        if hop_ms:
-            data = yaml.safe_load(path.read_text())
-            data["driver"]["return_advertise"] = f"tcp://127.0.0.1:{fronts[0]}"
-            for stage, front in zip(data["stages"], fronts[1:]):
-                stage["advertise"] = f"tcp://127.0.0.1:{front}"
-            path.write_text(yaml.safe_dump(data, sort_keys=False))
-            topology = load_topology(path)
-        procs = spawn_stages(topology, path, run_dir, ["--log-level", "INFO"])
-        try:
-            procs.append(spawn_driver(path, run_dir, ["--log-level", "INFO"]))
-            url = f"http://{topology.driver.http_host}:{topology.driver.http_port}"
-            wait_http_ready(url, procs, run_dir, START_S)
-            wait_warmed(url + "/v1", START_S)
-            yield url + "/v1"
-        finally:
-            stop_processes(procs)
 
 
 # ---------------------------------------------------------------- the models and prompts
@@ -340,12 +83,6 @@ def peer_models(args: argparse.Namespace, names: list[str]) -> list[PeerModel]:
 # ---------------------------------------------------------------- the bench
 
 
-def _port() -> int:
-    from skippy_zmq.devtools.harness import free_base_port
-
-    return free_base_port(1)
-
-
 def llama_bench(binary: str, gguf: Path, prompt_tokens: int, new_tokens: int, repeats: int) -> dict[str, Any]:
     """llama-bench on THREADS threads: prefill of `prompt_tokens` from an empty context, and decode of
     `new_tokens` after that many (-d), as ours is measured; tokens/s averaged over `repeats`."""
@@ -369,7 +106,7 @@ def single_rows(m: PeerModel, binaries: dict[str, str] | None, args: argparse.Na
         ours = single_stream(base, prompts, args.new_tokens, {"speculative": False})
     rows.append({"model": m.name, "engine": "skippy_zmq q4, 1 stage", **_speeds(ours)})
     if binaries and m.name == "smollm2":
-        with llama_server(binaries["llama-server"], m.gguf, _port(), tmp / f"llama-{m.name}", 1, context) as base:
+        with llama_server(binaries["llama-server"], m.gguf, free_port(), tmp / f"llama-{m.name}", 1, context) as base:
             stream_completion(base, warm, 8)
             theirs = single_stream(base, prompts, args.new_tokens)
         engine = "llama-server"
@@ -391,7 +128,7 @@ def _speeds(run: dict[str, Any]) -> dict[str, Any]:
 def spec_rows(m: PeerModel, binary: str | None, args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     """Copy and chat, one stream: decode tok/s with speculation and without, and whether greedy text
     with it equals the text without it, for both engines."""
-    from skippy_zmq.devtools.bench.spec import workloads
+    from skippy_zmq.devtools.bench.spec_workloads import workloads
     from skippy_zmq.text.tokenizer import TextTokenizer
 
     work = workloads(TextTokenizer.load(m.ours), 2 if args.quick else None)
@@ -406,12 +143,12 @@ def spec_rows(m: PeerModel, binary: str | None, args: argparse.Namespace, tmp: P
             rows.append(_spec_row("skippy_zmq q4, 1 stage", "ngram (ours)", workload, off, on))
     if binary:
         plain: dict[str, dict[str, Any]] = {}
-        with llama_server(binary, m.gguf, _port(), tmp / "llama-spec", 1, context) as base:
+        with llama_server(binary, m.gguf, free_port(), tmp / "llama-spec", 1, context) as base:
             stream_completion(base, work["chat"][0], 8)
             for workload, prompts in work.items():
                 plain[workload] = single_stream(base, prompts, new)
         for spec_type in SPEC_TYPES[:2] if args.quick else SPEC_TYPES:   # quick: two types, the path is the same
-            with llama_server(binary, m.gguf, _port(), tmp / "llama-spec", 1, context, spec_type) as base:
+            with llama_server(binary, m.gguf, free_port(), tmp / "llama-spec", 1, context, spec_type) as base:
                 stream_completion(base, work["chat"][0], 8)
                 for workload, prompts in work.items():
                     on = single_stream(base, prompts, new)
@@ -441,7 +178,7 @@ def concurrency_rows(m: PeerModel, binary: str | None, args: argparse.Namespace,
                 rows.append({"engine": f"skippy_zmq q4, {stages} stage(s)", **got})
     if binary:
         for n in counts:
-            with llama_server(binary, m.gguf, _port(), tmp / "llama-conc", n, context) as base:
+            with llama_server(binary, m.gguf, free_port(), tmp / "llama-conc", n, context) as base:
                 run_together(base, [m.vocab_ids(prompt_len, next(salt)) for _ in range(n)], 8)
                 got = concurrent(base, [m.vocab_ids(prompt_len, next(salt)) for _ in range(n)], new)
             rows.append({"engine": f"llama-server -np {n}", **got})

@@ -69,7 +69,7 @@ def staggered_pipeline(topology_path: Path, run_dir: Path, timeout: float = 1800
     from skippy_zmq.api.main import open_engine
     from skippy_zmq.devtools.harness import wait_warmed
     from skippy_zmq.ops.launch import spawn_stage, stop_processes
-    from skippy_zmq.config.topology import load_topology
+    from skippy_zmq.config.topology_yaml import load_topology
 
     topology = load_topology(topology_path)
     engine, _ = open_engine(topology)

@@ -6,7 +6,7 @@ prompt lookup, on the real SmolLM2-135M-Instruct, in one run.
 Workloads (chat-templated with the model's tokenizer, 128 new tokens each, greedy, ignore_eos so
 every run generates exactly that many tokens): "copy", 8 requests whose answer repeats much of the
 prompt (repeat a text, fix typos, add type hints, list to JSON, quote a summary, CSV to Markdown,
-rename a variable, polish an email; each over a 150-300 token source written below), and "chat",
+rename a variable, polish an email; each over a 150-300 token source in spec_workloads.py), and "chat",
 8 open questions with little to copy.
 
 Rows:
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,284 +49,20 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from skippy_zmq.devtools.bench.common import find_gguf, llama_cpp_available, print_table, stage_overrides, write_report
-from skippy_zmq.devtools.bench.goals import _ratio, _row
-from skippy_zmq.devtools.bench.greedy import first_mismatch
+from skippy_zmq.devtools.bench.goals import _ratio
 from skippy_zmq.devtools.bench.hops import hop_delay
-from skippy_zmq.devtools.bench.pipeline import steady_tok_s
+from skippy_zmq.devtools.bench.spec_goals import (LOOKUP, STREAMS, acceptance, concurrent_speed, decode_speed, identity,
+                                                  spec_counts, spec_goal_rows)
+from skippy_zmq.devtools.bench.spec_workloads import workloads
 
 SPECULATIVE: dict[str, Any] = {"method": "ngram"}   # the defaults (driver/speculative.py SpeculativeConfig)
 NEW_TOKENS, QUICK_TOKENS = 128, 32
 CONTEXT, QUICK_CONTEXT = 1024, 512   # driver.max_context of the pipelines
 QUICK_PROMPTS = 1
-LOOKUP = (2, 10)                # LlamaPromptLookupDecoding(num_pred_tokens=...)
 LLAMA_THREADS = 2
 DELAYS = (5.0, 20.0)            # ms per hop, 3 stages
-STREAMS = 8                     # concurrent streams on 2 stages
 PIPELINE_START_S = 300.0        # running_pipeline's bound on a start (compiles on 2 shared cores)
 LANES = 8
-
-# ---------------------------------------------------------------- workloads
-
-_LIGHTHOUSE = (
-    "The lighthouse at Skerry Point was built in 1874 by a team of forty masons who lived on the island "
-    "for three summers. Its tower is made of granite blocks cut on the mainland and carried across by "
-    "barge, each one numbered so that it could be fitted in the right place. The lamp was first fuelled "
-    "with whale oil, then with paraffin, and finally, in 1952, it was converted to electricity. For most "
-    "of its history the light was kept by two families who shared the work in shifts of six hours. They "
-    "recorded the weather three times a day, repaired the clockwork that turned the lens, and rowed to "
-    "the village once a week for supplies. The last keeper left in 1989, when the light became automatic. "
-    "Today the keepers' cottages are a small museum, and visitors can climb the one hundred and twelve "
-    "steps to the lantern room on calm days between May and September.")
-
-_TYPOS = (
-    "Our team has been working on the new booking sytem for the past three months. The main goal was to "
-    "make it easier for customers to find an avialable slot and confirm it in less then a minute. In the "
-    "first version, users had to fill in a long form with their adress, phone number and prefered time, "
-    "and many of them gave up before the end. The new desing shows the calendar first, lets people pick a "
-    "time with one click, and only asks for the details that are really neccessary. We tested it with "
-    "twenty volunteers last week and the results were very encouraging: the average time to complete a "
-    "booking droped from four minutes to about fifty seconds, and nobody abandonned the process. There "
-    "are still a few issues to fix, especialy on small phone screens, but we expect to release it to "
-    "everyone at the begining of next month.")
-
-_PYTHON = '''def load_orders(path, min_total=0, currency="EUR"):
-    orders = []
-    with open(path) as handle:
-        for line_number, line in enumerate(handle, start=1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            fields = line.split(",")
-            if len(fields) != 4:
-                raise ValueError(f"line {line_number}: expected 4 fields, got {len(fields)}")
-            order_id, customer, total, code = fields
-            total = float(total)
-            if code != currency or total < min_total:
-                continue
-            orders.append({"id": int(order_id), "customer": customer, "total": total})
-    orders.sort(key=lambda order: order["total"], reverse=True)
-    return orders
-
-
-def summarize(orders):
-    if not orders:
-        return {"count": 0, "sum": 0.0, "largest": None}
-    total = sum(order["total"] for order in orders)
-    return {"count": len(orders), "sum": round(total, 2), "largest": orders[0]["id"]}'''
-
-_TEAM = (
-    "- Maria Lopez, engineering manager, Madrid, started 2015\n"
-    "- Tom Becker, backend developer, Berlin, started 2018\n"
-    "- Aisha Khan, data scientist, London, started 2020\n"
-    "- Kenji Sato, frontend developer, Tokyo, started 2019\n"
-    "- Olivia Brown, product designer, Toronto, started 2021\n"
-    "- Lucas Martin, site reliability engineer, Lyon, started 2017\n"
-    "- Sofia Rossi, quality engineer, Milan, started 2022\n"
-    "- Daniel Novak, security engineer, Prague, started 2016\n"
-    "- Emma Wilson, technical writer, Dublin, started 2023\n"
-    "- Ravi Patel, machine learning engineer, Bangalore, started 2019")
-
-_ARTICLE = (
-    "City officials announced on Monday that the riverside park will reopen in April after a two-year "
-    "renovation. \"We wanted a park that floods safely instead of a park that is closed every winter,\" "
-    "said the project's lead architect, Hanna Berg. The new design lowers part of the lawn by a metre so "
-    "that high water can spread out without reaching the houses behind it. Around four hundred trees have "
-    "been planted, most of them species that tolerate wet soil, such as willows and alders. The "
-    "renovation cost eleven million euros, two million more than planned, mainly because of the price of "
-    "steel for the new footbridge. \"The delay was frustrating, but the bridge will last a hundred years,\" "
-    "the deputy mayor told reporters. Local businesses have welcomed the news. The owner of a café near "
-    "the main entrance said that her sales fell by a third while the park was closed and that she hopes "
-    "the spring opening will bring her customers back.")
-
-_CSV = (
-    "city,country,population,area_km2,founded\n"
-    "Lisbon,Portugal,545000,100,1200 BC\n"
-    "Vienna,Austria,1980000,415,500 BC\n"
-    "Krakow,Poland,800000,327,7th century\n"
-    "Edinburgh,United Kingdom,525000,264,12th century\n"
-    "Seville,Spain,685000,140,8th century BC\n"
-    "Bergen,Norway,285000,465,1070\n"
-    "Ghent,Belgium,265000,156,630\n"
-    "Porto,Portugal,232000,41,300 BC\n"
-    "Tallinn,Estonia,450000,159,1248\n"
-    "Bologna,Italy,390000,141,534 BC")
-
-_JS = '''function groupByStatus(data) {
-  const result = {};
-  for (const item of data) {
-    if (!item || !item.status) {
-      continue;
-    }
-    if (!result[item.status]) {
-      result[item.status] = [];
-    }
-    result[item.status].push(item);
-  }
-  return result;
-}
-
-function countOverdue(data, today) {
-  let count = 0;
-  for (const item of data) {
-    if (item.status !== "done" && new Date(item.due) < today) {
-      count += 1;
-    }
-  }
-  return count;
-}
-
-function summary(data) {
-  const groups = groupByStatus(data);
-  const overdue = countOverdue(data, new Date());
-  return { total: data.length, groups: Object.keys(groups).length, overdue };
-}'''
-
-_EMAIL = (
-    "Hi Mark,\n\n"
-    "The invoice you sent on the 3rd is wrong again. It lists twelve hours of support for March, but we "
-    "only used seven, and the hourly rate is the old one from last year. Fix it and send a new one by "
-    "Friday. Also, the report you promised two weeks ago still hasn't arrived. We need it before the "
-    "board meeting on the 18th, so don't make us wait any longer. And tell your team to stop calling our "
-    "office after six; if something is urgent they can email the support address like everyone else. "
-    "We have worked with you for five years and we want to keep doing so, but these mistakes keep "
-    "happening and they cost us time every month.\n\n"
-    "Regards,\nJulia Fischer\nOperations, Northwind Logistics")
-
-COPY: tuple[tuple[str, str], ...] = (
-    ("Repeat the following text exactly, word for word, without adding anything.", _LIGHTHOUSE),
-    ("Fix the typos in this paragraph and print the corrected paragraph in full.", _TYPOS),
-    ("Rewrite this Python code adding type hints to every function. Keep the bodies unchanged.", _PYTHON),
-    ("Convert this list to JSON: an array of objects with the keys name, role, city and start_year.", _TEAM),
-    ("Summarise this article in three bullet points, quoting its key sentences word for word.", _ARTICLE),
-    ("Convert this CSV to a Markdown table with the same columns and rows.", _CSV),
-    ("Rename the parameter `data` to `tasks` everywhere in this JavaScript code and print the whole code.", _JS),
-    ("Rewrite this email so that it is polite and friendly, keeping every fact, date and request.", _EMAIL),
-)
-
-CHAT: tuple[str, ...] = (
-    "What are the main differences between a comet and an asteroid?",
-    "Give me some ideas for a birthday party for a ten-year-old who loves dinosaurs.",
-    "Why do leaves change colour in autumn?",
-    "How can I get better at public speaking?",
-    "Write a short story about a robot who learns to paint.",
-    "What should I think about before adopting a dog?",
-    "Explain how a bicycle stays upright when it moves.",
-    "What are some healthy breakfast ideas for busy mornings?",
-)
-
-
-def copy_messages() -> list[str]:
-    return [f"{instruction}\n\n{text}" for instruction, text in COPY]
-
-
-def workloads(tokenizer: Any, n: int | None = None) -> dict[str, list[list[int]]]:
-    """Prompt ids per workload: the user message in the model's chat template."""
-    def ids(text: str) -> list[int]:
-        return tokenizer.encode_chat([{"role": "user", "content": text}])
-
-    return {"copy": [ids(t) for t in copy_messages()[:n]], "chat": [ids(q) for q in CHAT[:n]]}
-
-
-# ---------------------------------------------------------------- pure arithmetic (tests/test_bench.py)
-
-
-def spec_counts(stats: dict[str, Any] | None) -> dict[str, int] | None:
-    """{windows, drafted, accepted} from a final event's stats, or None when speculation did not run."""
-    got = (stats or {}).get("speculative")
-    if not isinstance(got, dict):
-        return None
-    try:
-        return {k: int(got.get(k) or 0) for k in ("windows", "drafted", "accepted")}
-    except (TypeError, ValueError):
-        return None
-
-
-def acceptance(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Summed drafted / accepted / windows over runs; rate = accepted / drafted, per step = accepted / windows."""
-    counted = [r["spec"] for r in runs if r.get("spec")]
-    if not counted:
-        return {"windows": None, "drafted": None, "accepted": None, "acceptance": None, "accepted_per_step": None}
-    w, d, a = (sum(c[k] for c in counted) for k in ("windows", "drafted", "accepted"))
-    return {"windows": w, "drafted": d, "accepted": a, "acceptance": round(a / d, 3) if d else None,
-            "accepted_per_step": round(a / w, 2) if w else None}
-
-
-def decode_speed(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Aggregate decode tok/s (tokens after the first, summed, over the decode time, summed) and the
-    median of the per-prompt figures."""
-    timed = [r for r in runs if r["decode_s"] > 0 and r["n"] > 1]
-    if not timed:
-        return {"decode_tok_s": None, "median_tok_s": None}
-    tokens, seconds = sum(r["n"] - 1 for r in timed), sum(r["decode_s"] for r in timed)
-    return {"decode_tok_s": round(tokens / seconds, 1),
-            "median_tok_s": round(statistics.median((r["n"] - 1) / r["decode_s"] for r in timed), 1)}
-
-
-def concurrent_speed(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Concurrent streams: tokens after each stream's first over the window from the first stream's first
-    token to the last stream's last (what finishing the batch took), the steady figure of bench pipeline
-    (while every stream decodes), and the median stream's own tok/s."""
-    stamps = [r["stamps"] for r in runs if len(r["stamps"]) > 1]
-    if not stamps:
-        return {"decode_tok_s": None, "steady_tok_s": None, "median_tok_s": None}
-    window = max(s[-1] for s in stamps) - min(s[0] for s in stamps)
-    tokens = sum(len(s) - 1 for s in stamps)
-    return {"decode_tok_s": round(tokens / window, 1) if window > 0 else None,
-            "steady_tok_s": steady_tok_s(stamps),
-            "median_tok_s": decode_speed(runs)["median_tok_s"]}
-
-
-def identity(off: list[list[int]], on: list[list[int]]) -> dict[str, Any]:
-    """How many prompts gave the very same tokens; the first differing index of each that did not."""
-    same = sum(a == b for a, b in zip(off, on))
-    return {"identical": f"{same}/{len(off)}", "identical_count": same, "prompts": len(off),
-            "first_mismatch": {i: first_mismatch(b, a) for i, (a, b) in enumerate(zip(off, on)) if a != b}}
-
-
-def spec_goal_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's goals from one run's rows (bench spec's JSON). Met is n/a without speculation in the
-    build (on then decodes like off) and for goals whose inputs the run lacks."""
-    rows = {(r["engine"], r["config"], r["workload"], r["speculation"]): r for r in result.get("rows", [])}
-    live = bool(result.get("speculation", {}).get("available"))
-
-    def tok(engine: str, config: str, workload: str, spec: str) -> float | None:
-        r = rows.get((engine, config, workload, spec))
-        return r.get("decode_tok_s") if r else None
-
-    def goal(metric: str, goal_text: str, a: float | None, b: float | None, bound: float, detail: str
-             ) -> dict[str, Any]:
-        v = _ratio(a, b)
-        met = None if v is None or not live else v >= bound
-        return _row(metric, goal_text, v, met, f"{a} vs {b} tok/s; {detail}" +
-                    ("" if live else "; speculation not in this build (on = off)"))
-
-    ident = [i for i in result.get("identity", []) if i["engine"] == "ours"]
-    same, total = sum(i["identical_count"] for i in ident), sum(i["prompts"] for i in ident)
-    out = [_row("greedy tokens, speculation on vs off (every configuration below)", "identical",
-                f"{same}/{total}" if total else None, (same == total) if total and live else None,
-                "; ".join(f"{i['workload']} {i['config']}: {i['identical']}" for i in ident))]
-    one = "1 stage"
-    best = max(((n, tok("llama.cpp", f"prompt lookup {n}", "copy", "on")) for n in LOOKUP),
-               key=lambda kv: kv[1] or 0, default=(None, None))
-    out.append(goal("copy, 1 stream, 1 stage: on ÷ off", "≥ 2.0", tok("ours", one, "copy", "on"),
-                    tok("ours", one, "copy", "off"), 2.0, "aggregate decode tok/s"))
-    out.append(goal("copy, 1 stream, 1 stage: ours on ÷ llama.cpp prompt lookup (best of 2, 10)", "≥ 1.0",
-                    tok("ours", one, "copy", "on"), best[1], 1.0,
-                    f"best: num_pred_tokens={best[0]}"))
-    three = "3 stages, 20 ms/hop"
-    out.append(goal("copy, 1 stream, 3 stages, 20 ms per hop: on ÷ off", "≥ 2.5", tok("ours", three, "copy", "on"),
-                    tok("ours", three, "copy", "off"), 2.5, "aggregate decode tok/s"))
-    out.append(goal("copy, 1 stream, 3 stages, 20 ms per hop: pipelined windows (depth 3) ÷ one at a time",
-                    "≥ 1.8", tok("ours", three, "copy", "on"), tok("ours", three + ", depth 1", "copy", "on"), 1.8,
-                    "speculation on in both; depth 1 = a window goes down and back before the next"))
-    out.append(goal("chat, 1 stream, 1 stage: on ÷ off", "≥ 0.97", tok("ours", one, "chat", "on"),
-                    tok("ours", one, "chat", "off"), 0.97, "aggregate decode tok/s"))
-    many = f"2 stages, {STREAMS} streams"
-    out.append(goal(f"{STREAMS} streams, 2 stages, aggregate: on ÷ off", "≥ 1.0", tok("ours", many, "mixed", "on"),
-                    tok("ours", many, "mixed", "off"), 1.0, "mixed: 4 copy + 4 chat streams"))
-    out.append(_row("seeded sampling, on vs off and across a resume", "identical", None, None,
-                    "not measured by bench spec (greedy only here)"))
-    return out
 
 
 # ---------------------------------------------------------------- measurement

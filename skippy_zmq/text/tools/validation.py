@@ -265,46 +265,64 @@ def normalise_messages(messages: object) -> list[dict[str, Any]]:
     open_calls: dict[str, str] | None = None   # id -> function name of the assistant turn being answered
     for index, message in enumerate(messages):
         path = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise ToolError(path, f"must be an object, got {_short(message)}")
-        role = message.get("role")
-        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
-        if role not in MESSAGE_ROLES:
-            raise ToolError(f"{path}.role", f"must be one of {', '.join(MESSAGE_ROLES)}, got {_short(role)}")
-        content = message.get("content")
+        role = _role(message, path)
         if role == "tool":
-            call_id = message.get("tool_call_id")
-            if not isinstance(call_id, str) or not call_id:
-                raise ToolError(f"{path}.tool_call_id", f"must be a non-empty string, got {_short(call_id)}")
-            if open_calls is None:
-                raise ToolError(f"{path}.role", '"tool" messages must follow an assistant message with tool_calls')
-            if call_id not in open_calls:
-                known = ", ".join(open_calls)
-                raise ToolError(
-                    f"{path}.tool_call_id",
-                    f"{call_id!r} is not one of the preceding assistant message's tool_calls ({known})",
-                )
-            out.append({"role": "tool", "tool_call_id": call_id, "name": open_calls[call_id],
-                        "content": _text(content, f"{path}.content")})
+            out.append(_tool_message(message, path, open_calls))
             continue
-        open_calls = None
-        raw_calls = message.get("tool_calls") if role == "assistant" else None
-        if raw_calls is not None and not isinstance(raw_calls, list):
-            raise ToolError(f"{path}.tool_calls", f"must be a list, got {_short(raw_calls)}")
-        if raw_calls:
-            calls = [_tool_call(raw, f"{path}.tool_calls[{i}]") for i, raw in enumerate(raw_calls)]
-            ids = [c["id"] for c in calls]
-            duplicate = next((i for i, call_id in enumerate(ids) if call_id in ids[:i]), None)
-            if duplicate is not None:
-                raise ToolError(f"{path}.tool_calls[{duplicate}].id", f"{ids[duplicate]!r} is used twice")
-            out.append({"role": "assistant", "content": None if content is None else _text(content, f"{path}.content"),
-                        "tool_calls": calls})
-            open_calls = {c["id"]: c["function"]["name"] for c in calls}
-            continue
-        if role != "assistant" and message.get("tool_calls") is not None:
-            raise ToolError(f"{path}.tool_calls", f"only assistant messages have tool_calls, not {role}")
-        out.append({"role": role, "content": _text(content, f"{path}.content")})
+        normal = _calling_message(message, path) if role == "assistant" else None
+        if normal is None:
+            if message.get("tool_calls") is not None and role != "assistant":
+                raise ToolError(f"{path}.tool_calls", f"only assistant messages have tool_calls, not {role}")
+            normal = {"role": role, "content": _text(message.get("content"), f"{path}.content")}
+        out.append(normal)
+        # the calls of this turn are what the tool messages after it may answer
+        open_calls = {c["id"]: c["function"]["name"] for c in normal.get("tool_calls", ())} or None
     return out
+
+
+def _role(message: object, path: str) -> str:
+    """The message's role ("developer" read as "system"), once `message` is known to be an object."""
+    if not isinstance(message, dict):
+        raise ToolError(path, f"must be an object, got {_short(message)}")
+    role = message.get("role")
+    role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
+    if role not in MESSAGE_ROLES:
+        raise ToolError(f"{path}.role", f"must be one of {', '.join(MESSAGE_ROLES)}, got {_short(role)}")
+    return role
+
+
+def _tool_message(message: dict[str, Any], path: str, open_calls: dict[str, str] | None) -> dict[str, Any]:
+    """A `tool` message, which must answer one of the preceding assistant turn's calls."""
+    call_id = message.get("tool_call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise ToolError(f"{path}.tool_call_id", f"must be a non-empty string, got {_short(call_id)}")
+    if open_calls is None:
+        raise ToolError(f"{path}.role", '"tool" messages must follow an assistant message with tool_calls')
+    if call_id not in open_calls:
+        known = ", ".join(open_calls)
+        raise ToolError(
+            f"{path}.tool_call_id",
+            f"{call_id!r} is not one of the preceding assistant message's tool_calls ({known})",
+        )
+    return {"role": "tool", "tool_call_id": call_id, "name": open_calls[call_id],
+            "content": _text(message.get("content"), f"{path}.content")}
+
+
+def _calling_message(message: dict[str, Any], path: str) -> dict[str, Any] | None:
+    """An assistant message with tool calls in its normal shape; None when it has none."""
+    raw_calls = message.get("tool_calls")
+    if raw_calls is not None and not isinstance(raw_calls, list):
+        raise ToolError(f"{path}.tool_calls", f"must be a list, got {_short(raw_calls)}")
+    if not raw_calls:
+        return None
+    calls = [_tool_call(raw, f"{path}.tool_calls[{i}]") for i, raw in enumerate(raw_calls)]
+    ids = [c["id"] for c in calls]
+    duplicate = next((i for i, call_id in enumerate(ids) if call_id in ids[:i]), None)
+    if duplicate is not None:
+        raise ToolError(f"{path}.tool_calls[{duplicate}].id", f"{ids[duplicate]!r} is used twice")
+    content = message.get("content")
+    return {"role": "assistant", "content": None if content is None else _text(content, f"{path}.content"),
+            "tool_calls": calls}
 
 
 def dump(value: Any) -> str:
