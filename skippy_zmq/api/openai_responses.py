@@ -7,6 +7,7 @@ import codecs
 from dataclasses import dataclass
 from typing import Any
 
+from skippy_zmq.text.holdback import held_back
 from skippy_zmq.text.tokenizer import TextTokenizer
 
 
@@ -162,7 +163,7 @@ class StopMatcher:
         if hits:
             self._held = ""
             return buffer[: min(hits)], True
-        keep = self._held_length(buffer)
+        keep = held_back(buffer, self._stops)
         self._held = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep], False
 
@@ -170,13 +171,3 @@ class StopMatcher:
         """The held text, once no more text will come."""
         text, self._held = self._held, ""
         return text
-
-    def _held_length(self, buffer: str) -> int:
-        """Length of the longest suffix of buffer that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self._stops:
-            for size in range(min(len(stop) - 1, len(buffer)), longest, -1):
-                if buffer.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from skippy_zmq.text.holdback import held_back
+
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 REASONING_FORMATS = ("auto", "deepseek", "none")   # request's reasoning_format ("none": leave it in content)
@@ -26,14 +28,6 @@ def template_thinks(template: str | None) -> bool:
 def prompt_opens_thinking(prompt_text: str) -> bool:
     """Whether the rendered prompt ends inside a <think> block (the output starts as reasoning)."""
     return prompt_text.rstrip().endswith(THINK_OPEN)
-
-
-def _held(buffer: str, tag: str) -> int:
-    """Length of the longest suffix of buffer that is a proper prefix of tag."""
-    for size in range(min(len(tag) - 1, len(buffer)), 0, -1):
-        if buffer.endswith(tag[:size]):
-            return size
-    return 0
 
 
 @dataclass
@@ -67,7 +61,7 @@ class ReasoningSplitter:
             if self.inside:
                 end = self._buffer.find(THINK_CLOSE)
                 if end < 0:
-                    keep = 0 if final else _held(self._buffer, THINK_CLOSE)
+                    keep = 0 if final else held_back(self._buffer, (THINK_CLOSE,))
                     reasoning += self._buffer[: len(self._buffer) - keep]
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     return reasoning, content
