@@ -22,7 +22,7 @@ from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.cli import CACHE_MIN_S_ENV, configure_jax
 from skippy_zmq.devtools.harness import PORT_SLICE_ENV
 from skippy_zmq.protocol.keystore import KEYS_HOME_ENV
-from skippy_zmq.model import weights
+from model_helpers import random_params
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
@@ -150,7 +150,7 @@ def tiny_cfg() -> ModelConfig:
 
 @pytest.fixture(scope="session")
 def tiny_tree() -> dict:
-    return weights.random_params(TINY, seed=0)
+    return random_params(TINY, seed=0)
 
 
 @pytest.fixture(scope="session")

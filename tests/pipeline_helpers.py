@@ -14,6 +14,7 @@ from skippy_zmq.model import weights
 from skippy_zmq.model.runner import SliceRunner
 from skippy_zmq.stage.sessions import SessionTable
 from skippy_zmq.stage.worker import StageInfo, StageWorker
+from model_helpers import slice_tree
 
 
 CACHE = StoreConfig(mode="lookup-record", max_bytes=64 << 20, max_entries=64, stride=16, min_tokens=8)
@@ -21,7 +22,7 @@ CACHE = StoreConfig(mode="lookup-record", max_bytes=64 << 20, max_entries=64, st
 
 def make_worker(cfg: ModelConfig, tree: dict, start: int, end: int, lanes: int = 4, capacity: int = 256,
                 stage_id: str | None = None, cache: StoreConfig | None = None) -> StageWorker:
-    params = weights.to_runtime(weights.slice_tree(tree, cfg, start, end), jnp.float32)
+    params = weights.to_runtime(slice_tree(tree, cfg, start, end), jnp.float32)
     buckets = Buckets(prefill_chunks=(16, 64), decode_rows=(1, 2, 4, 8))
     runner = SliceRunner(cfg, params, start, end, KVConfig(lanes=lanes, capacity=capacity), buckets)
     info = StageInfo(stage_id or f"s{start}", first=start == 0, last=end == cfg.n_layers, width=cfg.d_model)

@@ -20,6 +20,7 @@ from skippy_zmq.checkpoint import checkpoint, loader, sources
 from skippy_zmq.model import quant, weights
 from skippy_zmq.checkpoint.checkpoint import CheckpointError, CheckpointWriter
 from skippy_zmq.checkpoint.convert import LAYER_NAMES, TOP_NAMES, stream_checkpoint, unpermute_rows
+from model_helpers import forward_reference, save_params
 
 
 def write_tree(out: Path, tree: dict, fmt: str, rows_per_block: int = 40) -> Path:
@@ -28,7 +29,9 @@ def write_tree(out: Path, tree: dict, fmt: str, rows_per_block: int = 40) -> Pat
     w.add_top("norm", tree["norm"])
     w.add_top("embed", tree["embed"])
     for i in range(TINY.n_layers):
-        w.add_layer(i, {k: (v.T if v.ndim == 2 else v) for k, v in tree["layers"][str(i)].items()})
+        for key, v in tree["layers"][str(i)].items():
+            w.put_layer_tensor(i, key, v.T if v.ndim == 2 else v)
+        w.end_layer(i)
     w.finish({"format": "test", "sha256": "0" * 64})
     return out
 
@@ -145,7 +148,7 @@ def test_coarser_formats_requantise_at_load(tmp_path, tiny_tree):
 
 
 def test_older_single_pytree_checkpoint_still_loads_as_f32(tmp_path, tiny_tree):
-    weights.save_params(tmp_path / "params", tiny_tree)
+    save_params(tmp_path / "params", tiny_tree)
     TINY.save(tmp_path / "model.json")
     assert checkpoint.stored_weights(tmp_path) == "f32"
     _, got = loader.load_slice(tmp_path, 1, 2)
@@ -161,10 +164,8 @@ def test_a_bf16_stage_holds_bf16_matrices_and_computes_like_f32(tmp_path, tiny_t
     import jax
     import jax.numpy as jnp
 
-    from skippy_zmq.model.llama import forward_reference
-
     if layout == "older":
-        weights.save_params(tmp_path / "params", tiny_tree)
+        save_params(tmp_path / "params", tiny_tree)
         TINY.save(tmp_path / "model.json")
         path = tmp_path
     else:
@@ -296,7 +297,6 @@ def test_q4_checkpoint_runs_cached_decode_like_its_full_forward(tmp_path, tiny_t
     import jax.numpy as jnp
 
     from skippy_zmq.config.model import KVConfig
-    from skippy_zmq.model.llama import forward_reference
     from skippy_zmq.model.runner import SliceRunner
 
     _, params = loader.load_slice(write_tree(tmp_path / "m", tiny_tree, "q4"), fmt="q4")

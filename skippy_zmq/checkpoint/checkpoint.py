@@ -100,8 +100,7 @@ class CheckpointWriter:
         w.add_top("norm", norm)                      # f32 [D]
         w.add_rows("embed", 0, rows)                 # [rows, D] float or Encoded, blocks in order
         w.add_top("head", head_out_in)               # (untied) a whole [V, D]; add_rows streams it
-        w.add_layer(i, {"wq": wq_out_in, "attn_norm": v, ...})   # float [out, in] or Encoded
-        w.put_layer_tensor(i, "wq", wq_out_in); ...; w.end_layer(i)   # the same, streamed
+        w.put_layer_tensor(i, "wq", wq_out_in); ...; w.end_layer(i)   # float [out, in] or Encoded
         w.finish({"format": "gguf", "sha256": ...})  # format.json, source.json, then model.json
 
     Matrices come [out, in] (PyTorch / GGUF order) as float arrays (any float
@@ -144,13 +143,6 @@ class CheckpointWriter:
                                   f"[{self.rows_per_block} (or the last rows), {self.cfg.d_model}]")
         self._save(f"{key}/{start // self.rows_per_block:06d}", encode(rows, stored_format(self.fmt, key)))
         self._rows[key] = start + rows.shape[0]
-
-    def add_layer(self, i: int, tensors: dict[str, np.ndarray | Encoded]) -> None:
-        """Every tensor of layer i, keyed as weights.layer_shapes; matrices [out, in]."""
-        self._check_keys(i, tensors)
-        for key, w in tensors.items():
-            self.put_layer_tensor(i, key, w)
-        self.end_layer(i)
 
     def put_layer_tensor(self, i: int, key: str, w: np.ndarray | Encoded) -> None:
         """Stream one tensor of layer i (layers one after another, end_layer closing each): encoded
@@ -250,25 +242,6 @@ def restore_stage(model_dir: Path, cfg: ModelConfig, start: int = 0, end: int | 
         else:
             tree[key] = stored
     return tree
-
-
-def float_tree(model_dir: Path, cfg: ModelConfig, start: int = 0, end: int | None = None) -> dict[str, Any]:
-    """A stage's weights as a checkpoint-layout float32 tree (matrices [in, out], layers keyed by
-    index), from either layout: for tools and tests that want plain arrays, never for serving."""
-    params = Path(model_dir) / "params"
-    if _manifest(params) is None:
-        return weights.restore_params(params, cfg, start, end)
-
-    def plain(key: str, v: Any) -> np.ndarray:
-        if not isinstance(v, dict):
-            return np.asarray(v, np.float32)
-        w = to_float(v)                                  # [out, in]; the embedding is stored as its rows
-        return w if key == "embed" else np.ascontiguousarray(w.T)
-
-    tree = restore_stage(model_dir, cfg, start, end)
-    out = {k: plain(k, v) for k, v in tree.items() if k != "layers"}
-    out["layers"] = {i: {k: plain(k, v) for k, v in layer.items()} for i, layer in tree["layers"].items()}
-    return out
 
 
 def stage_items(model_dir: Path, cfg: ModelConfig, start: int = 0,
