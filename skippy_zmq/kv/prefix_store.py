@@ -5,12 +5,14 @@ store and keys it by (model digest, layer range, KV dtype, namespace, token ids)
 A repeated prompt prefix is then restored instead of recomputed.
 
 Besides the exact prompt, `record` stores a stride grid (prefixes of length
-stride, 2*stride, ...) so two prompts that share only a system prompt still hit
-through `longest_prefix`. Eviction is LRU under a byte budget and an entry cap.
+stride, 2*stride, ...) so two prompts that share only a system prompt still hit.
+Lookups are exact (`lookup` of one token prefix): the driver's prefix index
+predicts with `recorded_lengths` which prefix a stage holds and asks for that
+one. Eviction is LRU under a byte budget and an entry cap, on insert.
 
-Thread-safety: none. The stage records and looks up from its single loop
-thread; the store takes no lock, so do not share one across threads.
-Numpy only: no JAX, no zmq.
+Thread-safety: none here. A stage records on a background thread and looks up
+on its loop thread, so it reaches the store only through stage/recorder.py's
+lock. Numpy only: no JAX, no zmq.
 """
 
 from __future__ import annotations
@@ -177,30 +179,6 @@ class PrefixStore:
             self._counts["lookups_disabled"] += 1
             return None
         return self._hit_or_miss([prefix_key(self.identity, namespace, tokens)])
-
-    def longest_prefix(
-        self, namespace: str, tokens: Sequence[int] | np.ndarray, max_len: int | None = None
-    ) -> Entry | None:
-        """Longest stored prefix of tokens among len(tokens) and the stride grid, capped at max_len."""
-        if self.config.mode != "lookup-record":
-            self._counts["lookups_disabled"] += 1
-            return None
-        n = len(tokens)
-        cap = n if max_len is None else min(n, max_len)
-        stride, floor = self.config.stride, self.config.min_tokens
-        grid = range(cap - cap % stride, 0, -stride)
-        # Longest first, no duplicates; nothing shorter than min_tokens is ever stored.
-        candidates = [length for length in dict.fromkeys([n] * (n <= cap) + list(grid)) if length >= floor]
-        keys = _prefix_keys(self.identity, namespace, tokens, candidates)
-        return self._hit_or_miss([keys[length] for length in candidates])
-
-    def evict_until(self, free_bytes: int) -> int:
-        """Evict LRU entries until at least free_bytes of the budget is unused; return how many went."""
-        evicted = 0
-        while self._entries and self.config.max_bytes - self._bytes < free_bytes:
-            self._evict_oldest()
-            evicted += 1
-        return evicted
 
     def clear(self) -> None:
         """Drop every entry; counters are kept (they describe the run, not the contents)."""

@@ -6,7 +6,7 @@ A template that writes `</think>` makes the model a thinking one. The output is 
 a leading `<think>` (or from its first token, when the generation prompt itself ends with
 `<think>`, as DeepSeek-R1's does) up to `</think>`; the whitespace after `</think>` is dropped;
 an output that ends still thinking is all reasoning. `ReasoningSplitter` does this as the text
-streams; `split_reasoning` is the same over a whole output, so the two always agree.
+streams; a whole output is the same splitter pushed once and flushed, so the two always agree.
 """
 
 from __future__ import annotations
@@ -76,12 +76,3 @@ class ReasoningSplitter:
             content += self._buffer
             self._buffer = ""
             return reasoning, content
-
-
-def split_reasoning(text: str, inside: bool = False) -> tuple[str | None, str]:
-    """(reasoning or None, content) of a whole output."""
-    splitter = ReasoningSplitter(inside)
-    reasoning, content = splitter.push(text)
-    more_reasoning, more_content = splitter.flush()
-    reasoning += more_reasoning
-    return (reasoning or None), content + more_content

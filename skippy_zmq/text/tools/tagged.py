@@ -144,10 +144,6 @@ class ToolCallStream:
         self._bare: bool | None = None if self.toolset is not None and self.toolset.constrained else False
         self._done = False
 
-    @property
-    def made_calls(self) -> bool:
-        return bool(self.calls)
-
     def push(self, text: str) -> list[dict[str, Any]]:
         if self._done:
             raise RuntimeError("ToolCallStream: push after flush")
