@@ -7,9 +7,10 @@ only from tests or scripts, or not at all. A name counts as referenced when it a
 else in the package as a name, an attribute or a string constant (string dispatch, `__all__`),
 so the check errs towards silence: a method that shares its name with a used one is not listed.
 Not listed: dunder methods, decorated definitions (routes, properties, registered handlers are
-reached through the decorator), `main`, and methods that override a base class's (uvicorn's
+reached through the decorator), `main`, methods that override a base class's (uvicorn's
 protocol hooks, Jinja's sandbox, PyYAML's loader, pyzmq's authenticator are called by their
-framework; this one check imports the module to read the class's MRO). Names only the dev
+framework; this one check imports the module to read the class's MRO) and a node visitor's
+`visit_*` methods (found by node type). Names only the dev
 tools use are listed apart.
 
     .venv/bin/python scripts/test_only_code.py            # exit status 1 when anything is listed
@@ -26,7 +27,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 PACKAGE = Path(__file__).resolve().parent.parent / "skippy_zmq"
-DEVTOOLS = PACKAGE / "devtools"
 
 
 @dataclass(frozen=True)
@@ -66,13 +66,17 @@ def definitions(tree: ast.Module, path: Path) -> list[Definition]:
     return out
 
 
-def overrides(d: Definition) -> bool:
+def overrides(d: Definition, package: Path) -> bool:
     """Whether d is a method that a base class of its class also defines (its framework calls it)."""
     if d.owner is None:
         return False
-    module = ".".join(d.path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    module = ".".join(d.path.relative_to(package.parent).with_suffix("").parts)
     cls = getattr(importlib.import_module(module.removesuffix(".__init__")), d.owner, None)
-    return isinstance(cls, type) and any(d.name in vars(base) for base in cls.__mro__[1:])
+    if not isinstance(cls, type):
+        return False
+    if d.name.startswith("visit_") and hasattr(cls, "generic_visit"):
+        return True   # a node visitor's method, found by node type (getattr "visit_" + the type's name)
+    return any(d.name in vars(base) for base in cls.__mro__[1:])
 
 
 def unreferenced(package: Path = PACKAGE) -> tuple[list[Definition], list[Definition]]:
@@ -82,7 +86,7 @@ def unreferenced(package: Path = PACKAGE) -> tuple[list[Definition], list[Defini
     defined: list[Definition] = []
     for path in sorted(package.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
-        in_tools = DEVTOOLS in path.parents
+        in_tools = package / "devtools" in path.parents
         (tool_refs if in_tools else runtime_refs).update(references(tree))
         if not in_tools:
             defined += definitions(tree, path)
@@ -90,7 +94,7 @@ def unreferenced(package: Path = PACKAGE) -> tuple[list[Definition], list[Defini
     for d in defined:
         # A definition's own `def name` is not a reference; its uses inside its body do not count either.
         outside = runtime_refs[d.name] - d.inner_references
-        if outside <= 0 and not overrides(d):
+        if outside <= 0 and not overrides(d, package):
             (tools_only if tool_refs[d.name] else unused).append(d)
     return unused, tools_only
 

@@ -246,7 +246,8 @@ def lanes_in_use(url: str) -> dict[str, float]:
 @pytest.fixture(scope="session")
 def llama_cpp_models() -> Path:
     """llama.cpp's models/ folder (vocab test vectors, real chat templates) from the sdist, cached once."""
-    from skippy_zmq.files.fetch import FetchError, fetch_llama_cpp_models
+    from skippy_zmq.devtools.llama_cpp_models import fetch_llama_cpp_models
+    from skippy_zmq.files.fetch import FetchError
 
     try:
         return fetch_llama_cpp_models()

@@ -48,6 +48,17 @@ def save_params(path: Path, tree: dict[str, Any]) -> None:
     ocp.PyTreeCheckpointer().save(Path(path).absolute(), tree, force=True)
 
 
+def restore_stage(model_dir: Path, cfg: ModelConfig, start: int = 0, end: int | None = None) -> dict[str, Any]:
+    """A stage's stored items (checkpoint.stage_items) as one tree: layers keyed by str(index)."""
+    tree: dict[str, Any] = {"layers": {}}
+    for key, stored in checkpoint.stage_items(model_dir, cfg, start, end):
+        if isinstance(key, int):
+            tree["layers"][str(key)] = stored
+        else:
+            tree[key] = stored
+    return tree
+
+
 def float_tree(model_dir: Path, cfg: ModelConfig, start: int = 0, end: int | None = None) -> dict[str, Any]:
     """A converted model's stage [start, end) as a checkpoint-layout float32 tree (matrices
     [in, out], layers keyed by index)."""
@@ -57,7 +68,7 @@ def float_tree(model_dir: Path, cfg: ModelConfig, start: int = 0, end: int | Non
         w = to_float(v)                                  # [out, in]; the embedding is stored as its rows
         return w if key == "embed" else np.ascontiguousarray(w.T)
 
-    tree = checkpoint.restore_stage(model_dir, cfg, start, end)
+    tree = restore_stage(model_dir, cfg, start, end)
     out = {k: plain(k, v) for k, v in tree.items() if k != "layers"}
     out["layers"] = {i: {k: plain(k, v) for k, v in layer.items()} for i, layer in tree["layers"].items()}
     return out

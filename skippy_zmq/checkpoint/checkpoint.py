@@ -232,22 +232,12 @@ def check_runnable(stored: str, asked: str) -> None:
                               f"(asked for {asked}): re-convert with --weights {asked}")
 
 
-def restore_stage(model_dir: Path, cfg: ModelConfig, start: int = 0, end: int | None = None) -> dict[str, Any]:
-    """The stored arrays of the items a stage [start, end) owns: its layers, the embedding when
-    first (or last with a tied head), norm and an untied head when last. Nothing else is read."""
-    tree: dict[str, Any] = {"layers": {}}
-    for key, stored in stage_items(model_dir, cfg, start, end):
-        if isinstance(key, int):
-            tree["layers"][str(key)] = stored
-        else:
-            tree[key] = stored
-    return tree
-
-
 def stage_items(model_dir: Path, cfg: ModelConfig, start: int = 0,
                 end: int | None = None) -> Iterator[tuple[str | int, Any]]:
-    """restore_stage's items one at a time: ("norm", v), ("head", rows), ("embed", rows), then
-    (i, layer) for each of its layers, so a caller can convert each and let it go."""
+    """The stored arrays of the items a stage [start, end) owns, one at a time: ("norm", v),
+    ("head", rows), ("embed", rows) (the embedding when first, or last with a tied head; norm and
+    an untied head when last), then (i, layer) for each of its layers, so a caller can convert
+    each and let it go. Nothing else is read."""
     params = Path(model_dir).absolute() / "params"
     if _manifest(params) is None:
         raise CheckpointError(f"{params}: no {MANIFEST} (an older single-PyTree checkpoint: use weights.restore_params)")
@@ -338,7 +328,7 @@ def _manifest(params: Path) -> dict[str, Any] | None:
 
 def to_runtime(items: Iterable[tuple[str | int, Any]], asked: str, dtype: Any, device: Any = None,
                first: bool = True) -> dict[str, Any]:
-    """Stored stage items (stage_items, or a restore_stage tree's .items()) -> runtime params
+    """Stored stage items (stage_items) -> runtime params
     (as weights.to_runtime makes them), converting each item as it comes.
 
     Float formats: [in, out] arrays in `dtype`. int8 / q4: QTensors, built from the
@@ -362,9 +352,7 @@ def to_runtime(items: Iterable[tuple[str | int, Any]], asked: str, dtype: Any, d
 def _put_item(put: Any, out: dict[str, Any], layers: dict[int, Any], key: str | int, stored: Any, asked: str,
               first: bool) -> None:
     """One stored item -> its runtime arrays in `out` (or `layers`)."""
-    if key == "layers":       # a restore_stage tree
-        layers.update((int(i), put.layer(v)) for i, v in stored.items())
-    elif isinstance(key, int):
+    if isinstance(key, int):
         layers[key] = put.layer(stored)
     elif key == "embed":      # after norm and head: a last stage knows by now whether its head is tied
         if "norm" in out and "head" not in out and asked in ("int8", "q4"):
