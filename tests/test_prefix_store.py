@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from skippy_zmq.kv.prefix_store import PrefixStore, StoreConfig, StoreIdentity, prefix_key
+from skippy_zmq.config.cache import CacheConfig
+from skippy_zmq.kv.prefix_store import PrefixStore, StoreIdentity, prefix_key
 
 IDENT = StoreIdentity(model_digest="abc123", layer_start=0, layer_end=2, kv_dtype="float32")
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4
@@ -22,7 +23,7 @@ def toks(n: int, seed: int = 0) -> np.ndarray:
 
 def store(**overrides) -> PrefixStore:
     cfg = dict(mode="lookup-record", max_bytes=1 << 30, max_entries=1000, stride=128, min_tokens=64)
-    return PrefixStore(IDENT, StoreConfig(**{**cfg, **overrides}))
+    return PrefixStore(IDENT, CacheConfig(**{**cfg, **overrides}))
 
 
 def test_record_lookup_roundtrip_bit_exact():
@@ -62,8 +63,8 @@ def test_key_identity_and_token_sensitivity():
 
 def test_identity_isolation_between_stores():
     t, (k, v) = toks(100), kv(100)
-    a = PrefixStore(IDENT, StoreConfig(max_bytes=1 << 20, max_entries=10))
-    b = PrefixStore(StoreIdentity("abc123", 2, 4, "float32"), StoreConfig(max_bytes=1 << 20, max_entries=10))
+    a = PrefixStore(IDENT, CacheConfig(max_bytes=1 << 20, max_entries=10))
+    b = PrefixStore(StoreIdentity("abc123", 2, 4, "float32"), CacheConfig(max_bytes=1 << 20, max_entries=10))
     a.record("ns", t, k, v)
     b.record("ns", t, k, v)
     assert a.lookup("ns", t).key != b.lookup("ns", t).key
@@ -181,7 +182,7 @@ def test_disabled_and_record_modes():
     st = rec.stats()
     assert st["hits"] == 0 and st["misses"] == 0 and st["lookups_disabled"] == 1
     with pytest.raises(ValueError, match="mode"):
-        StoreConfig(mode="lookup")
+        CacheConfig(mode="lookup")
 
 
 def test_record_does_not_alias_caller_buffers():

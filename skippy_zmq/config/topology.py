@@ -63,6 +63,7 @@ is optional; defaults shown)::
           max_entries: 256
           stride: 128
           min_tokens: 64
+          max_grid_entries_per_record: 4   # stride-grid prefixes kept per prompt, longest first
 
 Every error is a ``TopologyError`` naming the file and the key path, e.g.
 ``topologies/x.yaml: stages[1].layrs: unknown key (allowed: ...)``.
@@ -81,6 +82,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import yaml
 
+from skippy_zmq.config.cache import CACHE_MODES, CacheConfig
 from skippy_zmq.config.http import EdgeConfig, EdgeConfigError
 from skippy_zmq.config.speculative import SpeculativeConfig, SpeculativeConfigError
 from skippy_zmq.config.units import parse_bytes
@@ -98,23 +100,6 @@ def is_local(host: str) -> bool:
 
 class TopologyError(ValueError):
     """A topology file (or dict) is malformed; the message names file and key."""
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    mode: str = "lookup-record"
-    max_bytes: int = 256 << 20
-    max_entries: int = 256
-    stride: int = 128
-    min_tokens: int = 64
-
-    @property
-    def lookup(self) -> bool:
-        return self.mode == "lookup-record"
-
-    @property
-    def record(self) -> bool:
-        return self.mode != "disabled"
 
 
 @dataclass(frozen=True)
@@ -211,12 +196,6 @@ class Topology:
     @property
     def last(self) -> StageConfig:
         return self.stages[-1]
-
-    def is_first(self, stage: StageConfig) -> bool:
-        return stage.id == self.stages[0].id
-
-    def is_last(self, stage: StageConfig) -> bool:
-        return stage.id == self.stages[-1].id
 
     def index(self, stage_id: str) -> int:
         for i, stage in enumerate(self.stages):
@@ -425,8 +404,8 @@ def _section(cls: type, checks: dict[str, Check]) -> Check:
 
 
 _cache = _section(CacheConfig, {
-    "mode": _choice("disabled", "record", "lookup-record"), "max_bytes": _integer(1), "max_entries": _integer(1),
-    "stride": _integer(1), "min_tokens": _integer(1),
+    "mode": _choice(*CACHE_MODES), "max_bytes": _integer(1), "max_entries": _integer(1),
+    "stride": _integer(1), "min_tokens": _integer(1), "max_grid_entries_per_record": _integer(0),
 })
 _wire = _section(WireConfig, {
     "activation_dtype": _choice("f32", "f16", "bf16", "q8"), "max_message_bytes": _integer(1024), "hwm": _integer(0),

@@ -21,39 +21,17 @@ import hashlib
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Sequence
 
 import numpy as np
 
-Mode = Literal["disabled", "record", "lookup-record"]
-_MODES = ("disabled", "record", "lookup-record")
+from skippy_zmq.config.cache import CacheConfig
+
+# One settings class for the store and the topology's `cache` section. StoreConfig is its old
+# name here, kept while engine/ still imports it.
+StoreConfig = CacheConfig
 _DIGEST_SIZE = 16
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    mode: Mode = "lookup-record"
-    max_bytes: int = 1 << 30
-    max_entries: int = 256
-    stride: int = 128
-    min_tokens: int = 64
-    max_grid_entries_per_record: int = 4  # a few entries per prompt, longest kept
-
-    @classmethod
-    def from_cache(cls, cache: Any) -> "StoreConfig":
-        """From a topology stage's `cache` section (mode, max_bytes, max_entries, stride, min_tokens)."""
-        return cls(mode=cache.mode, max_bytes=cache.max_bytes, max_entries=cache.max_entries,
-                   stride=cache.stride, min_tokens=cache.min_tokens)
-
-    def __post_init__(self) -> None:
-        if self.mode not in _MODES:
-            raise ValueError(f"prefix store mode must be one of {_MODES}, got {self.mode!r}")
-        for name in ("max_bytes", "max_grid_entries_per_record"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"prefix store {name} must be >= 0")
-        for name in ("max_entries", "stride", "min_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"prefix store {name} must be >= 1")
+DEFAULT_NAMESPACE = "default"   # the key namespace of a request without a prompt_cache_key
 
 
 @dataclass(frozen=True)
@@ -122,20 +100,20 @@ def _frozen_copy(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def grid_lengths(c: StoreConfig, n_tokens: int) -> list[int]:
+def grid_lengths(c: CacheConfig, n_tokens: int) -> list[int]:
     """Stride-grid prefix lengths recorded for an n-token prompt, longest first."""
     top = (n_tokens - 1) // c.stride * c.stride  # grid points are strictly shorter than the prompt
     grid = [n for n in range(top, 0, -c.stride) if n >= c.min_tokens]
     return grid[: c.max_grid_entries_per_record]
 
 
-def recorded_lengths(c: StoreConfig, n_tokens: int) -> list[int]:
+def recorded_lengths(c: CacheConfig, n_tokens: int) -> list[int]:
     """Every prefix length `record` stores for n tokens (the driver's index predicts with this)."""
     return ([n_tokens] if n_tokens >= c.min_tokens else []) + grid_lengths(c, n_tokens)
 
 
 class PrefixStore:
-    def __init__(self, identity: StoreIdentity, config: StoreConfig) -> None:
+    def __init__(self, identity: StoreIdentity, config: CacheConfig) -> None:
         self.identity = identity
         self.config = config
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # LRU first, MRU last
