@@ -34,6 +34,7 @@ from skippy_zmq.text import tools
 from skippy_zmq.api.anthropic_schema import COUNT_TOKENS_ENDPOINT, MESSAGES_ENDPOINT
 from skippy_zmq.api.responses_schema import RESPONSES_ENDPOINT
 from skippy_zmq.text.chat_output import ChatOutput, message_fields
+from skippy_zmq.text.stop_strings import StopMatcher
 from skippy_zmq.engine.request import ChoiceControl, Engine, EngineError, GenRequest, TokenEvent
 from skippy_zmq.config.http import EdgeConfig
 from skippy_zmq.api.http_guard import ApiKeys, BodyTimeout, Guard, expects_body, header
@@ -41,7 +42,7 @@ from skippy_zmq.api.http_protocol import uvicorn_config
 from skippy_zmq.api.limits import RequestLimits
 from skippy_zmq.engine.metrics import ServerMetrics, error_kind
 from skippy_zmq.api.offloop import OffLoop, dumps_in_parts
-from skippy_zmq.api.openai_schema import CHAT, COMPLETION, ParsedRequest, RequestError, StopMatcher, TextOffsets, TokenLogprob, error_body, parse_chat, parse_completion, read_body, usage
+from skippy_zmq.api.openai_schema import CHAT, COMPLETION, ParsedRequest, RequestError, TextOffsets, TokenLogprob, error_body, parse_chat, parse_completion, read_body, usage
 from skippy_zmq.text.reasoning import template_thinks
 from skippy_zmq.api.request_prep import Parser, PrepContext, parse_request, prepare_prompts
 from skippy_zmq.text.tokenizer import TextTokenizer
