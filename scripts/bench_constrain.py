@@ -205,6 +205,7 @@ def bench_library(lib, tokenizer: TextTokenizer, repeats: int) -> dict:
 
 def bench_matcher(tokenizer: TextTokenizer, model_dir: str) -> dict:
     """Our Matcher on top of llguidance, per token: apply (mask + -inf into float32 logits) and advance."""
+    from skippy_zmq.sampling import mask_logits
     from skippy_zmq.text.constrain import ConstraintSpec, Matcher, tokenizer_info
     info = tokenizer_info(model_dir)
     apply_us, advance_us = [], []
@@ -217,7 +218,7 @@ def bench_matcher(tokenizer: TextTokenizer, model_dir: str) -> dict:
         matcher = Matcher(spec, info)
         for token in tokenizer.encode(text, add_bos=False):
             t0 = time.perf_counter()
-            matcher.apply(logits)
+            mask_logits(logits, matcher.mask())
             t1 = time.perf_counter()
             matcher.advance(token)
             apply_us.append((t1 - t0) * 1e6)

@@ -165,5 +165,5 @@ if __name__ == "__main__":
     if len(sys.argv) > 1:
         main(Path(sys.argv[1]))
     else:
-        from skippy_zmq.files.fetch import fetch_llama_cpp_models
+        from skippy_zmq.devtools.llama_cpp_models import fetch_llama_cpp_models
         main(fetch_llama_cpp_models())

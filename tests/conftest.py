@@ -22,7 +22,7 @@ from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.cli import CACHE_MIN_S_ENV, configure_jax
 from skippy_zmq.devtools.harness import PORT_SLICE_ENV
 from skippy_zmq.protocol.keystore import KEYS_HOME_ENV
-from skippy_zmq.model import weights
+from model_helpers import random_params
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
@@ -151,7 +151,7 @@ def tiny_cfg() -> ModelConfig:
 
 @pytest.fixture(scope="session")
 def tiny_tree() -> dict:
-    return weights.random_params(TINY, seed=0)
+    return random_params(TINY, seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -247,7 +247,8 @@ def lanes_in_use(url: str) -> dict[str, float]:
 @pytest.fixture(scope="session")
 def llama_cpp_models() -> Path:
     """llama.cpp's models/ folder (vocab test vectors, real chat templates) from the sdist, cached once."""
-    from skippy_zmq.files.fetch import FetchError, fetch_llama_cpp_models
+    from skippy_zmq.devtools.llama_cpp_models import fetch_llama_cpp_models
+    from skippy_zmq.files.fetch import FetchError
 
     try:
         return fetch_llama_cpp_models()

@@ -20,6 +20,7 @@ from skippy_zmq.checkpoint import checkpoint, loader, sources
 from skippy_zmq.model import quant, weights
 from skippy_zmq.checkpoint.checkpoint import CheckpointError, CheckpointWriter
 from skippy_zmq.checkpoint.convert import LAYER_NAMES, TOP_NAMES, stream_checkpoint, unpermute_rows
+from model_helpers import forward_reference, restore_stage, save_params
 
 
 def write_tree(out: Path, tree: dict, fmt: str, rows_per_block: int = 40) -> Path:
@@ -28,7 +29,9 @@ def write_tree(out: Path, tree: dict, fmt: str, rows_per_block: int = 40) -> Pat
     w.add_top("norm", tree["norm"])
     w.add_top("embed", tree["embed"])
     for i in range(TINY.n_layers):
-        w.add_layer(i, {k: (v.T if v.ndim == 2 else v) for k, v in tree["layers"][str(i)].items()})
+        for key, v in tree["layers"][str(i)].items():
+            w.put_layer_tensor(i, key, v.T if v.ndim == 2 else v)
+        w.end_layer(i)
     w.finish({"format": "test", "sha256": "0" * 64})
     return out
 
@@ -92,7 +95,7 @@ def test_quantised_checkpoint_keeps_the_levels_quantising_at_load_makes(converte
     ids = np.array([[3, 96, 50]])
     looked_up = np.asarray(quant.embed_rows(rows, ids))
     np.testing.assert_array_equal(looked_up[0], checkpoint.to_float(
-        checkpoint.restore_stage(path, TINY, 0, 1)["embed"])[ids[0]])
+        restore_stage(path, TINY, 0, 1)["embed"])[ids[0]])
     assert np.abs(looked_up[0] - tiny_tree["embed"][ids[0]]).max() < 0.01
 
 
@@ -100,17 +103,17 @@ def test_stage_restores_only_its_items(tmp_path, tiny_tree):
     path = write_tree(tmp_path / "m", tiny_tree, "q4")
     for item in ("layer_00000", "layer_00003", "embed", "top"):   # what a middle stage must never read
         shutil.rmtree(path / "params" / item)
-    middle = checkpoint.restore_stage(path, TINY, 1, 3)
+    middle = restore_stage(path, TINY, 1, 3)
     assert sorted(middle) == ["layers"] and sorted(middle["layers"]) == ["1", "2"]
     assert middle["layers"]["2"]["wq"]["q"].dtype == np.uint8 and middle["layers"]["2"]["wq"]["q"].shape == (64, 32)
     assert middle["layers"]["2"]["wq"]["d"].dtype == np.float16 and middle["layers"]["2"]["wq"]["d"].shape == (64, 2)
     with pytest.raises(CheckpointError, match="params/top: checkpoint item missing"):
-        checkpoint.restore_stage(path, TINY, 3, 4)
+        restore_stage(path, TINY, 3, 4)
 
 
 def test_last_stage_gets_the_tied_embedding_as_its_int8_head(tmp_path, tiny_tree):
     path = write_tree(tmp_path / "m", tiny_tree, "q4")
-    last = checkpoint.restore_stage(path, TINY, 3, 4)
+    last = restore_stage(path, TINY, 3, 4)
     assert sorted(last) == ["embed", "layers", "norm"] and last["embed"]["q"].dtype == np.int8
     assert last["embed"]["q"].shape == (97, 64)     # three row blocks put back together
     _, params = loader.load_slice(path, 3, 4, fmt="q4")
@@ -138,14 +141,14 @@ def test_a_finer_format_than_stored_is_refused(converted, fmt):
 def test_coarser_formats_requantise_at_load(tmp_path, tiny_tree):
     path = write_tree(tmp_path / "m", tiny_tree, "int8")
     _, got = loader.load_slice(path, 0, 1, fmt="q4")
-    stored = checkpoint.restore_stage(path, TINY, 0, 1)["layers"]["0"]["w_gate"]
+    stored = restore_stage(path, TINY, 0, 1)["layers"]["0"]["w_gate"]
     want = quant.to_qtensor(checkpoint.to_float(stored).T, bits=4)
     assert got["layers"][0]["w_gate"].bits == 4
     np.testing.assert_array_equal(quant.levels(got["layers"][0]["w_gate"]), quant.levels(want))
 
 
 def test_older_single_pytree_checkpoint_still_loads_as_f32(tmp_path, tiny_tree):
-    weights.save_params(tmp_path / "params", tiny_tree)
+    save_params(tmp_path / "params", tiny_tree)
     TINY.save(tmp_path / "model.json")
     assert checkpoint.stored_weights(tmp_path) == "f32"
     _, got = loader.load_slice(tmp_path, 1, 2)
@@ -161,10 +164,8 @@ def test_a_bf16_stage_holds_bf16_matrices_and_computes_like_f32(tmp_path, tiny_t
     import jax
     import jax.numpy as jnp
 
-    from skippy_zmq.model.llama import forward_reference
-
     if layout == "older":
-        weights.save_params(tmp_path / "params", tiny_tree)
+        save_params(tmp_path / "params", tiny_tree)
         TINY.save(tmp_path / "model.json")
         path = tmp_path
     else:
@@ -232,7 +233,7 @@ Q = gguf.GGMLQuantizationType
 def test_gguf_blocks_come_through_exactly(tmp_path, tiny_tree, qtype):
     fmt = "int8" if qtype == Q.Q8_0 else "q4"
     path, held = gguf_checkpoint(tmp_path, tiny_tree, {"wq": qtype, "w_up": qtype, "embed": Q.Q8_0}, fmt)
-    layer = checkpoint.restore_stage(path, TINY, 0, 1)["layers"]["0"]
+    layer = restore_stage(path, TINY, 0, 1)["layers"]["0"]
     e = checkpoint.grid(layer["w_up"])
     assert e.fmt == fmt and e.d.dtype == np.float16
     # the levels and scales the file holds: exactly gguf's dequantisation, no f32 round trip
@@ -256,11 +257,11 @@ def test_gguf_q4_levels_reach_the_runtime_unchanged(tmp_path, tiny_tree):
 
 def test_gguf_finer_format_dequantises_and_other_types_requantise(tmp_path, tiny_tree):
     path, held = gguf_checkpoint(tmp_path, tiny_tree, {"w_up": Q.Q4_1, "w_down": Q.Q8_0, "wo": Q.F16}, "f32")
-    layer = checkpoint.restore_stage(path, TINY, 0, 1)["layers"]["0"]
+    layer = restore_stage(path, TINY, 0, 1)["layers"]["0"]
     np.testing.assert_array_equal(layer["w_up"]["w"], held["blk.0.ffn_up.weight"])
     (tmp_path / "q4").mkdir()
     path, held = gguf_checkpoint(tmp_path / "q4", tiny_tree, {"w_down": Q.Q8_0, "wo": Q.F16}, "q4")
-    layer = checkpoint.restore_stage(path, TINY, 0, 1)["layers"]["0"]
+    layer = restore_stage(path, TINY, 0, 1)["layers"]["0"]
     for key, name in [("w_down", "blk.0.ffn_down.weight"), ("wo", "blk.0.attn_output.weight")]:
         assert layer[key]["q"].dtype == np.uint8        # Q8_0 / F16 requantised to 4 bits
         want = checkpoint.encode(held[name], "q4")
@@ -296,7 +297,6 @@ def test_q4_checkpoint_runs_cached_decode_like_its_full_forward(tmp_path, tiny_t
     import jax.numpy as jnp
 
     from skippy_zmq.config.model import KVConfig
-    from skippy_zmq.model.llama import forward_reference
     from skippy_zmq.model.runner import SliceRunner
 
     _, params = loader.load_slice(write_tree(tmp_path / "m", tiny_tree, "q4"), fmt="q4")

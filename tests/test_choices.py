@@ -15,6 +15,7 @@ from skippy_zmq.config.speculative import SpeculativeConfig
 from skippy_zmq.engine.inproc import run_requests
 from skippy_zmq.sampling import SamplingParams
 from skippy_zmq.protocol.wire import Kind, Message
+from model_helpers import read_kv
 
 
 def by_choice(events: list) -> dict[int, list[int]]:
@@ -88,7 +89,7 @@ def test_fork_copies_kv_and_refuses_a_gap(tiny_tree):
     assert worker.handle(Message(Kind.FORK_SESSION, 2, 1, position=19, sessions=np.array([1, 2], np.uint64))) == []
     a, b = worker.sessions.get(1), worker.sessions.get(2)
     assert b.length == 19 and b.tokens == a.tokens
-    ka, kb = worker.runner.read_kv(a.lane, 19), worker.runner.read_kv(b.lane, 19)
+    ka, kb = read_kv(worker.runner, a.lane, 19), read_kv(worker.runner, b.lane, 19)
     np.testing.assert_array_equal(ka[0], kb[0])
     np.testing.assert_array_equal(ka[1], kb[1])
     [out] = worker.handle(Message(Kind.FORK_SESSION, 3, 1, position=25, sessions=np.array([1, 3], np.uint64)))

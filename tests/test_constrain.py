@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from skippy_zmq.text.constrain import SYNTAXES, ConstraintError, ConstraintSpec, Matcher, mask_logits, tokenizer_info, validate
+from skippy_zmq.text.constrain import SYNTAXES, ConstraintError, ConstraintSpec, Matcher, tokenizer_info, validate
 from skippy_zmq.text.tools import GENERIC, validate_tools
-from skippy_zmq.sampling import Sampler, SamplingParams
+from skippy_zmq.sampling import Sampler, SamplingParams, mask_logits
 
 SCHEMAS = json.loads((Path(__file__).parent / "fixtures" / "json_schemas.json").read_text())
 
@@ -283,7 +283,7 @@ def test_only_eos_when_complete(info):
         matcher.advance(token)
     assert allows_only_eos(matcher)
     logits = np.zeros(info.vocab_size + 8, np.float32)  # a padded vocabulary
-    matcher.apply(logits)
+    mask_logits(logits, matcher.mask())
     assert set(np.flatnonzero(np.isfinite(logits))) == set(info.eos_ids)
 
 
@@ -363,7 +363,7 @@ def test_mask_logits_and_stats(info):
     seconds, count = info.mask_stats.snapshot()
     logits = np.random.default_rng(0).standard_normal((3, info.vocab_size)).astype(np.float32)
     allowed = matcher.mask()
-    matcher.apply(logits)
+    mask_logits(logits, allowed)
     assert np.isfinite(logits[:, allowed]).all() and np.isneginf(logits[:, ~allowed]).all()
     assert info.mask_stats.snapshot()[1] == count + 1 and info.mask_stats.mean_us > 0
     with pytest.raises(ValueError):

@@ -24,6 +24,7 @@ from skippy_zmq.engine.request import GenRequest, TokenEvent
 from skippy_zmq.engine.inproc import run_requests
 from skippy_zmq.model import llama, weights
 from skippy_zmq.stage.worker import DRIVER
+from model_helpers import random_params
 
 
 def normed_hidden(cfg, params, ids) -> np.ndarray:
@@ -51,7 +52,7 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def tiny():
-    tree = weights.random_params(TINY, seed=0)
+    tree = random_params(TINY, seed=0)
     return tree, weights.to_runtime(tree, jnp.float32)
 
 

@@ -15,7 +15,7 @@ import pytest
 from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.checkpoint.convert import LAYER_NAMES, TOP_NAMES, ConvertError, convert_gguf, gguf_model_config
 from skippy_zmq.checkpoint.families import hf_model_config
-from skippy_zmq.checkpoint.gguf_writer import llama3_rope_factors, rotary_row_order
+from skippy_zmq.devtools.gguf_writer import llama3_rope_factors, rotary_row_order
 from test_families import FIXTURES, RTOL, expected, fixture_config, last_logits, stage_runners
 
 gguf = pytest.importorskip("gguf")

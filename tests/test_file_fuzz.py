@@ -27,7 +27,7 @@ from skippy_zmq.files.filecheck import ModelFileError, read_safetensors_header
 from skippy_zmq.checkpoint.formats import CheckpointError
 from skippy_zmq.checkpoint.formats import Encoded, dequantize_grid
 from skippy_zmq.files.gguf_layout import read_gguf_layout
-from skippy_zmq.checkpoint.gguf_writer import GGUFStream
+from skippy_zmq.devtools.gguf_writer import GGUFStream
 from skippy_zmq.devtools.random_model import random_tensors, tensor_specs
 from skippy_zmq.text.tokenizer import TextTokenizer, word_level_tokenizer
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from skippy_zmq.files.fetch import extract_under
+from skippy_zmq.devtools.llama_cpp_models import extract_under
 from skippy_zmq.ops.launch import stage_command
 from skippy_zmq.model import quant
 from skippy_zmq.files.private_dirs import private_cache_dir, unsafe_reason

@@ -19,6 +19,7 @@ from skippy_zmq.engine.request import GenRequest, TokenEvent
 from skippy_zmq.config.speculative import SpeculativeConfig
 from skippy_zmq.engine.inproc import run_requests, tokens_of
 from skippy_zmq.sampling import SamplingParams, TokenHistory, adjust_logits
+from model_helpers import forward_reference, random_params
 
 SPEC = SpeculativeConfig(method="ngram", max_draft=8, min_match=1, shared=False)
 TOL = 1e-4
@@ -35,8 +36,6 @@ def reference_logprobs(params_tree, cfg, prompt: list[int], generated: list[int]
     """[len(generated), V] float64 log-softmax of the adjusted logits that chose each generated
     token, from one whole-sequence forward (no cache, no windows, no pipeline)."""
     import jax.numpy as jnp
-
-    from skippy_zmq.model.llama import forward_reference
 
     ids = np.asarray(prompt + generated[:-1], np.int32)
     logits = np.asarray(forward_reference(params_tree, jnp.asarray(ids)[None], cfg))[0]
@@ -70,8 +69,7 @@ _TREE: dict = {}
 
 def tiny_tree_of() -> dict:
     if not _TREE:
-        from skippy_zmq.model import weights
-        _TREE.update(weights.random_params(TINY, seed=0))
+        _TREE.update(random_params(TINY, seed=0))
     return _TREE
 
 
@@ -399,8 +397,6 @@ def test_inproc_prompt_logprobs_match_a_float64_reference(cuts):
     prompt of 150 tokens arrives in three ACKs. The prefix cache is bypassed for it."""
     import jax.numpy as jnp
 
-    from skippy_zmq.model.llama import forward_reference
-
     prompt = random_ids(150, TINY.vocab_size, seed=5).tolist()
     req = GenRequest("e", tuple(prompt), max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=3)
     sched = make_scheduler(len(cuts) + 1, cache=CACHE, speculative=SPEC)
@@ -424,7 +420,6 @@ def test_real_pipeline_echo_prompt_logprobs_match_the_reference(real_pipeline, r
     import jax.numpy as jnp
 
     from skippy_zmq.api.server import create_app, start_in_thread
-    from skippy_zmq.model.llama import forward_reference
 
     engine, tokenizer = real_pipeline[0], real_pipeline[1]
     cfg, params = real_reference

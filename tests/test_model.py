@@ -14,14 +14,15 @@ from skippy_zmq.config.model import Buckets, KVConfig
 from skippy_zmq.checkpoint import loader
 from skippy_zmq.model import weights
 from skippy_zmq.checkpoint.convert import convert_hf, unpermute_rows
-from skippy_zmq.model.llama import forward_jit, forward_reference
+from skippy_zmq.model.llama import forward_jit
 from skippy_zmq.model.runner import SliceRunner
+from model_helpers import forward_reference, read_kv, save_params, slice_tree
 
 KV = KVConfig(lanes=3, capacity=256)
 
 
 def runner(tree: dict, start: int = 0, end: int = TINY.n_layers, buckets: Buckets = Buckets()) -> SliceRunner:
-    params = weights.to_runtime(weights.slice_tree(tree, TINY, start, end), jnp.float32)
+    params = weights.to_runtime(slice_tree(tree, TINY, start, end), jnp.float32)
     return SliceRunner(TINY, params, start, end, KV, buckets)
 
 
@@ -49,8 +50,8 @@ def test_chunked_prefill_equals_one_shot(tiny_tree):
     a = one.decode(np.array([0]), ids[-1:], np.array([99]))
     b = many.decode(np.array([2]), ids[-1:], np.array([99]))
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    k1, _ = one.read_kv(0, 99)
-    k2, _ = many.read_kv(2, 99)
+    k1, _ = read_kv(one, 0, 99)
+    k2, _ = read_kv(many, 2, 99)
     np.testing.assert_allclose(k1, k2, rtol=1e-5, atol=1e-5)
 
 
@@ -87,11 +88,11 @@ def test_padding_never_touches_other_lanes(tiny_tree):
     ids = random_ids(20, TINY.vocab_size, seed=3)
     r.prefill(0, ids, 0, output="none")
     r.prefill(1, ids, 0, output="none")
-    lane0, lane1 = r.read_kv(0, 256), r.read_kv(1, 256)
+    lane0, lane1 = read_kv(r, 0, 256), read_kv(r, 1, 256)
     r.decode(np.array([2]), ids[:1], np.array([0]))   # 1 row, then 3 padding rows on lane 0 at "capacity"
     r.prefill(2, ids[:5], 0, output="none")            # 5 tokens padded to 16
     r.prefill(2, ids[:5], 250, output="none")          # a window clamped at the end of the arena
-    for before, after in zip(lane0 + lane1, r.read_kv(0, 256) + r.read_kv(1, 256)):
+    for before, after in zip(lane0 + lane1, read_kv(r, 0, 256) + read_kv(r, 1, 256)):
         np.testing.assert_array_equal(before, after)
 
 
@@ -117,7 +118,7 @@ def test_bf16_kv_is_stored_as_bits_and_restores_bit_for_bit(tiny_tree):
     full.prefill(0, ids[:-1], 0, output="none")
     got = half.decode(np.array([0]), ids[-1:], np.array([29]))
     np.testing.assert_allclose(got, full.decode(np.array([0]), ids[-1:], np.array([29])), atol=0.05)
-    k, v = half.read_kv(0, 30)
+    k, v = read_kv(half, 0, 30)
     assert k.dtype == jnp.bfloat16
     half.write_kv(1, k, v)
     np.testing.assert_array_equal(half.decode(np.array([1]), ids[-1:], np.array([29])), got)
@@ -141,7 +142,7 @@ def test_capacity_overflow_is_a_clear_error(tiny_tree):
 
 
 def test_orbax_partial_restore_reads_only_the_range(tmp_path, tiny_tree):
-    weights.save_params(tmp_path / "params", tiny_tree)
+    save_params(tmp_path / "params", tiny_tree)
     part = weights.restore_params(tmp_path / "params", TINY, 1, 3)
     assert sorted(part["layers"]) == ["1", "2"]
     assert "embed" not in part and "norm" not in part

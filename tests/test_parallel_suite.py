@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import LONGEST_FIRST, SHARED_MODULES, SHARED_UNIT, work_unit
-from skippy_zmq.files import fetch
+from skippy_zmq.devtools import llama_cpp_models
 from skippy_zmq.devtools import harness
 
 
@@ -49,9 +49,9 @@ def test_concurrent_fetches_of_the_sdist_extract_it_once(monkeypatch, tmp_path):
         (target / ".complete").write_text("x")
         return target
 
-    monkeypatch.setattr(fetch, "_extract_llama_cpp_models", slow_extract)
+    monkeypatch.setattr(llama_cpp_models, "_extract_llama_cpp_models", slow_extract)
     got: list = []
-    threads = [threading.Thread(target=lambda: got.append(fetch.fetch_llama_cpp_models(tmp_path))) for _ in range(3)]
+    threads = [threading.Thread(target=lambda: got.append(llama_cpp_models.fetch_llama_cpp_models(tmp_path))) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:

@@ -27,6 +27,7 @@ from skippy_zmq.stage.factory import build_worker
 from skippy_zmq.stage.loop import StageLoop, run_stage
 from skippy_zmq.config.topology import TopologyError
 from skippy_zmq.config.topology_yaml import load_topology, parse_topology
+from model_helpers import random_params, save_params
 
 SMOLLM2 = ModelConfig(arch="llama", n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,
                       vocab_size=49152, rope_theta=100000.0, norm_eps=1e-5, tied_embeddings=True, max_seq_len=8192)
@@ -196,7 +197,7 @@ def test_plan_cli_flags():
 def tiny_model(tmp_path) -> Path:
     cfg = dataclasses.replace(TINY, n_layers=2)
     cfg.save(tmp_path / "model.json")
-    weights.save_params(tmp_path / "params", weights.random_params(cfg, seed=0))
+    save_params(tmp_path / "params", random_params(cfg, seed=0))
     (tmp_path / "source.json").write_text(json.dumps({"sha256": "tiny"}))
     return tmp_path
 

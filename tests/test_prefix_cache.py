@@ -9,7 +9,7 @@ from conftest import TINY, random_ids
 from pipeline_helpers import CACHE, make_chain, make_scheduler, make_worker
 from skippy_zmq.engine.request import GenRequest
 from skippy_zmq.engine.inproc import run_requests, tokens_of
-from skippy_zmq.kv.prefix_store import StoreConfig
+from skippy_zmq.config.cache import CacheConfig
 from skippy_zmq.stage.types import DRIVER, NEXT
 from skippy_zmq.protocol.wire import Kind, Message
 
@@ -100,7 +100,7 @@ def test_namespaces_do_not_leak(tiny_tree):
 
 
 def test_eviction_keeps_every_store_under_budget(tiny_tree):
-    small = StoreConfig(mode="lookup-record", max_bytes=200_000, max_entries=32, stride=16, min_tokens=8)
+    small = CacheConfig(mode="lookup-record", max_bytes=200_000, max_entries=32, stride=16, min_tokens=8)
     sched, chain = make_scheduler(2, cache=small), make_chain(TINY, tiny_tree, [2], cache=small)
     rng = np.random.default_rng(0)
     for i in range(30):
@@ -170,7 +170,7 @@ def test_driver_index_is_bounded_by_the_stores():
     forgotten first, so its memory stops growing once the stores are full."""
     from skippy_zmq.engine.prefix_index import KEYS_PER_ENTRY, PrefixIndex
 
-    configs = [StoreConfig(max_entries=8, stride=16, min_tokens=4), StoreConfig(max_entries=4, stride=16, min_tokens=4)]
+    configs = [CacheConfig(max_entries=8, stride=16, min_tokens=4), CacheConfig(max_entries=4, stride=16, min_tokens=4)]
     index = PrefixIndex(configs)
     prompts = [[1000 + i] * 40 for i in range(50)]
     for p in prompts:

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from skippy_zmq.kv.prefix_store import PrefixStore, StoreConfig, StoreIdentity, prefix_key
+from skippy_zmq.config.cache import CacheConfig
+from skippy_zmq.kv.prefix_store import PrefixStore, StoreIdentity, prefix_key
 
 IDENT = StoreIdentity(model_digest="abc123", layer_start=0, layer_end=2, kv_dtype="float32")
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4
@@ -22,7 +23,7 @@ def toks(n: int, seed: int = 0) -> np.ndarray:
 
 def store(**overrides) -> PrefixStore:
     cfg = dict(mode="lookup-record", max_bytes=1 << 30, max_entries=1000, stride=128, min_tokens=64)
-    return PrefixStore(IDENT, StoreConfig(**{**cfg, **overrides}))
+    return PrefixStore(IDENT, CacheConfig(**{**cfg, **overrides}))
 
 
 def test_record_lookup_roundtrip_bit_exact():
@@ -62,8 +63,8 @@ def test_key_identity_and_token_sensitivity():
 
 def test_identity_isolation_between_stores():
     t, (k, v) = toks(100), kv(100)
-    a = PrefixStore(IDENT, StoreConfig(max_bytes=1 << 20, max_entries=10))
-    b = PrefixStore(StoreIdentity("abc123", 2, 4, "float32"), StoreConfig(max_bytes=1 << 20, max_entries=10))
+    a = PrefixStore(IDENT, CacheConfig(max_bytes=1 << 20, max_entries=10))
+    b = PrefixStore(StoreIdentity("abc123", 2, 4, "float32"), CacheConfig(max_bytes=1 << 20, max_entries=10))
     a.record("ns", t, k, v)
     b.record("ns", t, k, v)
     assert a.lookup("ns", t).key != b.lookup("ns", t).key
@@ -81,17 +82,16 @@ def test_stride_grid():
     assert s.lookup("ns", t[:200]) is None
 
 
-def test_longest_prefix_shared_system_prompt():
+def test_a_shared_system_prompt_hits_its_grid_entry_by_exact_lookup():
     s, t = store(), toks(300)
     s.record("ns", t, *kv(300))
     other = np.concatenate([t[:260], toks(50, seed=9)])
-    e = s.longest_prefix("ns", other)
+    assert s.lookup("ns", other) is None
+    e = s.lookup("ns", other[:256])   # the grid point the driver's index predicts
     assert e is not None and e.length == 256
-    assert s.longest_prefix("ns", t).length == 300  # the exact prompt wins
-    assert s.longest_prefix("ns", t, max_len=299).length == 256
-    assert s.longest_prefix("ns", t, max_len=255).length == 128
-    assert s.longest_prefix("ns", t[:100]) is None
-    assert s.longest_prefix("other", t) is None
+    assert s.lookup("ns", other[:260]) is None   # only the grid and the exact prompt are stored
+    assert s.lookup("ns", t).length == 300
+    assert s.lookup("other", t[:256]) is None
 
 
 def test_grid_keeps_only_longest_points_and_respects_min_tokens():
@@ -162,15 +162,13 @@ def test_re_record_refreshes_without_copy():
     assert s.stats()["refreshes"] == 1
 
 
-def test_evict_until_and_clear():
+def test_clear_drops_entries_not_counts():
     s = store(max_bytes=10 * 70 * BYTES_PER_TOKEN)
     for i in range(5):
         s.record("ns", toks(70, i), *kv(70))
-    assert s.evict_until(6 * 70 * BYTES_PER_TOKEN) == 1
-    assert s.lookup("ns", toks(70, 0)) is None and len(s) == 4
-    assert s.evict_until(0) == 0
     s.clear()
-    assert s.stats()["entries"] == 0 and s.stats()["bytes"] == 0 and s.stats()["evictions"] == 1
+    stats = s.stats()
+    assert stats["entries"] == 0 and stats["bytes"] == 0 and stats["evictions"] == 0 and stats["records"] == 5
 
 
 def test_disabled_and_record_modes():
@@ -180,11 +178,11 @@ def test_disabled_and_record_modes():
     assert off.lookup("ns", t) is None
     rec = store(mode="record")
     assert rec.record("ns", t, k, v) == [100] and len(rec) == 1
-    assert rec.lookup("ns", t) is None and rec.longest_prefix("ns", t) is None
+    assert rec.lookup("ns", t) is None
     st = rec.stats()
-    assert st["hits"] == 0 and st["misses"] == 0 and st["lookups_disabled"] == 2
+    assert st["hits"] == 0 and st["misses"] == 0 and st["lookups_disabled"] == 1
     with pytest.raises(ValueError, match="mode"):
-        StoreConfig(mode="lookup")
+        CacheConfig(mode="lookup")
 
 
 def test_record_does_not_alias_caller_buffers():

@@ -13,10 +13,10 @@ import pytest
 from conftest import MODEL_DIR, TINY, first_mismatch, random_ids
 from skippy_zmq.config.model import KVConfig
 from skippy_zmq.model import quant, weights
-from skippy_zmq.model.llama import forward_reference
 from skippy_zmq.model.runner import SliceRunner
 from skippy_zmq.config.topology import TopologyError
 from skippy_zmq.config.topology_yaml import parse_topology
+from model_helpers import forward_reference
 
 GGUF = MODEL_DIR.parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 

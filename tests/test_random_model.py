@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from skippy_zmq.checkpoint.formats import dequantize_grid
-from skippy_zmq.checkpoint.gguf_writer import llama3_rope_factors, q4_1_bytes, rotary_row_order
+from skippy_zmq.devtools.gguf_writer import llama3_rope_factors, q4_1_bytes, rotary_row_order
+from model_helpers import restore_stage
 from skippy_zmq.devtools.random_model import INIT_STD, SHAPES, RandomModelError, RandomSpec, make_tensor, model_config, random_q4_blocks, tensor_rng, tensor_specs, word_tokenizer, write_random_model
 
 
@@ -118,7 +119,7 @@ def test_checkpoint_and_gguf_hold_the_same_weights(tmp_path):
     got = {t.name: np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32) for t in reader.tensors}
     assert reader.fields["tokenizer.ggml.model"].contents() == "no_vocab"
     assert got["rope_freqs.weight"].shape == (32,) and "output.weight" not in got
-    stored = checkpoint.restore_stage(tmp_path, cfg)
+    stored = restore_stage(tmp_path, cfg)
     layer = stored["layers"]["0"]
     for key, heads in (("wq", cfg.n_heads), ("wk", cfg.n_kv_heads)):
         assert np.array_equal(unpermute_rows(got[f"blk.0.attn_{key[1]}.weight"], heads), checkpoint.to_float(layer[key]))

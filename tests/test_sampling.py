@@ -460,7 +460,7 @@ def test_penalty_arrays_track_counts_through_many_edits() -> None:
     history = sampler.history
     history.generated_ids  # build the arrays, then edit incrementally
     for _ in range(300):
-        pos = int(rng.integers(history.prompt_length - 2, sampler.length + 1))
+        pos = int(rng.integers(len(history.prompt) - 2, sampler.length + 1))
         sampler.put(pos, rng.integers(0, 20, int(rng.integers(0, 5))).tolist())
         ref = TokenHistory(history.prompt, history.generated)
         got = dict(zip(history.generated_ids.tolist(), history.generated_counts.tolist()))

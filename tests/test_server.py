@@ -16,7 +16,7 @@ from loguru import logger
 from prometheus_client.parser import text_string_to_metric_families
 
 from skippy_zmq.engine.request import EngineError
-from skippy_zmq.api.openai_schema import StopMatcher
+from skippy_zmq.text.stop_strings import StopMatcher
 from skippy_zmq.api.server import create_app, start_in_thread
 from skippy_zmq.text.tokenizer import TextTokenizer
 

@@ -30,7 +30,7 @@ def test_clients_start_staggered_so_every_kind_runs_at_once():
 
 
 def test_memory_verdict_compares_after_the_warm_up():
-    rec = soak.Recorder(start=0.0)
+    rec = soak.MinuteTally(start=0.0)
     for t in range(0, 300, 10):      # grows through minute 1, flat from minute 2
         rec.rss.append({"t": float(t), "rss_mb": {"s0": 100.0 + min(t, 60)}})
     verdict = soak.memory_verdict(rec, 300.0, warmup_min=2.0, flat_pct=5.0)
@@ -43,7 +43,7 @@ def test_memory_verdict_compares_after_the_warm_up():
 def test_warm_up_lasts_until_the_prefix_stores_are_full():
     """A stage's RSS that grows with its prefix store until minute 5 and is flat after: the warm-up
     ends at minute 5 (not 2), and the run is flat; if the store still fills at the end, no verdict."""
-    rec = soak.Recorder(start=0.0)
+    rec = soak.MinuteTally(start=0.0)
     for t in range(0, 600, 10):
         cache = min(t, 300) / 3.0
         rec.rss.append({"t": float(t), "rss_mb": {"s0": 500.0 + cache, "driver": 200.0}, "cache_mb": {"s0": cache}})
@@ -51,7 +51,7 @@ def test_warm_up_lasts_until_the_prefix_stores_are_full():
     verdict = soak.memory_verdict(rec, 600.0, warmup_min=2.0, flat_pct=5.0)
     assert verdict["warmup_end_min"] == 5.0 and verdict["flat"] is True
     assert verdict["processes"]["s0"]["growth_pct"] == 0.0
-    early = soak.Recorder(start=0.0, rss=[s for s in rec.rss if s["t"] < 240])
+    early = soak.MinuteTally(start=0.0, rss=[s for s in rec.rss if s["t"] < 240])
     assert soak.memory_verdict(early, 240.0, warmup_min=2.0, flat_pct=5.0)["judged"] is False
 
 

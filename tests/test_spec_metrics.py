@@ -22,8 +22,8 @@ from skippy_zmq.engine.metrics import ACCEPTANCE_BUCKETS, ServerMetrics
 from skippy_zmq.engine.pipeline_metrics import ACCEPTED_LENGTH_BUCKETS
 from skippy_zmq.config.speculative import SpeculativeConfig
 from skippy_zmq.engine.inproc import run_requests
-from skippy_zmq.model import weights
 from skippy_zmq.sampling import SamplingParams
+from model_helpers import random_params
 
 SPEC = SpeculativeConfig(method="ngram", max_draft=8, min_match=1, shared=False)
 _TREE: dict = {}
@@ -31,7 +31,7 @@ _TREE: dict = {}
 
 def tree() -> dict:
     if not _TREE:
-        _TREE.update(weights.random_params(TINY, seed=0))
+        _TREE.update(random_params(TINY, seed=0))
     return _TREE
 
 

@@ -21,6 +21,7 @@ from skippy_zmq.config.speculative import SpeculativeConfig
 from skippy_zmq.engine.inproc import run_requests, tokens_of
 from skippy_zmq.sampling import Sampler, SamplingParams
 from skippy_zmq.protocol.wire import Kind, Message
+from model_helpers import random_params
 
 SPEC = SpeculativeConfig(method="ngram", max_draft=8, min_match=1, shared=False)
 
@@ -43,8 +44,7 @@ _TREE: dict = {}
 
 def tiny_tree_of() -> dict:
     if not _TREE:
-        from skippy_zmq.model import weights
-        _TREE.update(weights.random_params(TINY, seed=0))
+        _TREE.update(random_params(TINY, seed=0))
     return _TREE
 
 

@@ -12,7 +12,15 @@ import pytest
 
 from skippy_zmq.text.constrain import ConstraintSpec, Matcher, close_objects, tokenizer_info
 from skippy_zmq.text import tools
-from skippy_zmq.text.reasoning import ReasoningSplitter, prompt_opens_thinking, split_reasoning, template_thinks
+from skippy_zmq.text.reasoning import ReasoningSplitter, prompt_opens_thinking, template_thinks
+
+
+def split_reasoning(text: str, inside: bool = False) -> tuple[str | None, str]:
+    """(reasoning or None, content) of a whole output: the splitter pushed once and flushed."""
+    splitter = ReasoningSplitter(inside)
+    reasoning, content = splitter.push(text)
+    more_reasoning, more_content = splitter.flush()
+    return (reasoning + more_reasoning) or None, content + more_content
 from skippy_zmq.text.tools.mistral import mistral_call_id
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

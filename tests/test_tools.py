@@ -508,7 +508,7 @@ def test_stream_holds_back_only_what_it_must():
     assert stream.push(" <b>") == [{"content": " <b>"}]                 # "<b" cannot start <tool_call>
     assert stream.push("  ") == []
     assert stream.flush() == [{"content": "  "}]
-    assert stream.made_calls and stream.flush() == []
+    assert stream.calls and stream.flush() == []
     with pytest.raises(RuntimeError):
         stream.push("x")
 

@@ -15,6 +15,7 @@ from skippy_zmq.config.model import Buckets, KVConfig, decode_shapes, widest_win
 from skippy_zmq.model import quant, weights
 from skippy_zmq.model.runner import WARM_RUN_TOKENS, SliceRunner
 from skippy_zmq.stage.factory import warm_before_ready
+from model_helpers import read_kv
 
 BUCKETS = Buckets(prefill_chunks=(16, 64), decode_rows=(1, 2), attn_lens=(128, 256, 1024))
 
@@ -171,7 +172,7 @@ def test_verify_windows_warm_at_the_first_length_before_ready_and_the_rest_while
             for rows, t in shapes:
                 r.step(np.arange(rows), ids[:rows * t], np.full(rows, start), np.full(rows, t))
         for length in (64, 129, 300, 384):   # a prefix recording, its restore, an n-choice fork
-            k, v = r.read_kv(0, length)
+            k, v = read_kv(r, 0, length)
             r.write_kv(1, k, v)
             r.copy_lane(1, 2, length)
     assert compiles == []

@@ -10,7 +10,7 @@ from skippy_zmq.protocol import wire
 from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.engine.request import GenRequest
 from skippy_zmq.engine.inproc import run_requests, tokens_of
-from skippy_zmq.checkpoint import checkpoint
+from model_helpers import float_tree
 
 # Measured on this machine with 32 greedy tokens per reference prompt (see the
 # closing note of the pipeline issue): agreement = tokens equal to transformers'
@@ -22,7 +22,7 @@ MIN_AGREEMENT = {"f32": 96, "f16": 90, "bf16": 90, "q8": 16}
 @pytest.fixture(scope="module")
 def real(model_dir):
     cfg = ModelConfig.load(model_dir / "model.json")
-    return cfg, checkpoint.float_tree(model_dir, cfg)
+    return cfg, float_tree(model_dir, cfg)
 
 
 @pytest.mark.parametrize("label", ["f32", "f16", "bf16", "q8"])

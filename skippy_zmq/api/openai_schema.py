@@ -20,7 +20,7 @@ from starlette.requests import Request
 from skippy_zmq.text.constrain import ConstraintError, ConstraintSpec
 from skippy_zmq.text import tools
 from skippy_zmq.engine.request import GenRequest
-from skippy_zmq.api.openai_responses import CHAT, COMPLETION, ResponseFormat, StopMatcher, TextOffsets, TokenLogprob, usage
+from skippy_zmq.api.openai_responses import CHAT, COMPLETION, ResponseFormat, TextOffsets, TokenLogprob, usage
 from skippy_zmq.text.reasoning import REASONING_FORMATS
 from skippy_zmq.text.tokenizer import TextTokenizer
 from skippy_zmq.sampling import SamplingParams
@@ -442,11 +442,6 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     return body
-
-
-async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
-    """read_body then parse_json_body, in one step (for callers with small bodies)."""
-    return parse_json_body(await read_body(request, limit))
 
 
 def to_gen_request(parsed: ParsedRequest, prompt_ids: list[int], request_id: str, max_context: int) -> GenRequest:

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 from loguru import logger
 
 from skippy_zmq.api.context import ServerContext
-from skippy_zmq.api.openai_responses import StopMatcher, TokenLogprob
+from skippy_zmq.api.openai_responses import TokenLogprob
+from skippy_zmq.text.stop_strings import StopMatcher
 from skippy_zmq.engine.request import ChoiceControl, EngineError, GenRequest, TokenEvent
 
 

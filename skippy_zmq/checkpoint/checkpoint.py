@@ -101,8 +101,7 @@ class CheckpointWriter:
         w.add_top("norm", norm)                      # f32 [D]
         w.add_rows("embed", 0, rows)                 # [rows, D] float or Encoded, blocks in order
         w.add_top("head", head_out_in)               # (untied) a whole [V, D]; add_rows streams it
-        w.add_layer(i, {"wq": wq_out_in, "attn_norm": v, ...})   # float [out, in] or Encoded
-        w.put_layer_tensor(i, "wq", wq_out_in); ...; w.end_layer(i)   # the same, streamed
+        w.put_layer_tensor(i, "wq", wq_out_in); ...; w.end_layer(i)   # float [out, in] or Encoded
         w.finish({"format": "gguf", "sha256": ...})  # format.json, source.json, then model.json
 
     Matrices come [out, in] (PyTorch / GGUF order) as float arrays (any float
@@ -146,13 +145,6 @@ class CheckpointWriter:
                                   f"[{self.rows_per_block} (or the last rows), {self.cfg.d_model}]")
         self._save(f"{key}/{start // self.rows_per_block:06d}", encode(rows, stored_format(self.fmt, key)))
         self._rows[key] = start + rows.shape[0]
-
-    def add_layer(self, i: int, tensors: dict[str, np.ndarray | Encoded]) -> None:
-        """Every tensor of layer i, keyed as weights.layer_shapes; matrices [out, in]."""
-        self._check_keys(i, tensors)
-        for key, w in tensors.items():
-            self.put_layer_tensor(i, key, w)
-        self.end_layer(i)
 
     def put_layer_tensor(self, i: int, key: str, w: np.ndarray | Encoded) -> None:
         """Stream one tensor of layer i (layers one after another, end_layer closing each): encoded
@@ -243,41 +235,12 @@ def check_runnable(stored: str, asked: str) -> None:
                               f"(asked for {asked}): re-convert with --weights {asked}")
 
 
-def restore_stage(model_dir: Path, cfg: ModelConfig, start: int = 0, end: int | None = None) -> dict[str, Any]:
-    """The stored arrays of the items a stage [start, end) owns: its layers, the embedding when
-    first (or last with a tied head), norm and an untied head when last. Nothing else is read."""
-    tree: dict[str, Any] = {"layers": {}}
-    for key, stored in stage_items(model_dir, cfg, start, end):
-        if isinstance(key, int):
-            tree["layers"][str(key)] = stored
-        else:
-            tree[key] = stored
-    return tree
-
-
-def float_tree(model_dir: Path, cfg: ModelConfig, start: int = 0, end: int | None = None) -> dict[str, Any]:
-    """A stage's weights as a checkpoint-layout float32 tree (matrices [in, out], layers keyed by
-    index), from either layout: for tools and tests that want plain arrays, never for serving."""
-    params = Path(model_dir) / "params"
-    if _manifest(params) is None:
-        return weights.restore_params(params, cfg, start, end)
-
-    def plain(key: str, v: Any) -> np.ndarray:
-        if not isinstance(v, dict):
-            return np.asarray(v, np.float32)
-        w = to_float(v)                                  # [out, in]; the embedding is stored as its rows
-        return w if key == "embed" else np.ascontiguousarray(w.T)
-
-    tree = restore_stage(model_dir, cfg, start, end)
-    out = {k: plain(k, v) for k, v in tree.items() if k != "layers"}
-    out["layers"] = {i: {k: plain(k, v) for k, v in layer.items()} for i, layer in tree["layers"].items()}
-    return out
-
-
 def stage_items(model_dir: Path, cfg: ModelConfig, start: int = 0,
                 end: int | None = None) -> Iterator[tuple[str | int, Any]]:
-    """restore_stage's items one at a time: ("norm", v), ("head", rows), ("embed", rows), then
-    (i, layer) for each of its layers, so a caller can convert each and let it go."""
+    """The stored arrays of the items a stage [start, end) owns, one at a time: ("norm", v),
+    ("head", rows), ("embed", rows) (the embedding when first, or last with a tied head; norm and
+    an untied head when last), then (i, layer) for each of its layers, so a caller can convert
+    each and let it go. Nothing else is read."""
     params = Path(model_dir).absolute() / "params"
     if _manifest(params) is None:
         raise CheckpointError(f"{params}: no {MANIFEST} (an older single-PyTree checkpoint: use weights.restore_params)")
@@ -368,7 +331,7 @@ def _manifest(params: Path) -> dict[str, Any] | None:
 
 def to_runtime(items: Iterable[tuple[str | int, Any]], asked: str, dtype: Any, device: Any = None,
                first: bool = True) -> dict[str, Any]:
-    """Stored stage items (stage_items, or a restore_stage tree's .items()) -> runtime params
+    """Stored stage items (stage_items) -> runtime params
     (as weights.to_runtime makes them), converting each item as it comes.
 
     Float formats: [in, out] arrays in `dtype`. int8 / q4: QTensors, built from the
@@ -392,9 +355,7 @@ def to_runtime(items: Iterable[tuple[str | int, Any]], asked: str, dtype: Any, d
 def _put_item(put: Any, out: dict[str, Any], layers: dict[int, Any], key: str | int, stored: Any, asked: str,
               first: bool) -> None:
     """One stored item -> its runtime arrays in `out` (or `layers`)."""
-    if key == "layers":       # a restore_stage tree
-        layers.update((int(i), put.layer(v)) for i, v in stored.items())
-    elif isinstance(key, int):
+    if isinstance(key, int):
         layers[key] = put.layer(stored)
     elif key == "embed":      # after norm and head: a last stage knows by now whether its head is tied
         if "norm" in out and "head" not in out and asked in ("int8", "q4"):

@@ -36,7 +36,6 @@ from skippy_zmq.model import weights
 from skippy_zmq.checkpoint.checkpoint import CheckpointError, CheckpointWriter, Encoded
 from skippy_zmq.files.filecheck import ModelFileError, read_json_capped
 from skippy_zmq.files.gguf_layout import read_gguf_layout
-from skippy_zmq.checkpoint.gguf_writer import EXPERT_NAMES, ROUTER_NAME, SHARED_NAMES
 # The families and their config reading live in model/families.py; imported here for callers of convert.
 from skippy_zmq.checkpoint.families import ConvertError, GGUF_ARCHS, SUPPORTED_HF_TYPES, gguf_model_config, hf_model_config
 from skippy_zmq.text.tokenizer import TextTokenizer, tokenizer_from_gguf
@@ -68,6 +67,12 @@ LAYER_NAMES = {
     "wqkv": ("attn_qkv.weight", "self_attn.qkv_proj.weight"),
     "w_gate_up": ("ffn_up.weight", "mlp.gate_up_proj.weight"),
 }
+# an MoE layer's router, and each expert matrix's 3-D tensor in llama.cpp (an expert is one slice of it)
+ROUTER_NAME = "ffn_gate_inp.weight"
+EXPERT_NAMES = {"w_gate": "ffn_gate_exps.weight", "w_up": "ffn_up_exps.weight", "w_down": "ffn_down_exps.weight"}
+# Qwen2-MoE's shared expert; its gate is a vector [D] in llama.cpp (ours [1, D] as [out, in])
+SHARED_NAMES = {"shared_gate": "ffn_gate_inp_shexp.weight", "shared_w_gate": "ffn_gate_shexp.weight",
+                "shared_w_up": "ffn_up_shexp.weight", "shared_w_down": "ffn_down_shexp.weight"}
 TOP_NAMES = {"embed": ("token_embd.weight", "model.embed_tokens.weight"),
              "norm": ("output_norm.weight", "model.norm.weight"),
              "head": ("output.weight", "lm_head.weight")}

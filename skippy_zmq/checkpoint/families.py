@@ -9,24 +9,29 @@ Families (HF model_type / GGUF architecture) and what they switch on:
     qwen2     yes                no                no        hidden / heads    use_sliding_window, layers per layer_types
     qwen3     attention_bias     attention_bias    yes       128               use_sliding_window, layers per layer_types
 
-Rope, either layout: transformers 4 keeps `rope_theta` (and `partial_rotary_factor`)
-at the top level and the scaling in `rope_scaling`; transformers 5 keeps all of
-it in `rope_parameters`. Both are merged (v5 winning) and read once. Rope types
-`default`, `linear` and `llama3` are implemented (model/rope.py).
+and the mixture-of-experts twins, the same attention with an MoE MLP (`_hf_moe`): mixtral
+(as mistral), qwen2_moe (as qwen2), qwen3_moe (as qwen3). gpt_oss and deepseek_v2/v3 are
+refused by name with what they would need (REFUSED_MOE).
 
-GGUF: architectures llama (llama.cpp files Mistral under it too; its Q/K rows
-come permuted and convert.py undoes that), qwen2 and qwen3 (rows as they are).
-Biases and q/k norms are found by tensor name; `{arch}.rope.scaling.type` may be
-none or linear; Llama 3 scaling comes as the `rope_freqs.weight` tensor, kept
-verbatim as ModelConfig.rope_freq_factors (see model/rope.py).
+Rope, either layout (checkpoint/rope_config.py): transformers 4 keeps `rope_theta` (and
+`partial_rotary_factor`) at the top level and the scaling in `rope_scaling`; transformers 5
+keeps all of it in `rope_parameters`. Both are merged (v5 winning) and read once. For these
+families rope types `default`, `linear` and `llama3` are implemented (model/rope.py).
 
-Gemma 3 (text) and Phi-3/4 are read in model/gemma_phi.py (their own fields,
-both layouts and GGUF); this module dispatches to it.
+GGUF (GGUF_ARCHS): llama (llama.cpp files Mistral and Mixtral under it too; its Q/K rows
+come permuted and convert.py undoes that), qwen2, qwen3, qwen2moe and qwen3moe (rows as they
+are), and gemma3 and phi3 (checkpoint/gemma_phi.py). Biases and q/k norms are found by tensor
+name; `{arch}.rope.scaling.type` may be none or linear; Llama 3 scaling comes as the
+`rope_freqs.weight` tensor, kept verbatim as ModelConfig.rope_freq_factors (see model/rope.py).
 
-Any field that would change the math and is not implemented is refused with a
-ConvertError naming it (other activations, MLP biases, yarn/dynamic/longrope
-rope, partial rotary, logit softcapping, per-layer rope), never
-converted into a silently different model.
+Gemma 3 (text) and Phi-3/4 are read in checkpoint/gemma_phi.py (their own fields, both
+layouts and GGUF); this module dispatches to it. Phi-3/4's longrope and partial rotary
+(`rotary_dim`) are implemented there.
+
+Any field that would change the math and is not implemented is refused with a ConvertError
+naming it (other activations, MLP biases, yarn/dynamic rope, and for the families here
+longrope and partial rotary, logit softcapping, per-layer rope), never converted into a
+silently different model.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import numpy as np
 
 from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.checkpoint import gemma_phi
-# ConvertError and the rope reading are shared with model/gemma_phi.py (checkpoint/rope_config.py).
+# ConvertError and the rope reading are shared with checkpoint/gemma_phi.py (checkpoint/rope_config.py).
 from skippy_zmq.checkpoint.rope_config import ConvertError, hf_rope  # noqa: F401
 
 

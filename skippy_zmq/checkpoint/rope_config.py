@@ -9,7 +9,7 @@ from skippy_zmq.config.model import ROPE_TYPES
 from skippy_zmq.files.filecheck import ConvertError  # noqa: F401 (families import it from here)
 
 
-HF_ROPE_TYPES = tuple(t for t in ROPE_TYPES if t != "longrope")   # longrope: phi3 only (model/gemma_phi.py)
+HF_ROPE_TYPES = tuple(t for t in ROPE_TYPES if t != "longrope")   # longrope: phi3 only (checkpoint/gemma_phi.py)
 ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
              "original_max_position_embeddings", "partial_rotary_factor"}
 

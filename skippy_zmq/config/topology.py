@@ -68,6 +68,8 @@ is optional; defaults shown)::
           max_entries: 256
           stride: 128
           min_tokens: 64
+          max_grid_entries_per_record: 4   # stride-grid prefixes kept per prompt, longest first
+          max_grid_entries_per_record: 4   # stride-grid prefixes kept per prompt, longest first
 
 Every error is a ``TopologyError`` naming the file and the key path, e.g.
 ``topologies/x.yaml: stages[1].layrs: unknown key (allowed: ...)``.
@@ -82,6 +84,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from skippy_zmq.config.cache import CacheConfig
 from skippy_zmq.config.cluster import ClusterConfig
 from skippy_zmq.config.http import EdgeConfig
 from skippy_zmq.config.speculative import SpeculativeConfig
@@ -99,23 +102,6 @@ def is_local(host: str) -> bool:
 
 class TopologyError(ValueError):
     """A topology file (or dict) is malformed; the message names file and key."""
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    mode: str = "lookup-record"
-    max_bytes: int = 256 << 20
-    max_entries: int = 256
-    stride: int = 128
-    min_tokens: int = 64
-
-    @property
-    def lookup(self) -> bool:
-        return self.mode == "lookup-record"
-
-    @property
-    def record(self) -> bool:
-        return self.mode != "disabled"
 
 
 @dataclass(frozen=True)
@@ -213,12 +199,6 @@ class Topology:
     @property
     def last(self) -> StageConfig:
         return self.stages[-1]
-
-    def is_first(self, stage: StageConfig) -> bool:
-        return stage.id == self.stages[0].id
-
-    def is_last(self, stage: StageConfig) -> bool:
-        return stage.id == self.stages[-1].id
 
     def index(self, stage_id: str) -> int:
         for i, stage in enumerate(self.stages):

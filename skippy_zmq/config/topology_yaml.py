@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import yaml
 
 from skippy_zmq.config import checks
+from skippy_zmq.config.cache import CACHE_MODES
 from skippy_zmq.config.cluster import ClusterConfig
 from skippy_zmq.config.http import EdgeConfig, EdgeConfigError
 from skippy_zmq.config.speculative import SpeculativeConfig, SpeculativeConfigError
@@ -22,8 +23,8 @@ from skippy_zmq.config.topology import (DEFAULT_MODEL, CacheConfig, DriverConfig
 
 
 _cache = checks.section(CacheConfig, {
-    "mode": checks.choice("disabled", "record", "lookup-record"), "max_bytes": checks.integer(1),
-    "max_entries": checks.integer(1), "stride": checks.integer(1), "min_tokens": checks.integer(1),
+    "mode": checks.choice(*CACHE_MODES), "max_bytes": checks.integer(1), "max_entries": checks.integer(1),
+    "stride": checks.integer(1), "min_tokens": checks.integer(1), "max_grid_entries_per_record": checks.integer(0),
 })
 _wire = checks.section(WireConfig, {
     "activation_dtype": checks.choice("f32", "f16", "bf16", "q8"), "max_message_bytes": checks.integer(1024),

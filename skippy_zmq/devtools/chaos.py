@@ -56,7 +56,7 @@ from skippy_zmq.protocol.wire import Kind
 
 SHORT = "List the planets of the solar system and describe each one:"
 SENTENCE = "The quick brown fox jumps over the lazy dog while the river keeps running to the sea. "
-COPY = ("Repeat the following text exactly: The old lighthouse keeper climbed the stairs every evening to light "
+COPY_PROMPT = ("Repeat the following text exactly: The old lighthouse keeper climbed the stairs every evening to light "
         "the lamp. Ships passing in the night could see its beam from miles away. He kept a log of every ship "
         "he saw.\n\nThe old lighthouse keeper")
 PLANET = "Describe the planet Mars in JSON."
@@ -150,7 +150,7 @@ class ChaosRun:
         self.prompts = {"short": SHORT, "restore": SENTENCE * 8 + SHORT,
                         "long": SENTENCE * max(4, (5 * chunk) // (2 * 18))}
         if self.speculate:
-            self.prompts["copy"] = COPY
+            self.prompts["copy"] = COPY_PROMPT
         self.clean: dict[tuple[str, str], Outcome] = {}   # (prompt, kind) -> its fault-free outcome
         self.clean_windows: dict[str, int] = {}
         for name in list(self.prompts):   # the plain ones now; the other kinds' on first use

@@ -38,7 +38,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from skippy_zmq.checkpoint.formats import Encoded, q4_blocks
-from skippy_zmq.checkpoint.gguf_writer import BLOCK, EXPERT_NAMES, GGUF_ARCH, ROUTER_NAME, SHARED_NAMES, GGUFStream, TensorSpec
+from skippy_zmq.checkpoint.convert import EXPERT_NAMES, ROUTER_NAME, SHARED_NAMES
+from skippy_zmq.devtools.gguf_writer import BLOCK, GGUF_ARCH, GGUFStream, TensorSpec
 
 INIT_STD = 0.02       # std of the 2-D weights (levels uniform in 0..15 have std 4.61)
 LEVEL_STD = float(np.sqrt((16 ** 2 - 1) / 12))

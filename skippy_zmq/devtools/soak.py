@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from skippy_zmq.devtools.bench.common import format_table
-from skippy_zmq.devtools.chaos import COPY
+from skippy_zmq.devtools.chaos import COPY_PROMPT
 from skippy_zmq.devtools.chaos_requests import SCHEMA, SEED, WEATHER_TOOL
 
 PROMPTS = ("Tell me a short story about a lighthouse keeper.", "Explain how rain forms, step by step.",
@@ -64,7 +64,7 @@ CONSTRAINED_MAX_TOKENS = 128
 
 
 @dataclass
-class Recorder:
+class MinuteTally:
     """Tokens, requests and errors per minute since `start`; thread-safe."""
 
     start: float
@@ -107,7 +107,7 @@ class BadAnswer(RuntimeError):
     """An answer that came back but does not have its kind's shape."""
 
 
-def _streamed_chat(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: Recorder,
+def _streamed_chat(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: MinuteTally,
                    temperature: float) -> None:
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
@@ -125,15 +125,15 @@ def _streamed_chat(client: Any, model: str, prompt: str, args: argparse.Namespac
     rec.add_tokens(total - seen)   # ... and usage makes the total exact
 
 
-def _plain(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: Recorder) -> None:
+def _plain(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: MinuteTally) -> None:
     _streamed_chat(client, model, prompt, args, rec, args.temperature)
 
 
-def _copy(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: Recorder) -> None:
-    _streamed_chat(client, model, f"{COPY} ({prompt})", args, rec, 0.0)
+def _copy(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: MinuteTally) -> None:
+    _streamed_chat(client, model, f"{COPY_PROMPT} ({prompt})", args, rec, 0.0)
 
 
-def _json_schema(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: Recorder) -> None:
+def _json_schema(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: MinuteTally) -> None:
     resp = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": f"Describe a planet as JSON. {prompt}"}],
         max_tokens=CONSTRAINED_MAX_TOKENS, temperature=0,
@@ -148,7 +148,7 @@ def _json_schema(client: Any, model: str, prompt: str, args: argparse.Namespace,
     rec.add_tokens(resp.usage.completion_tokens)
 
 
-def _tool_call(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: Recorder) -> None:
+def _tool_call(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: MinuteTally) -> None:
     resp = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": f"What is the weather like? {prompt}"}],
         max_tokens=CONSTRAINED_MAX_TOKENS, temperature=0, tools=[WEATHER_TOOL],
@@ -165,7 +165,7 @@ def _tool_call(client: Any, model: str, prompt: str, args: argparse.Namespace, r
     rec.add_tokens(resp.usage.completion_tokens)
 
 
-def _n2(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: Recorder) -> None:
+def _n2(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: MinuteTally) -> None:
     resp = client.completions.create(model=model, prompt=prompt, n=2, max_tokens=args.max_tokens,
                                      temperature=max(args.temperature, 0.5), seed=SEED,
                                      extra_body={"ignore_eos": args.ignore_eos})
@@ -174,7 +174,7 @@ def _n2(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: Rec
     rec.add_tokens(resp.usage.completion_tokens)
 
 
-def _logprobs(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: Recorder) -> None:
+def _logprobs(client: Any, model: str, prompt: str, args: argparse.Namespace, rec: MinuteTally) -> None:
     resp = client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens, temperature=0,
                                      logprobs=2, echo=True, extra_body={"ignore_eos": args.ignore_eos})
     lp, usage = resp.choices[0].logprobs, resp.usage
@@ -187,7 +187,7 @@ def _logprobs(client: Any, model: str, prompt: str, args: argparse.Namespace, re
 
 
 # name -> one request of that kind: raises on a failure or a malformed answer, credits its tokens
-KINDS: dict[str, Callable[[Any, str, str, argparse.Namespace, Recorder], None]] = {
+KINDS: dict[str, Callable[[Any, str, str, argparse.Namespace, MinuteTally], None]] = {
     "plain": _plain, "json-schema": _json_schema, "tool-call": _tool_call, "n2": _n2, "logprobs": _logprobs,
     "copy": _copy}
 
@@ -206,7 +206,7 @@ def kind_for(index: int, n: int, mix: Sequence[str]) -> str:
     return mix[(index + n) % len(mix)]
 
 
-def run_client(index: int, client: Any, model: str, args: argparse.Namespace, stop_at: float, rec: Recorder) -> None:
+def run_client(index: int, client: Any, model: str, args: argparse.Namespace, stop_at: float, rec: MinuteTally) -> None:
     """One request after another until `stop_at`, taking turns at the kinds of --mix."""
     n = 0
     while time.monotonic() < stop_at:
@@ -257,7 +257,7 @@ def wait_warmed(url: str, timeout: float) -> float:
     return time.monotonic() - t0
 
 
-def sample_memory(run_dir: Path | None, url: str, rec: Recorder, every_s: float, done: threading.Event) -> None:
+def sample_memory(run_dir: Path | None, url: str, rec: MinuteTally, every_s: float, done: threading.Event) -> None:
     """RSS of every process in the run's pid files and each stage's prefix-store bytes (the driver's
     /metrics), now and every `every_s` seconds until `done`."""
     pids = read_pids(run_dir)
@@ -275,7 +275,7 @@ def sample_memory(run_dir: Path | None, url: str, rec: Recorder, every_s: float,
 # ---------------------------------------------------------------- report
 
 
-def minute_rows(rec: Recorder, duration_s: float) -> list[dict[str, Any]]:
+def minute_rows(rec: MinuteTally, duration_s: float) -> list[dict[str, Any]]:
     """One row per started minute; the last, partial minute's tok/s is over the seconds it had."""
     rows = []
     for m in range(max(1, int(-(-duration_s // 60)))):
@@ -290,7 +290,7 @@ def minute_rows(rec: Recorder, duration_s: float) -> list[dict[str, Any]]:
     return rows
 
 
-def mean_rss(rec: Recorder, t0: float, t1: float) -> dict[str, float]:
+def mean_rss(rec: MinuteTally, t0: float, t1: float) -> dict[str, float]:
     values: dict[str, list[float]] = defaultdict(list)
     for s in rec.rss:
         if t0 <= s["t"] < t1:
@@ -302,7 +302,7 @@ def mean_rss(rec: Recorder, t0: float, t1: float) -> dict[str, float]:
 STORE_FULL = 0.98   # a prefix store this close to the most it held in the run has stopped filling
 
 
-def store_full_s(rec: Recorder) -> float:
+def store_full_s(rec: MinuteTally) -> float:
     """When the last stage's prefix store stopped filling: the first sample at which every store held
     STORE_FULL of the most it held in the run (0 when no store held anything)."""
     peaks: dict[str, float] = defaultdict(float)
@@ -316,7 +316,7 @@ def store_full_s(rec: Recorder) -> float:
     return full
 
 
-def memory_verdict(rec: Recorder, duration_s: float, warmup_min: float, flat_pct: float) -> dict[str, Any]:
+def memory_verdict(rec: MinuteTally, duration_s: float, warmup_min: float, flat_pct: float) -> dict[str, Any]:
     """Mean RSS over the last minute against the mean over the first minute after warm-up.
 
     Warm-up ends after `warmup_min` minutes or when the prefix stores stop filling (they grow
@@ -338,7 +338,7 @@ def memory_verdict(rec: Recorder, duration_s: float, warmup_min: float, flat_pct
             "processes": per_process}
 
 
-def report(rec: Recorder, args: argparse.Namespace, url: str, duration_s: float, out: Path) -> dict[str, Any]:
+def report(rec: MinuteTally, args: argparse.Namespace, url: str, duration_s: float, out: Path) -> dict[str, Any]:
     rows = minute_rows(rec, duration_s)
     total_tokens, total_errors = sum(rec.tokens.values()), sum(rec.errors.values())
     memory = memory_verdict(rec, duration_s, args.warmup_minutes, args.flat_pct)
@@ -434,7 +434,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         model = client.models.list().data[0].id
         print(f"stages' idle warm-up compiles done after {wait_warmed(url, args.ready_timeout):.0f} s", flush=True)
         print(f"soaking {url} (model {model}) with {args.streams} streams for {args.minutes:g} min", flush=True)
-        rec = Recorder(start=time.monotonic())
+        rec = MinuteTally(start=time.monotonic())
         stop_at = rec.start + 60 * args.minutes
         done = threading.Event()
         sampler = threading.Thread(target=sample_memory, args=(run_dir, url, rec, args.sample_s, done), daemon=True)

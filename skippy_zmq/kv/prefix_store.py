@@ -5,12 +5,14 @@ store and keys it by (model digest, layer range, KV dtype, namespace, token ids)
 A repeated prompt prefix is then restored instead of recomputed.
 
 Besides the exact prompt, `record` stores a stride grid (prefixes of length
-stride, 2*stride, ...) so two prompts that share only a system prompt still hit
-through `longest_prefix`. Eviction is LRU under a byte budget and an entry cap.
+stride, 2*stride, ...) so two prompts that share only a system prompt still hit.
+Lookups are exact (`lookup` of one token prefix): the driver's prefix index
+predicts with `recorded_lengths` which prefix a stage holds and asks for that
+one. Eviction is LRU under a byte budget and an entry cap, on insert.
 
-Thread-safety: none. The stage records and looks up from its single loop
-thread; the store takes no lock, so do not share one across threads.
-Numpy only: no JAX, no zmq.
+Thread-safety: none here. A stage records on a background thread and looks up
+on its loop thread, so it reaches the store only through stage/recorder.py's
+lock. Numpy only: no JAX, no zmq.
 """
 
 from __future__ import annotations
@@ -19,39 +21,17 @@ import hashlib
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Sequence
 
 import numpy as np
 
-Mode = Literal["disabled", "record", "lookup-record"]
-_MODES = ("disabled", "record", "lookup-record")
+from skippy_zmq.config.cache import CacheConfig
+
+# One settings class for the store and the topology's `cache` section. StoreConfig is its old
+# name here, kept while engine/ still imports it.
+StoreConfig = CacheConfig
 _DIGEST_SIZE = 16
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    mode: Mode = "lookup-record"
-    max_bytes: int = 1 << 30
-    max_entries: int = 256
-    stride: int = 128
-    min_tokens: int = 64
-    max_grid_entries_per_record: int = 4  # a few entries per prompt, longest kept
-
-    @classmethod
-    def from_cache(cls, cache: Any) -> "StoreConfig":
-        """From a topology stage's `cache` section (mode, max_bytes, max_entries, stride, min_tokens)."""
-        return cls(mode=cache.mode, max_bytes=cache.max_bytes, max_entries=cache.max_entries,
-                   stride=cache.stride, min_tokens=cache.min_tokens)
-
-    def __post_init__(self) -> None:
-        if self.mode not in _MODES:
-            raise ValueError(f"prefix store mode must be one of {_MODES}, got {self.mode!r}")
-        for name in ("max_bytes", "max_grid_entries_per_record"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"prefix store {name} must be >= 0")
-        for name in ("max_entries", "stride", "min_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"prefix store {name} must be >= 1")
+DEFAULT_NAMESPACE = "default"   # the key namespace of a request without a prompt_cache_key
 
 
 @dataclass(frozen=True)
@@ -120,20 +100,20 @@ def _frozen_copy(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def grid_lengths(c: StoreConfig, n_tokens: int) -> list[int]:
+def grid_lengths(c: CacheConfig, n_tokens: int) -> list[int]:
     """Stride-grid prefix lengths recorded for an n-token prompt, longest first."""
     top = (n_tokens - 1) // c.stride * c.stride  # grid points are strictly shorter than the prompt
     grid = [n for n in range(top, 0, -c.stride) if n >= c.min_tokens]
     return grid[: c.max_grid_entries_per_record]
 
 
-def recorded_lengths(c: StoreConfig, n_tokens: int) -> list[int]:
+def recorded_lengths(c: CacheConfig, n_tokens: int) -> list[int]:
     """Every prefix length `record` stores for n tokens (the driver's index predicts with this)."""
     return ([n_tokens] if n_tokens >= c.min_tokens else []) + grid_lengths(c, n_tokens)
 
 
 class PrefixStore:
-    def __init__(self, identity: StoreIdentity, config: StoreConfig) -> None:
+    def __init__(self, identity: StoreIdentity, config: CacheConfig) -> None:
         self.identity = identity
         self.config = config
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # LRU first, MRU last
@@ -177,30 +157,6 @@ class PrefixStore:
             self._counts["lookups_disabled"] += 1
             return None
         return self._hit_or_miss([prefix_key(self.identity, namespace, tokens)])
-
-    def longest_prefix(
-        self, namespace: str, tokens: Sequence[int] | np.ndarray, max_len: int | None = None
-    ) -> Entry | None:
-        """Longest stored prefix of tokens among len(tokens) and the stride grid, capped at max_len."""
-        if self.config.mode != "lookup-record":
-            self._counts["lookups_disabled"] += 1
-            return None
-        n = len(tokens)
-        cap = n if max_len is None else min(n, max_len)
-        stride, floor = self.config.stride, self.config.min_tokens
-        grid = range(cap - cap % stride, 0, -stride)
-        # Longest first, no duplicates; nothing shorter than min_tokens is ever stored.
-        candidates = [length for length in dict.fromkeys([n] * (n <= cap) + list(grid)) if length >= floor]
-        keys = _prefix_keys(self.identity, namespace, tokens, candidates)
-        return self._hit_or_miss([keys[length] for length in candidates])
-
-    def evict_until(self, free_bytes: int) -> int:
-        """Evict LRU entries until at least free_bytes of the budget is unused; return how many went."""
-        evicted = 0
-        while self._entries and self.config.max_bytes - self._bytes < free_bytes:
-            self._evict_oldest()
-            evicted += 1
-        return evicted
 
     def clear(self) -> None:
         """Drop every entry; counters are kept (they describe the run, not the contents)."""

@@ -445,16 +445,3 @@ def forward_slice(params: Params, kv: KVCache, inputs: jax.Array, positions: jax
 
 forward_jit = jax.jit(forward_slice, static_argnames=("cfg", "start", "end", "attn_len", "output"),
                       donate_argnames=("kv",))
-
-
-def forward_reference(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Whole-sequence forward without a cache: logits for every position, [B, T, V].
-
-    A direct computation used to check the cached, chunked paths.
-    """
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    kv = KVCache.create(cfg, len(params["layers"]), b, t, jnp.dtype(cfg.dtype))
-    x, _, _ = forward_slice(params, kv, tokens, positions, jnp.arange(b, dtype=jnp.int32), cfg=cfg,
-                            start=0, end=cfg.n_layers, attn_len=t, output="hidden")
-    return head(params, x, cfg)

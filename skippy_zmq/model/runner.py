@@ -288,11 +288,6 @@ class SliceRunner:
         """Dispatch a device copy of this lane's K and V, [layers, span >= length, kvh, hd]; returns at once."""
         return _read_lane(self.kv, np.int32(lane), span=self._span(length))
 
-    def read_kv(self, lane: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies of this lane's K and V for positions [0, length): [layers, length, kvh, hd]."""
-        k, v = self.read_kv_device(lane, length)
-        return np.asarray(k)[:, :length], np.asarray(v)[:, :length]
-
     def copy_lane(self, src: int, dst: int, length: int) -> None:
         """Copy lane src's KV at positions [0, length) into lane dst, on the device (a fork: n
         choices share one prefill). Positions past `length` in dst are beyond its session."""

@@ -119,35 +119,6 @@ def check_quantize(quantize: str | None) -> None:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
 
 
-def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.08) -> dict[str, Any]:
-    """Random full-model params in checkpoint layout (numpy float32), for tests."""
-    rng = np.random.default_rng(seed)
-
-    def make(shape: tuple[int, ...], name: str) -> np.ndarray:
-        if name.endswith("norm"):
-            return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-        return (scale * rng.standard_normal(shape)).astype(np.float32)
-
-    shapes = param_shapes(cfg)
-    tree: dict[str, Any] = {k: make(v, k) for k, v in shapes.items() if k != "layers"}
-    tree["layers"] = {i: {k: make(s, k) for k, s in layer.items()} for i, layer in shapes["layers"].items()}
-    return tree
-
-
-def slice_tree(tree: dict[str, Any], cfg: ModelConfig, start: int, end: int) -> dict[str, Any]:
-    """The part of a full checkpoint-layout tree that a stage [start, end) owns."""
-    want = param_shapes(cfg, start, end)
-    out = {k: tree[k] for k in want if k != "layers"}
-    out["layers"] = {i: tree["layers"][i] for i in want["layers"]}
-    return out
-
-
-def save_params(path: Path, tree: dict[str, Any]) -> None:
-    path = Path(path).absolute()
-    ckpt = ocp.PyTreeCheckpointer()
-    ckpt.save(path, tree, force=True)
-
-
 def restore_params(path: Path, cfg: ModelConfig, start: int = 0, end: int | None = None) -> dict[str, Any]:
     """Restore only the arrays a stage [start, end) needs (orbax partial restore)."""
     path = Path(path).absolute()

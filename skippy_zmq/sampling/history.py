@@ -97,10 +97,6 @@ class TokenHistory:
         self.put(len(self.prompt), generated)
 
     @property
-    def prompt_length(self) -> int:
-        return len(self.prompt)
-
-    @property
     def length(self) -> int:
         """Positions held: the prompt plus the generated tokens held."""
         return len(self.prompt) + len(self.generated)
@@ -118,10 +114,6 @@ class TokenHistory:
     @property
     def generated_counts(self) -> np.ndarray:
         return self._generated.arrays()[1]
-
-    def token_at(self, position: int) -> int:
-        p = len(self.prompt)
-        return self.prompt[position] if position < p else self.generated[position - p]
 
     def truncate(self, length: int) -> None:
         """Forget generated tokens at positions >= length (never the prompt)."""

@@ -19,7 +19,7 @@ from loguru import logger
 
 from skippy_zmq.ops import placement
 from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig, decode_shapes
-from skippy_zmq.kv.prefix_store import PrefixStore, StoreConfig, StoreIdentity
+from skippy_zmq.kv.prefix_store import PrefixStore, StoreIdentity
 from skippy_zmq.checkpoint import checkpoint, loader
 from skippy_zmq.checkpoint.convert import model_digest
 from skippy_zmq.model.runner import WARM_RUN_TOKENS, SliceRunner, resolve_device
@@ -132,7 +132,7 @@ def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
     if c.mode == "disabled":
         return None
     identity = StoreIdentity(model_digest(topology.model_path), stage.start, stage.end, stage.kv_dtype)
-    return PrefixStore(identity, StoreConfig.from_cache(c))
+    return PrefixStore(identity, c)
 
 
 def build_worker(topology: Topology, stage: StageConfig, where: Placement | None = None) -> StageWorker:

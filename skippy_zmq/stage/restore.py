@@ -20,8 +20,7 @@ from loguru import logger
 from skippy_zmq.stage.routing import Route, check_restore_tokens, decide_restore_route, decide_route
 from skippy_zmq.stage.types import DRIVER, NEXT, Outbound, StageFault, StageInfo
 from skippy_zmq.protocol.wire import Kind, Message
-
-DEFAULT_NAMESPACE = "default"
+from skippy_zmq.kv.prefix_store import DEFAULT_NAMESPACE
 
 
 class RestoreHost(Protocol):

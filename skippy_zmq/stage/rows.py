@@ -1,6 +1,7 @@
 """The values a rows message passes through in a stage (StageWorker.on_rows): check the rows,
-place them in sessions, run the slice, sample and score, reply. Pure data and one pure function
-(`narrow`); the worker owns the steps."""
+place them in sessions, run the slice, sample and score, reply. Data classes (Row, RowsToRun, Ran,
+Scored), two functions of them (`narrow`, `logprob_entry`), and `RuntimeLock`, the lock that
+serialises runtime use and times its waits and holds; the worker owns the steps."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ class Row:
 
 
 @dataclass(frozen=True)
-class Batch:
+class RowsToRun:
     """Rows that run together: the message (narrowed to these rows) and their inputs."""
 
     msg: Message
@@ -95,7 +96,7 @@ class Scored:
     pooled: Any = None                  # an embedding prefill's stage.pooling.Pool, after this chunk
 
 
-def narrow(batch: Batch, keep: list[Row]) -> Batch:
+def narrow(batch: RowsToRun, keep: list[Row]) -> RowsToRun:
     """The batch of the rows `keep` alone: tokens, inputs, positions and sessions compacted and
     the rows' offsets renumbered (the message goes on down the chain as if it named only these)."""
     if len(keep) == len(batch.rows):

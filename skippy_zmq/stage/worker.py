@@ -22,7 +22,7 @@ from skippy_zmq.sampling import Sampler, SamplingParams, check_top_logprobs, tok
 from skippy_zmq.stage.pooling import pool_chunk, pool_request
 from skippy_zmq.stage.recorder import Recorder
 from skippy_zmq.stage.restore import RestoreRoutes
-from skippy_zmq.stage.rows import Batch, Ran, Row, RuntimeLock, Scored, logprob_entry, narrow
+from skippy_zmq.stage.rows import RowsToRun, Ran, Row, RuntimeLock, Scored, logprob_entry, narrow
 from skippy_zmq.stage.sessions import LanesBusy, SessionTable
 from skippy_zmq.stage.types import DRIVER, NEXT, Outbound, StageFault, StageInfo  # noqa: F401 (re-exported)
 from skippy_zmq.protocol.wire import Kind, Message
@@ -225,7 +225,7 @@ class StageWorker:
         scored = self._score(placed, ran) if self.info.last else None
         return refused + self._reply(placed, ran, scored)
 
-    def _check_rows(self, msg: Message, score: bool) -> Batch:
+    def _check_rows(self, msg: Message, score: bool) -> RowsToRun:
         """Step 1: the rows and their inputs checked against the message and this stage's buckets;
         nothing is taken yet, so a refused message holds no lane."""
         rows = self._rows(msg)
@@ -240,9 +240,9 @@ class StageWorker:
         # echo: a prefill that asks for "prompt_logprobs" (N) is scored at the final stage too
         prompt_top = self._prompt_top(msg) if self.info.last and not score else None
         pool = pool_request(msg.extras) if self.info.last and not score else None   # an embedding's prompt
-        return Batch(msg, x, rows, score, prompt_top, pool=pool)
+        return RowsToRun(msg, x, rows, score, prompt_top, pool=pool)
 
-    def _place(self, batch: Batch) -> tuple[Batch | None, list[Outbound]]:
+    def _place(self, batch: RowsToRun) -> tuple[RowsToRun | None, list[Outbound]]:
         """Step 2: every row aligned in its session's lane; a row refused there (kv_gap,
         lanes_busy, ...) answers its own ERROR and the batch goes on without it (None: no row left)."""
         keep, lanes, refused = [], [], []
@@ -256,7 +256,7 @@ class StageWorker:
             return None, refused
         return replace(narrow(batch, keep), lanes=np.asarray(lanes, np.int32)), refused
 
-    def _run(self, batch: Batch) -> Ran:
+    def _run(self, batch: RowsToRun) -> Ran:
         """Step 3: the slice over every placed row in one jitted call, then the rows' tokens
         appended to their sessions."""
         starts = np.array([row.start for row in batch.rows])
@@ -274,7 +274,7 @@ class StageWorker:
         self._append(batch)
         return Ran(result, self._trace(batch.msg, compute_ms, len(batch.rows)))
 
-    def _append(self, batch: Batch) -> None:
+    def _append(self, batch: RowsToRun) -> None:
         """The rows' token ids into their sessions (a recording prefill records after the reply)."""
         token_ids = batch.msg.tokens.tolist()
         for row in batch.rows:
@@ -283,7 +283,7 @@ class StageWorker:
         if not batch.score and "record" in batch.msg.extras:
             self.record_later(self.sessions.get(batch.rows[0].session_id), str(batch.msg.extras["record"]))
 
-    def _score(self, batch: Batch, ran: Ran) -> Scored:
+    def _score(self, batch: RowsToRun, ran: Ran) -> Scored:
         """Step 4 (final stage): a prefill's prompt logprobs, or every row's positions sampled with
         the row's own sampler; whatever fails in one row (sampler, constraint, logprobs) ends that
         row's request alone."""
@@ -314,7 +314,7 @@ class StageWorker:
         scored.sample_ms = round(1000 * (time.perf_counter() - t0), 3)
         return scored
 
-    def _reply(self, batch: Batch, ran: Ran, scored: Scored | None) -> list[Outbound]:
+    def _reply(self, batch: RowsToRun, ran: Ran, scored: Scored | None) -> list[Outbound]:
         """Step 5: the activations down the chain, or the final stage's answer to the driver: a
         prefill's ACK, or the ERRORs of rows whose sampling failed and one PREDICTED_TOKENS of the rest."""
         msg = batch.msg

@@ -3,6 +3,14 @@
 
 The streamed and the whole response are built by the same object (`ChatOutput.push` /
 `flush`, then `message` over every delta for a non-streamed answer), so they always agree.
+
+Where it sits: token ids -> text (tokenizer.stream_decoder) -> stop strings (stop_strings.py),
+both in api/server.py's TextStream, which every API shape shares; then, for chat answers, this
+object: reasoning (reasoning.py) -> tool calls (tools/). Every stage holds back what might grow
+into its marker (holdback.py). They are not one list of `push(text) -> text` stages because
+they do not all map text to text: the stop stage also ends the request (and the logprobs of a
+chunk are those of the tokens its text came from), reasoning splits text in two, and tool calls
+turn it into call objects.
 """
 
 from __future__ import annotations

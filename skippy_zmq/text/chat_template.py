@@ -24,7 +24,6 @@ from typing import Any
 
 import jinja2.nodes
 import jinja2.utils
-from jinja2 import meta
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.ext import Extension, loopcontrols
 
@@ -244,11 +243,6 @@ class ChatTemplates:
             while len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)
         return template
-
-
-def template_variables(text: str) -> frozenset[str]:
-    """The variables a template reads from its context (e.g. `tools`, `enable_thinking`)."""
-    return frozenset(meta.find_undeclared_variables(chat_environment().parse(text)))
 
 
 def _split_named(templates: Mapping[str, str]) -> tuple[str, dict[str, str]]:

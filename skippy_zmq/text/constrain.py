@@ -34,7 +34,6 @@ import llguidance
 import numpy as np
 
 from skippy_zmq.text.tokenizer import META_FILE, TextTokenizer
-from skippy_zmq.sampling import mask_logits
 
 Kind = Literal["json_object", "json_schema", "grammar"]
 Syntax = Literal["gbnf", "lark"]
@@ -373,12 +372,6 @@ class Matcher:
         detail = _engine_error(self._engine.get_error())
         return ConstraintError(f"the {_describe(self.spec)} {what}: {detail}", self.spec.param)
 
-    def bitmask(self) -> np.ndarray:
-        """The allowed next tokens, one bit per token (int32 words, little-endian bits), read-only."""
-        view = self._fill().view()
-        view.flags.writeable = False
-        return view
-
     def mask(self) -> np.ndarray:
         """The allowed next tokens as a bool array of vocab_size."""
         bits = np.unpackbits(self._fill().view(np.uint8), bitorder="little", count=self.info.vocab_size)
@@ -386,10 +379,6 @@ class Matcher:
 
     def allows(self, token: int) -> bool:
         return 0 <= token < self.info.vocab_size and bool((self._fill()[token >> 5] >> (token & 31)) & 1)
-
-    def apply(self, logits: np.ndarray) -> np.ndarray:
-        """Disallowed next tokens' logits (last axis) set to -inf, in place; returns `logits`."""
-        return mask_logits(logits, self.mask())
 
     def advance(self, token: int) -> None:
         """Take `token`; ConstraintError (state unchanged) if the constraint does not allow it."""

@@ -6,12 +6,14 @@ A template that writes `</think>` makes the model a thinking one. The output is 
 a leading `<think>` (or from its first token, when the generation prompt itself ends with
 `<think>`, as DeepSeek-R1's does) up to `</think>`; the whitespace after `</think>` is dropped;
 an output that ends still thinking is all reasoning. `ReasoningSplitter` does this as the text
-streams; `split_reasoning` is the same over a whole output, so the two always agree.
+streams; a whole output is the same splitter pushed once and flushed, so the two always agree.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from skippy_zmq.text.holdback import held_back
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -26,14 +28,6 @@ def template_thinks(template: str | None) -> bool:
 def prompt_opens_thinking(prompt_text: str) -> bool:
     """Whether the rendered prompt ends inside a <think> block (the output starts as reasoning)."""
     return prompt_text.rstrip().endswith(THINK_OPEN)
-
-
-def _held(buffer: str, tag: str) -> int:
-    """Length of the longest suffix of buffer that is a proper prefix of tag."""
-    for size in range(min(len(tag) - 1, len(buffer)), 0, -1):
-        if buffer.endswith(tag[:size]):
-            return size
-    return 0
 
 
 @dataclass
@@ -67,7 +61,7 @@ class ReasoningSplitter:
             if self.inside:
                 end = self._buffer.find(THINK_CLOSE)
                 if end < 0:
-                    keep = 0 if final else _held(self._buffer, THINK_CLOSE)
+                    keep = 0 if final else held_back(self._buffer, (THINK_CLOSE,))
                     reasoning += self._buffer[: len(self._buffer) - keep]
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     return reasoning, content
@@ -82,12 +76,3 @@ class ReasoningSplitter:
             content += self._buffer
             self._buffer = ""
             return reasoning, content
-
-
-def split_reasoning(text: str, inside: bool = False) -> tuple[str | None, str]:
-    """(reasoning or None, content) of a whole output."""
-    splitter = ReasoningSplitter(inside)
-    reasoning, content = splitter.push(text)
-    more_reasoning, more_content = splitter.flush()
-    reasoning += more_reasoning
-    return (reasoning or None), content + more_content

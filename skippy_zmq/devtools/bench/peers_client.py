@@ -24,12 +24,6 @@ class Streamed:
     error: str | None = None
 
     @property
-    def e2e_tok_s(self) -> float:
-        """Completion tokens over the whole request (prompt included): what a stream that delivers
-        several tokens in one chunk (a verify window) cannot inflate."""
-        return self.tokens / (self.end - self.start) if self.end > self.start else 0.0
-
-    @property
     def decode_tok_s(self) -> float | None:
         if self.first is None or self.tokens < 2 or self.end <= self.first:
             return None

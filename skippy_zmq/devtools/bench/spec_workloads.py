@@ -132,7 +132,7 @@ _EMAIL = (
     "happening and they cost us time every month.\n\n"
     "Regards,\nJulia Fischer\nOperations, Northwind Logistics")
 
-COPY: tuple[tuple[str, str], ...] = (
+COPY_TASKS: tuple[tuple[str, str], ...] = (
     ("Repeat the following text exactly, word for word, without adding anything.", _LIGHTHOUSE),
     ("Fix the typos in this paragraph and print the corrected paragraph in full.", _TYPOS),
     ("Rewrite this Python code adding type hints to every function. Keep the bodies unchanged.", _PYTHON),
@@ -143,7 +143,7 @@ COPY: tuple[tuple[str, str], ...] = (
     ("Rewrite this email so that it is polite and friendly, keeping every fact, date and request.", _EMAIL),
 )
 
-CHAT: tuple[str, ...] = (
+CHAT_QUESTIONS: tuple[str, ...] = (
     "What are the main differences between a comet and an asteroid?",
     "Give me some ideas for a birthday party for a ten-year-old who loves dinosaurs.",
     "Why do leaves change colour in autumn?",
@@ -156,7 +156,7 @@ CHAT: tuple[str, ...] = (
 
 
 def copy_messages() -> list[str]:
-    return [f"{instruction}\n\n{text}" for instruction, text in COPY]
+    return [f"{instruction}\n\n{text}" for instruction, text in COPY_TASKS]
 
 
 def workloads(tokenizer: Any, n: int | None = None) -> dict[str, list[list[int]]]:
@@ -164,4 +164,4 @@ def workloads(tokenizer: Any, n: int | None = None) -> dict[str, list[list[int]]
     def ids(text: str) -> list[int]:
         return tokenizer.encode_chat([{"role": "user", "content": text}])
 
-    return {"copy": [ids(t) for t in copy_messages()[:n]], "chat": [ids(q) for q in CHAT[:n]]}
+    return {"copy": [ids(t) for t in copy_messages()[:n]], "chat": [ids(q) for q in CHAT_QUESTIONS[:n]]}

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from skippy_zmq.text.holdback import held_back
 from skippy_zmq.text.tools.calls import ToolCall, call_from_json, new_call_id
 from skippy_zmq.text.tools.validation import ToolSet
 
@@ -112,14 +113,6 @@ def parse_tool_calls(
     return content or None, calls
 
 
-def _partial_open(buffer: str) -> int:
-    """Length of the longest suffix of buffer that is a proper prefix of <tool_call>."""
-    for size in range(min(len(TOOL_CALL_OPEN) - 1, len(buffer)), 0, -1):
-        if buffer.endswith(TOOL_CALL_OPEN[:size]):
-            return size
-    return 0
-
-
 @dataclass
 class ToolCallStream:
     """Streamed text in, OpenAI `delta` objects out; reassembles to parse_tool_calls.
@@ -150,10 +143,6 @@ class ToolCallStream:
         self._after_call = False
         self._bare: bool | None = None if self.toolset is not None and self.toolset.constrained else False
         self._done = False
-
-    @property
-    def made_calls(self) -> bool:
-        return bool(self.calls)
 
     def push(self, text: str) -> list[dict[str, Any]]:
         if self._done:
@@ -192,7 +181,7 @@ class ToolCallStream:
             if not self._inside:
                 start = self._buffer.find(TOOL_CALL_OPEN)
                 if start < 0:
-                    keep = 0 if final else _partial_open(self._buffer)
+                    keep = 0 if final else held_back(self._buffer, (TOOL_CALL_OPEN,))
                     out += self._content(self._buffer[: len(self._buffer) - keep])
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     return out

@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from skippy_zmq.text.holdback import held_back
 from skippy_zmq.text.tools.calls import ToolCall
 from skippy_zmq.text.tools.validation import ToolSet
 
@@ -57,14 +58,6 @@ def keep_allowed(calls: list[ToolCall | None], toolset: ToolSet | None) -> list[
     return calls if toolset is None or toolset.parallel else calls[:1]
 
 
-def _partial(buffer: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest suffix of buffer that is a proper prefix of a marker."""
-    for size in range(min(max(map(len, markers), default=1) - 1, len(buffer)), 0, -1):
-        if any(m.startswith(buffer[-size:]) for m in markers):
-            return size
-    return 0
-
-
 class TailCallStream:
     """Streams content until the calls start, then holds the rest until flush()."""
 
@@ -89,7 +82,7 @@ class TailCallStream:
             return self._show(start)
         if self._leading_json and not self._text.strip():
             return []   # only whitespace so far: a call may still start
-        return self._show(len(self._text) - _partial(self._text, self._markers))
+        return self._show(len(self._text) - held_back(self._text, self._markers))
 
     def flush(self) -> list[dict[str, Any]]:
         if self._done:

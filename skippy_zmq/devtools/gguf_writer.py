@@ -1,5 +1,6 @@
 """A GGUF file streamed from Q4_1 blocks (formats.Encoded, fmt "q4") that llama.cpp runs: the same
-blocks our checkpoint holds (random_model.py makes both).
+blocks our checkpoint holds (random_model.py makes both). Test and bench tooling: the runtime
+reads GGUF files (checkpoint/convert.py), never writes them.
 
 Tensor infos are written up front (shapes are known from the config), then each
 tensor's data as it is generated, so nothing but the current tensor is in memory.
@@ -29,12 +30,6 @@ BLOCK = 32        # weights per Q4_1 block
 Q4_1_BYTES = 20   # per block of 32: f16 d, f16 m, 16 bytes of nibbles
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "mixtral": "llama", "qwen3_moe": "qwen3moe",
              "qwen2_moe": "qwen2moe"}
-# an MoE layer's router, and each expert matrix's 3-D tensor in llama.cpp (an expert is one slice of it)
-ROUTER_NAME = "ffn_gate_inp.weight"
-EXPERT_NAMES = {"w_gate": "ffn_gate_exps.weight", "w_up": "ffn_up_exps.weight", "w_down": "ffn_down_exps.weight"}
-# Qwen2-MoE's shared expert; its gate is a vector [D] in llama.cpp (ours [1, D] as [out, in])
-SHARED_NAMES = {"shared_gate": "ffn_gate_inp_shexp.weight", "shared_w_gate": "ffn_gate_shexp.weight",
-                "shared_w_up": "ffn_up_shexp.weight", "shared_w_down": "ffn_down_shexp.weight"}
 
 
 @dataclass(frozen=True)
