@@ -131,7 +131,7 @@ def test_find_cycle_reports_one():
 #   api         the HTTP server and the API shapes it speaks
 #   devtools    test and bench tooling (harness, chaos, soak, random models, bench suites)
 #   cli         the command line (the package root's entry point)
-LAYERS = ["files", "sampling", "kv", "config", "protocol", "text", "model", "checkpoint", "ops", "stage",
+LAYERS = ["files", "sampling", "kv", "config", "protocol", "text", "model", "checkpoint", "ops", "stage", "cluster",
           "engine", "api", "devtools", "cli"]
 # The package root holds only the entry point; everything else lives in a folder by concern.
 ROOT_MODULES = {"skippy_zmq", "skippy_zmq.cli"}
