@@ -32,6 +32,7 @@ class HostSpec:
     name: str
     cpu: float | None = None      # cores (0.25 = a quarter of one); None: uncapped
     rate: str | None = None       # tc tbf rate of its link, e.g. "100mbit"; None: unshaped (netns only)
+    shares: int | None = None     # cpu.shares (weight against other groups and root's tasks); None: 1024
 
 
 def cpu_cgroup_problem(root: Path = CPU_ROOT) -> str | None:
@@ -65,10 +66,12 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 class CpuGroup:
     """One cgroup v1 `cpu` group capped at `cores` (None: no cap), removed by `remove()`."""
 
-    def __init__(self, name: str, cores: float | None, root: Path = CPU_ROOT):
+    def __init__(self, name: str, cores: float | None, root: Path = CPU_ROOT, shares: int | None = None):
         self.path = root / name
         self.root = root
         self.path.mkdir(exist_ok=True)
+        if shares is not None:   # on a busy machine a group gets its quota only if its weight wins it
+            (self.path / "cpu.shares").write_text(f"{shares}\n")
         (self.path / "cpu.cfs_period_us").write_text(f"{PERIOD_US}\n")
         quota = -1 if cores is None else max(MIN_QUOTA_US, round(cores * PERIOD_US))
         (self.path / "cpu.cfs_quota_us").write_text(f"{quota}\n")
@@ -87,6 +90,10 @@ class CpuGroup:
             key, _, value = line.partition(" ")
             stat[key] = int(value)
         return stat
+
+    def adopt(self, pid: int) -> None:
+        """Move process `pid` (all its threads) into this group."""
+        (self.path / "cgroup.procs").write_text(f"{pid}\n")
 
     def wrap(self, argv: Sequence[str]) -> list[str]:
         """argv run inside this group: the shell moves itself in, then execs argv (same pid)."""
@@ -119,7 +126,8 @@ class Hosts:
     def __enter__(self) -> Hosts:
         try:
             for i, spec in enumerate(self.specs):
-                self.groups.append(CpuGroup(f"{self.tag}-{i}", spec.cpu) if spec.cpu is not None else None)
+                self.groups.append(CpuGroup(f"{self.tag}-{i}", spec.cpu, shares=spec.shares)
+                                   if spec.cpu is not None or spec.shares is not None else None)
             if self.netns:
                 self._network()
         except BaseException:

@@ -270,13 +270,14 @@ def _no_fit(hosts: Sequence[HostSpeed], n_layers: int, need: Callable[[int, int]
 
 
 def brute_force(hosts: Sequence[HostSpeed], n_layers: int, need: Callable[[int, int], int], links: Links,
-                objective: str, streams: int = 8) -> Prediction | None:
-    """Every ordered choice of hosts and every set of cuts (tests and `bench cluster` check the plan)."""
+                objective: str, streams: int = 8, n_stages: int | None = None) -> Prediction | None:
+    """Every ordered choice of hosts (of `n_stages`, default any count) and every set of cuts:
+    what tests and `bench cluster` check plan_split against."""
     import itertools
 
     by_name = {h.name: h for h in hosts}
     best, best_cost = None, math.inf
-    for m in range(1, min(len(hosts), n_layers) + 1):
+    for m in [n_stages] if n_stages else range(1, min(len(hosts), n_layers) + 1):
         for order in itertools.permutations(hosts, m):
             for cuts in itertools.combinations(range(1, n_layers), m - 1):
                 bounds = (0, *cuts, n_layers)
