@@ -21,7 +21,7 @@ def test_measure_host_on_a_tiny_model(tmp_path, tiny_tree, fmt):
     assert m["schema"] == SCHEMA and m["name"] == "tiny-host" and m["weights"] == fmt and m["layers"] == TINY.n_layers
     assert sorted(m["decode"], key=int) == [str(r) for r in ROWS]
     for row in m["decode"].values():
-        assert set(row) == {"layer_ms", "step_ms", "head_ms", "wire_ms"}
+        assert set(row) == {"layer_ms", "step_ms", "head_ms", "sample_ms", "message_ms"}
         assert all(isinstance(v, float) and v >= 0 for v in row.values())
         assert row["layer_ms"] + row["step_ms"] > 0            # a step takes some time
     assert m["prefill"]["chunk"] == 64 and m["prefill"]["layer_ms_per_token"] >= 0

@@ -77,8 +77,8 @@ def test_a_slow_host_gets_fewer_layers_and_memory_caps_bind():
 
 def test_plan_hosts_cli_writes_a_topology_with_predictions(model_dir, tmp_path):
     base = {"schema": "skippy-host-speed/1", "prefill": {"chunk": 64, "layer_ms_per_token": 0.02}}
-    hosts = [dict(base, name=name, decode={"1": {"layer_ms": 0.2 * k, "step_ms": 0.3, "head_ms": 1.5 * k, "wire_ms": 0.02},
-                                           "8": {"layer_ms": 0.5 * k, "step_ms": 0.4, "head_ms": 4 * k, "wire_ms": 0.03}})
+    hosts = [dict(base, name=name, decode={"1": {"layer_ms": 0.2 * k, "step_ms": 0.3, "head_ms": 1.5 * k, "message_ms": 0.02},
+                                           "8": {"layer_ms": 0.5 * k, "step_ms": 0.4, "head_ms": 4 * k, "message_ms": 0.03}})
              for name, k in (("big", 1), ("mid", 2), ("small", 4))]
     hosts[2]["address"] = "10.9.0.4"
     (tmp_path / "hosts.json").write_text(json.dumps({"hosts": [{"memory": "4GiB", "measure": h} for h in hosts],

@@ -10,7 +10,8 @@ format the stages will run, and times real `SliceRunner` steps on it:
   step pays once (dispatch, padding, copying the activation in and out);
 - the head (final norm + logits over the vocabulary) of the last stage, per row count;
 - a prefill chunk of `CHUNK` tokens, per token per layer;
-- a wire encode + decode of a decode message (what a stage pays per hop in software).
+- a decode message encoded, sent over ZeroMQ TCP loopback, received and decoded (a stage's
+  software per hop), and greedy sampling of the logits (the final stage's).
 
 Medians of `repeats` timed calls after one warm-up call (compiles happen there). Plus the
 host's cores (and a cgroup CPU quota when one caps this process), memory total and available.
@@ -34,7 +35,7 @@ STACK = 5              # layers in the stacked runner: (t(STACK) - t(1)) / (STAC
 CHUNK = 64             # prefill chunk measured (a Buckets.prefill_chunks size)
 POSITION = 128         # decode position: inside the first attention bucket, like a short chat
 CAPACITY = 512         # KV positions of the measuring runners (small: nothing here needs more)
-SAMPLE_S = 0.03        # one timing sample: a loop of the step at least this long
+SAMPLE_S = 0.1         # one timing sample: a loop of the step this long (ten 10 ms quota periods)
 
 
 def _median_ms(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
@@ -70,14 +71,33 @@ def _prefill_call(runner: Any) -> Callable[[], Any]:
     return lambda: runner.prefill(0, inputs, 0, output="hidden")
 
 
-def _wire_ms(width: int, rows: int, repeats: int) -> float:
-    """Encode + decode of a DECODE message carrying `rows` f32 activations (a hop's software cost)."""
-    from skippy_zmq.protocol import wire
+def _message_ms(width: int, rows: int, repeats: int) -> float:
+    """One DECODE message of `rows` f32 activations encoded, sent over a real ZeroMQ TCP loopback
+    link, received and decoded: what a stage's software pays per hop at this host's speed."""
+    import zmq
+
+    from skippy_zmq.protocol import transport, wire
 
     msg = wire.Message(wire.Kind.DECODE, 1, 1, position=POSITION, tokens=np.zeros(rows, np.int32),
                        positions=np.full(rows, POSITION, np.int32), sessions=np.arange(1, rows + 1, dtype=np.uint64),
                        activation=np.zeros((rows, width), np.float32))
-    return _median_ms({"wire": lambda: wire.decode([bytes(f) for f in wire.encode(msg)])}, repeats)["wire"]
+    ctx = transport.context()
+    pull = transport.make_socket(ctx, zmq.PULL, "tcp://127.0.0.1:*", bind=True)
+    push = transport.make_socket(ctx, zmq.PUSH, transport.bound_endpoint(pull), bind=False)
+    try:
+        def hop() -> None:
+            transport.send_message(push, msg)
+            wire.decode(transport.recv_frames(pull))
+        return _median_ms({"hop": hop}, repeats)["hop"]
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+
+
+def _sample_ms(vocab: int, rows: int, repeats: int) -> float:
+    """Greedy sampling of `rows` rows of logits (the final stage's argmax per row)."""
+    logits = np.random.default_rng(rows).standard_normal((rows, vocab)).astype(np.float32)
+    return _median_ms({"sample": lambda: [int(np.argmax(row)) for row in logits]}, repeats)["sample"]
 
 
 def _runners(model_dir: Path, weights: str, dtype: str, device: Any) -> tuple[Any, Any]:
@@ -223,7 +243,8 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
         one, layer = ms[f"one_{rows}"], max(0.0, (ms[f"stack_{rows}"] - ms[f"one_{rows}"]) / (STACK - 1))
         decode[str(rows)] = {"layer_ms": round(layer, 4), "step_ms": round(max(0.0, one - layer), 4),
                              "head_ms": round(max(0.0, ms[f"head_{rows}"] - one), 4),
-                             "wire_ms": round(_wire_ms(last.cfg.d_model, rows, repeats), 4)}
+                             "sample_ms": round(_sample_ms(last.cfg.vocab_size, rows, repeats), 4),
+                             "message_ms": round(_message_ms(last.cfg.d_model, rows, repeats), 4)}
     prefill_layer = max(0.0, (ms["prefill_stack"] - ms["prefill_one"]) / (STACK - 1))
     p_one = ms["prefill_one"]
     return {"schema": SCHEMA, "name": name or os.uname().nodename, "model": str(model_dir), "weights": weights,

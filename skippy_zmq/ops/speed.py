@@ -66,14 +66,16 @@ class HostSpeed:
 
     @classmethod
     def from_measure(cls, m: Mapping[str, Any], memory: int = 0, name: str | None = None) -> HostSpeed:
-        """From cluster/measure.measure_host's dict; wire_ms counts as part of every step."""
+        """From cluster/measure.measure_host's dict: a message's send, receive and decode count in
+        every step, the final stage's sampling in its head."""
         try:
             decode = m["decode"]
             rows = sorted(decode, key=int)[:1] + sorted(decode, key=int)[-1:]
-            pick = lambda key: tuple(float(decode[r][key]) for r in rows)   # noqa: E731
-            step = tuple(s + w for s, w in zip(pick("step_ms"), pick("wire_ms")))
+            pick = lambda key: tuple(float(decode[r].get(key, 0.0)) for r in rows)   # noqa: E731
+            step = tuple(s + w for s, w in zip(pick("step_ms"), pick("message_ms")))
+            head = tuple(h + s for h, s in zip(pick("head_ms"), pick("sample_ms")))
             return cls(name or str(m.get("name", "host")), (int(rows[0]), int(rows[1])), pick("layer_ms"),
-                       step, pick("head_ms"), float(m.get("prefill", {}).get("layer_ms_per_token", 0.0)),
+                       step, head, float(m.get("prefill", {}).get("layer_ms_per_token", 0.0)),
                        int(memory or m.get("memory", 0)))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise SpeedPlanError(f"host measurement {m.get('name', '?')!r} is not a measure_host result: "

@@ -33,7 +33,7 @@ import yaml
 
 from skippy_zmq.config.topology import load_topology, plan_topology
 from skippy_zmq.devtools.bench.common import print_table, synthetic_prompt, write_report
-from skippy_zmq.devtools.bench.pipeline import measure, stream_prompts
+from skippy_zmq.devtools.bench.pipeline import TraceLog, measure, stream_prompts
 from skippy_zmq.devtools.hosts import Hosts, HostSpec, cpu_cgroup_problem, netns_problem
 from skippy_zmq.ops import placement
 from skippy_zmq.ops.launch import check_alive, prepare_keys, stage_command, stop_processes
@@ -52,9 +52,12 @@ PROMPT_TOKENS = 32
 CONTEXT = 256          # few attention buckets: few shapes for a stage to compile at 25% of a core
 LANES = 8
 BUDGET_S = 420.0       # the whole run's wall clock: grid splits run while it lasts
-# One-way cost of a hop beyond the stages' own step times (driver scheduling, ZeroMQ I/O threads,
-# the next process waking), as a round trip: `bench pipeline`'s per-hop overhead on this machine.
-RTT_MS = 1.0
+# The cost of a link beyond what measure_host times (a message's encode, send, receive and decode):
+# the stage loop's bookkeeping, the driver's scheduling, a sleeping process waking on a crowded
+# 2-core machine. As a round trip (a hop is half): docs/benchmarks.md's per-hop overhead on this
+# machine is 2.2-2.8 ms one way including a step's fixed cost (~0.5-1 ms); 3 ms a round trip is
+# what is left of it. Not fitted to this bench's splits.
+RTT_MS = 3.0
 PORT = 5611            # stage listen port inside each namespace (each has its own port space)
 
 
@@ -165,13 +168,18 @@ def run_split(name: str, stages: Sequence[Stage], hosts: Hosts, model: Path, wei
     path = write_split_topology(tmp, model, hosts, stages, weights, name.replace(" ", "-"))
     with split_running(path, hosts, stages, tmp / f"run-{name.replace(' ', '-')}") as (engine, tokenizer):
         started = time.perf_counter() - t0
+        log, ids = TraceLog(), tuple(f"s{i}" for i in range(len(stages)))
+        engine.on_reply_hooks.append(log)
         base = synthetic_prompt(tokenizer, PROMPT_TOKENS)
         measure(engine, stream_prompts(base, STREAMS, salt=100), 4, strict=False)   # ramps the row buckets
-        one = measure(engine, [base], NEW_TOKENS)
-        many = measure(engine, stream_prompts(base, STREAMS, salt=1), NEW_TOKENS)
-    row = {"split": name, "layers": " / ".join(f"{s.host}:{s.end - s.start}" for s in stages),
+        one = measure(engine, [base], NEW_TOKENS, log, ids)
+        many = measure(engine, stream_prompts(base, STREAMS, salt=1), NEW_TOKENS, log, ids)
+    row = {"split": name, "layers": _label(stages),
            "ms_per_token_1": one["itl_p50_ms"], "predicted_ms_1": round(predicted.ms_per_token_1, 2),
-           "tok_s_8": many["agg_tok_s"], "predicted_tok_s_8": round(predicted.tok_s_n, 1)}
+           # the stages' own compute per step (their telemetry) beside the model's Σ stage times
+           "compute_ms_1": one.get("step_compute_ms"), "predicted_compute_ms_1": round(sum(predicted.stage_ms_1), 2),
+           "tok_s_8": many["agg_tok_s"], "predicted_tok_s_8": round(predicted.tok_s_n, 1),
+           "bubble_8": " / ".join(f"{v:.2f}" for v in many.get("bubble", {}).values())}
     row["pred_over_meas_1"] = round(row["predicted_ms_1"] / row["ms_per_token_1"], 3)
     row["pred_over_meas_8"] = round(row["predicted_tok_s_8"] / row["tok_s_8"], 3) if row["tok_s_8"] else None
     row["start_s"], row["total_s"] = round(started, 1), round(time.perf_counter() - t0, 1)
@@ -287,7 +295,8 @@ def _report(args: argparse.Namespace, tables: list[str], rows: list[dict[str, An
             checks: list[dict[str, Any]], netns_why: str | None, load: tuple[float, ...], t_start: float
             ) -> dict[str, Any]:
     where = "cgroups + network namespaces" if netns_why is None else f"cgroups alone (no namespaces: {netns_why})"
-    host_rows = [{"host": m["name"], "cpu_quota_cores": m.get("cpu_quota_cores"),
+    quota = {spec.name: spec.cpu for spec in HOSTS}
+    host_rows = [{"host": m["name"], "cpu_quota_cores": m.get("cpu_quota_cores") or quota.get(m["name"]),
                   **{f"{k}_{r}": m["decode"][r][k] for r in ("1", "8") for k in ("layer_ms", "step_ms", "head_ms")},
                   "prefill_layer_ms_per_token": m["prefill"]["layer_ms_per_token"], "measure_s": m["measure_s"]}
                  for m in measured]
