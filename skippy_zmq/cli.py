@@ -175,33 +175,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           None if speed_split else memory, args.weights, args.dtype, args.kv_dtype, args.context,
                           args.lanes, 0 if args.cache_bytes in ("0", "off") else parse_bytes(args.cache_bytes),
                           args.base_port)
-        print(plan_speed_cli(args, req, memory) if speed_split else plan_text(req), end="")
+        if speed_split:
+            from skippy_zmq.cluster.plan import plan_from_args
+
+            if args.measure:
+                configure_jax()
+            print(plan_from_args(args, req, memory), end="")
+        else:
+            print(plan_text(req), end="")
     except (PlacementError, TopologyError, SpeedPlanError, ValueError) as exc:
         logger.error("plan: {}", exc)
         return 1
     return 0
-
-
-def plan_speed_cli(args: argparse.Namespace, req: Any, memory: tuple[int, ...] | None) -> str:
-    """`plan --measure [--measure-out F]` and/or `--hosts F`: hosts' measurements -> a split by speed."""
-    from skippy_zmq.ops.planner import SpeedRequest, plan_speed_text, read_hosts
-
-    if args.split:
-        raise ValueError("--split does not go with --measure / --hosts (the split comes from the measurements)")
-    hosts, default_rtt, rtt = read_hosts(Path(args.hosts)) if args.hosts else ((), 0.0, ())
-    if args.measure:
-        from skippy_zmq.cluster.measure import measure_host
-
-        configure_jax()
-        here = measure_host(args.model, args.weights, args.dtype, args.device, name=args.name or "")
-        if memory:
-            here["memory"] = memory[0]
-        if args.measure_out:
-            Path(args.measure_out).write_text(json.dumps(here, indent=2) + "\n")
-            logger.info("plan: this host's measurement written to {}", args.measure_out)
-        hosts += (here,)
-    rtt_ms = args.rtt_ms if args.rtt_ms is not None else default_rtt
-    return plan_speed_text(req, SpeedRequest(hosts, rtt_ms, rtt, args.objective, args.streams, args.stages))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -327,18 +312,9 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--lanes", type=int, default=8, help="every stage's kv_lanes and the driver's max_sessions")
     p.add_argument("--cache-bytes", default="256MiB", help="every stage's prefix-store budget (0: disabled)")
     p.add_argument("--base-port", type=int, default=5700)
-    p.add_argument("--measure", action="store_true", help="measure this host's speed for the model (a few seconds) "
-                                                           "and split by measured speed (with --hosts: beside them)")
-    p.add_argument("--hosts", default=None, metavar="HOSTS.json",
-                   help="hosts' measurements (`plan --measure --measure-out`), memory budgets and link round "
-                        "trips: split by measured speed under memory caps")
-    p.add_argument("--measure-out", default=None, metavar="FILE.json", help="write this host's measurement here")
-    p.add_argument("--name", default=None, help="this host's name in its measurement (default: its hostname)")
-    p.add_argument("--device", default="cpu", help="--measure on this device: cpu | gpu:N | tpu:N")
-    p.add_argument("--objective", default="latency", choices=["latency", "throughput"],
-                   help="by speed: least time per token at 1 stream, or most tok/s at --streams streams")
-    p.add_argument("--streams", type=int, default=8, help="streams the throughput prediction (and objective) is for")
-    p.add_argument("--rtt-ms", type=float, default=None, help="round trip of every link not given in --hosts (ms)")
+    from skippy_zmq.cluster.plan import add_speed_flags
+
+    add_speed_flags(p)
     p.set_defaults(func=cmd_plan)
 
 

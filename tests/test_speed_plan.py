@@ -15,7 +15,7 @@ from conftest import REPO
 
 from skippy_zmq.config.topology import load_topology
 from skippy_zmq.ops.speed import (OBJECTIVES, HostSpeed, Links, SpeedPlanError, Stage, brute_force, objective_ms,
-                                  plan_split, predict)
+                                  micro_rows, plan_split, predict)
 
 
 def host(name: str, layer: float, step: float = 0.5, head: float = 2.0, memory: int = 0) -> HostSpeed:
@@ -31,6 +31,7 @@ def test_predict_is_the_sum_for_one_stream_and_the_bottleneck_for_many():
     assert p.stage_ms_1 == (6.5, 10.5) and p.ms_per_token_1 == pytest.approx(17.75)
     # 8 streams over 2 micro-batches of 4 rows: 3/7 of the way from 1 row to 8
     t = 3 / 7
+    assert micro_rows(8, 2) == 4 and micro_rows(8, 3) == 4 and micro_rows(5, 1) == 8 and micro_rows(1, 3) == 1
     many = (0.5 * (1 + 0.5 * t) + 6 * (1 + 2 * t), 0.5 * (1 + 0.5 * t) + 4 * 2 * (1 + 2 * t) + 2 * (1 + 2 * t))
     assert p.stage_ms_n == pytest.approx(many)
     assert p.round_ms_n == pytest.approx(max(sum(many) + 0.75, 2 * max(many)))

@@ -10,8 +10,9 @@ A token of one stream goes driver -> s0 -> ... -> s_last -> driver, each stage i
 
     latency(1)  = Σ stage(h_i, range_i, 1) + Σ hop over the ring                 (one stream)
 
-N streams run as M = n_stages micro-batches of r = ceil(N / M) rows (engine/scheduler.py),
-each a round of the ring; a stage serves the M micro-batches one after another, so a round takes
+N streams run as M = n_stages micro-batches of ceil(N / M) rows (engine/scheduler.py), each a
+step of r rows (that count padded to its row bucket, as the runner pads it) and a round of the
+ring; a stage serves the M micro-batches one after another, so a round takes
 
     round(N)    = max(Σ stage(h_i, range_i, r) + Σ hop,  M · max_i stage(h_i, range_i, r))
     tok/s(N)    = N / round(N)
@@ -30,6 +31,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
+
+from skippy_zmq.config.model import Buckets
 
 DRIVER = "driver"
 MAX_HOSTS = 8          # 2^H · H states per layer count: beyond this a plan takes too long in Python
@@ -131,8 +134,9 @@ class Prediction:
 
 
 def micro_rows(streams: int, n_stages: int) -> int:
-    """Rows a micro-batch carries when `streams` decode over n_stages micro-batches."""
-    return max(1, math.ceil(streams / n_stages))
+    """Rows a micro-batch's step computes when `streams` decode over n_stages micro-batches: its
+    streams, padded to the row bucket the runner pads a step to (config.Buckets.decode_rows)."""
+    return Buckets().rows_for(min(max(1, math.ceil(streams / n_stages)), Buckets().decode_rows[-1]))
 
 
 def ring_ms(stages: Sequence[Stage], links: Links) -> float:

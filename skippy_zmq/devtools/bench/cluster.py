@@ -21,6 +21,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -74,22 +75,42 @@ def grid_splits(order: Sequence[str], n_layers: int, step: int) -> list[tuple[St
 
 
 def measure_hosts(hosts: Hosts, model: Path, weights: str, tmp: Path) -> list[dict[str, Any]]:
-    """`skippy-zmq plan --measure` inside each host (its group and namespace), one after another."""
-    out = []
-    for i, spec in enumerate(hosts.specs):
-        path = tmp / f"measure-{spec.name}.json"
+    """`skippy-zmq plan --measure` inside each host (its group and namespace): one after another
+    (1 stream: one stage computes at a time), then all at once, whose many-row figures replace the
+    lone ones: N streams keep every host busy together, and hosts on one machine share its cores
+    (on separate machines both ways give the same numbers). The lone figures stay as decode_alone."""
+    alone = [_measure(hosts, [i], model, weights, tmp, "alone")[0] for i in range(len(hosts.specs))]
+    together = _measure(hosts, list(range(len(hosts.specs))), model, weights, tmp, "together")
+    for m, t in zip(alone, together):
+        m["decode_alone"] = {r: dict(v) for r, v in m["decode"].items()}
+        top = max(m["decode"], key=int)
+        m["decode"][top] = t["decode"][top]
+        print(f"[bench cluster] {m['name']}: at {top} rows, layer {m['decode_alone'][top]['layer_ms']} ms alone, "
+              f"{t['decode'][top]['layer_ms']} ms with every host busy", flush=True)
+    return alone
+
+
+def _measure(hosts: Hosts, which: list[int], model: Path, weights: str, tmp: Path, tag: str) -> list[dict[str, Any]]:
+    procs, paths, t0 = [], [], time.perf_counter()
+    for i in which:
+        spec = hosts.specs[i]
+        path = tmp / f"measure-{spec.name}-{tag}.json"
         argv = [sys.executable, "-m", "skippy_zmq.cli", "--log-level", "WARNING", "plan", "--measure", "--model",
                 str(model), "--weights", weights, "--name", spec.name, "--measure-out", str(path)]
-        t0 = time.perf_counter()
         # the plan after the measurement may find no room in this machine's free memory: not our question
-        subprocess.run(hosts.wrap(i, argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
-        if not path.is_file():
-            raise RuntimeError(f"measuring host {spec.name} wrote no {path}")
-        m = json.loads(path.read_text())
-        print(f"[bench cluster] measured {spec.name} ({spec.cpu} core) in {time.perf_counter() - t0:.0f} s: "
-              f"layer {m['decode']['1']['layer_ms']} ms, step {m['decode']['1']['step_ms']} ms, "
-              f"head {m['decode']['1']['head_ms']} ms at 1 row", flush=True)
-        out.append(m)
+        procs.append(subprocess.Popen(hosts.wrap(i, argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      env=tied_env(True)))
+        paths.append(path)
+    for proc in procs:
+        proc.wait(timeout=600)
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise RuntimeError(f"measuring wrote no {', '.join(missing)}")
+    out = [json.loads(p.read_text()) for p in paths]
+    for m in out:
+        print(f"[bench cluster] measured {m['name']} ({tag}) in {time.perf_counter() - t0:.0f} s: layer "
+              f"{m['decode']['1']['layer_ms']} ms, step {m['decode']['1']['step_ms']} ms, head "
+              f"{m['decode']['1']['head_ms']} ms at 1 row", flush=True)
     return out
 
 
@@ -165,8 +186,9 @@ def driver_group(tag: str) -> Iterator[None]:
 def run_split(name: str, stages: Sequence[Stage], hosts: Hosts, model: Path, weights: str, tmp: Path,
               predicted: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
-    path = write_split_topology(tmp, model, hosts, stages, weights, name.replace(" ", "-"))
-    with split_running(path, hosts, stages, tmp / f"run-{name.replace(' ', '-')}") as (engine, tokenizer):
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")    # grid names hold slashes
+    path = write_split_topology(tmp, model, hosts, stages, weights, slug)
+    with split_running(path, hosts, stages, tmp / f"run-{slug}") as (engine, tokenizer):
         started = time.perf_counter() - t0
         log, ids = TraceLog(), tuple(f"s{i}" for i in range(len(stages)))
         engine.on_reply_hooks.append(log)
@@ -298,13 +320,15 @@ def _report(args: argparse.Namespace, tables: list[str], rows: list[dict[str, An
     quota = {spec.name: spec.cpu for spec in HOSTS}
     host_rows = [{"host": m["name"], "cpu_quota_cores": m.get("cpu_quota_cores") or quota.get(m["name"]),
                   **{f"{k}_{r}": m["decode"][r][k] for r in ("1", "8") for k in ("layer_ms", "step_ms", "head_ms")},
+                  "layer_ms_8_alone": m.get("decode_alone", {}).get("8", {}).get("layer_ms"),
                   "prefill_layer_ms_per_token": m["prefill"]["layer_ms_per_token"], "measure_s": m["measure_s"]}
                  for m in measured]
     cpu = measured[0].get("cpu", "?")
     tables.append(print_table(f"cluster: hosts as measured ({cpu}, {measured[0].get('cores')} cores; {where}; "
                               f"load average {load[0]:.1f} at the start)", host_rows,
                               "cluster/measure.py inside each host's cgroup: per decoder layer, per step, the head "
-                              "(last stage), at 1 and 8 rows; medians of round-robin samples."))
+                              "(last stage), at 1 row with the host alone, at 8 rows with every host measuring at "
+                              "once (alone: layer_ms_8_alone); medians of round-robin samples."))
     tables.append(print_table(f"cluster: splits, 1 stream and {STREAMS} streams, predicted beside measured "
                               f"({NEW_TOKENS} new tokens, {PROMPT_TOKENS}-token prompts)", rows,
                               "ms_per_token_1: median inter-token ms at 1 stream; tok_s_8: steady aggregate tok/s "
