@@ -28,7 +28,7 @@ def test_measure_host_on_a_tiny_model(tmp_path, tiny_tree, fmt):
     assert m["cores"] >= 1 and m["memory_total"] > 0 and m["memory_available"] > 0
     assert set(m["kernels"]) == {"matmul", "decode_attention"}
     host = HostSpeed.from_measure(m, memory=1 << 30)
-    assert host.rows == (1, 8) and host.memory == 1 << 30
+    assert host.rows == ROWS and host.memory == 1 << 30
     p = predict((Stage("tiny-host", 0, TINY.n_layers),), {"tiny-host": host}, TINY.n_layers, Links())
     assert p.ms_per_token_1 > 0 and p.tok_s_n > 0
 

@@ -106,3 +106,13 @@ def test_plan_hosts_cli_names_a_bad_file(model_dir, tmp_path):
                           str(tmp_path / "hosts.json")],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 1 and "host measurement 'x' is not a measure_host result" in out.stderr
+
+
+def test_host_speed_interpolates_between_the_rows_measured():
+    h = HostSpeed("h", (1, 4, 8), (1.0, 4.0, 5.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
+    assert [h.at(h.layer_ms, r) for r in (1, 2, 4, 6, 8, 16)] == [1.0, 2.0, 4.0, 4.5, 5.0, 5.0]
+    m = {"name": "m", "decode": {str(r): {"layer_ms": r, "step_ms": 0.5, "head_ms": 2.0, "sample_ms": 0.1,
+                                          "message_ms": 0.2} for r in (8, 1, 4)}}
+    got = HostSpeed.from_measure(m, memory=7)
+    assert got.rows == (1, 4, 8) and got.layer_ms == (1.0, 4.0, 8.0) and got.step_ms == (0.7, 0.7, 0.7)
+    assert got.head_ms == (2.1, 2.1, 2.1) and got.memory == 7

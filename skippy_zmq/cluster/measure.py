@@ -5,7 +5,7 @@ model's real layer shapes and weight format, so a planner can split layers by me
 final norm and head (the only slice whose items a host needs beyond its layers), in the weight
 format the stages will run, and times real `SliceRunner` steps on it:
 
-- decode steps of 1 and 8 rows (one token each) through 1 layer and through a stack of
+- decode steps of 1, 4 and 8 rows (one token each) through 1 layer and through a stack of
   `STACK` copies of that layer: the difference is the time per layer, the rest is what every
   step pays once (dispatch, padding, copying the activation in and out);
 - the head (final norm + logits over the vocabulary) of the last stage, per row count;
@@ -30,8 +30,8 @@ from typing import Any, Callable
 import numpy as np
 
 SCHEMA = "skippy-host-speed/1"
-ROWS = (1, 8)          # decode rows measured; the planner interpolates between them
-STACK = 5              # layers in the stacked runner: (t(STACK) - t(1)) / (STACK - 1) is one layer
+ROWS = (1, 4, 8)       # decode rows measured (row buckets); the planner interpolates between them
+STACK = 9              # layers in the stacked runner: (t(STACK) - t(1)) / (STACK - 1) is one layer
 CHUNK = 64             # prefill chunk measured (a Buckets.prefill_chunks size)
 POSITION = 128         # decode position: inside the first attention bucket, like a short chat
 CAPACITY = 512         # KV positions of the measuring runners (small: nothing here needs more)
@@ -229,13 +229,12 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
 
     t_start = time.perf_counter()
     model_dir = Path(model_dir)
-    dev = resolve_device(device)
-    t0 = time.perf_counter()
-    last, stack = _runners(model_dir, weights, dtype, dev)
-    load_s = time.perf_counter() - t0
+    last, stack = _runners(model_dir, weights, dtype, resolve_device(device))
+    load_s = time.perf_counter() - t_start
     calls = {"prefill_one": _prefill_call(last), "prefill_stack": _prefill_call(stack)}
     for rows in ROWS:
-        calls.update({f"one_{rows}": _decode_call(last, rows, "hidden"), f"stack_{rows}": _decode_call(stack, rows, "hidden"),
+        calls.update({f"one_{rows}": _decode_call(last, rows, "hidden"),
+                      f"stack_{rows}": _decode_call(stack, rows, "hidden"),
                       f"head_{rows}": _decode_call(last, rows, "logits")})
     ms = _median_ms(calls, repeats)
     decode: dict[str, dict[str, float]] = {}

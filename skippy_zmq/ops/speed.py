@@ -45,23 +45,24 @@ class SpeedPlanError(ValueError):
 
 @dataclass(frozen=True)
 class HostSpeed:
-    """One host's measured per-step times (ms) at two row counts (linear between, flat outside),
-    its memory budget (bytes; 0 = unlimited) and a name."""
+    """One host's measured per-step times (ms) at the row counts measured (piecewise linear between
+    them, flat beyond), its memory budget (bytes; 0 = unlimited) and a name."""
 
     name: str
-    rows: tuple[int, int]                    # the two row counts measured, e.g. (1, 8)
-    layer_ms: tuple[float, float]            # one decoder layer, per step
-    step_ms: tuple[float, float]             # what a step pays once (dispatch, in/out copies, wire)
-    head_ms: tuple[float, float]             # the final norm and head (last stage only)
+    rows: tuple[int, ...]                    # the row counts measured, ascending, e.g. (1, 4, 8)
+    layer_ms: tuple[float, ...]              # one decoder layer, per step
+    step_ms: tuple[float, ...]               # what a step pays once (dispatch, in/out copies, a message)
+    head_ms: tuple[float, ...]               # the final norm, head and sampling (last stage only)
     prefill_ms_per_token: float = 0.0        # one layer, per prompt token
     memory: int = 0
 
-    def at(self, values: tuple[float, float], rows: int) -> float:
-        (r0, r1), (v0, v1) = self.rows, values
-        if r1 == r0:
-            return v0
-        t = min(1.0, max(0.0, (rows - r0) / (r1 - r0)))
-        return v0 + t * (v1 - v0)
+    def at(self, values: tuple[float, ...], rows: int) -> float:
+        if rows <= self.rows[0]:
+            return values[0]
+        for (r0, r1), (v0, v1) in zip(zip(self.rows, self.rows[1:]), zip(values, values[1:])):
+            if rows <= r1:
+                return v0 + (rows - r0) / (r1 - r0) * (v1 - v0)
+        return values[-1]
 
     def stage_ms(self, layers: int, last: bool, rows: int = 1) -> float:
         head = self.at(self.head_ms, rows) if last else 0.0
@@ -73,14 +74,14 @@ class HostSpeed:
         every step, the final stage's sampling in its head."""
         try:
             decode = m["decode"]
-            rows = sorted(decode, key=int)[:1] + sorted(decode, key=int)[-1:]
+            rows = sorted(decode, key=int)
             pick = lambda key: tuple(float(decode[r].get(key, 0.0)) for r in rows)   # noqa: E731
             step = tuple(s + w for s, w in zip(pick("step_ms"), pick("message_ms")))
             head = tuple(h + s for h, s in zip(pick("head_ms"), pick("sample_ms")))
-            return cls(name or str(m.get("name", "host")), (int(rows[0]), int(rows[1])), pick("layer_ms"),
+            return cls(name or str(m.get("name", "host")), tuple(int(r) for r in rows), pick("layer_ms"),
                        step, head, float(m.get("prefill", {}).get("layer_ms_per_token", 0.0)),
                        int(memory or m.get("memory", 0)))
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise SpeedPlanError(f"host measurement {m.get('name', '?')!r} is not a measure_host result: "
                                  f"{exc!r}") from None
 

@@ -22,6 +22,7 @@ import itertools
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,10 +84,10 @@ def measure_hosts(hosts: Hosts, model: Path, weights: str, tmp: Path) -> list[di
     together = _measure(hosts, list(range(len(hosts.specs))), model, weights, tmp, "together")
     for m, t in zip(alone, together):
         m["decode_alone"] = {r: dict(v) for r, v in m["decode"].items()}
-        top = max(m["decode"], key=int)
-        m["decode"][top] = t["decode"][top]
-        print(f"[bench cluster] {m['name']}: at {top} rows, layer {m['decode_alone'][top]['layer_ms']} ms alone, "
-              f"{t['decode'][top]['layer_ms']} ms with every host busy", flush=True)
+        m["decode"].update({r: v for r, v in t["decode"].items() if r != "1"})
+        print(f"[bench cluster] {m['name']}: layer ms at 4 / 8 rows alone "
+              f"{m['decode_alone']['4']['layer_ms']} / {m['decode_alone']['8']['layer_ms']}, with every host busy "
+              f"{t['decode']['4']['layer_ms']} / {t['decode']['8']['layer_ms']}", flush=True)
     return alone
 
 
@@ -170,6 +171,12 @@ def split_running(path: Path, hosts: Hosts, stages: Sequence[Stage], run_dir: Pa
         stop_processes(procs)
 
 
+def stage_step_ms(traces: list[list[dict[str, Any]]], ids: Sequence[str]) -> list[float]:
+    """Median compute_ms of each stage over decode-step traces (one trace per reply)."""
+    per = {sid: [float(h["compute_ms"]) for t in traces for h in t if h.get("stage") == sid] for sid in ids}
+    return [statistics.median(v) if v else 0.0 for v in per.values()]
+
+
 @contextmanager
 def driver_group(tag: str) -> Iterator[None]:
     """This process (the driver) in an uncapped group weighted as the hosts are, back in the root after."""
@@ -195,13 +202,18 @@ def run_split(name: str, stages: Sequence[Stage], hosts: Hosts, model: Path, wei
         base = synthetic_prompt(tokenizer, PROMPT_TOKENS)
         measure(engine, stream_prompts(base, STREAMS, salt=100), 4, strict=False)   # ramps the row buckets
         one = measure(engine, [base], NEW_TOKENS, log, ids)
+        t0_many = time.perf_counter()
         many = measure(engine, stream_prompts(base, STREAMS, salt=1), NEW_TOKENS, log, ids)
+        steps = log.window(t0_many, time.perf_counter(), steps_only=True)
     row = {"split": name, "layers": _label(stages),
            "ms_per_token_1": one["itl_p50_ms"], "predicted_ms_1": round(predicted.ms_per_token_1, 2),
            # the stages' own compute per step (their telemetry) beside the model's Σ stage times
            "compute_ms_1": one.get("step_compute_ms"), "predicted_compute_ms_1": round(sum(predicted.stage_ms_1), 2),
            "tok_s_8": many["agg_tok_s"], "predicted_tok_s_8": round(predicted.tok_s_n, 1),
-           "bubble_8": " / ".join(f"{v:.2f}" for v in many.get("bubble", {}).values())}
+           "bubble_8": " / ".join(f"{v:.2f}" for v in many.get("bubble", {}).values()),
+           # each stage's own step compute at 8 streams (median over its decode steps) beside the model's
+           "step_ms_8": " / ".join(f"{v:.1f}" for v in stage_step_ms(steps, ids)),
+           "predicted_step_ms_8": " / ".join(f"{v:.1f}" for v in predicted.stage_ms_n)}
     row["pred_over_meas_1"] = round(row["predicted_ms_1"] / row["ms_per_token_1"], 3)
     row["pred_over_meas_8"] = round(row["predicted_tok_s_8"] / row["tok_s_8"], 3) if row["tok_s_8"] else None
     row["start_s"], row["total_s"] = round(started, 1), round(time.perf_counter() - t0, 1)
@@ -319,7 +331,7 @@ def _report(args: argparse.Namespace, tables: list[str], rows: list[dict[str, An
     where = "cgroups + network namespaces" if netns_why is None else f"cgroups alone (no namespaces: {netns_why})"
     quota = {spec.name: spec.cpu for spec in HOSTS}
     host_rows = [{"host": m["name"], "cpu_quota_cores": m.get("cpu_quota_cores") or quota.get(m["name"]),
-                  **{f"{k}_{r}": m["decode"][r][k] for r in ("1", "8") for k in ("layer_ms", "step_ms", "head_ms")},
+                  **{f"{k}_{r}": m["decode"][r][k] for r in ("1", "4", "8") for k in ("layer_ms", "step_ms", "head_ms")},
                   "layer_ms_8_alone": m.get("decode_alone", {}).get("8", {}).get("layer_ms"),
                   "prefill_layer_ms_per_token": m["prefill"]["layer_ms_per_token"], "measure_s": m["measure_s"]}
                  for m in measured]
@@ -327,7 +339,7 @@ def _report(args: argparse.Namespace, tables: list[str], rows: list[dict[str, An
     tables.append(print_table(f"cluster: hosts as measured ({cpu}, {measured[0].get('cores')} cores; {where}; "
                               f"load average {load[0]:.1f} at the start)", host_rows,
                               "cluster/measure.py inside each host's cgroup: per decoder layer, per step, the head "
-                              "(last stage), at 1 row with the host alone, at 8 rows with every host measuring at "
+                              "(last stage), at 1 row with the host alone, at 4 and 8 rows with every host measuring at "
                               "once (alone: layer_ms_8_alone); medians of round-robin samples."))
     tables.append(print_table(f"cluster: splits, 1 stream and {STREAMS} streams, predicted beside measured "
                               f"({NEW_TOKENS} new tokens, {PROMPT_TOKENS}-token prompts)", rows,
