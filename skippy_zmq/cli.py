@@ -403,7 +403,7 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--build", action="store_true",
                    help="peers: build llama-server, llama-bench and rpc-server first (once; about 10-15 minutes)")
     p.add_argument("--grid", type=int, default=3, help="cluster: cut points of the grid splits, this many layers apart")
-    p.add_argument("--budget-s", type=float, default=420.0, help="cluster: grid splits run while the run is shorter")
+    p.add_argument("--budget-s", type=float, default=360.0, help="cluster: grid splits start while the run is shorter")
     p.add_argument("--peer-models", default="",
                    help="peers: comma-separated, from smollm2, llama-3.2-1b, llama-3.1-8b (default: all; --quick: smollm2)")
     p.set_defaults(func=cmd_bench)

@@ -53,7 +53,6 @@ NEW_TOKENS = 24
 PROMPT_TOKENS = 32
 CONTEXT = 256          # few attention buckets: few shapes for a stage to compile at 25% of a core
 LANES = 8
-BUDGET_S = 420.0       # the whole run's wall clock: grid splits run while it lasts
 # The cost of a link beyond what measure_host times (a message's encode, send, receive and decode):
 # the stage loop's bookkeeping, the driver's scheduling, a sleeping process waking on a crowded
 # 2-core machine. As a round trip (a hop is half): docs/benchmarks.md's per-hop overhead on this
@@ -278,7 +277,7 @@ def bench_cluster(args: argparse.Namespace, tables: list[str], _prior: dict[str,
         for name, stages in list(splits.items()) + _grid(splits, by_name, cfg.n_layers, links, args):
             if stages in seen:
                 continue
-            if name.startswith("grid") and time.perf_counter() - t_start > getattr(args, "budget_s", BUDGET_S):
+            if name.startswith("grid") and time.perf_counter() - t_start > args.budget_s:
                 break
             seen.add(stages)
             rows.append(run_split(name, stages, hosts, model, weights, tmp,
@@ -295,7 +294,7 @@ def _stored(model: Path) -> str:
 def _grid(splits: dict[str, tuple[Stage, ...]], by_name: dict[str, HostSpeed], n_layers: int, links: Links,
           args: argparse.Namespace) -> list[tuple[str, tuple[Stage, ...]]]:
     """Grid splits in both planned host orders, best predicted first (latency and throughput in turn)."""
-    step = getattr(args, "grid", 3) or 3
+    step = max(1, args.grid)
     candidates = {g for key in ("planned (latency)", "planned (throughput)")
                   for g in grid_splits([s.host for s in splits[key]], n_layers, step)}
     by_lat = sorted(candidates, key=lambda g: predict(g, by_name, n_layers, links, STREAMS).ms_per_token_1)
