@@ -164,15 +164,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from skippy_zmq.ops.placement import PlacementError, parse_bytes
     from skippy_zmq.ops.planner import PlanRequest, plan_text
+    from skippy_zmq.ops.speed import SpeedPlanError
     from skippy_zmq.config.topology import TopologyError
 
     try:
-        req = PlanRequest(Path(args.model), args.stages, tuple(float(w) for w in args.split.split(",")) if args.split
-                          else None, tuple(parse_bytes(m) for m in args.memory.split(",")) if args.memory else None,
-                          args.weights, args.dtype, args.kv_dtype, args.context, args.lanes,
-                          0 if args.cache_bytes in ("0", "off") else parse_bytes(args.cache_bytes), args.base_port)
-        print(plan_text(req), end="")
-    except (PlacementError, TopologyError, ValueError) as exc:
+        speed_split = args.measure or args.hosts
+        memory = tuple(parse_bytes(m) for m in args.memory.split(",")) if args.memory else None
+        req = PlanRequest(Path(args.model), None if speed_split else args.stages,
+                          tuple(float(w) for w in args.split.split(",")) if args.split else None,
+                          None if speed_split else memory, args.weights, args.dtype, args.kv_dtype, args.context,
+                          args.lanes, 0 if args.cache_bytes in ("0", "off") else parse_bytes(args.cache_bytes),
+                          args.base_port)
+        if speed_split:
+            from skippy_zmq.cluster.plan import plan_from_args
+
+            if args.measure:
+                configure_jax()
+            print(plan_from_args(args, req, memory), end="")
+        else:
+            print(plan_text(req), end="")
+    except (PlacementError, TopologyError, SpeedPlanError, ValueError) as exc:
         logger.error("plan: {}", exc)
         return 1
     return 0
@@ -301,6 +312,9 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--lanes", type=int, default=8, help="every stage's kv_lanes and the driver's max_sessions")
     p.add_argument("--cache-bytes", default="256MiB", help="every stage's prefix-store budget (0: disabled)")
     p.add_argument("--base-port", type=int, default=5700)
+    from skippy_zmq.cluster.plan import add_speed_flags
+
+    add_speed_flags(p)
     p.set_defaults(func=cmd_plan)
 
 
@@ -390,6 +404,8 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--shapes", default="", help="scale: only these model shapes, e.g. llama-3.2-1b (default: all)")
     p.add_argument("--build", action="store_true",
                    help="peers: build llama-server, llama-bench and rpc-server first (once; about 10-15 minutes)")
+    p.add_argument("--grid", type=int, default=3, help="cluster: cut points of the grid splits, this many layers apart")
+    p.add_argument("--budget-s", type=float, default=360.0, help="cluster: grid splits start while the run is shorter")
     p.add_argument("--peer-models", default="",
                    help="peers: comma-separated, from smollm2, llama-3.2-1b, llama-3.1-8b (default: all; --quick: smollm2)")
     p.set_defaults(func=cmd_bench)

@@ -15,6 +15,9 @@ module each in this package:
 - all       every suite above, in that order (later suites reuse earlier numbers)
 - scale     random models of real sizes (Llama-3.2-1B, Llama-3.1-8B shapes, q4) on 1-3 stages and
             llama.cpp on the same weights: not part of `all` (about an hour on 2 cores)
+- cluster   three hosts at 100%, 50% and 25% of a core (cgroups; namespaces when allowed): the split
+            by measured speed against even, memory-only and grid splits, predicted beside measured;
+            not part of `all`
 - spec      speculative decoding on SmolLM2: ours off / on (1 stage; 3 stages at 5 and 20 ms per
             hop; 8 streams on 2 stages) beside llama.cpp plain and with prompt lookup, copy and chat
             workloads, acceptance, greedy identity and the issue's goals: not part of `all`
@@ -35,12 +38,13 @@ from typing import Any, Callable
 from skippy_zmq.devtools.bench.common import machine
 
 ALL_SUITES = ("single", "peers", "pipeline", "hops", "prefix")   # what `bench all` runs
-SUITES = ALL_SUITES + ("scale", "spec")
+SUITES = ALL_SUITES + ("scale", "spec", "cluster")
 
 Runner = Callable[[argparse.Namespace, list[str], dict[str, Any]], Any]
 
 
 def suite_runners() -> dict[str, Runner]:
+    from skippy_zmq.devtools.bench.cluster import bench_cluster
     from skippy_zmq.devtools.bench.hops import bench_hops
     from skippy_zmq.devtools.bench.peers import bench_peers
     from skippy_zmq.devtools.bench.pipeline import bench_pipeline
@@ -51,7 +55,7 @@ def suite_runners() -> dict[str, Runner]:
 
     return {"single": run_single, "peers": bench_peers, "pipeline": bench_pipeline, "hops": bench_hops,
             "prefix": lambda args, tables, _result: bench_prefix(args, tables), "scale": bench_scale,
-            "spec": bench_spec}
+            "spec": bench_spec, "cluster": bench_cluster}
 
 
 def main(args: argparse.Namespace) -> int:

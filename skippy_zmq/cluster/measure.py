@@ -1,0 +1,260 @@
+"""How fast this host runs a model's layers: measured here, on this process's device, with the
+model's real layer shapes and weight format, so a planner can split layers by measured speed.
+
+`measure_host(model_dir)` restores ONE stage's worth of the checkpoint, the last layer with the
+final norm and head (the only slice whose items a host needs beyond its layers), in the weight
+format the stages will run, and times real `SliceRunner` steps on it:
+
+- decode steps of 1, 4 and 8 rows (one token each) through 1 layer and through a stack of
+  `STACK` copies of that layer: the difference is the time per layer, the rest is what every
+  step pays once (dispatch, padding, copying the activation in and out);
+- the head (final norm + logits over the vocabulary) of the last stage, per row count;
+- a prefill chunk of `CHUNK` tokens, per token per layer;
+- a decode message encoded, sent over ZeroMQ TCP loopback, received and decoded (a stage's
+  software per hop), and greedy sampling of the logits (the final stage's).
+
+Medians of `repeats` timed calls after one warm-up call (compiles happen there). Plus the
+host's cores (and a cgroup CPU quota when one caps this process), memory total and available.
+The result is a plain, JSON-able dict (`SCHEMA` names its version); ops/speed.py plans from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+SCHEMA = "skippy-host-speed/1"
+ROWS = (1, 4, 8)       # decode rows measured (row buckets); the planner interpolates between them
+STACK = 9              # layers in the stacked runner: (t(STACK) - t(1)) / (STACK - 1) is one layer
+CHUNK = 64             # prefill chunk measured (a Buckets.prefill_chunks size)
+POSITION = 128         # decode position: inside the first attention bucket, like a short chat
+CAPACITY = 512         # KV positions of the measuring runners (small: nothing here needs more)
+RETRIES = 2            # re-measurements of a row count whose layer time came out <= 0
+SAMPLE_S = 0.1         # one timing sample: a loop of the step this long (ten 10 ms quota periods)
+
+
+def _median_ms(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Per call, the median ms of `repeats` samples, taken round-robin (so a neighbour's burst
+    lands on every call alike). A sample times a loop of the call long enough (SAMPLE_S) to span
+    several scheduler slices: a sub-millisecond step timed alone measures the scheduler, not the
+    step. One untimed call each first: compiles and first-run costs."""
+    loops = {}
+    for name, call in calls.items():
+        call()
+        t0 = time.perf_counter()
+        call()
+        loops[name] = max(1, min(200, int(SAMPLE_S / max(time.perf_counter() - t0, 1e-6))))
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            for _ in range(loops[name]):
+                call()
+            samples[name].append((time.perf_counter() - t0) / loops[name])
+    return {name: 1000 * statistics.median(times) for name, times in samples.items()}
+
+
+def _decode_call(runner: Any, rows: int, output: str) -> Callable[[], Any]:
+    width = runner.cfg.d_model
+    inputs = np.random.default_rng(rows).standard_normal((rows, width)).astype(np.float32)
+    lanes, positions = np.arange(rows, dtype=np.int32), np.full(rows, POSITION, np.int32)
+    return lambda: runner.decode(lanes, inputs, positions, output=output)
+
+
+def _prefill_call(runner: Any) -> Callable[[], Any]:
+    inputs = np.random.default_rng(0).standard_normal((CHUNK, runner.cfg.d_model)).astype(np.float32)
+    return lambda: runner.prefill(0, inputs, 0, output="hidden")
+
+
+def _message_ms(width: int, rows: int, repeats: int) -> float:
+    """One DECODE message of `rows` f32 activations encoded, sent over a real ZeroMQ TCP loopback
+    link, received and decoded: what a stage's software pays per hop at this host's speed."""
+    import zmq
+
+    from skippy_zmq.protocol import transport, wire
+
+    msg = wire.Message(wire.Kind.DECODE, 1, 1, position=POSITION, tokens=np.zeros(rows, np.int32),
+                       positions=np.full(rows, POSITION, np.int32), sessions=np.arange(1, rows + 1, dtype=np.uint64),
+                       activation=np.zeros((rows, width), np.float32))
+    ctx = transport.context()
+    pull = transport.make_socket(ctx, zmq.PULL, "tcp://127.0.0.1:*", bind=True)
+    push = transport.make_socket(ctx, zmq.PUSH, transport.bound_endpoint(pull), bind=False)
+    try:
+        def hop() -> None:
+            transport.send_message(push, msg)
+            wire.decode(transport.recv_frames(pull))
+        return _median_ms({"hop": hop}, repeats)["hop"]
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+
+
+def _sample_ms(vocab: int, rows: int, repeats: int) -> float:
+    """Greedy sampling of `rows` rows of logits (the final stage's argmax per row)."""
+    logits = np.random.default_rng(rows).standard_normal((rows, vocab)).astype(np.float32)
+    return _median_ms({"sample": lambda: [int(np.argmax(row)) for row in logits]}, repeats)["sample"]
+
+
+def _runners(model_dir: Path, weights: str, dtype: str, device: Any) -> tuple[Any, Any]:
+    """(one layer + final norm + head as a last stage holds them, STACK copies of that layer as a
+    middle stage). The layer is read from the checkpoint (one middle layer's items, converted to
+    `weights`); the head is random in its runtime format (`_random_head`): building the real one
+    from a float checkpoint quantises the whole embedding, seconds of CPU that say nothing of speed."""
+    from skippy_zmq.checkpoint.loader import load_slice
+    from skippy_zmq.config.model import KVConfig
+    from skippy_zmq.model.runner import SliceRunner
+
+    n = load_slice_config(model_dir).n_layers
+    middle = n // 2
+    cfg, params = load_slice(model_dir, middle, middle + 1, dtype, device, fmt=weights)
+    layer = params["layers"][0]
+    kv = KVConfig(lanes=max(ROWS), capacity=min(CAPACITY, cfg.max_seq_len), dtype="float32")
+    last = SliceRunner(cfg, {"layers": (layer,), **_random_head(cfg, weights, device)}, n - 1, n, kv, device=device)
+    # the stack sits strictly inside a model of at least STACK + 2 layers: no embedding, no head
+    inner = dataclasses.replace(cfg, n_layers=max(n, STACK + 2))
+    stack = SliceRunner(inner, {"layers": tuple(layer for _ in range(STACK))}, 1, 1 + STACK, kv, device=device)
+    return last, stack
+
+
+def _random_head(cfg: Any, weights: str, device: Any) -> dict[str, Any]:
+    """The final norm and head of a last stage, random, in the runtime layout checkpoint.to_runtime
+    gives `weights`: int8 levels packed (the head is int8 under int8 and q4, tied or not), else a
+    float [V, D] embedding read by the tied head or a float [D, V] head."""
+    import jax
+    import jax.numpy as jnp
+
+    from skippy_zmq.model import quant
+
+    rng = np.random.default_rng(0)
+    v, d = cfg.vocab_size, cfg.d_model
+    out: dict[str, Any] = {"norm": jax.device_put(jnp.ones((d,), jnp.dtype(cfg.dtype)), device)}
+    if weights in ("int8", "q4"):
+        groups = d // quant.GROUP_SIZE if d % quant.GROUP_SIZE == 0 else 1
+        levels = rng.integers(-127, 128, (v, d), dtype=np.int8)
+        scales = np.full((v, groups), 1e-3, np.float32)
+        out["head"] = jax.device_put(quant.pack_rows(levels, scales, np.zeros_like(scales), bits=8), device)
+        return out
+    float_dtype = jnp.bfloat16 if weights == "bf16" else jnp.dtype(cfg.dtype)
+    table = rng.standard_normal((v, d), np.float32) * 0.02
+    key, array = ("embed", table) if cfg.tied_embeddings else ("head", np.ascontiguousarray(table.T))
+    out[key] = jax.device_put(jnp.asarray(array, float_dtype), device)
+    return out
+
+
+def load_slice_config(model_dir: Path) -> Any:
+    from skippy_zmq.checkpoint.loader import read_model_json
+
+    return read_model_json(Path(model_dir) / "model.json")
+
+
+def host_facts() -> dict[str, Any]:
+    """Cores (and the cgroup v1/v2 CPU quota capping this process, as cores), memory total and available."""
+    facts: dict[str, Any] = {"cores": os.cpu_count() or 1, "cpu": _cpu_name()}
+    try:
+        facts["cores_usable"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        facts["cores_usable"] = facts["cores"]
+    quota = cpu_quota_cores()
+    if quota is not None:
+        facts["cpu_quota_cores"] = round(quota, 3)
+    meminfo = _meminfo()
+    facts["memory_total"] = meminfo.get("MemTotal", 0)
+    facts["memory_available"] = meminfo.get("MemAvailable", 0)
+    return facts
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            fields = rest.split()
+            if fields and fields[0].isdigit():
+                out[key] = int(fields[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def cpu_quota_cores(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPU quota over this process's cgroup, in cores (None when uncapped or unreadable):
+    cgroup v1 `cpu` (cfs_quota_us / cfs_period_us) or v2 `cpu.max`."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        candidates = []
+        if "cpu" in controllers.split(","):
+            candidates.append((root / "cpu" / path.lstrip("/"), "v1"))
+        if controllers == "":
+            candidates.append((root / path.lstrip("/"), "v2"))
+        for directory, kind in candidates:
+            try:
+                if kind == "v1":
+                    quota = int((directory / "cpu.cfs_quota_us").read_text())
+                    period = int((directory / "cpu.cfs_period_us").read_text())
+                else:
+                    text = (directory / "cpu.max").read_text().split()
+                    quota, period = (-1 if text[0] == "max" else int(text[0])), int(text[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if quota > 0 and period > 0:
+                return quota / period
+    return None
+
+
+def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float32", device: str = "cpu",
+                 repeats: int = 5, name: str = "") -> dict[str, Any]:
+    """Measured step times of `model_dir`'s layers on `device` in `weights` format (module docstring)."""
+    from skippy_zmq.model.runner import resolve_device
+
+    t_start = time.perf_counter()
+    model_dir = Path(model_dir)
+    last, stack = _runners(model_dir, weights, dtype, resolve_device(device))
+    load_s = time.perf_counter() - t_start
+    calls = {"prefill_one": _prefill_call(last), "prefill_stack": _prefill_call(stack)}
+    for rows in ROWS:
+        calls.update({f"one_{rows}": _decode_call(last, rows, "hidden"),
+                      f"stack_{rows}": _decode_call(stack, rows, "hidden"),
+                      f"head_{rows}": _decode_call(last, rows, "logits")})
+    ms = _median_ms(calls, repeats)
+    for _ in range(RETRIES):   # a stack no slower than one layer: a neighbour's burst hit the one-layer samples
+        bad = [r for r in ROWS if ms[f"stack_{r}"] <= ms[f"one_{r}"]]
+        if not bad:
+            break
+        ms.update(_median_ms({k: calls[k] for r in bad for k in (f"one_{r}", f"stack_{r}")}, repeats))
+    decode: dict[str, dict[str, float]] = {}
+    for rows in ROWS:
+        one, layer = ms[f"one_{rows}"], max(0.0, (ms[f"stack_{rows}"] - ms[f"one_{rows}"]) / (STACK - 1))
+        decode[str(rows)] = {"layer_ms": round(layer, 4), "step_ms": round(max(0.0, one - layer), 4),
+                             "head_ms": round(max(0.0, ms[f"head_{rows}"] - one), 4),
+                             "sample_ms": round(_sample_ms(last.cfg.vocab_size, rows, repeats), 4),
+                             "message_ms": round(_message_ms(last.cfg.d_model, rows, repeats), 4)}
+    prefill_layer = max(0.0, (ms["prefill_stack"] - ms["prefill_one"]) / (STACK - 1))
+    p_one = ms["prefill_one"]
+    return {"schema": SCHEMA, "name": name or os.uname().nodename, "model": str(model_dir), "weights": weights,
+            "dtype": dtype, "device": device, "layers": last.cfg.n_layers, "decode": decode,
+            "prefill": {"chunk": CHUNK, "layer_ms_per_token": round(prefill_layer / CHUNK, 5),
+                        "step_ms": round(max(0.0, p_one - prefill_layer), 4)},
+            "kernels": last.kernels(), **host_facts(), "load_s": round(load_s, 2),
+            "measure_s": round(time.perf_counter() - t_start, 2)}

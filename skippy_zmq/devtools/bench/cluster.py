@@ -1,0 +1,355 @@
+"""`bench cluster`: three unequal hosts on this machine, the split by measured speed against the
+even split, the memory-only split and the best split found by trying cuts.
+
+Hosts (devtools/hosts.py): stage processes in cgroup v1 `cpu` groups at 100%, 50% and 25% of a
+core over a 10 ms period, each in a network namespace of its own when the machine allows it (the
+driver in this process, on the bridge). Each host is measured inside its group by `skippy-zmq
+plan --measure` (cluster/measure.py), the planner (ops/speed.py) splits the model over the three
+by those numbers, and every split is then run for real: 1 stream (ms per token, inter-token
+median) and 8 streams (steady aggregate tok/s), predicted beside measured.
+
+Splits: planned for latency (1 stream) and for throughput (8 streams), even, memory-only (each
+host the same budget: placement.fit_layers), and a grid of cut points in the planned host order
+(`--grid` layers apart), run in the order the model ranks them until the time budget is spent:
+the best measured of all of them is the "best by brute force" row. The planner's choice among
+every cut and order is checked against brute force over the predictions too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import yaml
+
+from skippy_zmq.config.topology_yaml import load_topology, plan_topology
+from skippy_zmq.devtools.bench.common import print_table, synthetic_prompt, write_report
+from skippy_zmq.devtools.bench.pipeline import TraceLog, measure, stream_prompts
+from skippy_zmq.devtools.hosts import Hosts, HostSpec, cpu_cgroup_problem, netns_problem
+from skippy_zmq.ops import placement
+from skippy_zmq.ops.launch import check_alive, prepare_keys, stage_command, stop_processes
+from skippy_zmq.ops.lifetime import tied_env
+from skippy_zmq.ops.speed import HostSpeed, Links, Stage, brute_force, plan_split, predict
+
+# cpu.shares: on a shared machine (a load average of 10-40 on 2 cores while this was written) a
+# group weighted like one task gets a sliver of a core and its quota never binds, so every "host"
+# runs at the same crowded speed; weighted like SHARES tasks, each gets its quota and no more.
+SHARES = 64 * 1024
+HOSTS = (HostSpec("h100", 1.0, shares=SHARES), HostSpec("h50", 0.5, shares=SHARES),
+         HostSpec("h25", 0.25, shares=SHARES))
+STREAMS = 8
+NEW_TOKENS = 24
+PROMPT_TOKENS = 32
+CONTEXT = 256          # few attention buckets: few shapes for a stage to compile at 25% of a core
+LANES = 8
+# The cost of a link beyond what measure_host times (a message's encode, send, receive and decode):
+# the stage loop's bookkeeping, the driver's scheduling, a sleeping process waking on a crowded
+# 2-core machine. As a round trip (a hop is half): docs/benchmarks.md's per-hop overhead on this
+# machine is 2.2-2.8 ms one way including a step's fixed cost (~0.5-1 ms); 3 ms a round trip is
+# what is left of it. Not fitted to this bench's splits.
+RTT_MS = 3.0
+PORT = 5611            # stage listen port inside each namespace (each has its own port space)
+
+
+def even_ranges(n_layers: int, n: int) -> list[tuple[int, int]]:
+    cuts = [round(i * n_layers / n) for i in range(n + 1)]
+    return list(zip(cuts, cuts[1:]))
+
+
+def grid_splits(order: Sequence[str], n_layers: int, step: int) -> list[tuple[Stage, ...]]:
+    """Every split of the hosts in `order` with cuts on multiples of `step`."""
+    points = range(step, n_layers, step)
+    return [tuple(Stage(h, a, b) for h, a, b in zip(order, (0, *cuts), (*cuts, n_layers)))
+            for cuts in itertools.combinations(points, len(order) - 1)]
+
+
+def measure_hosts(hosts: Hosts, model: Path, weights: str, tmp: Path) -> list[dict[str, Any]]:
+    """`skippy-zmq plan --measure` inside each host (its group and namespace): one after another
+    (1 stream: one stage computes at a time), then all at once, whose many-row figures replace the
+    lone ones: N streams keep every host busy together, and hosts on one machine share its cores
+    (on separate machines both ways give the same numbers). The lone figures stay as decode_alone."""
+    alone = [_measure(hosts, [i], model, weights, tmp, "alone")[0] for i in range(len(hosts.specs))]
+    together = _measure(hosts, list(range(len(hosts.specs))), model, weights, tmp, "together")
+    for m, t in zip(alone, together):
+        m["decode_alone"] = {r: dict(v) for r, v in m["decode"].items()}
+        m["decode"].update({r: v for r, v in t["decode"].items() if r != "1"})
+        print(f"[bench cluster] {m['name']}: layer ms at 4 / 8 rows alone "
+              f"{m['decode_alone']['4']['layer_ms']} / {m['decode_alone']['8']['layer_ms']}, with every host busy "
+              f"{t['decode']['4']['layer_ms']} / {t['decode']['8']['layer_ms']}", flush=True)
+    return alone
+
+
+def _measure(hosts: Hosts, which: list[int], model: Path, weights: str, tmp: Path, tag: str) -> list[dict[str, Any]]:
+    procs, paths, t0 = [], [], time.perf_counter()
+    for i in which:
+        spec = hosts.specs[i]
+        path = tmp / f"measure-{spec.name}-{tag}.json"
+        argv = [sys.executable, "-m", "skippy_zmq.cli", "--log-level", "WARNING", "plan", "--measure", "--model",
+                str(model), "--weights", weights, "--name", spec.name, "--measure-out", str(path)]
+        # the plan after the measurement may find no room in this machine's free memory: not our question
+        procs.append(subprocess.Popen(hosts.wrap(i, argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      env=tied_env(True)))
+        paths.append(path)
+    for proc in procs:
+        proc.wait(timeout=600)
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise RuntimeError(f"measuring wrote no {', '.join(missing)}")
+    out = [json.loads(p.read_text()) for p in paths]
+    for m in out:
+        print(f"[bench cluster] measured {m['name']} ({tag}) in {time.perf_counter() - t0:.0f} s: layer "
+              f"{m['decode']['1']['layer_ms']} ms, step {m['decode']['1']['step_ms']} ms, head "
+              f"{m['decode']['1']['head_ms']} ms at 1 row", flush=True)
+    return out
+
+
+def write_split_topology(tmp: Path, model: Path, hosts: Hosts, stages: Sequence[Stage], weights: str,
+                         name: str) -> Path:
+    from skippy_zmq.devtools.harness import free_base_port
+
+    index = {spec.name: i for i, spec in enumerate(hosts.specs)}
+    base = free_base_port(len(stages) + 2)
+    cfg_layers = stages[-1].end
+    keys = [{"weights": weights, "kv_lanes": LANES, "cache": {"mode": "disabled"}} for _ in stages]
+    data = plan_topology(cfg_layers, len(stages), model=str(model), base_port=base, stage_keys=keys,
+                         ranges=[(s.start, s.end) for s in stages],
+                         driver_keys={"max_context": CONTEXT, "max_sessions": LANES, "dead_after_s": 30.0,
+                                      "request_timeout_s": 600.0}).to_dict()
+    data["driver"]["http"] = f"127.0.0.1:{base + len(stages) + 1}"
+    if hosts.netns:
+        data["driver"]["return"] = f"tcp://{hosts.driver_address}:{base}"
+    for stage, st in zip(data["stages"], stages):
+        if hosts.netns:   # `host` stays local: this process spawns it (stage_command would ssh otherwise)
+            stage["listen"] = f"tcp://{hosts.address(index[st.host])}:{PORT}"
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@contextmanager
+def split_running(path: Path, hosts: Hosts, stages: Sequence[Stage], run_dir: Path, timeout: float = 300.0
+                  ) -> Iterator[tuple[Any, Any]]:
+    """The split's stages, each in its host (last first), and a driver engine here; (engine, tokenizer)."""
+    from skippy_zmq.api.main import open_engine
+    from skippy_zmq.devtools.harness import wait_warmed
+
+    topology = load_topology(path)
+    prepare_keys(path)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    index = {spec.name: i for i, spec in enumerate(hosts.specs)}
+    procs = []
+    for stage_cfg, st in reversed(list(zip(topology.stages, stages))):
+        with open(run_dir / f"{stage_cfg.id}.log", "ab") as log:
+            argv = hosts.wrap(index[st.host], stage_command(path, stage_cfg, ["--log-level", "WARNING"]))
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True, env=tied_env(True)))
+    engine = None
+    try:
+        engine, tokenizer = open_engine(topology)
+        deadline = time.monotonic() + timeout
+        while not engine.wait_ready(0.5):
+            check_alive(procs, run_dir)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"split not ready: {engine.not_ready_reason()}")
+        wait_warmed(engine, timeout, procs, run_dir)
+        yield engine, tokenizer
+    finally:
+        if engine is not None:
+            engine.close()
+        stop_processes(procs)
+
+
+def stage_step_ms(traces: list[list[dict[str, Any]]], ids: Sequence[str]) -> list[float]:
+    """Median compute_ms of each stage over decode-step traces (one trace per reply)."""
+    per = {sid: [float(h["compute_ms"]) for t in traces for h in t if h.get("stage") == sid] for sid in ids}
+    return [statistics.median(v) if v else 0.0 for v in per.values()]
+
+
+@contextmanager
+def driver_group(tag: str) -> Iterator[None]:
+    """This process (the driver) in an uncapped group weighted as the hosts are, back in the root after."""
+    from skippy_zmq.devtools.hosts import CpuGroup
+
+    group = CpuGroup(f"{tag}-driver", None, shares=SHARES)
+    group.adopt(os.getpid())
+    try:
+        yield
+    finally:
+        group.remove()
+
+
+def run_split(name: str, stages: Sequence[Stage], hosts: Hosts, model: Path, weights: str, tmp: Path,
+              predicted: Any) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")    # grid names hold slashes
+    path = write_split_topology(tmp, model, hosts, stages, weights, slug)
+    with split_running(path, hosts, stages, tmp / f"run-{slug}") as (engine, tokenizer):
+        started = time.perf_counter() - t0
+        log, ids = TraceLog(), tuple(f"s{i}" for i in range(len(stages)))
+        engine.on_reply_hooks.append(log)
+        base = synthetic_prompt(tokenizer, PROMPT_TOKENS)
+        measure(engine, stream_prompts(base, STREAMS, salt=100), 4, strict=False)   # ramps the row buckets
+        one = measure(engine, [base], NEW_TOKENS, log, ids)
+        t0_many = time.perf_counter()
+        many = measure(engine, stream_prompts(base, STREAMS, salt=1), NEW_TOKENS, log, ids)
+        steps = log.window(t0_many, time.perf_counter(), steps_only=True)
+    row = {"split": name, "layers": _label(stages),
+           "ms_per_token_1": one["itl_p50_ms"], "predicted_ms_1": round(predicted.ms_per_token_1, 2),
+           # the stages' own compute per step (their telemetry) beside the model's Σ stage times
+           "compute_ms_1": one.get("step_compute_ms"), "predicted_compute_ms_1": round(sum(predicted.stage_ms_1), 2),
+           "tok_s_8": many["agg_tok_s"], "predicted_tok_s_8": round(predicted.tok_s_n, 1),
+           "bubble_8": " / ".join(f"{v:.2f}" for v in many.get("bubble", {}).values()),
+           # each stage's own step compute at 8 streams (median over its decode steps) beside the model's
+           "step_ms_8": " / ".join(f"{v:.1f}" for v in stage_step_ms(steps, ids)),
+           "predicted_step_ms_8": " / ".join(f"{v:.1f}" for v in predicted.stage_ms_n)}
+    row["pred_over_meas_1"] = round(row["predicted_ms_1"] / row["ms_per_token_1"], 3)
+    row["pred_over_meas_8"] = round(row["predicted_tok_s_8"] / row["tok_s_8"], 3) if row["tok_s_8"] else None
+    row["start_s"], row["total_s"] = round(started, 1), round(time.perf_counter() - t0, 1)
+    print(f"[bench cluster] {name}: {row}", flush=True)
+    return row
+
+
+def plan_splits(speeds: list[HostSpeed], n_layers: int, need: Any, links: Links) -> dict[str, tuple[Stage, ...]]:
+    """The splits every run measures, but memory-only: planned (latency, throughput), even."""
+    names = [h.name for h in speeds]
+    latency = plan_split(speeds, n_layers, need, links, "latency", STREAMS, n_stages=len(speeds))
+    throughput = plan_split(speeds, n_layers, need, links, "throughput", STREAMS, n_stages=len(speeds))
+    return {"planned (latency)": latency.stages, "planned (throughput)": throughput.stages,
+            "even": tuple(Stage(h, a, b) for h, (a, b) in zip(names, even_ranges(n_layers, len(names))))}
+
+
+def goal_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by = {r["split"]: r for r in rows}
+    tok1 = {r["split"]: 1000 / r["ms_per_token_1"] for r in rows}
+    best1, best8 = max(tok1.values()), max(r["tok_s_8"] for r in rows)
+    lat, thr, even = by["planned (latency)"], by["planned (throughput)"], by["even"]
+    ratios = [r[k] for r in rows for k in ("pred_over_meas_1", "pred_over_meas_8") if r.get(k)]
+    return [
+        {"check": "1 stream: planned / even split (tok/s)", "goal": ">= 2.0",
+         "measured": round(tok1[lat["split"]] / tok1[even["split"]], 2)},
+        {"check": "1 stream: planned / best measured split", "goal": ">= 0.95",
+         "measured": round(tok1[lat["split"]] / best1, 3)},
+        {"check": f"{STREAMS} streams: planned / best measured split", "goal": ">= 0.95",
+         "measured": round(thr["tok_s_8"] / best8, 3)},
+        {"check": "predicted / measured, every row", "goal": "0.85-1.15",
+         "measured": f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else None},
+    ]
+
+
+def bench_cluster(args: argparse.Namespace, tables: list[str], _prior: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
+    from skippy_zmq.config.model import ModelConfig
+
+    problem = cpu_cgroup_problem()
+    if problem:
+        print(f"[bench cluster] skipped: cannot make CPU-quota hosts here: {problem}", flush=True)
+        return {"skipped": problem}
+    t_start = time.perf_counter()
+    netns_why = netns_problem()
+    model, weights = Path(args.model).absolute(), args.weights or "q4"
+    cfg = ModelConfig.load(model / "model.json")
+    settings = placement.StageSettings(weights, "float32", "f32", CONTEXT, LANES, 0, _stored(model))
+    need = lambda a, b: placement.stage_need(cfg, a, b, settings).total   # noqa: E731
+    budget = 4 * placement.GiB
+    links = Links.from_rtt(RTT_MS)
+    load = os.getloadavg()
+    tmp = Path(tempfile.mkdtemp(prefix="skippy-cluster-"))
+    with Hosts(HOSTS, netns=netns_why is None) as hosts, driver_group(hosts.tag):
+        measured = measure_hosts(hosts, model, weights, tmp)
+        speeds = [HostSpeed.from_measure(m, budget) for m in measured]
+        by_name = {h.name: h for h in speeds}
+        splits = plan_splits(speeds, cfg.n_layers, need, links)
+        fit = placement.fit_layers(cfg, [budget] * len(speeds), [settings] * len(speeds))
+        splits["memory-only"] = tuple(Stage(h.name, n.start, n.end) for h, n in zip(speeds, fit))
+        checks = _brute_checks(speeds, cfg.n_layers, need, links, splits)
+        rows, seen = [], set()
+        for name, stages in list(splits.items()) + _grid(splits, by_name, cfg.n_layers, links, args):
+            if stages in seen:
+                continue
+            if name.startswith("grid") and time.perf_counter() - t_start > args.budget_s:
+                break
+            seen.add(stages)
+            rows.append(run_split(name, stages, hosts, model, weights, tmp,
+                                  predict(stages, by_name, cfg.n_layers, links, STREAMS)))
+    return _report(args, tables, rows, measured, checks, netns_why, load, t_start)
+
+
+def _stored(model: Path) -> str:
+    from skippy_zmq.checkpoint.checkpoint import stored_weights
+
+    return stored_weights(model)
+
+
+def _grid(splits: dict[str, tuple[Stage, ...]], by_name: dict[str, HostSpeed], n_layers: int, links: Links,
+          args: argparse.Namespace) -> list[tuple[str, tuple[Stage, ...]]]:
+    """Grid splits in both planned host orders, best predicted first (latency and throughput in turn)."""
+    step = max(1, args.grid)
+    candidates = {g for key in ("planned (latency)", "planned (throughput)")
+                  for g in grid_splits([s.host for s in splits[key]], n_layers, step)}
+    by_lat = sorted(candidates, key=lambda g: predict(g, by_name, n_layers, links, STREAMS).ms_per_token_1)
+    by_thr = sorted(candidates, key=lambda g: -predict(g, by_name, n_layers, links, STREAMS).tok_s_n)
+    order = [g for pair in zip(by_lat, by_thr) for g in pair]
+    return [(f"grid {' / '.join(str(s.end - s.start) for s in g)}", g) for g in order]
+
+
+def _brute_checks(speeds: list[HostSpeed], n_layers: int, need: Any, links: Links,
+                  splits: dict[str, tuple[Stage, ...]]) -> list[dict[str, Any]]:
+    """The planner against brute force over every order and cut of three stages, in prediction."""
+    from skippy_zmq.ops.speed import objective_ms
+
+    by_name = {h.name: h for h in speeds}
+    out = []
+    for objective, key in (("latency", "planned (latency)"), ("throughput", "planned (throughput)")):
+        t0 = time.perf_counter()
+        best = brute_force(speeds, n_layers, need, links, objective, STREAMS, len(speeds)).stages
+        out.append({"objective": objective, "planned": _label(splits[key]), "brute_force": _label(best),
+                    "planned_ms": round(objective_ms(splits[key], by_name, n_layers, links, objective, STREAMS), 3),
+                    "brute_force_ms": round(objective_ms(best, by_name, n_layers, links, objective, STREAMS), 3),
+                    "brute_force_s": round(time.perf_counter() - t0, 1)})
+    return out
+
+
+def _label(stages: Sequence[Stage]) -> str:
+    return " / ".join(f"{s.host}:{s.end - s.start}" for s in stages)
+
+
+def _report(args: argparse.Namespace, tables: list[str], rows: list[dict[str, Any]], measured: list[dict[str, Any]],
+            checks: list[dict[str, Any]], netns_why: str | None, load: tuple[float, ...], t_start: float
+            ) -> dict[str, Any]:
+    where = "cgroups + network namespaces" if netns_why is None else f"cgroups alone (no namespaces: {netns_why})"
+    quota = {spec.name: spec.cpu for spec in HOSTS}
+    host_rows = [{"host": m["name"], "cpu_quota_cores": m.get("cpu_quota_cores") or quota.get(m["name"]),
+                  **{f"{k}_{r}": m["decode"][r][k] for r in ("1", "4", "8") for k in ("layer_ms", "step_ms", "head_ms")},
+                  "layer_ms_8_alone": m.get("decode_alone", {}).get("8", {}).get("layer_ms"),
+                  "prefill_layer_ms_per_token": m["prefill"]["layer_ms_per_token"], "measure_s": m["measure_s"]}
+                 for m in measured]
+    cpu = measured[0].get("cpu", "?")
+    tables.append(print_table(f"cluster: hosts as measured ({cpu}, {measured[0].get('cores')} cores; {where}; "
+                              f"load average {load[0]:.1f} at the start)", host_rows,
+                              "cluster/measure.py inside each host's cgroup: per decoder layer, per step, the head "
+                              "(last stage), at 1 row with the host alone, at 4 and 8 rows with every host measuring at "
+                              "once (alone: layer_ms_8_alone); medians of round-robin samples."))
+    tables.append(print_table(f"cluster: splits, 1 stream and {STREAMS} streams, predicted beside measured "
+                              f"({NEW_TOKENS} new tokens, {PROMPT_TOKENS}-token prompts)", rows,
+                              "ms_per_token_1: median inter-token ms at 1 stream; tok_s_8: steady aggregate tok/s "
+                              f"at {STREAMS} streams; predictions: ops/speed.py from the measurements."))
+    tables.append(print_table("cluster: the planner against brute force over every order and cut (predicted)",
+                              checks))
+    goals = goal_rows(rows)
+    tables.append(print_table("cluster: goals (issue 40)", goals))
+    result = {"hosts": measured, "splits": rows, "brute_force": checks, "goals": goals, "where": where,
+              "load_avg": [round(v, 2) for v in load], "load_avg_end": [round(v, 2) for v in os.getloadavg()],
+              "elapsed_s": round(time.perf_counter() - t_start, 1)}
+    write_report(args.out, "cluster", "bench cluster", result, [t for t in tables if t])
+    return result

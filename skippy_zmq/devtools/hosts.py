@@ -1,0 +1,192 @@
+"""Unequal "hosts" on one machine, for tests and `bench cluster`: each host's processes run in a
+cgroup v1 `cpu` controller with a CPU quota (a slow host), optionally in a network namespace of
+its own hanging off a bridge, its link shaped with `tc tbf` (a thin link).
+
+The quota is `cpu.cfs_quota_us` over a short `cpu.cfs_period_us` (PERIOD_US, 10 ms): a host at
+25% of a core runs 2.5 ms in every 10 ms, evenly slow, where the kernel's default 100 ms period
+lets it run 25 ms flat out and then stall for 75 (bursty as well as slow, which exaggerates what
+a slower machine does to a pipeline). A process joins its host by a shell that writes its own pid
+to the group's cgroup.procs and then execs the command (`Hosts.wrap`), so the pid a caller holds
+is the command's and nothing polls.
+
+Needs root: a writable /sys/fs/cgroup/cpu (cgroup v1), and for namespaces iproute2 and
+CAP_NET_ADMIN; `cpu_cgroup_problem()` / `netns_problem()` say why not, for a skip or a fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+PERIOD_US = 10_000
+MIN_QUOTA_US = 1_000     # the kernel refuses a smaller cfs_quota_us
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    name: str
+    cpu: float | None = None      # cores (0.25 = a quarter of one); None: uncapped
+    rate: str | None = None       # tc tbf rate of its link, e.g. "100mbit"; None: unshaped (netns only)
+    shares: int | None = None     # cpu.shares (weight against other groups and root's tasks); None: 1024
+
+
+def cpu_cgroup_problem(root: Path = CPU_ROOT) -> str | None:
+    """Why CPU-quota hosts cannot be made here (None when they can)."""
+    if not (root / "cpu.cfs_quota_us").is_file():
+        return f"no cgroup v1 cpu controller at {root} (cpu.cfs_quota_us missing)"
+    if not os.access(root, os.W_OK):
+        return f"{root} is not writable (needs root)"
+    return None
+
+
+def netns_problem() -> str | None:
+    """Why network namespaces cannot be made here (None when they can)."""
+    if shutil.which("ip") is None:
+        return "iproute2 (`ip`) is not installed"
+    probe = f"skzprobe{os.getpid()}"
+    out = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        return f"`ip netns add` failed: {out.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+    return None
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed: {out.stderr.strip()}")
+    return out
+
+
+class CpuGroup:
+    """One cgroup v1 `cpu` group capped at `cores` (None: no cap), removed by `remove()`."""
+
+    def __init__(self, name: str, cores: float | None, root: Path = CPU_ROOT, shares: int | None = None):
+        self.path = root / name
+        self.root = root
+        self.path.mkdir(exist_ok=True)
+        if shares is not None:   # on a busy machine a group gets its quota only if its weight wins it
+            (self.path / "cpu.shares").write_text(f"{shares}\n")
+        (self.path / "cpu.cfs_period_us").write_text(f"{PERIOD_US}\n")
+        quota = -1 if cores is None else max(MIN_QUOTA_US, round(cores * PERIOD_US))
+        (self.path / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+
+    def quota_cores(self) -> float | None:
+        quota = int((self.path / "cpu.cfs_quota_us").read_text())
+        return None if quota < 0 else quota / int((self.path / "cpu.cfs_period_us").read_text())
+
+    def pids(self) -> list[int]:
+        return [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
+
+    def throttled(self) -> dict[str, int]:
+        """cpu.stat: nr_periods, nr_throttled, throttled_time (ns)."""
+        stat = {}
+        for line in (self.path / "cpu.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            stat[key] = int(value)
+        return stat
+
+    def adopt(self, pid: int) -> None:
+        """Move process `pid` (all its threads) into this group."""
+        (self.path / "cgroup.procs").write_text(f"{pid}\n")
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        """argv run inside this group: the shell moves itself in, then execs argv (same pid)."""
+        return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(self.path), *argv]
+
+    def remove(self) -> None:
+        """Move whatever is still inside back to the root group, then remove the group."""
+        if not self.path.exists():
+            return
+        for pid in self.pids():
+            try:
+                (self.root / "cgroup.procs").write_text(f"{pid}\n")
+            except OSError:
+                pass   # gone meanwhile
+        self.path.rmdir()
+
+
+class Hosts:
+    """`specs` as hosts: a CPU group each (when `cpu` is set) and, with `netns`, a namespace each
+    on a bridge (10.SUBNET.0/24: the bridge, where the driver lives, is .1, host i is .2+i) with
+    its link shaped by `rate`. A context manager; everything made is removed on exit."""
+
+    def __init__(self, specs: Sequence[HostSpec], netns: bool = False, tag: str | None = None):
+        self.specs, self.netns = list(specs), netns
+        self.tag = tag or f"skh{os.getpid() % 100000}"
+        self.subnet = f"10.202.{os.getpid() % 200 + 20}"
+        self.groups: list[CpuGroup | None] = []
+        self._made_bridge = False
+
+    def __enter__(self) -> Hosts:
+        try:
+            for i, spec in enumerate(self.specs):
+                self.groups.append(CpuGroup(f"{self.tag}-{i}", spec.cpu, shares=spec.shares)
+                                   if spec.cpu is not None or spec.shares is not None else None)
+            if self.netns:
+                self._network()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.tag}b"
+
+    def namespace(self, i: int) -> str:
+        return f"{self.tag}-{i}"
+
+    def address(self, i: int) -> str:
+        """Where host i listens: its namespace's address, or loopback without namespaces."""
+        return f"{self.subnet}.{2 + i}" if self.netns else "127.0.0.1"
+
+    @property
+    def driver_address(self) -> str:
+        return f"{self.subnet}.1" if self.netns else "127.0.0.1"
+
+    def _network(self) -> None:
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        self._made_bridge = True
+        _run("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
+        _run("ip", "link", "set", self.bridge, "up")
+        for i, spec in enumerate(self.specs):
+            ns, outer, inner = self.namespace(i), f"{self.tag}o{i}", f"{self.tag}i{i}"
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+            _run("ip", "link", "set", outer, "master", self.bridge)
+            _run("ip", "link", "set", outer, "up")
+            _run("ip", "link", "set", inner, "netns", ns)
+            _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", inner)
+            _run("ip", "-n", ns, "link", "set", inner, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            if spec.rate:   # both directions: into the host (the bridge's side) and out of it
+                for dev, where in ((outer, ()), (inner, ("-n", ns))):
+                    _run("tc", *where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", spec.rate,
+                         "burst", "64kb", "latency", "100ms")
+
+    def wrap(self, i: int, argv: Sequence[str]) -> list[str]:
+        """argv as host i runs it: in its CPU group, then its namespace (`ip netns exec` execs, and
+        mounts a sysfs of the namespace's own, where the cgroup folders are not: so the group first)."""
+        group = self.groups[i] if i < len(self.groups) else None
+        argv = ["ip", "netns", "exec", self.namespace(i), *argv] if self.netns else list(argv)
+        return group.wrap(argv) if group is not None else argv
+
+    def close(self) -> None:
+        if self.netns:
+            for i in range(len(self.specs)):
+                _run("ip", "netns", "del", self.namespace(i), check=False)
+            if self._made_bridge:
+                _run("ip", "link", "del", self.bridge, check=False)
+        for group in self.groups:
+            if group is not None:
+                group.remove()
+        self.groups = []

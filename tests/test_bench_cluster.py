@@ -1,0 +1,36 @@
+"""`bench cluster`'s arithmetic: the even and grid splits it runs, and its goal rows."""
+
+from __future__ import annotations
+
+from skippy_zmq.devtools.bench.cluster import even_ranges, goal_rows, grid_splits, stage_step_ms
+from skippy_zmq.ops.speed import Stage
+
+
+def test_even_and_grid_splits_cover_the_layers():
+    assert even_ranges(30, 3) == [(0, 10), (10, 20), (20, 30)]
+    assert even_ranges(10, 3) == [(0, 3), (3, 7), (7, 10)]
+    grid = grid_splits(["a", "b", "c"], 30, 6)           # cuts on 6, 12, 18, 24: C(4, 2) splits
+    assert len(grid) == 6 and grid[0] == (Stage("a", 0, 6), Stage("b", 6, 12), Stage("c", 12, 30))
+    assert all(s[0].start == 0 and s[-1].end == 30 and [x.host for x in s] == ["a", "b", "c"] for s in grid)
+
+
+def test_goal_rows_compare_planned_with_even_and_the_best_measured():
+    rows = [{"split": "planned (latency)", "ms_per_token_1": 20.0, "tok_s_8": 80.0, "pred_over_meas_1": 1.1,
+             "pred_over_meas_8": 1.5},
+            {"split": "planned (throughput)", "ms_per_token_1": 25.0, "tok_s_8": 120.0, "pred_over_meas_1": 0.9,
+             "pred_over_meas_8": 1.2},
+            {"split": "even", "ms_per_token_1": 50.0, "tok_s_8": 40.0, "pred_over_meas_1": 0.95,
+             "pred_over_meas_8": None},
+            {"split": "grid 9 / 3 / 18", "ms_per_token_1": 19.0, "tok_s_8": 125.0}]
+    goals = {g["check"]: g["measured"] for g in goal_rows(rows)}
+    assert goals["1 stream: planned / even split (tok/s)"] == 2.5
+    assert goals["1 stream: planned / best measured split"] == round(19 / 20, 3)
+    assert goals["8 streams: planned / best measured split"] == round(120 / 125, 3)
+    assert goals["predicted / measured, every row"] == "0.90-1.50"
+
+
+def test_stage_step_ms_is_each_stages_median_compute():
+    traces = [[{"stage": "s0", "compute_ms": 1.0}, {"stage": "s1", "compute_ms": 4.0}],
+              [{"stage": "s0", "compute_ms": 3.0}, {"stage": "s1", "compute_ms": 6.0}],
+              [{"stage": "s0", "compute_ms": 2.0}]]
+    assert stage_step_ms(traces, ("s0", "s1", "s2")) == [2.0, 5.0, 0.0]

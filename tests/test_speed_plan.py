@@ -1,0 +1,118 @@
+"""The split by measured speed (ops/speed.py): exact against brute force over every order and
+cut, under memory caps, for latency and throughput; its predictions; and `plan --hosts` writing
+a topology the loader accepts."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import REPO
+
+from skippy_zmq.config.topology_yaml import load_topology
+from skippy_zmq.ops.speed import (OBJECTIVES, HostSpeed, Links, SpeedPlanError, Stage, brute_force, objective_ms,
+                                  micro_rows, plan_split, predict)
+
+
+def host(name: str, layer: float, step: float = 0.5, head: float = 2.0, memory: int = 0) -> HostSpeed:
+    """A host whose 8-row step costs 3x its 1-row step (a CPU's matmuls, roughly)."""
+    return HostSpeed(name, (1, 8), (layer, 3 * layer), (step, 1.5 * step), (head, 3 * head), 0.01, memory)
+
+
+def test_predict_is_the_sum_for_one_stream_and_the_bottleneck_for_many():
+    hosts = {"a": host("a", 1.0), "b": host("b", 2.0)}
+    stages = (Stage("a", 0, 6), Stage("b", 6, 10))
+    p = predict(stages, hosts, 10, Links(0.25), streams=8)
+    # a: 0.5 + 6·1.0 = 6.5; b: 0.5 + 4·2.0 + 2.0 (head) = 10.5; ring: 3 hops of 0.25
+    assert p.stage_ms_1 == (6.5, 10.5) and p.ms_per_token_1 == pytest.approx(17.75)
+    # 8 streams over 2 micro-batches of 4 rows: 3/7 of the way from 1 row to 8
+    t = 3 / 7
+    assert micro_rows(8, 2) == 4 and micro_rows(8, 3) == 4 and micro_rows(5, 1) == 8 and micro_rows(1, 3) == 1
+    many = (0.5 * (1 + 0.5 * t) + 6 * (1 + 2 * t), 0.5 * (1 + 0.5 * t) + 4 * 2 * (1 + 2 * t) + 2 * (1 + 2 * t))
+    assert p.stage_ms_n == pytest.approx(many)
+    assert p.round_ms_n == pytest.approx(max(sum(many) + 0.75, 2 * max(many)))
+    assert p.tok_s_n == pytest.approx(8000 / p.round_ms_n)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_split_is_exact_against_brute_force(seed):
+    rng = random.Random(seed)
+    n_layers = rng.randint(2, 9)
+    hosts = [HostSpeed(f"h{i}", (1, 8), (rng.uniform(0.1, 2), rng.uniform(0.3, 6)), (rng.uniform(0, 1), rng.uniform(0, 2)),
+                       (rng.uniform(0, 3), rng.uniform(0, 9)), 0.0, rng.choice([0, 0, 5, 8]))
+             for i in range(rng.randint(1, 3))]
+    need = lambda a, b: (b - a) + (2 if a == 0 else 0) + (1 if b == n_layers else 0)   # noqa: E731
+    links = Links(rng.uniform(0, 1), {("h0", "h1"): 3.0, ("driver", "h2"): 2.0})
+    by_name = {h.name: h for h in hosts}
+    for objective in OBJECTIVES:
+        for streams in (1, 8):
+            for n_stages in (None, len(hosts)):
+                want = brute_force(hosts, n_layers, need, links, objective, streams, n_stages)
+                if want is None:
+                    with pytest.raises(SpeedPlanError, match="fits their memory"):
+                        plan_split(hosts, n_layers, need, links, objective, streams, n_stages)
+                    continue
+                got = plan_split(hosts, n_layers, need, links, objective, streams, n_stages)
+                assert objective_ms(got.stages, by_name, n_layers, links, objective, streams) == pytest.approx(
+                    objective_ms(want.stages, by_name, n_layers, links, objective, streams))
+                assert all(not by_name[s.host].memory or need(s.start, s.end) <= by_name[s.host].memory
+                           for s in got.stages)
+
+
+def test_a_slow_host_gets_fewer_layers_and_memory_caps_bind():
+    fast, slow = host("fast", 1.0), host("slow", 4.0)
+    lat = plan_split([fast, slow], 30, lambda a, b: b - a, Links(0.1), "latency", n_stages=2)
+    assert [s.host for s in lat.stages] == ["slow", "fast"] and lat.stages[0].end == 1   # the head on the fast host
+    thr = plan_split([fast, slow], 30, lambda a, b: b - a, Links(0.1), "throughput", n_stages=2)
+    layers = {s.host: s.end - s.start for s in thr.stages}
+    assert layers["fast"] > 3 * layers["slow"] - 3, thr
+    capped = plan_split([host("fast", 1.0, memory=20), slow], 30, lambda a, b: b - a, Links(0.1), "latency")
+    assert {s.host: s.end - s.start for s in capped.stages} == {"fast": 20, "slow": 10}
+    with pytest.raises(SpeedPlanError, match="fits their memory"):
+        plan_split([host("a", 1.0, memory=10), host("b", 1.0, memory=10)], 30, lambda a, b: b - a)
+
+
+def test_plan_hosts_cli_writes_a_topology_with_predictions(model_dir, tmp_path):
+    base = {"schema": "skippy-host-speed/1", "prefill": {"chunk": 64, "layer_ms_per_token": 0.02}}
+    hosts = [dict(base, name=name, decode={"1": {"layer_ms": 0.2 * k, "step_ms": 0.3, "head_ms": 1.5 * k, "message_ms": 0.02},
+                                           "8": {"layer_ms": 0.5 * k, "step_ms": 0.4, "head_ms": 4 * k, "message_ms": 0.03}})
+             for name, k in (("big", 1), ("mid", 2), ("small", 4))]
+    hosts[2]["address"] = "10.9.0.4"
+    (tmp_path / "hosts.json").write_text(json.dumps({"hosts": [{"memory": "4GiB", "measure": h} for h in hosts],
+                                                     "links": {"default_rtt_ms": 0.4, "rtt_ms": {"big->mid": 2.0}}}))
+    out = subprocess.run([sys.executable, "-m", "skippy_zmq.cli", "plan", "--model", str(model_dir), "--weights", "q4",
+                          "--hosts", str(tmp_path / "hosts.json"), "--objective", "throughput", "--stages", "3"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "# predicted: 1 stream" in out.stdout and "tok/s" in out.stdout
+    (tmp_path / "topo.yaml").write_text(out.stdout)
+    topo = load_topology(tmp_path / "topo.yaml")
+    assert [s.end - s.start for s in topo.stages] and sum(s.end - s.start for s in topo.stages) == 30
+    assert all(s.memory == 4 * 1024 ** 3 and s.weights == "q4" for s in topo.stages)
+    data = yaml.safe_load(out.stdout)
+    small = [s for s in data["stages"] if s["host"] == "10.9.0.4"]
+    assert len(small) == 1 and small[0]["listen"].startswith("tcp://10.9.0.4:")
+    layers = {line.split(" on ")[1].split(":")[0]: line for line in out.stdout.splitlines() if " on " in line}
+    assert set(layers) == {"big", "mid", "small"}
+
+
+def test_plan_hosts_cli_names_a_bad_file(model_dir, tmp_path):
+    (tmp_path / "hosts.json").write_text(json.dumps({"hosts": [{"name": "x"}]}))
+    out = subprocess.run([sys.executable, "-m", "skippy_zmq.cli", "plan", "--model", str(model_dir), "--hosts",
+                          str(tmp_path / "hosts.json")],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 1 and "host measurement 'x' is not a measure_host result" in out.stderr
+
+
+def test_host_speed_interpolates_between_the_rows_measured():
+    h = HostSpeed("h", (1, 4, 8), (1.0, 4.0, 5.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
+    assert [h.at(h.layer_ms, r) for r in (1, 2, 4, 6, 8, 16)] == [1.0, 2.0, 4.0, 4.5, 5.0, 5.0]
+    m = {"name": "m", "decode": {str(r): {"layer_ms": r, "step_ms": 0.5, "head_ms": 2.0, "sample_ms": 0.1,
+                                          "message_ms": 0.2} for r in (8, 1, 4)}}
+    got = HostSpeed.from_measure(m, memory=7)
+    assert got.rows == (1, 4, 8) and got.layer_ms == (1.0, 4.0, 8.0) and got.step_ms == (0.7, 0.7, 0.7)
+    assert got.head_ms == (2.1, 2.1, 2.1) and got.memory == 7
