@@ -49,7 +49,8 @@ is optional; defaults shown)::
                                      # forward, NAT, a relay); default: listen, a wildcard host as `host`
         device: cpu                  # cpu | gpu:N | tpu:N
         dtype: float32               # float32 | bfloat16
-        weights: f32                 # f32 | bf16 | int8 | q4: the checkpoint's format or a coarser one
+        weights: auto                # auto (the checkpoint's format) | gguf | f32 | bf16 | int8 | q4: the
+                                     # checkpoint's format or a coarser one (gguf: a GGUF's own blocks)
                                      # (int8 / q4: weight-only, groups of 32, the native kernel on CPU)
         kv_dtype: f32                # f32 | bf16 KV cache (bf16: half the memory); default: bf16 if dtype is
                                      # bfloat16, else f32
@@ -127,7 +128,7 @@ class StageConfig:
     host: str = "127.0.0.1"
     device: str = "cpu"
     dtype: str = "float32"
-    weights: str = "f32"               # f32 | bf16 | int8 | q4 (the checkpoint's format or coarser)
+    weights: str = "auto"              # auto (the checkpoint's) | gguf | f32 | bf16 | int8 | q4 (stored or coarser)
     kv_lanes: int = 8
     kv_dtype: str = "f32"              # KV cache values: f32 | bf16
     cache: CacheConfig = CacheConfig()
@@ -464,7 +465,7 @@ def _driver(raw: Any, at: _At) -> DriverConfig:
 
 _STAGE_CHECKS: dict[str, Check] = {
     "id": _stage_id, "layers": _layers, "listen": _endpoint, "host": _host, "device": _device,
-    "dtype": _choice("float32", "bfloat16"), "weights": _choice("f32", "bf16", "int8", "q4"), "kv_lanes": _integer(1),
+    "dtype": _choice("float32", "bfloat16"), "weights": _choice("auto", "gguf", "f32", "bf16", "int8", "q4"), "kv_lanes": _integer(1),
     "kv_dtype": _choice("f32", "bf16"), "cache": _cache, "cpus": _cpus, "memory": _memory,
     "advertise": _dial,
 }

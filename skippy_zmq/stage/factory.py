@@ -43,9 +43,11 @@ class Placement:
 def stage_settings(topology: Topology, stage: StageConfig) -> placement.StageSettings:
     """What placement.py needs to size this stage, read from the topology and the checkpoint."""
     cache = 0 if stage.cache.mode == "disabled" else stage.cache.max_bytes
-    return placement.StageSettings(stage.weights, stage.dtype, stage.kv_dtype, topology.driver.max_context,
+    weights = checkpoint.resolve_weights(topology.model_path, stage.weights)    # "auto": what it stores
+    return placement.StageSettings(weights, stage.dtype, stage.kv_dtype, topology.driver.max_context,
                                    stage.kv_lanes, cache, checkpoint.stored_weights(topology.model_path),
-                                   topology.driver.prefill_chunk, max_draft(topology))
+                                   topology.driver.prefill_chunk, max_draft(topology),
+                                   checkpoint.kept_types(topology.model_path) if weights == "gguf" else None)
 
 
 def predict(topology: Topology, stage: StageConfig) -> placement.StageNeed:
