@@ -166,6 +166,29 @@ def test_a_gguf_stage_computes_on_the_files_values(kept):
     assert type(rs[1].params["layers"][0]["wq"]).__name__ == "QTensor"      # Q4_0: the kernel's levels
 
 
+@pytest.mark.parametrize("embed", ["Q6_K", "Q8_0"])
+def test_a_tied_head_is_the_embeddings_blocks(tmp_path, embed):
+    """No output.weight: the head is the embedding's blocks (Q6_K: the same BlockTensor serves the lookup;
+    Q8_0: the kernel's int8 levels beside the blocks), counted once each."""
+    write_kept_gguf(tmp_path / "m.gguf", TYPES, {"embed": embed}, seed=2)
+    convert_gguf(tmp_path / "m.gguf", tmp_path / "gguf")
+    convert_gguf(tmp_path / "m.gguf", tmp_path / "f32", "f32")
+    cfg = ModelConfig.load(tmp_path / "gguf" / "model.json")
+    assert cfg.tied_embeddings
+    ids = np.random.default_rng(4).integers(3, CFG.vocab_size, 7)
+    want = greedy(runners(tmp_path / "f32", "f32"), ids, 10)
+    for cuts in ((), (1,)):
+        rs = runners(tmp_path / "gguf", "auto", cuts)
+        assert greedy(rs, ids, 10) == want, cuts
+        for r in rs:
+            leaves = {id(a): a for a in jax.tree.leaves(r.params)}.values()
+            assert sum(a.nbytes for a in leaves) == checkpoint.stage_nbytes(
+                cfg, r.start, r.end, "gguf", "gguf", types=checkpoint.kept_types(tmp_path / "gguf"))
+    assert (rs[1].params["head"] is rs[0].params["embed"]) is False
+    one = runners(tmp_path / "gguf", "auto")[0].params
+    assert (one["head"] is one["embed"]) == (embed == "Q6_K")
+
+
 def test_plan_counts_what_the_gguf_checkpoint_stores(kept):
     path, _, _ = kept
     topo, needs = planner.plan(planner.PlanRequest(path, stages=2, context=128, lanes=1, cache_bytes=0))

@@ -137,9 +137,9 @@ class StageSettings:
     lanes: int = 8
     cache_bytes: int = 256 * MiB     # cache.max_bytes; 0 when the prefix store is disabled
     stored: str | None = None        # the checkpoint's format (checkpoint.stored_weights); None: `weights`
-    types: Any = None                # a gguf checkpoint's matrix types (checkpoint.kept_types), for `weights` gguf
     prefill_chunk: int = 256         # driver.prefill_chunk
     max_draft: int = 0               # driver.speculative.max_draft when it speculates, else 0
+    types: Any = None                # a gguf checkpoint's matrix types (checkpoint.kept_types), for `weights` gguf
 
     def step_shapes(self, cfg: ModelConfig) -> int:
         """The step shapes this stage compiles by the end of its idle warm-up (config.Buckets)."""

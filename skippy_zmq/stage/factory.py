@@ -67,7 +67,8 @@ def check_budget(topology: Topology, stage: StageConfig, budget: int | None) -> 
 
 def memory_report(worker: StageWorker, need: placement.StageNeed | None, budget: int | None) -> dict[str, Any]:
     """Bytes the stage holds (weights, KV) and was predicted to need; READY and heartbeats carry it."""
-    weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(worker.runner.params))
+    # by identity: a gguf stage's tied head and embedding are the very same blocks
+    weight_bytes = sum(leaf.nbytes for leaf in {id(a): a for a in jax.tree.leaves(worker.runner.params)}.values())
     return {"weight_bytes": int(weight_bytes), "kv_bytes": int(worker.runner.kv.nbytes),
             "predicted_bytes": need.total if need else 0, "memory_budget_bytes": budget or 0}
 
