@@ -225,3 +225,41 @@ def test_weights_q4_requantises_says_which_and_runs_without_being_told_again(tmp
     assert checkpoint.stored_weights(tmp_path / "q4") == "q4"
     cfg, params = loader.load_slice(tmp_path / "q4", fmt="auto")                # no --weights q4 again
     assert type(params["layers"][0]["wq"]).__name__ == "QTensor"
+
+
+# ---------------------------------------------------------------- real recipes (llama.cpp's llama-quantize)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["Q4_K_M", "Q6_K", "IQ4_XS"])
+def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_path):
+    """SmolLM2's GGUF requantised by llama.cpp's own llama-quantize (built by `bench peers --build`) into
+    a real mixed recipe: the default convert keeps every tensor's type at about the file's size, and the
+    gguf stage's greedy ids equal f32's on the dequantised weights, 1 process and 2 stages."""
+    import subprocess
+
+    from conftest import REPO
+    from skippy_zmq.devtools.bench.llama_build import cache_dir
+
+    quantize = cache_dir() / "build" / "bin" / "llama-quantize"
+    source = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not quantize.is_file() or not source.is_file():
+        pytest.skip(f"needs {quantize} (`skippy-zmq bench peers --build`) and {source}")
+    made = tmp_path / f"smol.{recipe}.gguf"
+    subprocess.run([str(quantize), "--allow-requantize", str(source), str(made), recipe], check=True,
+                   capture_output=True, timeout=600)
+    convert_gguf(made, tmp_path / "gguf")
+    convert_gguf(made, tmp_path / "f32", "f32")
+    held = gguf.GGUFReader(made).tensors
+    manifest = json.loads((tmp_path / "gguf" / "params" / "format.json").read_text())
+    stored = {manifest["types"]["embed"], *(k for layer in manifest["types"]["layers"] for k in layer.values())}
+    assert stored == {t.tensor_type.name for t in held if len(t.shape) == 2}
+    source_json = json.loads((tmp_path / "gguf" / "source.json").read_text())
+    assert source_json["bytes_ratio"] <= 1.05 and source_json["requantised"] == {}
+    cfg = ModelConfig.load(tmp_path / "gguf" / "model.json")
+    ref = runners(tmp_path / "f32", "f32")
+    for cuts in ((), (cfg.n_layers // 2,)):
+        ours = runners(tmp_path / "gguf", "auto", cuts)
+        for seed in range(2):
+            ids = np.random.default_rng(seed).integers(10, cfg.vocab_size, 10)
+            assert greedy(ours, ids, 16) == greedy(ref, ids, 16), (recipe, cuts, seed)
