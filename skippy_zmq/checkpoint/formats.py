@@ -200,7 +200,9 @@ def parse_blocks(raw: np.ndarray, kind: str) -> Encoded:
 
 
 def stored_nbytes(shape: tuple[int, int], fmt: str) -> int:
-    """Bytes an [out, in] matrix takes on disk in `fmt` (before orbax's compression)."""
+    """Bytes an [out, in] matrix takes on disk in `fmt` (before orbax's compression); gguf: kept_nbytes."""
+    if fmt == KEEP:
+        raise CheckpointError("a gguf matrix's bytes depend on its GGUF type: use kept_nbytes")
     out, n = shape
     groups = n // GROUP if n % GROUP == 0 else 1
     return {"f32": 4 * out * n, "bf16": 2 * out * n, "int8": out * n + 4 * out * groups,
@@ -216,6 +218,8 @@ def runtime_nbytes(shape: tuple[int, int], fmt: str, key: str = "", stored: str 
     (the first stage's lookup table: int8 rows + f16 scales when stored quantised).
     QTensors count their 64-column panel padding and f16 scale and offset per 32.
     """
+    if fmt == KEEP:
+        raise CheckpointError("a gguf matrix's bytes depend on its GGUF type: use kept_nbytes")
     out, n = shape
     stored = check_format(stored or fmt)
     groups = n // GROUP if n % GROUP == 0 else 1
