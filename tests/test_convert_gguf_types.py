@@ -227,6 +227,26 @@ def test_weights_q4_requantises_says_which_and_runs_without_being_told_again(tmp
     assert type(params["layers"][0]["wq"]).__name__ == "QTensor"
 
 
+def test_an_moe_gguf_keeps_its_expert_blocks(tmp_path, monkeypatch):
+    """random-model's Qwen3-MoE GGUF (3-D Q4_1 `_exps` tensors, an f32 router) converts by default into
+    its own blocks, expert by expert, and runs with the greedy ids of f32 on the dequantised weights."""
+    from skippy_zmq.devtools import random_model
+    from test_moe import TINY_MOE
+
+    monkeypatch.setitem(random_model.SHAPES, "tiny", {**random_model.SHAPES["qwen3-30b-a3b"], **TINY_MOE,
+                                                      "moe_intermediate_size": 32, "num_experts": 6,
+                                                      "num_experts_per_tok": 2})
+    random_model.write_random_model(random_model.RandomSpec("tiny", weights="q4"), tmp_path / "m", gguf="q4_1")
+    convert_gguf(tmp_path / "m" / "model.gguf", tmp_path / "gguf")
+    convert_gguf(tmp_path / "m" / "model.gguf", tmp_path / "f32", "f32")
+    types = checkpoint.kept_types(tmp_path / "gguf")
+    assert dict(types.layers[0])["x005.w_down"] == "Q4_1" and "router" not in dict(types.layers[0])
+    cfg = ModelConfig.load(tmp_path / "gguf" / "model.json")
+    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, 8)
+    want = greedy(runners(tmp_path / "f32", "f32"), ids, 10)
+    assert greedy(runners(tmp_path / "gguf", "auto", (1,)), ids, 10) == want
+
+
 # ---------------------------------------------------------------- real recipes (llama.cpp's llama-quantize)
 
 
