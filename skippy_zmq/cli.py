@@ -88,7 +88,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     peak_kib = int(hwm[0].split()[1]) if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak_gib = peak_kib / 2**20
     logger.info("converted {} layers ({} arch) into {} as {} weights in {:.1f}s, peak RSS {:.2f} GiB",
-                cfg.n_layers, cfg.arch, args.out, args.weights, time.perf_counter() - t0, peak_gib)
+                cfg.n_layers, cfg.arch, args.out, args.weights or ("gguf" if args.gguf else "f32"),
+                time.perf_counter() - t0, peak_gib)
     return 0
 
 
@@ -264,10 +265,11 @@ def add_convert_parser(sub: Any) -> None:
     src.add_argument("--gguf")
     src.add_argument("--hf")
     p.add_argument("--out", required=True)
-    p.add_argument("--weights", default="f32", choices=["f32", "bf16", "int8", "q4"],
-                   help="format stored in the checkpoint (q4: 4-bit levels + f16 scale and offset per 32, "
-                        "0.625 B/weight; GGUF Q4_0/Q4_1/Q8_0 blocks keep their levels). Stages may run it "
-                        "or a coarser one")
+    p.add_argument("--weights", default=None, choices=["gguf", "f32", "bf16", "int8", "q4"],
+                   help="format stored in the checkpoint. Default: a GGUF's own types, every tensor's blocks as "
+                        "they are (gguf); an HF directory's f32. f32/bf16/int8/q4 dequantise or requantise a GGUF "
+                        "(q4: 4-bit levels + f16 scale and offset per 32, 0.625 B/weight; Q4_0/Q4_1/Q8_0 blocks keep "
+                        "their levels) and say which tensors changed. Stages may run it or a coarser one")
     p.set_defaults(func=cmd_convert)
 
 
@@ -283,8 +285,8 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--ready-timeout", type=float, default=180.0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--weights", default="f32", choices=["f32", "bf16", "int8", "q4"],
-                   help="int8 / q4: weight-only int8 / 4-bit matmuls")
+    p.add_argument("--weights", default="auto", choices=["auto", "gguf", "f32", "bf16", "int8", "q4"],
+                   help="default: what the checkpoint stores; int8 / q4: weight-only int8 / 4-bit matmuls")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--chat", action="store_true", default=True)
     mode.add_argument("--raw", action="store_true")
@@ -305,7 +307,8 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--split", default=None, help="relative stage sizes, e.g. 2,1,1")
     p.add_argument("--memory", default=None, help="one byte budget per stage, e.g. 6GiB,6GiB,4GiB: layers split "
                                                   "so that each stage's predicted bytes fit")
-    p.add_argument("--weights", default="f32", choices=["f32", "bf16", "int8", "q4"], help="every stage's weight format")
+    p.add_argument("--weights", default="auto", choices=["auto", "gguf", "f32", "bf16", "int8", "q4"],
+                   help="every stage's weight format (default: what the checkpoint stores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--kv-dtype", default="f32", choices=["f32", "bf16"])
     p.add_argument("--context", type=int, default=2048, help="driver max_context (tokens a session holds)")

@@ -131,8 +131,10 @@ def test_a_finer_format_than_stored_is_refused(converted, fmt):
             loader.load_slice(path, 0, 1, fmt=asked)
         allowed = ", ".join(checkpoint.FORMATS[checkpoint.FORMATS.index(fmt):])
         only = " only" if fmt == "q4" else ""
+        fix = "from the GGUF without --weights (it keeps the file's types)" if asked == "gguf" else \
+            f"with --weights {asked}"
         assert str(err.value) == (f"checkpoint stores {fmt}; a stage can run {allowed}{only} (asked for {asked}): "
-                                  f"re-convert with --weights {asked}")
+                                  f"re-convert {fix}")
     if fmt == "q4":
         with pytest.raises(CheckpointError, match=r"^checkpoint stores q4; a stage can run q4 only \(asked for f32\)"):
             loader.load_slice(path, 0, 1)          # the default (quantize=None) means f32

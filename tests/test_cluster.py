@@ -27,7 +27,7 @@ from skippy_zmq.cluster.cache import CacheError, ModelCache
 from skippy_zmq.config.topology import TopologyError
 from skippy_zmq.config.topology_yaml import parse_topology
 from skippy_zmq.devtools.random_model import word_tokenizer
-from skippy_zmq.model import weights
+from model_helpers import random_params
 from skippy_zmq.ops.lifetime import tied_env
 
 SERVER_KEY = b"rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
@@ -37,12 +37,14 @@ SERVER_KEY = b"rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
 def tiny_model(tmp_path_factory) -> Path:
     """TINY (4 layers, width 64) with random weights and a word-level tokenizer, as `convert` writes it."""
     out = tmp_path_factory.mktemp("tiny") / "m"
-    tree = weights.random_params(TINY, seed=0)
+    tree = random_params(TINY, seed=0)
     w = CheckpointWriter(out, TINY, "f32", rows_per_block=40)
     w.add_top("norm", tree["norm"])
     w.add_top("embed", tree["embed"])
     for i in range(TINY.n_layers):
-        w.add_layer(i, {k: (v.T if v.ndim == 2 else v) for k, v in tree["layers"][str(i)].items()})
+        for k, v in tree["layers"][str(i)].items():
+            w.put_layer_tensor(i, k, v.T if v.ndim == 2 else v)
+        w.end_layer(i)
     word_tokenizer(TINY.vocab_size).save(out)
     w.finish({"format": "test", "sha256": "0" * 64})
     return out

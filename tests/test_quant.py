@@ -222,7 +222,7 @@ def test_topology_stage_weights_choice():
         return parse_topology(data).stages[0].weights
 
     assert [stage_weights(w) for w in ("f32", "bf16", "int8", "q4")] == ["f32", "bf16", "int8", "q4"]
-    with pytest.raises(TopologyError, match="expected one of f32, bf16, int8, q4, got 'q3'"):
+    with pytest.raises(TopologyError, match="expected one of auto, gguf, f32, bf16, int8, q4, got 'q3'"):
         stage_weights("q3")
 
 

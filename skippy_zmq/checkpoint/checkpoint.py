@@ -1,5 +1,5 @@
-"""A checkpoint stores each layer in its serving format (f32, bf16, int8 or q4
-levels + f16 scales, as GGUF's blocks), still orbax, written incrementally:
+"""A checkpoint stores each layer in its serving format (a GGUF's own blocks, f32,
+bf16, int8 or q4 levels + f16 scales), still orbax, written incrementally:
 conversion streams tensor by tensor and never holds more than one layer.
 
 Choice: one small orbax PyTree checkpoint per item, not one growing
@@ -15,16 +15,18 @@ when first, norm and head when last.
     OUT/params/head/000000/      rows of an untied head [V, D] ([out, in]), same blocks
     OUT/params/layer_00000/      {"attn_norm": f32 [D], "wq": <matrix>, ...}, one item per layer
 
-A <matrix> is [out, in] in its format (formats.py: int8 1.125 B/weight, q4
-0.625 B/weight like Q4_1); norms and biases stay f32. GGUF Q4_0 / Q4_1 / Q8_0
-blocks come through as their exact levels. In a q4 checkpoint the embedding and
+A <matrix> is [out, in] in its format (formats.py: gguf the file's blocks as
+they are, int8 1.125 B/weight, q4 0.625 B/weight like Q4_1); norms and biases
+stay f32. A gguf checkpoint's manifest names every matrix's GGUF type ("types"),
+so placement counts a stage's bytes without reading it. Under int8 / q4, GGUF
+Q4_0 / Q4_1 / Q8_0 blocks come through as their exact levels. In a q4 checkpoint the embedding and
 an untied head are int8, as GGUF Q4 files keep them at 8 bits. The embedding is
 stored as rows (groups along the row), so the first stage keeps it quantised
 and widens only the rows it looks up (quant.QRows), and a tied head is the
 very same stored levels, packed for the matmul kernel on the last stage.
 
-A stage may run its checkpoint's format or a coarser one (f32 -> bf16 -> int8
--> q4): coarser is quantised at load, tensor by tensor; a finer one is refused
+A stage may run its checkpoint's format or a coarser one (gguf -> f32 -> bf16 ->
+int8 -> q4; gguf dequantises exactly to f32): coarser is quantised at load, tensor by tensor; a finer one is refused
 at start with the command that fixes it. Checkpoints from before this layout
 (one f32 PyTree under params/, no format.json) still load, as f32.
 """
@@ -45,7 +47,8 @@ from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.model import quant, weights
 from skippy_zmq.files.filecheck import read_json_capped
 from skippy_zmq.checkpoint.manifest import MANIFEST_FILE, write_manifest
-from skippy_zmq.checkpoint.formats import FORMATS, GROUP, CheckpointError, Encoded, check_format, dequantize_grid, encode, grid, int8_blocks, q4_blocks, runtime_nbytes, stored_format, stored_nbytes, to_float
+from skippy_zmq.checkpoint.formats import FORMATS, GROUP, KEEP, Blocks, CheckpointError, Encoded, check_format, dequantize_grid, encode, grid, int8_blocks, kept_nbytes, q4_blocks, runtime_nbytes, stored_format, stored_nbytes, stored_type, to_float
+from skippy_zmq.model import ggml
 
 VERSION = 2
 PART_BYTES = 256 << 20                       # a streamed layer's encoded bytes per part item
@@ -54,11 +57,24 @@ ROWS_PER_BLOCK = 8192                        # embedding / head rows per stored 
 MANIFEST = "format.json"
 
 
+@dataclasses.dataclass(frozen=True)
+class KeptTypes:
+    """The GGUF type of every matrix a gguf checkpoint stores (its manifest's "types"); hashable, so
+    placement's cached byte counts key on it. layers[i]: (key, type) pairs of layer i."""
+
+    embed: str
+    head: str | None
+    layers: tuple[tuple[tuple[str, str], ...], ...]
+
+
 def stage_nbytes(cfg: ModelConfig, start: int, end: int, fmt: str, stored: str | None = None,
-                 dtype: str = "float32") -> int:
+                 dtype: str = "float32", types: KeptTypes | None = None) -> int:
     """Exact weight bytes of a stage [start, end) running `fmt` (see runtime_nbytes), what
-    checkpoint.to_runtime holds: its layers, the embedding when first, norm and head when
-    last (a tied float head is the embedding; a tied int8 head is built from it)."""
+    runtime.to_runtime holds: its layers, the embedding when first, norm and head when
+    last (a tied float head is the embedding; a tied int8 head is built from it). A stage
+    running gguf needs the checkpoint's `types` (kept_types)."""
+    if fmt == KEEP:
+        return _kept_stage_nbytes(cfg, start, end, dtype, types)
     item = np.dtype(dtype).itemsize
     total = 0
     for layer in weights.param_shapes(cfg, start, end)["layers"].values():
@@ -76,6 +92,38 @@ def stage_nbytes(cfg: ModelConfig, start: int, end: int, fmt: str, stored: str |
             total += runtime_nbytes(vd, fmt, "head", stored, dtype)
         elif start != 0:
             total += runtime_nbytes(vd, fmt, "embed", stored, dtype)
+    return total
+
+
+def kept_layer_nbytes(cfg: ModelConfig, i: int, types: KeptTypes, dtype: str = "float32") -> int:
+    """Runtime bytes of layer i of a gguf checkpoint run as gguf: each matrix's kept_nbytes, vectors
+    in `dtype`, routers f32."""
+    kinds, total = dict(types.layers[i]), 0
+    for key, s in weights.layer_shapes(cfg, i).items():
+        if key in weights.ROUTER_KEYS:
+            total += 4 * s[0] * s[1]
+        else:
+            total += kept_nbytes(s[::-1], kinds[key], key) if len(s) == 2 else np.dtype(dtype).itemsize * s[0]
+    return total
+
+
+def _kept_stage_nbytes(cfg: ModelConfig, start: int, end: int, dtype: str, types: KeptTypes | None) -> int:
+    """stage_nbytes of a stage running gguf: each matrix's kept_nbytes, vectors in `dtype`, routers f32."""
+    if types is None or len(types.layers) != cfg.n_layers:
+        raise CheckpointError("a gguf stage's bytes need its checkpoint's GGUF types (checkpoint.kept_types)")
+    item = np.dtype(dtype).itemsize
+    total = sum(kept_layer_nbytes(cfg, i, types, dtype) for i in range(start, end))
+    vd = (cfg.vocab_size, cfg.d_model)
+    if start == 0:
+        total += kept_nbytes(vd, types.embed, "embed")
+    if end == cfg.n_layers:
+        total += item * cfg.d_model
+        if not cfg.tied_embeddings:
+            total += kept_nbytes(vd, types.head or "", "head")
+        elif types.embed in ggml.KERNEL_TYPES:          # a tied head: the embedding's levels, packed
+            total += kept_nbytes(vd, types.embed, "head")
+        elif start != 0:                                # else the embedding's own blocks
+            total += kept_nbytes(vd, types.embed, "embed")
     return total
 
 
@@ -122,6 +170,7 @@ class CheckpointWriter:
         self._ckpt = ocp.PyTreeCheckpointer()
         self._rows = {"embed": 0, "head": 0}
         self._layers: set[int] = set()
+        self._types: dict[str, Any] = {"layers": {}}   # gguf: every matrix's GGUF type, for the manifest
         self._top: dict[str, np.ndarray] = {}
         self._open: _OpenLayer | None = None   # the layer put_layer_tensor is streaming
 
@@ -131,7 +180,8 @@ class CheckpointWriter:
             self._top["norm"] = _vector(w, (self.cfg.d_model,), "norm")
             return
         for r in range(0, w.shape[0], self.rows_per_block):
-            part = w[r:r + self.rows_per_block] if not isinstance(w, Encoded) else _grid_rows(w, r, self.rows_per_block)
+            part = (_grid_rows(w, r, self.rows_per_block) if isinstance(w, Encoded) else
+                    w.rows(r, self.rows_per_block) if isinstance(w, Blocks) else w[r:r + self.rows_per_block])
             self.add_rows(key, r, part)
 
     def add_rows(self, key: str, start: int, rows: np.ndarray | Encoded) -> None:
@@ -143,8 +193,18 @@ class CheckpointWriter:
                                                            and start + rows.shape[0] != self.cfg.vocab_size):
             raise CheckpointError(f"{key} rows at {start}: shape {tuple(rows.shape)}, expected "
                                   f"[{self.rows_per_block} (or the last rows), {self.cfg.d_model}]")
-        self._save(f"{key}/{start // self.rows_per_block:06d}", encode(rows, stored_format(self.fmt, key)))
+        stored = encode(rows, stored_format(self.fmt, key))
+        self._record_type(key, stored)
+        self._save(f"{key}/{start // self.rows_per_block:06d}", stored)
         self._rows[key] = start + rows.shape[0]
+
+    def _record_type(self, key: str, stored: dict[str, Any], layer: int | None = None) -> None:
+        """A gguf checkpoint's manifest names each matrix's type (one type per matrix)."""
+        if "ggml_type" not in stored:
+            return
+        where = self._types if layer is None else self._types["layers"].setdefault(layer, {})
+        if where.setdefault(key, stored_type(stored)) != stored_type(stored):
+            raise CheckpointError(f"{key}: rows of two GGUF types ({where[key]}, {stored_type(stored)})")
 
     def put_layer_tensor(self, i: int, key: str, w: np.ndarray | Encoded) -> None:
         """Stream one tensor of layer i (layers one after another, end_layer closing each): encoded
@@ -163,6 +223,7 @@ class CheckpointWriter:
             raise CheckpointError(f"layer {i} {key}: shape {tuple(w.shape)}, expected {shape[::-1]} [out, in]")
         else:
             stored = encode(w, stored_format(self.fmt, key))
+            self._record_type(key, stored, i)
         layer.pending[key] = stored
         layer.keys.append(key)
         layer.nbytes += sum(a.nbytes for a in stored.values()) if isinstance(stored, dict) else stored.nbytes
@@ -196,6 +257,9 @@ class CheckpointWriter:
         self._save("top", self._top)
         manifest = {"version": VERSION, "weights": self.fmt, "rows_per_block": self.rows_per_block, "group": GROUP,
                     "stored": {k: stored_format(self.fmt, k) for k in ("layers", "embed", "head")}}
+        if self.fmt == KEEP:
+            manifest["types"] = {"embed": self._types.get("embed"), "head": self._types.get("head"),
+                                 "layers": [self._types["layers"].get(i, {}) for i in range(self.cfg.n_layers)]}
         (self.params / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         (self.out / "source.json").write_text(json.dumps(source, indent=2) + "\n")
         self.cfg.save(self.out / "model.json")
@@ -231,8 +295,32 @@ def check_runnable(stored: str, asked: str) -> None:
     allowed = FORMATS[FORMATS.index(stored):]
     if asked not in allowed:
         only = " only" if len(allowed) == 1 else ""
+        fix = "from the GGUF without --weights (it keeps the file's types)" if asked == KEEP else f"with --weights {asked}"
         raise CheckpointError(f"checkpoint stores {stored}; a stage can run {', '.join(allowed)}{only} "
-                              f"(asked for {asked}): re-convert with --weights {asked}")
+                              f"(asked for {asked}): re-convert {fix}")
+
+
+def resolve_weights(model_dir: Path, asked: str | None) -> str:
+    """The format a stage runs: `asked`, or (None or "auto") what the checkpoint stores."""
+    return stored_weights(model_dir) if asked in (None, "auto") else asked
+
+
+def kept_types(model_dir: Path) -> KeptTypes | None:
+    """Every matrix's GGUF type of a gguf checkpoint (None for any other format)."""
+    manifest = _manifest(Path(model_dir) / "params")
+    if manifest is None or manifest["weights"] != KEEP:
+        return None
+    t = manifest.get("types")
+    if not isinstance(t, dict) or not isinstance(t.get("layers"), list):
+        raise CheckpointError(f"{Path(model_dir) / 'params' / MANIFEST}: a gguf checkpoint without its types: "
+                              "re-convert the model")
+    return KeptTypes(t.get("embed"), t.get("head"),
+                     tuple(tuple(sorted(layer.items())) for layer in t["layers"]))
+
+
+def itemised(model_dir: Path) -> bool:
+    """Whether the checkpoint has this layout (one item per layer, format.json), not the older single PyTree."""
+    return _manifest(Path(model_dir) / "params") is not None
 
 
 def stage_items(model_dir: Path, cfg: ModelConfig, start: int = 0,
@@ -282,10 +370,13 @@ def _restore_rows(ckpt: Any, directory: Path, n_rows: int) -> dict[str, np.ndarr
     for block_dir in sorted(p for p in directory.iterdir() if p.is_dir()):
         block = restore_item(ckpt, block_dir)
         for leaf, a in block.items():
+            if np.ndim(a) == 0:     # a gguf block's type id: one per tensor
+                out[leaf] = np.asarray(a)
+                continue
             if leaf not in out:   # 64-byte aligned: jax.device_put onto the CPU then aliases it, no copy
                 out[leaf] = aligned_empty((n_rows, *a.shape[1:]), a.dtype)
             out[leaf][row:row + a.shape[0]] = a
-        row += next(iter(block.values())).shape[0]
+        row += next(a for a in block.values() if np.ndim(a)).shape[0]
         del block
     if row != n_rows:
         raise CheckpointError(f"{directory}: {row} rows stored, expected {n_rows}")
@@ -324,133 +415,3 @@ def _manifest(params: Path) -> dict[str, Any] | None:
         raise CheckpointError(f"{path}: checkpoint version {version}, this runtime reads "
                               f"{VERSION}: re-convert the model")
     return manifest
-
-
-# ---------------------------------------------------------------- runtime
-
-
-def to_runtime(items: Iterable[tuple[str | int, Any]], asked: str, dtype: Any, device: Any = None,
-               first: bool = True) -> dict[str, Any]:
-    """Stored stage items (stage_items) -> runtime params
-    (as weights.to_runtime makes them), converting each item as it comes.
-
-    Float formats: [in, out] arrays in `dtype`. int8 / q4: QTensors, built from the
-    stored levels when their grid matches (an int8 head under q4, as weights.to_runtime
-    does), else quantised (or requantised) from the dequantised tensor. A quantised
-    embedding stays int8 rows (quant.QRows, widened per looked-up row); a float one stays
-    float. A tied last stage's head is the embedding's levels (and, unless it is also
-    first, int8 / q4 drop the embedding itself: only the float head reads it).
-    """
-    put = _Put(asked, dtype, device)
-    out: dict[str, Any] = {}
-    layers: dict[int, dict[str, Any]] = {}
-    for key, stored in items:
-        _put_item(put, out, layers, key, stored, asked, first)
-        del stored                # the stored arrays go as soon as their runtime copy exists
-        release_freed_memory()    # and so the load's peak is what is held plus one item
-    out["layers"] = tuple(layers[i] for i in sorted(layers))
-    return out
-
-
-def _put_item(put: Any, out: dict[str, Any], layers: dict[int, Any], key: str | int, stored: Any, asked: str,
-              first: bool) -> None:
-    """One stored item -> its runtime arrays in `out` (or `layers`)."""
-    if isinstance(key, int):
-        layers[key] = put.layer(stored)
-    elif key == "embed":      # after norm and head: a last stage knows by now whether its head is tied
-        if "norm" in out and "head" not in out and asked in ("int8", "q4"):
-            out["head"] = put.matrix("head", stored)      # tied: the embedding's levels, packed
-        if first or "head" not in out:
-            out["embed"] = put.embed(stored)
-    else:
-        out[key] = put.matrix(key, stored) if key == "head" else put.array(stored)
-
-
-class _Put:
-    """Stored arrays -> device arrays of one stage's runtime format and dtype."""
-
-    def __init__(self, asked: str, dtype: Any, device: Any):
-        self.asked, self.dtype, self.device = asked, dtype, device
-
-    def array(self, a: Any) -> Any:
-        import jax
-        import jax.numpy as jnp
-
-        a = jnp.asarray(a, self.dtype)
-        return jax.device_put(a, self.device) if self.device else a
-
-    def tree(self, t: Any) -> Any:
-        import jax
-        import jax.numpy as jnp
-
-        return jax.device_put(t, self.device) if self.device else jax.tree.map(jnp.asarray, t)
-
-    def float_matrix(self, w: np.ndarray) -> Any:
-        """A float matrix (or embedding) in the stage's dtype, or in bf16 when the stage runs bf16
-        weights (half the bytes; each matmul widens them to the activations' dtype)."""
-        import jax.numpy as jnp
-
-        if self.asked != "bf16":
-            return self.array(w)
-        return _Put("bf16", jnp.bfloat16, self.device).array(w)
-
-    def matrix(self, key: str, stored: dict[str, np.ndarray]) -> Any:
-        if self.asked in ("f32", "bf16"):
-            return self.float_matrix(np.ascontiguousarray(to_float(stored).T))
-        return self.tree(runtime_qtensor(stored, 4 if self.asked == "q4" and key != "head" else 8))
-
-    def embed(self, stored: dict[str, np.ndarray]) -> Any:
-        if self.asked in ("int8", "q4") and "q" in stored:
-            e = grid(stored)   # int8 rows, widened per looked-up row
-            return self.tree(quant.QRows(e.q.astype(np.int8, copy=False), e.d, e.m))
-        return self.float_matrix(to_float(stored))
-
-    def layer(self, item: dict[str, Any]) -> dict[str, Any]:
-        """A layer item -> runtime arrays; an MoE layer's experts stacked per matrix under "experts"
-        ([E, in, out] floats, or QTensors with a leading expert axis), its router and shared gate f32."""
-        out, experts = {}, {}
-        for k, v in item.items():
-            if k in weights.ROUTER_KEYS:
-                out[k] = _Put(self.asked, np.float32, self.device).array(np.ascontiguousarray(to_float(v).T))
-            elif (which := weights.expert_of(k)) is not None:
-                experts.setdefault(which[1], {})[which[0]] = self.matrix(k, v)
-            else:
-                out[k] = self.matrix(k, v) if isinstance(v, dict) else self.array(v)
-        if experts:
-            import jax
-            import jax.numpy as jnp
-
-            out["experts"] = {m: jax.tree.map(lambda *a: jnp.stack(a), *(per[j] for j in sorted(per)))
-                              for m, per in experts.items()}
-        return out
-
-
-def runtime_qtensor(stored: dict[str, np.ndarray], bits: int) -> quant.QTensor:
-    """A stored [out, in] matrix -> the kernel's packed [in, out] QTensor of `bits`."""
-    if "q" not in stored:
-        return quant.to_qtensor(np.ascontiguousarray(to_float(stored).T), bits=bits)
-    e = grid(stored)
-    if e.fmt == "q4" and bits == 8:
-        e = Encoded("int8", e.q.astype(np.int8), e.d, e.m)        # 0..15 are int8 levels: exact
-    if (e.fmt == "q4") != (bits == 4):
-        return quant.to_qtensor(np.ascontiguousarray(dequantize_grid(e).T), bits=bits)
-    return quant.pack_rows(e.q, e.d, e.m, bits=bits)
-
-
-def load_stage(model_dir: Path, cfg: ModelConfig, start: int, end: int, asked: str, dtype: Any,
-               device: Any = None) -> dict[str, Any]:
-    """Runtime params of a stage [start, end) in format `asked`."""
-    stored = stored_weights(model_dir)
-    check_runnable(stored, asked)
-    if _manifest(Path(model_dir) / "params") is None:     # older single f32 PyTree
-        tree = weights.restore_params(Path(model_dir) / "params", cfg, start, end)
-        params = weights.to_runtime(tree, dtype, device, None if asked in ("f32", "bf16") else asked)
-        if asked == "bf16":       # as _Put.float_matrix: matrices and the embedding in bf16
-            import jax
-            import jax.numpy as jnp
-
-            params = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.ndim == 2 else a, params)
-        del tree
-        release_freed_memory()
-        return params
-    return to_runtime(stage_items(model_dir, cfg, start, end), asked, dtype, device, first=start == 0)

@@ -2,7 +2,8 @@
 
     OUT/model.json           frozen ModelConfig
     OUT/params/              orbax items, one per layer and per row block of the embedding /
-                             head, in the --weights format (checkpoint.py); stages restore their own
+                             head, in the --weights format (checkpoint.py; a GGUF's default keeps
+                             every tensor in its own type); stages restore their own
     OUT/tokenizer.json       `tokenizers` tokenizer
     OUT/tokenizer_meta.json  chat template, special ids
     OUT/source.json          what it came from and the model digest
@@ -34,6 +35,8 @@ from skippy_zmq.files.fetch import sha256_file
 from skippy_zmq.checkpoint import sources
 from skippy_zmq.model import weights
 from skippy_zmq.checkpoint.checkpoint import CheckpointError, CheckpointWriter, Encoded
+from skippy_zmq.checkpoint.formats import KEEP, Blocks, check_format
+from skippy_zmq.checkpoint.requant import check_kept_types, report_gguf
 from skippy_zmq.files.filecheck import ModelFileError, read_json_capped
 from skippy_zmq.files.gguf_layout import read_gguf_layout
 # The families and their config reading live in model/families.py; imported here for callers of convert.
@@ -126,10 +129,13 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _unpermuted(w: np.ndarray | Encoded, n_heads: int) -> np.ndarray | Encoded:
-    """unpermute_rows for a float tensor or an exact grid (levels and scales: it moves whole rows)."""
+def _unpermuted(w: np.ndarray | Encoded | Blocks, n_heads: int) -> np.ndarray | Encoded | Blocks:
+    """unpermute_rows for a float tensor, an exact grid (levels and scales) or GGUF blocks (rows of
+    blocks): it moves whole rows, so it is exact for every type."""
     if isinstance(w, Encoded):
         return Encoded(w.fmt, *(unpermute_rows(a, n_heads) for a in (w.q, w.d, w.m)))
+    if isinstance(w, Blocks):
+        return Blocks(w.kind, unpermute_rows(w.raw, n_heads))
     return unpermute_rows(w, n_heads)
 
 
@@ -181,11 +187,16 @@ def stream_checkpoint(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, 
 # ---------------------------------------------------------------- GGUF
 
 
-def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
-    """GGUF -> our checkpoint in `fmt`; Q4_0 / Q4_1 / Q8_0 blocks keep their levels when `fmt` holds them.
+def convert_gguf(path: Path, out: Path, fmt: str | None = None) -> ModelConfig:
+    """GGUF -> our checkpoint. `fmt` None ("gguf"): every tensor in its own type and blocks (model/ggml.py),
+    a type we do not keep refused by name before any weight is written; "f32" | "bf16" | "int8" | "q4":
+    dequantised or requantised (Q4_0 / Q4_1 / Q8_0 blocks keep their levels when `fmt` holds them),
+    logged and recorded in source.json as such.
 
     Every failure that is the file's is a ModelFileError naming it (a ConvertError)."""
     import gguf
+
+    fmt = check_format(fmt or KEEP)
 
     path = Path(path)
     if not path.is_file():
@@ -199,6 +210,8 @@ def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
         cfg = gguf_model_config(reader, name=path.stem)
     src = sources.GGUFSource(path, reader)
     check_embedding(path, cfg, src, TOP_NAMES["embed"][0])
+    with naming_the_file(path, "tensors"):
+        check_kept_types(src, fmt)
     tokenizer = _read_tokenizer(path, lambda: TextTokenizer(*tokenizer_from_gguf(reader)))
 
     def name_of(where: str | int, key: str) -> str:
@@ -211,7 +224,8 @@ def convert_gguf(path: Path, out: Path, fmt: str = "f32") -> ModelConfig:
 
     source = {"format": "gguf", "file": path.name, "weights": fmt, "sha256": sha256_file(path)}
     with naming_the_file(path, "tensors"):
-        _convert(cfg, src, name_of, out, fmt, cfg.arch in ("llama", "mixtral"), source, tokenizer)
+        _convert(cfg, src, name_of, out, fmt, cfg.arch in ("llama", "mixtral"), source, tokenizer,
+                 lambda work: report_gguf(src, fmt, work, TOP_NAMES))
     return cfg
 
 
@@ -241,8 +255,12 @@ def check_embedding(path: Path, cfg: ModelConfig, src: Any, name: str) -> None:
 # ---------------------------------------------------------------- HF safetensors
 
 
-def convert_hf(directory: Path, out: Path, fmt: str = "f32") -> ModelConfig:
-    """HF safetensors directory (f32, f16 or bf16) -> our checkpoint in `fmt`."""
+def convert_hf(directory: Path, out: Path, fmt: str | None = None) -> ModelConfig:
+    """HF safetensors directory (f32, f16 or bf16) -> our checkpoint in `fmt` (default f32)."""
+    fmt = check_format(fmt or "f32")
+    if fmt == KEEP:
+        raise ConvertError(f"--weights {KEEP} keeps a GGUF file's block types; an HF directory has none "
+                           "(use f32, bf16, int8 or q4)")
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise ConvertError(f"{directory}: no config.json (expected an HF model directory)")
@@ -277,9 +295,11 @@ def _read_tokenizer(where: Path, build: Callable[[], TextTokenizer]) -> TextToke
 
 
 def _convert(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, str], str], out: Path, fmt: str,
-             unpermute: bool, source: dict[str, Any], tokenizer: TextTokenizer) -> None:
+             unpermute: bool, source: dict[str, Any], tokenizer: TextTokenizer,
+             report: Callable[[Path], dict[str, Any]] | None = None) -> None:
     """Write the checkpoint into a temporary directory beside `out`, renamed into place only when
-    complete: a failure leaves no partial directory (and an earlier `out` as it was)."""
+    complete: a failure leaves no partial directory (and an earlier `out` as it was). `report(work)`,
+    after the weights are written: what the conversion kept and changed, added to source.json."""
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
@@ -288,6 +308,8 @@ def _convert(cfg: ModelConfig, src: Any, name_of: Callable[[str | int, str], str
         logger.info("writing a {} orbax checkpoint to {}, item by item", fmt, out / "params")
         tokenizer.save(work)
         stream_checkpoint(cfg, src, name_of, writer, unpermute)
+        if report is not None:
+            source = {**source, **report(work)}
         writer.finish(source)   # model.json last: its presence means the conversion finished
         _replace_dir(work, out)
     except (CheckpointError, sources.SourceError) as exc:

@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from skippy_zmq.config.model import ModelConfig
-from skippy_zmq.checkpoint import checkpoint
+from skippy_zmq.checkpoint import checkpoint, runtime
 from skippy_zmq.model import weights
 from skippy_zmq.files.filecheck import ModelFileError, read_json_capped
 
@@ -24,9 +24,9 @@ def load_slice(model_dir: Path, start: int = 0, end: int | None = None, dtype: s
                fmt: str | None = None) -> tuple[ModelConfig, dict[str, Any]]:
     """Config (with the runtime dtype) and runtime params of layers [start, end) of a converted model.
 
-    fmt: the weights format the stage runs, "f32" | "bf16" | "int8" | "q4" (see
-    checkpoint.py); it must be the checkpoint's format or a coarser one.
-    None: `quantize` (the older spelling: None for f32, "int8" or "q4").
+    fmt: the weights format the stage runs, "gguf" | "f32" | "bf16" | "int8" | "q4" (see
+    checkpoint.py); it must be the checkpoint's format or a coarser one; "auto": the
+    checkpoint's own. None: `quantize` (the older spelling: None for f32, "int8" or "q4").
     Reads only this stage's items; raises checkpoint.CheckpointError for a finer format.
     """
     weights.check_quantize(quantize)
@@ -35,8 +35,8 @@ def load_slice(model_dir: Path, start: int = 0, end: int | None = None, dtype: s
         raise FileNotFoundError(f"{model_dir}: no model.json (convert a model first: `make model`)")
     cfg = dataclasses.replace(read_model_json(model_dir / "model.json"), dtype=dtype)
     end = cfg.n_layers if end is None else end
-    fmt = (quantize or "f32") if fmt is None else fmt
-    return cfg, checkpoint.load_stage(model_dir, cfg, start, end, fmt, jnp.dtype(dtype), device)
+    fmt = (quantize or "f32") if fmt is None else checkpoint.resolve_weights(model_dir, fmt)
+    return cfg, runtime.load_stage(model_dir, cfg, start, end, fmt, jnp.dtype(dtype), device)
 
 
 def read_model_json(path: Path) -> ModelConfig:

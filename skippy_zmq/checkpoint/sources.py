@@ -5,10 +5,11 @@ memory map: pages of a mapping that a conversion has touched stay resident and
 count in its RSS, so mapping a 16 GB file would show a 16 GB peak.
 
 `read(name, start, stop)` returns rows [start, stop) of an [out, in] tensor
-(PyTorch / GGUF numpy order): float32, or for a GGUF's Q4_0 / Q4_1 / Q8_0
-blocks their exact levels and f16 scales (checkpoint.Encoded), so they reach
-the checkpoint without an f32 round trip. Other GGUF types are dequantised,
-that block alone, with the `gguf` package.
+(PyTorch / GGUF numpy order): float32, or for a GGUF matrix of a type we keep
+(model/ggml.py) its raw blocks (formats.Blocks), so they reach the checkpoint
+as they are (or, for int8 / q4, Q4_0 / Q4_1 / Q8_0 as their exact levels).
+Vectors, and matrices of other GGUF types, are dequantised with the `gguf`
+package, those rows alone.
 """
 
 from __future__ import annotations
@@ -20,12 +21,10 @@ import ml_dtypes
 import numpy as np
 
 from skippy_zmq.files.filecheck import read_safetensors_header
-from skippy_zmq.checkpoint.formats import Encoded, int8_blocks, q4_blocks
+from skippy_zmq.checkpoint.formats import Blocks
+from skippy_zmq.model import ggml
 
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
-BLOCK = 32   # elements per Q4_0 / Q4_1 / Q8_0 block, along the input dim
-
-
 class SourceError(ValueError):
     """A tensor cannot be read; the message names it."""
 
@@ -84,7 +83,7 @@ class GGUFSource:
     def type_name(self, name: str) -> str:
         return self.tensors[name].tensor_type.name
 
-    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray | Encoded:
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray | Blocks:
         from gguf import GGML_QUANT_SIZES, quants
 
         t = self.tensors[name]
@@ -96,8 +95,8 @@ class GGUFSource:
         with open(self.path, "rb") as f:
             raw = _read_at(f, int(t.data_offset) + start * row, (stop - start) * row).reshape(stop - start, row)
         kind = t.tensor_type.name
-        if kind in ("Q4_0", "Q4_1", "Q8_0") and len(shape) == 2:
-            return parse_blocks(raw, kind)
+        if kind in ggml.TYPES and len(shape) == 2:
+            return Blocks(kind, raw)
         try:
             w = quants.dequantize(raw, t.tensor_type)
         except NotImplementedError as exc:
@@ -105,10 +104,10 @@ class GGUFSource:
         return np.asarray(w, np.float32).reshape(stop - start, *shape[1:])
 
 
-def read_part(src: Any, name: str, part: int) -> np.ndarray | Encoded:
+def read_part(src: Any, name: str, part: int) -> np.ndarray | Blocks:
     """Slice `part` [out, in] of a 3-D [parts, out, in] tensor (an expert of llama.cpp's `_exps`
-    tensors): one expert read, its Q4_0 / Q4_1 / Q8_0 blocks kept exact."""
-    if isinstance(src, GGUFSource) and (kind := src.type_name(name)) in ("Q4_0", "Q4_1", "Q8_0"):
+    tensors): one expert read, its blocks kept when we keep its type."""
+    if isinstance(src, GGUFSource) and (kind := src.type_name(name)) in ggml.TYPES:
         from gguf import GGML_QUANT_SIZES
 
         shape, t = src.shape(name), src.tensors[name]
@@ -116,25 +115,6 @@ def read_part(src: Any, name: str, part: int) -> np.ndarray | Encoded:
         row = shape[2] // block * type_bytes
         with open(src.path, "rb") as f:
             raw = _read_at(f, int(t.data_offset) + part * shape[1] * row, shape[1] * row)
-        return parse_blocks(raw.reshape(shape[1], row), kind)
+        return Blocks(kind, raw.reshape(shape[1], row))
     return src.read(name, part, part + 1)[0]    # float (or another GGUF type, dequantised): that expert alone
 
-
-def parse_blocks(raw: np.ndarray, kind: str) -> Encoded:
-    """Rows of raw Q4_0 / Q4_1 / Q8_0 blocks [rows, bytes] -> exact levels and f16 scales.
-
-    Q4_0: f16 d, 16 bytes of nibbles, w = (q - 8) d (stored as m = -8 d);
-    Q4_1: f16 d, f16 m, 16 bytes, w = q d + m; Q8_0: f16 d, 32 int8, w = q d.
-    Nibbles (as gguf.quants): byte j holds element j (low) and j + 16 (high).
-    """
-    rows = raw.shape[0]
-    head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[kind]
-    blocks = raw.reshape(rows, -1, head + (BLOCK if kind == "Q8_0" else BLOCK // 2))
-    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
-    body = blocks[..., head:]
-    if kind == "Q8_0":
-        return int8_blocks(np.ascontiguousarray(body).view(np.int8).reshape(rows, -1), d)
-    levels = np.concatenate([body & 15, body >> 4], axis=-1).reshape(rows, -1)
-    if kind == "Q4_1":
-        return q4_blocks(levels, d, np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0])
-    return q4_blocks(levels, d, (d.astype(np.float32) * -8.0).astype(np.float16))

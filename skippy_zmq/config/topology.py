@@ -54,7 +54,8 @@ is optional; defaults shown)::
                                      # forward, NAT, a relay); default: listen, a wildcard host as `host`
         device: cpu                  # cpu | gpu:N | tpu:N
         dtype: float32               # float32 | bfloat16
-        weights: f32                 # f32 | bf16 | int8 | q4: the checkpoint's format or a coarser one
+        weights: auto                # auto (the checkpoint's format) | gguf | f32 | bf16 | int8 | q4: the
+                                     # checkpoint's format or a coarser one (gguf: a GGUF's own blocks)
                                      # (int8 / q4: weight-only, groups of 32, the native kernel on CPU)
         kv_dtype: f32                # f32 | bf16 KV cache (bf16: half the memory); default: bf16 if dtype is
                                      # bfloat16, else f32
@@ -114,7 +115,7 @@ class StageConfig:
     host: str = "127.0.0.1"
     device: str = "cpu"
     dtype: str = "float32"
-    weights: str = "f32"               # f32 | bf16 | int8 | q4 (the checkpoint's format or coarser)
+    weights: str = "auto"              # auto (the checkpoint's) | gguf | f32 | bf16 | int8 | q4 (stored or coarser)
     kv_lanes: int = 8
     kv_dtype: str = "f32"              # KV cache values: f32 | bf16
     cache: CacheConfig = CacheConfig()

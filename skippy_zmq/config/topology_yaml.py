@@ -82,7 +82,7 @@ def _driver(raw: Any, at: checks.At) -> DriverConfig:
 _STAGE_CHECKS: dict[str, checks.Check] = {
     "id": checks.stage_id, "layers": checks.layers, "listen": checks.endpoint, "host": checks.host,
     "device": checks.device, "dtype": checks.choice("float32", "bfloat16"),
-    "weights": checks.choice("f32", "bf16", "int8", "q4"), "kv_lanes": checks.integer(1),
+    "weights": checks.choice("auto", "gguf", "f32", "bf16", "int8", "q4"), "kv_lanes": checks.integer(1),
     "kv_dtype": checks.choice("f32", "bf16"), "cache": _cache, "cpus": checks.cpus, "memory": checks.memory,
     "advertise": checks.dial,
 }

@@ -67,7 +67,7 @@ def stop_reason(token: int, n_generated: int, max_tokens: int, eos_ids: set[int]
     return None
 
 
-WEIGHT_FORMATS = ("f32", "bf16", "int8", "q4")   # LocalEngine(weights=...) -> load_slice(fmt=...)
+WEIGHT_FORMATS = ("auto", "gguf", "f32", "bf16", "int8", "q4")   # LocalEngine(weights=...) -> load_slice(fmt=...)
 
 
 class LocalEngine:
@@ -75,7 +75,8 @@ class LocalEngine:
 
     def __init__(self, model_dir: Path, dtype: str = "float32", device: str = "cpu", capacity: int = 2048,
                  weights: str = "f32"):
-        """weights: "f32", "bf16", "int8" or "q4" (the checkpoint's format or a coarser one; see model/checkpoint.py)."""
+        """weights: "gguf", "f32", "bf16", "int8" or "q4" (the checkpoint's format or a coarser one; see
+        checkpoint/checkpoint.py), or "auto": the checkpoint's own."""
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
         self.tokenizer = TextTokenizer.load(model_dir)

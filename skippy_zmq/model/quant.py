@@ -55,6 +55,7 @@ import numpy as np
 from loguru import logger
 
 from skippy_zmq.files.private_dirs import private_cache_dir, unsafe_reason
+from skippy_zmq.model import ggml
 
 PANEL = 64
 GROUP_SIZE = 32   # input rows per scale; to_qtensor falls back to one group when it does not divide
@@ -115,7 +116,9 @@ class QRows:
 
 
 def embed_rows(table: Any, ids: jax.Array) -> jax.Array:
-    """table[ids] as float32 rows, for a plain [V, D] array or a QRows."""
+    """table[ids] as float32 rows, for a plain [V, D] array, a QRows or GGUF blocks (ggml.BlockTensor)."""
+    if isinstance(table, ggml.BlockTensor):
+        return ggml.block_rows(table, ids)
     if not isinstance(table, QRows):
         return table[ids]
     groups = table.s.shape[-1]
@@ -295,6 +298,8 @@ def dense(x: jax.Array, w: Any) -> jax.Array:
     fallback for every matmul (a third of a q4 stage's trace, measured). The kernel runs on CPU only;
     `for_device` sets `impl` to "xla" for weights on any other device.
     """
+    if isinstance(w, ggml.BlockTensor):     # [out, in] GGUF blocks, dequantised in the step
+        return ggml.block_dense(x, w)
     if not isinstance(w, QTensor):
         return x @ w
     lead = x.shape[:-1]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from skippy_zmq.config.model import KV_SPARE_SLOTS, Buckets, ModelConfig
 from skippy_zmq.config.units import GiB, MiB, format_bytes, parse_bytes  # noqa: F401 (placement's callers name them here)
@@ -103,13 +103,14 @@ def rss_bytes() -> int:
 
 @functools.lru_cache(maxsize=65536)
 def weight_bytes(cfg: ModelConfig, start: int, end: int, fmt: str, dtype: str = "float32",
-                 stored: str | None = None) -> int:
+                 stored: str | None = None, types: Any = None) -> int:
     """Exact runtime weight bytes of a stage [start, end) running `fmt` from a checkpoint stored in
     `stored` (default `fmt`): model/checkpoint.py's stage_nbytes, the one definition of the runtime
-    layout. Imported here, not at the top: it brings JAX, and the rest of this module is arithmetic."""
+    layout; `types`: a gguf checkpoint's checkpoint.KeptTypes, which a stage running gguf needs.
+    Imported here, not at the top: it brings JAX, and the rest of this module is arithmetic."""
     from skippy_zmq.checkpoint.checkpoint import stage_nbytes
 
-    return stage_nbytes(cfg, start, end, fmt, stored, dtype)
+    return stage_nbytes(cfg, start, end, fmt, stored, dtype, types)
 
 
 def kv_position_bytes(cfg: ModelConfig, layers: int, lanes: int = 1, kv_dtype: str = "f32") -> int:
@@ -138,6 +139,7 @@ class StageSettings:
     stored: str | None = None        # the checkpoint's format (checkpoint.stored_weights); None: `weights`
     prefill_chunk: int = 256         # driver.prefill_chunk
     max_draft: int = 0               # driver.speculative.max_draft when it speculates, else 0
+    types: Any = None                # a gguf checkpoint's matrix types (checkpoint.kept_types), for `weights` gguf
 
     def step_shapes(self, cfg: ModelConfig) -> int:
         """The step shapes this stage compiles by the end of its idle warm-up (config.Buckets)."""
@@ -157,12 +159,17 @@ def load_transient_bytes(cfg: ModelConfig, start: int, end: int, s: StageSetting
 
     stored, last = s.stored or s.weights, end == cfg.n_layers
     shapes = weights.param_shapes(cfg, start, end)
+    if s.weights == "gguf":       # blocks restored as they are: a few items at once, as int8 / q4
+        from skippy_zmq.checkpoint.checkpoint import kept_layer_nbytes
+
+        return LOAD_ITEMS * max(kept_layer_nbytes(cfg, i, s.types, s.dtype) for i in range(start, end))
     if stored in ("int8", "q4"):
         layer = sum(formats.runtime_nbytes(shape[::-1], s.weights, key, stored, s.dtype)
                     for key, shape in weights.layer_shapes(cfg).items() if len(shape) == 2)
         head = formats.runtime_nbytes((cfg.vocab_size, cfg.d_model), s.weights, "head", stored, s.dtype) if last else 0
         # the head comes first, while nothing else is held: its peak, less the weights loading adds
-        return max(LOAD_ITEMS * layer, int(LOAD_HEAD * head) - weight_bytes(cfg, start, end, s.weights, s.dtype, s.stored))
+        return max(LOAD_ITEMS * layer, int(LOAD_HEAD * head) - weight_bytes(cfg, start, end, s.weights, s.dtype, s.stored,
+                                                                             s.types))
     params = sum(_count(shape) for shape in shapes.values() if isinstance(shape, tuple))
     params += (end - start) * sum(_count(shape) for shape in weights.layer_shapes(cfg).values())
     if s.weights not in ("int8", "q4"):
@@ -211,7 +218,7 @@ class StageNeed:
 
 
 def stage_need(cfg: ModelConfig, start: int, end: int, s: StageSettings) -> StageNeed:
-    return StageNeed(start, end, weight_bytes(cfg, start, end, s.weights, s.dtype, s.stored),
+    return StageNeed(start, end, weight_bytes(cfg, start, end, s.weights, s.dtype, s.stored, s.types),
                      kv_bytes(cfg, end - start, s.context, s.lanes, s.kv_dtype), int(CACHE_RSS * s.cache_bytes),
                      overhead_bytes(end - start, s.step_shapes(cfg)), load_transient_bytes(cfg, start, end, s))
 

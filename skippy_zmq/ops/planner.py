@@ -22,7 +22,7 @@ class PlanRequest:
     stages: int | None = None                # None: one per memory budget (or 1)
     split: tuple[float, ...] | None = None   # relative stage sizes
     memory: tuple[int, ...] | None = None    # one byte budget per stage
-    weights: str = "f32"
+    weights: str = "auto"                    # "auto": the checkpoint's own format
     dtype: str = "float32"
     kv_dtype: str = "f32"
     context: int = 2048                      # driver.max_context
@@ -40,10 +40,11 @@ def stage_count(req: PlanRequest) -> int:
 
 
 def settings(req: PlanRequest) -> placement.StageSettings:
-    from skippy_zmq.checkpoint.checkpoint import stored_weights
+    from skippy_zmq.checkpoint.checkpoint import kept_types, resolve_weights, stored_weights
 
-    return placement.StageSettings(req.weights, req.dtype, req.kv_dtype, req.context, req.lanes, req.cache_bytes,
-                                   stored_weights(req.model))
+    weights = resolve_weights(req.model, req.weights)
+    return placement.StageSettings(weights, req.dtype, req.kv_dtype, req.context, req.lanes, req.cache_bytes,
+                                   stored_weights(req.model), types=kept_types(req.model) if weights == "gguf" else None)
 
 
 def plan(req: PlanRequest) -> tuple[Topology, list[placement.StageNeed]]:
@@ -60,7 +61,7 @@ def plan(req: PlanRequest) -> tuple[Topology, list[placement.StageNeed]]:
         if req.memory:
             placement.check_fit(needs, req.memory)
     cache = {"max_bytes": req.cache_bytes} if req.cache_bytes else {"mode": "disabled"}
-    keys = [{"weights": req.weights, "dtype": req.dtype, "kv_dtype": req.kv_dtype, "kv_lanes": req.lanes,
+    keys = [{"weights": s.weights, "dtype": req.dtype, "kv_dtype": req.kv_dtype, "kv_lanes": req.lanes,
              "cache": cache, **({"memory": req.memory[i]} if req.memory else {})} for i in range(n)]
     topo = plan_topology(cfg.n_layers, n, model=str(req.model), base_port=req.base_port, ranges=ranges,
                          stage_keys=keys, driver_keys={"max_context": req.context, "max_sessions": req.lanes})

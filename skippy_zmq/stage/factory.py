@@ -43,9 +43,11 @@ class Placement:
 def stage_settings(topology: Topology, stage: StageConfig) -> placement.StageSettings:
     """What placement.py needs to size this stage, read from the topology and the checkpoint."""
     cache = 0 if stage.cache.mode == "disabled" else stage.cache.max_bytes
-    return placement.StageSettings(stage.weights, stage.dtype, stage.kv_dtype, topology.driver.max_context,
+    weights = checkpoint.resolve_weights(topology.model_path, stage.weights)    # "auto": what it stores
+    return placement.StageSettings(weights, stage.dtype, stage.kv_dtype, topology.driver.max_context,
                                    stage.kv_lanes, cache, checkpoint.stored_weights(topology.model_path),
-                                   topology.driver.prefill_chunk, max_draft(topology))
+                                   topology.driver.prefill_chunk, max_draft(topology),
+                                   checkpoint.kept_types(topology.model_path) if weights == "gguf" else None)
 
 
 def predict(topology: Topology, stage: StageConfig) -> placement.StageNeed:
@@ -65,7 +67,8 @@ def check_budget(topology: Topology, stage: StageConfig, budget: int | None) -> 
 
 def memory_report(worker: StageWorker, need: placement.StageNeed | None, budget: int | None) -> dict[str, Any]:
     """Bytes the stage holds (weights, KV) and was predicted to need; READY and heartbeats carry it."""
-    weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(worker.runner.params))
+    # by identity: a gguf stage's tied head and embedding are the very same blocks
+    weight_bytes = sum(leaf.nbytes for leaf in {id(a): a for a in jax.tree.leaves(worker.runner.params)}.values())
     return {"weight_bytes": int(weight_bytes), "kv_bytes": int(worker.runner.kv.nbytes),
             "predicted_bytes": need.total if need else 0, "memory_budget_bytes": budget or 0}
 
