@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from skippy_zmq.config.model import KVConfig
-from skippy_zmq.engine.speculative import DraftPolicy, NgramProposer, judge_window
+from skippy_zmq.engine.speculative import Drafter, judge_window
 from skippy_zmq.config.speculative import SpeculativeConfig
 from skippy_zmq.checkpoint.loader import load_slice
 from skippy_zmq.model.runner import SliceRunner, resolve_device
@@ -125,23 +125,20 @@ class LocalEngine:
             self.runner.prefill(0, np.asarray(prompt_ids[:-1], np.int32), 0, output="none")
         result.prefill_s = time.perf_counter() - t0
         token, pos = prompt_ids[-1], len(prompt_ids) - 1
-        proposer = NgramProposer(speculative, prompt_ids) if speculative.enabled else None
-        policy = DraftPolicy(speculative)
+        spec = Drafter(speculative, prompt_ids) if speculative.enabled else None
         t1 = time.perf_counter()
         reason = None
         while reason is None:
-            drafts: list[int] = []
-            want = min(policy.k, max_tokens - len(result.token_ids) - 1, self.runner.capacity - 2 - pos)
-            fits = max([n for n in windows if n <= want + 1] or [1])   # a window bucket, so no padding
-            if proposer is not None and fits > 1:
-                drafts = proposer.propose(fits - 1)
+            room = min(max_tokens - len(result.token_ids), self.runner.capacity - 1 - pos)
+            drafts = spec.drafts(room, windows, max(windows, default=1)) if spec is not None else []
             row = [token] + drafts
             logits = self.runner.step(np.array([0]), np.array(row), np.array([pos]), np.array([len(row)]))
-            run, _ = judge_window(policy, drafts, sampler.sample_window(logits, pos, row))
+            targets = sampler.sample_window(logits, pos, row)
+            run, _ = judge_window(None, drafts, targets) if spec is None else spec.judge(drafts, targets)
             for token in run:
                 result.token_ids.append(token)
-                if proposer is not None:
-                    proposer.extend((token,))
+                if spec is not None:
+                    spec.accepted((token,))
                 if len(result.token_ids) == 1:
                     result.ttft_s = time.perf_counter() - t0
                     t1 = time.perf_counter()
@@ -152,8 +149,8 @@ class LocalEngine:
                 if reason:
                     result.finish_reason = reason
                     break
-        if proposer is not None:
-            result.speculative = {"windows": policy.windows, "drafted": policy.drafted, "accepted": policy.accepted}
+        if spec is not None:
+            result.speculative = spec.stats()
         result.decode_s = time.perf_counter() - t1
         result.text = self.tokenizer.decode(result.token_ids, skip_special=True)
         return result
