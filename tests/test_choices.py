@@ -13,6 +13,7 @@ from pipeline_helpers import make_chain, make_scheduler, make_worker
 from skippy_zmq.engine.request import EngineError, GenRequest, TokenEvent
 from skippy_zmq.config.speculative import SpeculativeConfig
 from skippy_zmq.engine.inproc import run_requests
+from skippy_zmq.engine.job import JobStatus
 from skippy_zmq.sampling import SamplingParams
 from skippy_zmq.protocol.wire import Kind, Message
 from model_helpers import read_kv
@@ -107,8 +108,8 @@ def test_choices_waiting_for_a_fork_end_with_choice_0(tiny_tree):
     for msg in sched.tick():   # admitted: choice 0's first prefill chunk is out, the fork is not
         for stage_id, reply in chain.send(msg):
             sched.on_reply(stage_id, reply)
-    assert len(sched.running) == 3 and any(j.waiting_fork for j in sched.running.values())
-    sched._fail(sched.running[sid], EngineError("stage went away", 503, "stage_lost"))
+    assert len(sched.running) == 3 and any(j.status is JobStatus.FORK_WAIT for j in sched.running.values())
+    sched.fail_sessions({sid}, EngineError("stage went away", 503, "stage_lost"))
     assert sched.running == {}
     for msg in sched.tick():
         for stage_id, reply in chain.send(msg):

@@ -149,7 +149,7 @@ def test_scheduler_one_failing_request_of_eight_the_rest_unaffected_in_the_same_
                     rows_seen = len(msg.session_ids)   # the rows of the latest DECODE before the failure
                 for stage_id, reply in chain.send(msg):
                     sched.on_reply(stage_id, reply)
-            assert not sched.batches, f"round {round_}: a batch still waits for {list(sched.batches)}"
+            assert not sched.awaiting.rows, f"round {round_}: a batch still waits for {list(sched.awaiting.rows)}"
             if bad is not None and failed_round is None and any(isinstance(e, EngineError) for e in events[bad]):
                 failed_round = round_
             if not sched.running and not sched.queue:

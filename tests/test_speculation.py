@@ -269,9 +269,9 @@ def test_judge_window_tells_the_policy_of_plain_steps_so_a_stopped_session_probe
 
 @pytest.mark.slow
 def test_single_process_generation_uses_the_schedulers_accept_step(model_dir, monkeypatch):
-    """generate.py's speculation loop accepts through judge_window (one implementation), so its
+    """Single-process generation accepts through judge_window (one implementation), so its
     draft policy hears of plain steps; the tokens equal plain decoding's."""
-    from skippy_zmq.engine import generate
+    from skippy_zmq.engine import generate, speculative
     from skippy_zmq.engine.speculative import judge_window
 
     calls = []
@@ -282,7 +282,7 @@ def test_single_process_generation_uses_the_schedulers_accept_step(model_dir, mo
     engine = generate.LocalEngine(model_dir, capacity=256)
     prompt = engine.tokenizer.encode("one two three four one two three four one two three four")
     plain = engine.generate(prompt, max_tokens=24, ignore_eos=True)
-    monkeypatch.setattr(generate, "judge_window", spy)
+    monkeypatch.setattr(speculative, "judge_window", spy)
     fast = engine.generate(prompt, max_tokens=24, ignore_eos=True,
                            speculative=SpeculativeConfig(method="ngram", min_match=1))
     assert fast.token_ids == plain.token_ids

@@ -35,9 +35,3 @@ class CacheConfig:
     @property
     def record(self) -> bool:
         return self.mode != "disabled"
-
-    @classmethod
-    def from_cache(cls, cache: CacheConfig) -> CacheConfig:
-        """The same settings. Transitional: engine/ still calls `StoreConfig.from_cache(stage.cache)`
-        from when the store had its own copy of this class; it can pass `stage.cache` as it is."""
-        return cache

@@ -1,7 +1,8 @@
-"""Single-process generation: tokenizer + one SliceRunner over every layer + sampler.
+"""Single-process generation: the Scheduler over an in-process chain of one stage that
+holds every layer (engine/inproc.py), so one loop accepts and stops tokens everywhere.
 
-Follows the pipeline's protocol so results compare one to one: prefill
-covers prompt[:-1]; the first decode carries the last prompt token.
+Follows the pipeline's protocol, so results compare one to one: prefill covers
+prompt[:-1]; the first decode carries the last prompt token.
 """
 
 from __future__ import annotations
@@ -9,17 +10,20 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
-
-import numpy as np
+from typing import Any, Callable
 
 from skippy_zmq.config.model import KVConfig
-from skippy_zmq.engine.speculative import DraftPolicy, NgramProposer, judge_window
 from skippy_zmq.config.speculative import SpeculativeConfig
 from skippy_zmq.checkpoint.loader import load_slice
+from skippy_zmq.engine.inproc import InprocChain, finished, run_until
+from skippy_zmq.engine.request import EngineError, GenRequest, TokenEvent
+from skippy_zmq.engine.scheduler import Scheduler, SchedulerConfig
 from skippy_zmq.model.runner import SliceRunner, resolve_device
+from skippy_zmq.protocol.wire import Kind
+from skippy_zmq.sampling import SamplingParams
+from skippy_zmq.stage.sessions import SessionTable
+from skippy_zmq.stage.worker import StageInfo, StageWorker
 from skippy_zmq.text.tokenizer import TextTokenizer
-from skippy_zmq.sampling import Sampler, SamplingParams
 
 
 @dataclass
@@ -59,19 +63,12 @@ class GenerationResult:
         return out
 
 
-def stop_reason(token: int, n_generated: int, max_tokens: int, eos_ids: set[int], ignore_eos: bool) -> str | None:
-    if not ignore_eos and token in eos_ids:
-        return "stop"
-    if n_generated >= max_tokens:
-        return "length"
-    return None
-
-
 WEIGHT_FORMATS = ("auto", "gguf", "f32", "bf16", "int8", "q4")   # LocalEngine(weights=...) -> load_slice(fmt=...)
 
 
 class LocalEngine:
-    """The whole model in this process; one lane."""
+    """The whole model in this process, one lane: the Scheduler over an in-process chain of one
+    stage worker that holds every layer (the pipeline's engine, without sockets)."""
 
     def __init__(self, model_dir: Path, dtype: str = "float32", device: str = "cpu", capacity: int = 2048,
                  weights: str = "f32"):
@@ -85,6 +82,8 @@ class LocalEngine:
         capacity = min(capacity, self.cfg.max_seq_len)
         self.runner = SliceRunner(self.cfg, params, 0, self.cfg.n_layers,
                                   KVConfig(lanes=1, capacity=capacity, dtype=dtype), device=dev)
+        info = StageInfo("local", first=True, last=True, width=self.cfg.d_model)
+        self.chain = InprocChain([StageWorker(info, self.runner, SessionTable(1))])
 
     def warmup(self, prompt_tokens: int | None = None, max_tokens: int = 0, everything: bool = False,
                windows: tuple[int, ...] = ()) -> float:
@@ -117,44 +116,46 @@ class LocalEngine:
                              f"{self.runner.capacity}-token context")
         max_tokens = min(max_tokens, room)
         result = GenerationResult(prompt_ids=list(prompt_ids))
-        sampler = Sampler(sampling, prompt_ids)
-        eos = set(self.tokenizer.eos_ids)
         windows = self.runner.buckets.spec_windows(speculative.max_draft if speculative.enabled else 0)
         result.warmup_s = self.warmup(len(prompt_ids), max_tokens, windows=windows)
-        t0 = time.perf_counter()
-        if len(prompt_ids) > 1:
-            self.runner.prefill(0, np.asarray(prompt_ids[:-1], np.int32), 0, output="none")
-        result.prefill_s = time.perf_counter() - t0
-        token, pos = prompt_ids[-1], len(prompt_ids) - 1
-        proposer = NgramProposer(speculative, prompt_ids) if speculative.enabled else None
-        policy = DraftPolicy(speculative)
-        t1 = time.perf_counter()
-        reason = None
-        while reason is None:
-            drafts: list[int] = []
-            want = min(policy.k, max_tokens - len(result.token_ids) - 1, self.runner.capacity - 2 - pos)
-            fits = max([n for n in windows if n <= want + 1] or [1])   # a window bucket, so no padding
-            if proposer is not None and fits > 1:
-                drafts = proposer.propose(fits - 1)
-            row = [token] + drafts
-            logits = self.runner.step(np.array([0]), np.array(row), np.array([pos]), np.array([len(row)]))
-            run, _ = judge_window(policy, drafts, sampler.sample_window(logits, pos, row))
-            for token in run:
-                result.token_ids.append(token)
-                if proposer is not None:
-                    proposer.extend((token,))
-                if len(result.token_ids) == 1:
-                    result.ttft_s = time.perf_counter() - t0
-                    t1 = time.perf_counter()
-                if on_token:
-                    on_token(token)
-                pos += 1
-                reason = stop_reason(token, len(result.token_ids), max_tokens, eos, ignore_eos)
-                if reason:
-                    result.finish_reason = reason
-                    break
-        if proposer is not None:
-            result.speculative = {"windows": policy.windows, "drafted": policy.drafted, "accepted": policy.accepted}
-        result.decode_s = time.perf_counter() - t1
+        scheduler = Scheduler(SchedulerConfig(
+            n_stages=1, max_sessions=1, max_queue=0, prefill_chunk=self.runner.capacity, prefill_credit=1,
+            max_context=self.runner.capacity, speculative=speculative, window_lens=self.runner.buckets.window_lens,
+            reply_timeout_s=float("inf"), request_timeout_s=float("inf")),   # one caller, who waits
+            frozenset(self.tokenizer.eos_ids))
+        request = GenRequest("local", tuple(prompt_ids), sampling, max_tokens, ignore_eos)
+        events = _Timed(on_token)
+        prefill_before = self.chain.busy_s[Kind.PREFILL]
+        scheduler.submit(request, events.append)
+        run_until(scheduler, self.chain, lambda: finished(events.items))
+        result.prefill_s = self.chain.busy_s[Kind.PREFILL] - prefill_before
+        events.fill(result)
         result.text = self.tokenizer.decode(result.token_ids, skip_special=True)
         return result
+
+
+class _Timed:
+    """A request's events as they come, with the time of its first and last token."""
+
+    def __init__(self, on_token: Callable[[int], None] | None):
+        self.on_token, self.items = on_token, []
+        self.t0 = time.perf_counter()
+        self.t_first = self.t_last = self.t0
+
+    def append(self, event: Any) -> None:
+        self.items.append(event)
+        if isinstance(event, TokenEvent) and event.token_id is not None:
+            self.t_last = time.perf_counter()
+            if len(self.items) == 1:
+                self.t_first = self.t_last
+            if self.on_token:
+                self.on_token(event.token_id)
+
+    def fill(self, result: GenerationResult) -> None:
+        if self.items and isinstance(self.items[-1], EngineError):
+            raise self.items[-1]
+        result.token_ids = [e.token_id for e in self.items]
+        result.finish_reason = self.items[-1].finish_reason
+        result.speculative = dict(self.items[-1].stats.get("speculative", {}))
+        result.ttft_s = self.t_first - self.t0
+        result.decode_s = self.t_last - self.t_first

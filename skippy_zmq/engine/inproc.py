@@ -1,14 +1,17 @@
 """In-process twin of the transport: a chain of StageWorkers joined by wire
 encode/decode (so activation dtypes and validation apply) but no sockets.
 
-Tests and benchmarks drive the real Scheduler through it synchronously.
+The Scheduler runs over it synchronously, exactly as over the socket pipeline:
+single-process generation (engine/generate.py's LocalEngine) is the Scheduler
+over a chain of one stage holding every layer; tests chain several.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from skippy_zmq.protocol import wire
 from skippy_zmq.engine.request import EngineError, GenRequest, TokenEvent
@@ -29,12 +32,19 @@ class InprocChain:
     dtype: wire.WireDType = wire.WireDType.F32
     limits: wire.WireLimits = field(default_factory=wire.WireLimits)
     hops: list[HopStats] = field(default_factory=list)
+    busy_s: dict[wire.Kind, float] = field(default_factory=lambda: defaultdict(float))   # per kind sent
 
     def __post_init__(self) -> None:
         self.hops = [HopStats() for _ in self.workers[1:]]
 
     def send(self, msg: wire.Message) -> list[tuple[str, wire.Message]]:
         """Deliver one message to stage 0 and run it down the chain; returns (stage_id, reply) pairs."""
+        t0 = time.perf_counter()
+        replies = self._run(msg)
+        self.busy_s[msg.kind] += time.perf_counter() - t0
+        return replies
+
+    def _run(self, msg: wire.Message) -> list[tuple[str, wire.Message]]:
         replies: list[tuple[str, wire.Message]] = []
         pending: deque[tuple[int, wire.Message]] = deque([(0, self._through_wire(msg, wire.WireDType.F32))])
         while pending:
@@ -61,28 +71,38 @@ class InprocChain:
         return wire.decode([bytes(f) for f in wire.encode(msg, dtype)], self.limits)
 
 
-def run_requests(scheduler: Scheduler, chain: InprocChain, requests: list[GenRequest],
-                 max_iterations: int = 100_000) -> dict[str, list[Any]]:
-    """Submit all requests, run the loop until every one finished; events per request id."""
-    events: dict[str, list[Any]] = {r.request_id: [] for r in requests}
-    for req in requests:
-        scheduler.submit(req, events[req.request_id].append)
+def finished(events: list[Any]) -> bool:
+    """A request's events end with an error or with a token event that has a finish reason."""
+    return bool(events) and (isinstance(events[-1], EngineError) or
+                             (isinstance(events[-1], TokenEvent) and events[-1].finish_reason is not None))
 
-    def finished(items: list[Any]) -> bool:
-        return bool(items) and (isinstance(items[-1], EngineError) or
-                                (isinstance(items[-1], TokenEvent) and items[-1].finish_reason is not None))
 
+def run_until(scheduler: Scheduler, chain: InprocChain, done: Callable[[], bool],
+              max_iterations: int = 100_000) -> None:
+    """The engine loop without sockets: tick, deliver each message down the chain, hand every reply
+    back, until `done()` and nothing runs; then once more, so the STOPs that finishing queued
+    reach the stages and free their lanes."""
     def step() -> None:
         for msg in scheduler.tick():
             for stage_id, reply in chain.send(msg):
                 scheduler.on_reply(stage_id, reply)
 
     for _ in range(max_iterations):
-        if all(finished(v) for v in events.values()) and not scheduler.running:
-            step()   # deliver what finishing queued (STOPs), so stages free their lanes
-            return events
+        if done() and not scheduler.running:
+            step()
+            return
         step()
     raise RuntimeError("requests did not finish")
+
+
+def run_requests(scheduler: Scheduler, chain: InprocChain, requests: list[GenRequest],
+                 max_iterations: int = 100_000) -> dict[str, list[Any]]:
+    """Submit all requests, run the loop until every one finished; events per request id."""
+    events: dict[str, list[Any]] = {r.request_id: [] for r in requests}
+    for req in requests:
+        scheduler.submit(req, events[req.request_id].append)
+    run_until(scheduler, chain, lambda: all(finished(v) for v in events.values()), max_iterations)
+    return events
 
 
 def tokens_of(items: list[Any]) -> list[int]:

@@ -24,7 +24,6 @@ from skippy_zmq.engine.request import ChoiceControl, EngineError, GenRequest, To
 from skippy_zmq.engine.prefix_index import PrefixIndex
 from skippy_zmq.engine.scheduler import Scheduler, SchedulerConfig
 from skippy_zmq.protocol.fencing import ChainView
-from skippy_zmq.kv.prefix_store import StoreConfig
 from skippy_zmq.protocol.security import security_for
 from skippy_zmq.config.topology import Topology
 
@@ -52,7 +51,7 @@ class PipelineEngine:
             prefill_chunk=d.prefill_chunk, max_context=d.max_context, reply_timeout_s=d.reply_timeout_s,
             request_timeout_s=d.request_timeout_s, resume_timeout_s=d.resume_timeout_s,
             speculative=d.speculative), frozenset(eos_ids),
-            PrefixIndex([StoreConfig.from_cache(s.cache) for s in topology.stages]))
+            PrefixIndex([s.cache for s in topology.stages]))
         self.stages = {s.id: StageState(s.id) for s in topology.stages}
         self.security = security_for(topology, "driver")
         # Replies carry logprobs in their JSON extras (up to ~600 bytes per token with 20 alternatives).

@@ -14,7 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-from skippy_zmq.kv.prefix_store import StoreConfig, recorded_lengths
+from skippy_zmq.config.cache import CacheConfig
+from skippy_zmq.kv.prefix_store import recorded_lengths
 
 KEYS_PER_ENTRY = 2   # the index may remember this many prefixes per entry the largest store can hold
 
@@ -24,7 +25,7 @@ def _hash(tokens: Sequence[int]) -> bytes:
 
 
 class PrefixIndex:
-    def __init__(self, configs: Sequence[StoreConfig]):
+    def __init__(self, configs: Sequence[CacheConfig]):
         self.configs = list(configs)
         self.enabled = bool(self.configs) and all(c.mode == "lookup-record" for c in self.configs)
         self.strides = sorted({c.stride for c in self.configs}, reverse=True)

@@ -302,6 +302,54 @@ class DraftPolicy:
         self._stopped, self._probing, self._plain, self._k = True, False, 0, 0
 
 
+def window_len(k: int, room: int, buckets: Sequence[int], widest: int) -> int:
+    """Tokens in the next verify window (the current token, then drafts): the largest bucket of at
+    most k + 1 tokens, `room` tokens (no draft runs past max_tokens or the context, so no position
+    is wasted on a token that cannot be kept) and `widest` (what its DECODE can carry); 1 (no
+    drafts) when no bucket fits. Rows pad to a bucket, so a window drafts a bucket minus one."""
+    return max([n for n in buckets if n <= min(min(k, room - 1) + 1, widest)] or [1])
+
+
+class Drafter:
+    """One stream's speculation: its n-gram proposer and draft policy, and the three steps every
+    caller takes (size and propose a window, propose a window ahead, judge a verified window)."""
+
+    def __init__(self, cfg: SpeculativeConfig, prompt: Iterable[int] = (), shared: SharedIndex | None = None):
+        self.cfg, self.shared = cfg, shared
+        self.proposer = NgramProposer(cfg, prompt)
+        self.policy = DraftPolicy(cfg)
+
+    def window(self, room: int, buckets: Sequence[int], widest: int) -> int:
+        return window_len(min(self.policy.k, self.cfg.max_draft), room, buckets, widest)
+
+    def drafts(self, room: int, buckets: Sequence[int], widest: int) -> list[int]:
+        """The drafts of the next window (after the current token); [] for a plain step."""
+        fits = self.window(room, buckets, widest)
+        if fits <= 1:
+            return []
+        drafts = propose_draft(self.proposer, self.shared, fits - 1)
+        if not drafts:
+            self.policy.no_draft_proposal()
+        return drafts
+
+    def ahead(self, room: int, buckets: Sequence[int], widest: int, assumed: Sequence[int]) -> list[int]:
+        """A window to send ahead, as if `assumed` (the windows in flight) were all accepted: the guess
+        of the last one's bonus token, then drafts; [] when there is no room or no proposal."""
+        fits = self.window(room, buckets, widest)
+        row = propose_draft(self.proposer, self.shared, fits, assumed) if fits > 1 else []
+        return row if len(row) >= 2 else []
+
+    def judge(self, drafts: Sequence[int], targets: Sequence[int]) -> tuple[list[int], int]:
+        return judge_window(self.policy, drafts, targets)
+
+    def accepted(self, tokens: Iterable[int]) -> None:
+        self.proposer.extend(tokens)
+
+    def stats(self) -> dict[str, int]:
+        p = self.policy
+        return {"windows": p.windows, "drafted": p.drafted, "accepted": p.accepted}
+
+
 def judge_window(policy: DraftPolicy | None, drafts: Sequence[int], targets: Sequence[int]) -> tuple[list[int], int]:
     """accepted_run, with the session's draft policy told what happened: a verified window
     (`update`) or a plain step (`on_plain_step`, so a policy that stopped drafting probes again).

@@ -27,9 +27,6 @@ import numpy as np
 
 from skippy_zmq.config.cache import CacheConfig
 
-# One settings class for the store and the topology's `cache` section. StoreConfig is its old
-# name here, kept while engine/ still imports it.
-StoreConfig = CacheConfig
 _DIGEST_SIZE = 16
 DEFAULT_NAMESPACE = "default"   # the key namespace of a request without a prompt_cache_key
 
