@@ -61,12 +61,14 @@ def add_manifest_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_manifest)
 
 
-def start_cluster(topology: Topology, timeout_s: float | None = None):   # -> (ClusterServer, Topology | None)
+def start_cluster(topology: Topology, timeout_s: float | None = None,
+                  split: str | None = None):   # -> (ClusterServer, Topology | None)
     """Serve the topology to workers: print the join token (stdout) and wait until every stage has
-    a worker; returns the server (close it when done) and the placed topology (None: timed out)."""
+    a worker; returns the server (close it when done) and the placed topology (None: timed out).
+    split: "topology" | "measured" (None: the topology's cluster.split)."""
     from skippy_zmq.cluster.server import ClusterServer
 
-    server = ClusterServer(topology)
+    server = ClusterServer(topology, split=split)
     print(server.token.text(), flush=True)
     until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(server.token.expires_at))
     logger.info("cluster: on each host run `skippy-zmq worker --join TOKEN` with the token above (it admits "
