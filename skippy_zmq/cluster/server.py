@@ -10,8 +10,9 @@ Stages go to workers in the order they join (s0 to the first); a worker that rej
 name gets its stage back. With `split: measured` each worker is first told to MEASURE (from
 model.json alone) and no stage is given until as many workers as stages have measured: then the
 driver plans host order and cut points from their speed and memory (split.py) and assigns.
-Once every stage has a worker the topology is placed (assign.py), the keys are made, and each worker is told to START its stage; `wait_placed` hands the placed topology
-to the driver, which then opens its pipeline as usual.
+Once every stage has a worker the topology is placed (assign.py), the keys are made, and each
+worker is told to START its stage; `wait_placed` hands the placed topology to the driver, which
+then opens its pipeline as usual.
 """
 
 from __future__ import annotations
