@@ -38,7 +38,8 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--join-timeout", type=float, default=30.0, help="seconds to wait for the driver's answer")
     p.add_argument("--reply-timeout", type=float, default=30.0, help="seconds to wait for each chunk")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per fetch request (the driver caps it)")
-    p.add_argument("--no-measure", action="store_true", help="do not measure this host's speed before starting")
+    p.add_argument("--no-measure", action="store_true", help="do not measure this host's speed before starting its stage "
+                   "(a driver with `split: measured` still has it measure as it joins)")
     p.add_argument("--no-devices", action="store_true", help="do not list devices (skips a JAX child process)")
     p.set_defaults(func=cmd_worker)
 
