@@ -353,6 +353,9 @@ def add_driver_parser(sub: Any) -> None:
     p.add_argument("--topology", required=True)
     p.add_argument("--cluster", action="store_true", help="serve the stages to workers that join with the token "
                    "this prints (as the topology's `cluster:` section does; docs/cluster.md)")
+    p.add_argument("--cluster-split", default=None, choices=["topology", "measured"],
+                   help="cluster (implies --cluster): the topology's layer split, or one planned from the "
+                        "workers' measured speed and memory (default: the topology's cluster.split, else topology)")
     add_http_edge_args(p)
     p.set_defaults(func=cmd_driver)
 

@@ -157,7 +157,10 @@ def test_a_topology_may_have_a_cluster_section(tiny_model, tmp_path):
     for bad, says in [({"listn": "x"}, "cluster.listn: unknown key"), ({"listen": "ipc:///x"}, "cluster.listen"),
                       ({"max_chunk_bytes": 10}, "at least 4096"),
                       ({"max_chunk_bytes": 1 << 30}, "at most 16777216"),
-                      ({"listen": data["driver"]["return"]}, "already used")]:
+                      ({"listen": data["driver"]["return"]}, "already used"),
+                      ({"split": "fastest"}, "cluster.split: expected one of topology, measured"),
+                      ({"objective": "cheap"}, "cluster.objective: expected one of latency, throughput"),
+                      ({"streams": 0}, "cluster.streams")]:
         with pytest.raises(TopologyError, match=says):
             parse_topology({**data, "cluster": bad})
 
@@ -183,12 +186,14 @@ def cluster_topology(tmp: Path, model: Path, n_stages: int, **cluster) -> Path:
     return path
 
 
-def start_worker(token_text: str, cache: Path, log: Path, *extra: str) -> subprocess.Popen:
+def start_worker(token_text: str, cache: Path, log: Path, *extra: str,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
     """A real `skippy-zmq worker` process, tied to this one (it dies with the test run)."""
     cmd = [sys.executable, "-m", "skippy_zmq.cli", "worker", "--join", token_text, "--cache", str(cache),
            "--no-measure", "--join-timeout", "120", *extra]
     with open(log, "ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=tied_env())
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**tied_env(), **(env or {})})
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -465,3 +470,74 @@ def test_malformed_link_messages_are_named():
     msg = link.parse([b"FETCH", b'{"offset": true}'])
     with pytest.raises(link.LinkError, match="'offset' must be int"):
         link.field(msg, "offset", int)
+
+
+# ---------------------------------------------------------------- split: measured
+
+
+def fake_measure(name: str, layer_ms: float) -> dict:
+    """A measure_host-shaped result: `layer_ms` per layer at 1 row (more rows cost more)."""
+    decode = {str(r): {"layer_ms": layer_ms * (1 + r / 8), "step_ms": 0.2, "head_ms": 0.5, "sample_ms": 0.01,
+                       "message_ms": 0.05} for r in (1, 4, 8)}
+    return {"name": name, "decode": decode, "prefill": {"chunk": 64, "layer_ms_per_token": layer_ms / 50},
+            "memory_available": 8 << 30}
+
+
+@pytest.mark.parametrize("objective", ["latency", "throughput"])
+def test_a_measured_split_gives_the_slow_host_fewer_layers(tiny_model, tmp_path, objective):
+    from skippy_zmq.cluster.split import plan_measured
+    from skippy_zmq.config.topology_yaml import load_topology
+
+    topology = load_topology(cluster_topology(tmp_path, tiny_model, 2, split="measured"))
+    split = plan_measured(topology, {"fast": fake_measure("x", 1.0), "slow": fake_measure("y", 4.0)}, objective)
+    layers = {w: s.end - s.start for w, s in zip(split.workers, split.topology.stages)}
+    assert sorted(split.workers) == ["fast", "slow"] and layers["slow"] < layers["fast"]
+    assert layers == {"fast": 3, "slow": 1}
+    new = split.topology
+    assert [(s.id, s.listen) for s in new.stages] == [(s.id, s.listen) for s in topology.stages]   # ids, ports kept
+    assert new.stages[0].start == 0 and new.stages[0].end == new.stages[1].start and new.stages[1].end == 4
+    assert parse_topology(new.to_dict()) == new                   # a valid topology
+    assert split.prediction.ms_per_token_1 > 0 and split.prediction.tok_s_n > 0
+
+
+@pytest.mark.slow
+def test_workers_split_by_measured_speed_serve_as_one_process_does(tiny_model, tmp_path, driver_log):
+    """split: measured, 2 real workers measuring from model.json alone; one reports 10x slower
+    (SKIPPY_TEST_SPEED_SCALE, for tests only): it gets fewer layers, fetches only its new stage's
+    items, and greedy output equals the one-process engine's."""
+    from skippy_zmq.api.main import open_engine
+    from skippy_zmq.cluster.server import ClusterServer
+    from skippy_zmq.config.topology_yaml import load_topology
+    from skippy_zmq.engine.generate import LocalEngine
+    from skippy_zmq.sampling import SamplingParams
+
+    prompt = [5, 17, 33, 8, 61, 40, 12]
+    expected = LocalEngine(tiny_model).generate(prompt, SamplingParams(), 12, True).token_ids
+    topology = load_topology(cluster_topology(tmp_path, tiny_model, 2))
+    assert [(s.start, s.end) for s in topology.stages] == [(0, 2), (2, 4)]
+    server = ClusterServer(topology, split="measured")
+    procs, engine = {}, None
+    try:
+        for name, scale in (("slow", "10"), ("fast", None)):    # the slow one joins first: s0 by join order
+            procs[name] = start_worker(server.token.text(), tmp_path / name, tmp_path / f"{name}.log", "--name", name,
+                                       "--no-devices", env={"SKIPPY_TEST_SPEED_SCALE": scale} if scale else None)
+        placed = server.wait_placed(400)
+        assert placed is not None, [(tmp_path / f"{n}.log").read_text()[-2000:] for n in procs]
+        assert server.wait_until(lambda: all(w.started for w in server.workers.values()), 300)
+        slow, fast = server.workers["slow"], server.workers["fast"]
+        assert slow.measured["source"] == "random" and slow.measured["test_speed_scale"] == 10.0
+        span = {w.name: placed.stage(w.stage).end - placed.stage(w.stage).start for w in (slow, fast)}
+        assert span == {"slow": 1, "fast": 3}
+        assert any("split by measured speed" in line and "ms per token" in line for line in driver_log)
+        for w in (slow, fast):
+            need = items_bytes(server, w.stage)
+            assert 1.0 <= w.sent_bytes / need <= 1.01 and w.started["fetched_bytes"] == w.sent_bytes
+        engine, _ = open_engine(placed)
+        wait_ready(engine, 400)
+        assert greedy(engine, "one", prompt, 12) == expected
+    finally:
+        if engine is not None:
+            engine.close()
+        for proc in procs.values():
+            stop(proc)
+        server.close()

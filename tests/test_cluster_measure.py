@@ -33,6 +33,23 @@ def test_measure_host_on_a_tiny_model(tmp_path, tiny_tree, fmt):
     assert p.ms_per_token_1 > 0 and p.tok_s_n > 0
 
 
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q4"])
+def test_measure_host_from_model_json_alone(tmp_path, tiny_tree, fmt):
+    """A cluster worker measures before it holds any weights: model.json is all it has."""
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "model.json").write_text((write_tree(tmp_path / "m", tiny_tree, "f32") / "model.json").read_text())
+    m = measure_host(only, weights=fmt, repeats=2, name="bare", source="random", seed=3)
+    assert m["source"] == "random" and m["weights"] == fmt and m["layers"] == TINY.n_layers
+    assert sorted(m["decode"], key=int) == [str(r) for r in ROWS]
+    assert all(row["layer_ms"] + row["step_ms"] > 0 for row in m["decode"].values())
+    assert HostSpeed.from_measure(m).rows == ROWS
+    with pytest.raises(FileNotFoundError):   # the checkpoint's own layer is not there to read
+        measure_host(only, weights=fmt, repeats=1)
+    with pytest.raises(ValueError, match="measure source must be one of"):
+        measure_host(only, weights=fmt, repeats=1, source="disk")
+
+
 def test_cpu_quota_cores_reads_v1_and_v2(tmp_path):
     proc = tmp_path / "cgroup"
     (tmp_path / "cpu" / "slow").mkdir(parents=True)

@@ -121,10 +121,11 @@ def run_driver(args: argparse.Namespace) -> int:
     topology = load_topology(args.topology)
     keys, edge = http_edge(args, topology)
     cluster = None
-    if args.cluster or topology.cluster is not None:   # workers join, fetch their items and run the stages
+    split = getattr(args, "cluster_split", None)
+    if args.cluster or split or topology.cluster is not None:   # workers join, fetch their items, run the stages
         from skippy_zmq.cluster.commands import start_cluster
 
-        cluster, topology = start_cluster(topology)
+        cluster, topology = start_cluster(topology, split=split)
     try:
         engine, tokenizer = open_engine(topology)
         stop = threading.Event()

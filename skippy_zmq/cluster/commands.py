@@ -38,7 +38,8 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--join-timeout", type=float, default=30.0, help="seconds to wait for the driver's answer")
     p.add_argument("--reply-timeout", type=float, default=30.0, help="seconds to wait for each chunk")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per fetch request (the driver caps it)")
-    p.add_argument("--no-measure", action="store_true", help="do not measure this host's speed before starting")
+    p.add_argument("--no-measure", action="store_true", help="do not measure this host's speed before starting its stage "
+                   "(a driver with `split: measured` still has it measure as it joins)")
     p.add_argument("--no-devices", action="store_true", help="do not list devices (skips a JAX child process)")
     p.set_defaults(func=cmd_worker)
 
@@ -61,12 +62,14 @@ def add_manifest_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_manifest)
 
 
-def start_cluster(topology: Topology, timeout_s: float | None = None):   # -> (ClusterServer, Topology | None)
+def start_cluster(topology: Topology, timeout_s: float | None = None,
+                  split: str | None = None):   # -> (ClusterServer, Topology | None)
     """Serve the topology to workers: print the join token (stdout) and wait until every stage has
-    a worker; returns the server (close it when done) and the placed topology (None: timed out)."""
+    a worker; returns the server (close it when done) and the placed topology (None: timed out).
+    split: "topology" | "measured" (None: the topology's cluster.split)."""
     from skippy_zmq.cluster.server import ClusterServer
 
-    server = ClusterServer(topology)
+    server = ClusterServer(topology, split=split)
     print(server.token.text(), flush=True)
     until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(server.token.expires_at))
     logger.info("cluster: on each host run `skippy-zmq worker --join TOKEN` with the token above (it admits "

@@ -2,7 +2,9 @@
 driver's ROUTER (CURVE; the worker holds a join token's key).
 
     worker -> driver   HELLO {name, report}          FETCH {path, offset, length}     STARTED {stage, pid}
-    driver -> worker   ASSIGN {stage, layers, digest, files, max_chunk_bytes}
+                       MEASURED {speed | error}      (split: measured, the answer to MEASURE)
+    driver -> worker   MEASURE {model_json, weights, dtype, device}   (split: measured, before ASSIGN)
+                       ASSIGN {stage, layers, digest, files, max_chunk_bytes}
                        START {topology, keys}        CHUNK {path, offset} + data      REFUSED {reason}
 
 Every header is a JSON object of at most MAX_HEADER_BYTES, checked before it is used; a message
@@ -18,7 +20,7 @@ from typing import Any
 import zmq
 
 PROTOCOL = 1
-KINDS = {"HELLO", "FETCH", "STARTED", "ASSIGN", "START", "CHUNK", "REFUSED"}
+KINDS = {"HELLO", "FETCH", "STARTED", "MEASURED", "MEASURE", "ASSIGN", "START", "CHUNK", "REFUSED"}
 MAX_HEADER_BYTES = 16 << 20     # START carries the topology and keys, ASSIGN a stage's file table
 MAX_WORKER_MESSAGE = 64 << 10   # what the driver accepts from a worker (HELLO with its report is the largest)
 

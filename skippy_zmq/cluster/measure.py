@@ -36,6 +36,7 @@ CHUNK = 64             # prefill chunk measured (a Buckets.prefill_chunks size)
 POSITION = 128         # decode position: inside the first attention bucket, like a short chat
 CAPACITY = 512         # KV positions of the measuring runners (small: nothing here needs more)
 RETRIES = 2            # re-measurements of a row count whose layer time came out <= 0
+SOURCES = ("checkpoint", "random")   # where the measured layer's weights come from (measure_host)
 SAMPLE_S = 0.1         # one timing sample: a loop of the step this long (ten 10 ms quota periods)
 
 
@@ -101,25 +102,55 @@ def _sample_ms(vocab: int, rows: int, repeats: int) -> float:
     return _median_ms({"sample": lambda: [int(np.argmax(row)) for row in logits]}, repeats)["sample"]
 
 
-def _runners(model_dir: Path, weights: str, dtype: str, device: Any) -> tuple[Any, Any]:
+def _runners(model_dir: Path, weights: str, dtype: str, device: Any, source: str = "checkpoint",
+             seed: int = 0) -> tuple[Any, Any]:
     """(one layer + final norm + head as a last stage holds them, STACK copies of that layer as a
-    middle stage). The layer is read from the checkpoint (one middle layer's items, converted to
-    `weights`); the head is random in its runtime format (`_random_head`): building the real one
-    from a float checkpoint quantises the whole embedding, seconds of CPU that say nothing of speed."""
-    from skippy_zmq.checkpoint.loader import load_slice
+    middle stage). source "checkpoint": the layer is read from the checkpoint (one middle layer's
+    items, converted to `weights`); "random": made from model.json alone (`_random_layer`), for a
+    worker that holds no weights yet. The head is random in its runtime format (`_random_head`):
+    building the real one from a float checkpoint quantises the whole embedding, seconds of CPU
+    that say nothing of speed."""
     from skippy_zmq.config.model import KVConfig
     from skippy_zmq.model.runner import SliceRunner
 
     n = load_slice_config(model_dir).n_layers
     middle = n // 2
-    cfg, params = load_slice(model_dir, middle, middle + 1, dtype, device, fmt=weights)
-    layer = params["layers"][0]
+    if source == "random":
+        cfg, layer = _random_layer(model_dir, middle, weights, dtype, device, seed)
+    elif source == "checkpoint":
+        from skippy_zmq.checkpoint.loader import load_slice
+
+        cfg, params = load_slice(model_dir, middle, middle + 1, dtype, device, fmt=weights)
+        layer = params["layers"][0]
+    else:
+        raise ValueError(f"measure source must be one of {SOURCES}, got {source!r}")
     kv = KVConfig(lanes=max(ROWS), capacity=min(CAPACITY, cfg.max_seq_len), dtype="float32")
     last = SliceRunner(cfg, {"layers": (layer,), **_random_head(cfg, weights, device)}, n - 1, n, kv, device=device)
     # the stack sits strictly inside a model of at least STACK + 2 layers: no embedding, no head
     inner = dataclasses.replace(cfg, n_layers=max(n, STACK + 2))
     stack = SliceRunner(inner, {"layers": tuple(layer for _ in range(STACK))}, 1, 1 + STACK, kv, device=device)
     return last, stack
+
+
+def _random_layer(model_dir: Path, index: int, weights: str, dtype: str, device: Any,
+                  seed: int) -> tuple[Any, dict[str, Any]]:
+    """(config, layer `index` in runtime form): random values (seeded) of the model's real layer
+    shapes (model.json), in the stage's weight format. A checkpoint's own GGUF blocks ("gguf",
+    "auto") are timed as q4, the kernel's format that most GGUF matrices (Q4_0 / Q4_1) become."""
+    import jax.numpy as jnp
+
+    from skippy_zmq.model import weights as model_weights
+
+    cfg = dataclasses.replace(load_slice_config(model_dir), dtype=dtype)
+    rng = np.random.default_rng(seed)
+    layer = {k: ((1.0 if k.endswith("norm") else 0.0) + 0.05 * rng.standard_normal(shape)).astype(np.float32)
+             for k, shape in model_weights.layer_shapes(cfg, index).items()}
+    quantize = {"int8": "int8", "q4": "q4", "gguf": "q4", "auto": "q4"}.get(weights)
+    out = model_weights.to_runtime({"layers": {str(index): layer}}, jnp.dtype(dtype), device, quantize=quantize)
+    out = dict(out["layers"][0])
+    if weights == "bf16":   # bf16 matrices, float norms (as checkpoint/runtime.py loads them)
+        out.update({k: out[k].astype(jnp.bfloat16) for k in model_weights.QUANT_KEYS if k in out})
+    return cfg, out
 
 
 def _random_head(cfg: Any, weights: str, device: Any) -> dict[str, Any]:
@@ -224,13 +255,15 @@ def cpu_quota_cores(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = 
 
 
 def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float32", device: str = "cpu",
-                 repeats: int = 5, name: str = "") -> dict[str, Any]:
-    """Measured step times of `model_dir`'s layers on `device` in `weights` format (module docstring)."""
+                 repeats: int = 5, name: str = "", source: str = "checkpoint", seed: int = 0) -> dict[str, Any]:
+    """Measured step times of `model_dir`'s layers on `device` in `weights` format (module docstring).
+    source "random": from model.json alone (random layer values seeded by `seed`, the real shapes
+    and format), for a cluster worker that measures before it holds any weights."""
     from skippy_zmq.model.runner import resolve_device
 
     t_start = time.perf_counter()
     model_dir = Path(model_dir)
-    last, stack = _runners(model_dir, weights, dtype, resolve_device(device))
+    last, stack = _runners(model_dir, weights, dtype, resolve_device(device), source, seed)
     load_s = time.perf_counter() - t_start
     calls = {"prefill_one": _prefill_call(last), "prefill_stack": _prefill_call(stack)}
     for rows in ROWS:
@@ -253,7 +286,7 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
     prefill_layer = max(0.0, (ms["prefill_stack"] - ms["prefill_one"]) / (STACK - 1))
     p_one = ms["prefill_one"]
     return {"schema": SCHEMA, "name": name or os.uname().nodename, "model": str(model_dir), "weights": weights,
-            "dtype": dtype, "device": device, "layers": last.cfg.n_layers, "decode": decode,
+            "dtype": dtype, "device": device, "source": source, "layers": last.cfg.n_layers, "decode": decode,
             "prefill": {"chunk": CHUNK, "layer_ms_per_token": round(prefill_layer / CHUNK, 5),
                         "step_ms": round(max(0.0, p_one - prefill_layer), 4)},
             "kernels": last.kernels(), **host_facts(), "load_s": round(load_s, 2),

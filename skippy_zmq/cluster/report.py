@@ -1,5 +1,5 @@
-"""What a worker has: cores, memory, devices, free disk under its cache (and, where the speed module
-exists, its measured speed), reported to the driver as it joins.
+"""What a worker has: cores, memory, devices, free disk under its cache, and its measured speed,
+reported to the driver as it joins (and, with `split: measured`, before any stage is given).
 
 Devices are listed by a short child process, never in the worker itself: importing JAX on a GPU
 host would make the worker take most of the accelerator's memory its stages need.
@@ -7,7 +7,6 @@ host would make the worker take most of the accelerator's memory its stages need
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -55,19 +54,40 @@ def list_devices(timeout_s: float = DEVICE_PROBE_TIMEOUT_S) -> list[dict[str, st
 MEASURE_TIMEOUT_S = 600.0
 
 
-def measure_speed(model_dir: Path, weights: str, device: str) -> dict[str, Any] | None:
-    """HOOK for the speed planner: skippy_zmq.cluster.measure.measure_host(model_dir, weights=,
-    device=) in a child process (JAX stays out of the worker) when that module exists; None when
-    it does not or fails (logged). The driver receives the result in the worker's STARTED message."""
-    if importlib.util.find_spec("skippy_zmq.cluster.measure") is None:
-        return None
+# FOR TESTS ONLY: multiplies every time this worker reports measuring (a fast machine posing as a
+# slow host, so a test can check the split follows the measurements). Never set it in production.
+TEST_SPEED_SCALE_ENV = "SKIPPY_TEST_SPEED_SCALE"
+_TIMES = ("layer_ms", "step_ms", "head_ms", "sample_ms", "message_ms")
+
+
+def scaled_for_tests(speed: dict[str, Any]) -> dict[str, Any]:
+    """`speed` with its times multiplied by $SKIPPY_TEST_SPEED_SCALE (for tests only; unset: as is)."""
+    raw = os.environ.get(TEST_SPEED_SCALE_ENV)
+    if not raw:
+        return speed
+    scale = float(raw)
+    for row in speed.get("decode", {}).values():
+        row.update({k: v * scale for k, v in row.items() if k in _TIMES})
+    prefill = speed.get("prefill", {})
+    prefill.update({k: v * scale for k, v in prefill.items() if k in ("layer_ms_per_token", "step_ms")})
+    speed["test_speed_scale"] = scale
+    logger.warning("reporting this host's measured times x{} (${} is for tests only)", scale, TEST_SPEED_SCALE_ENV)
+    return speed
+
+
+def measure_speed(model_dir: Path, weights: str, device: str, source: str = "checkpoint",
+                  dtype: str = "float32") -> dict[str, Any] | None:
+    """skippy_zmq.cluster.measure.measure_host(model_dir, weights=, device=, source=) in a child
+    process (JAX stays out of the worker); None when it fails (logged). source "random": from
+    model.json alone, before the worker holds weights (the driver's `split: measured` asks so)."""
     code = ("import json, sys; from skippy_zmq.cluster.measure import measure_host; "
-            "print(json.dumps(measure_host(sys.argv[1], weights=sys.argv[2], device=sys.argv[3])))")
+            "print(json.dumps(measure_host(sys.argv[1], weights=sys.argv[2], device=sys.argv[3], "
+            "source=sys.argv[4], dtype=sys.argv[5])))")
     try:
-        out = subprocess.run([sys.executable, "-c", code, str(model_dir), weights, device], capture_output=True,
-                             text=True, timeout=MEASURE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        out = subprocess.run([sys.executable, "-c", code, str(model_dir), weights, device, source, dtype],
+                             capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S, stdin=subprocess.DEVNULL)
         if out.returncode == 0:
-            return json.loads(out.stdout.strip().splitlines()[-1])
+            return scaled_for_tests(json.loads(out.stdout.strip().splitlines()[-1]))
         logger.warning("measuring this host's speed failed: {}", out.stderr.strip()[-500:])
     except (subprocess.TimeoutExpired, ValueError, IndexError, OSError) as exc:
         logger.warning("measuring this host's speed failed: {}", exc)

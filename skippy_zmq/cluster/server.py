@@ -7,9 +7,12 @@ by a ZAP handler of its own context (TokenAuthenticator): a connection whose key
 token's is refused in the handshake, so it can never send a request, let alone receive a byte.
 
 Stages go to workers in the order they join (s0 to the first); a worker that rejoins under its
-name gets its stage back. Once every stage has a worker the topology is placed (assign.py), the
-keys are made, and each worker is told to START its stage; `wait_placed` hands the placed topology
-to the driver, which then opens its pipeline as usual.
+name gets its stage back. With `split: measured` each worker is first told to MEASURE (from
+model.json alone) and no stage is given until as many workers as stages have measured: then the
+driver plans host order and cut points from their speed and memory (split.py) and assigns.
+Once every stage has a worker the topology is placed (assign.py), the keys are made, and each
+worker is told to START its stage; `wait_placed` hands the placed topology to the driver, which
+then opens its pipeline as usual.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 from skippy_zmq.checkpoint.manifest import item_files, load_manifest, model_digest, stage_item_names
 from skippy_zmq.cluster import link, token
 from skippy_zmq.cluster.assign import placed_topology, stage_key_files
-from skippy_zmq.config.cluster import ClusterConfig
+from skippy_zmq.config.cluster import SPLITS, ClusterConfig
 from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.config.topology import Topology
 from skippy_zmq.protocol.security import CurveAuthenticator, SocketSecurity, start_authenticator
@@ -70,20 +73,25 @@ class WorkerRecord:
     stage: str | None
     sent_bytes: int = 0
     started: dict[str, Any] | None = None
+    measured: dict[str, Any] | None = None   # its measure_host result (split: measured)
 
 
 class ClusterServer:
     """Serve a topology's stages to workers; `close()` when done."""
 
-    def __init__(self, topology: Topology, on_chunk: Callable[[str, int], None] | None = None):
+    def __init__(self, topology: Topology, on_chunk: Callable[[str, int], None] | None = None,
+                 split: str | None = None):
         self.topology, self.on_chunk = topology, on_chunk
         self.config = topology.cluster or ClusterConfig()
+        self.split = split or self.config.split      # a --cluster-split given on the command line wins
+        if self.split not in SPLITS:
+            raise ValueError(f"cluster split must be one of {', '.join(SPLITS)}, got {self.split!r}")
+        self.planned = self.split == "topology"      # measured: stages are given once the workers measured
         self.model_dir = topology.model_path
         self.manifest = load_manifest(self.model_dir, build=True)
         self.digest = model_digest(self.manifest)
-        cfg = ModelConfig.load(self.model_dir / "model.json")
-        self.stage_files = {s.id: item_files(self.manifest, stage_item_names(cfg, s.start, s.end))
-                            for s in topology.stages}
+        self.model_cfg = ModelConfig.load(self.model_dir / "model.json")
+        self.stage_files = self._stage_files(topology)
         self.workers: dict[str, WorkerRecord] = {}
         self.by_identity: dict[bytes, str] = {}
         self.sent_bytes = 0
@@ -110,6 +118,10 @@ class ClusterServer:
             raise
         self.thread = threading.Thread(target=self._serve, name="cluster-server", daemon=True)
         self.thread.start()
+
+    def _stage_files(self, topology: Topology) -> dict[str, dict[str, Any]]:
+        return {s.id: item_files(self.manifest, stage_item_names(self.model_cfg, s.start, s.end))
+                for s in topology.stages}
 
     def issue_token(self, ttl_s: float | None = None, expires_at: float | None = None) -> token.JoinToken:
         """A new join token (a keypair of its own), admitted until it expires."""
@@ -192,7 +204,8 @@ class ClusterServer:
         identity = identity_frame.bytes
         try:
             msg = link.parse(parts)
-            handler = {"HELLO": self._hello, "FETCH": self._fetch, "STARTED": self._started}.get(msg.kind)
+            handler = {"HELLO": self._hello, "FETCH": self._fetch, "STARTED": self._started,
+                       "MEASURED": self._measured}.get(msg.kind)
             if handler is None:
                 raise link.LinkError(f"{msg.kind} is not a worker's message")
             address = parts[0].get("Peer-Address") if parts else "?"
@@ -221,19 +234,63 @@ class ClusterServer:
             if len(self.workers) >= MAX_WORKERS:
                 raise link.LinkError(f"this driver already has {MAX_WORKERS} workers")
             taken = {w.stage for w in self.workers.values()}
-            free = [s.id for s in self.topology.stages if s.id not in taken]
+            free = [s.id for s in self.topology.stages if s.id not in taken] if self.planned else []
             record = WorkerRecord(name, identity, address, report, free[0] if free else None)
             self.workers[name] = record
         self.by_identity.pop(record.identity, None)
         record.identity, record.address, record.report, record.started = identity, address, report, None
         self.by_identity[identity] = name
         log_join(record)
+        if not self.planned:
+            self._send(identity, link.Message("MEASURE", measure_request(self.topology)))
+            return
         self._send(identity, link.Message("ASSIGN", self._assignment(record)))
         if self.placed is None and all(any(w.stage == s.id for w in self.workers.values())
                                        for s in self.topology.stages):
             self._place()
         elif self.placed is not None and record.stage is not None:
             self._start(record)
+
+    def _measured(self, identity: bytes, msg: link.Message, address: str) -> None:
+        record = self.workers.get(self.by_identity.get(identity, ""))
+        if record is None:
+            raise link.LinkError("MEASURED before HELLO")
+        speed = msg.header.get("speed")
+        if not isinstance(speed, dict):
+            raise link.LinkError(f"this driver splits by measured speed and worker {record.name} sent no "
+                                 f"measurement ({str(msg.header.get('error', 'none'))[:300]})")
+        record.measured = speed
+        logger.info("cluster: worker {} measured {:.4f} ms per layer (1 row)", record.name,
+                    float(speed.get("decode", {}).get("1", {}).get("layer_ms", 0.0)))
+        if self.planned:
+            self._send(identity, link.Message("ASSIGN", self._assignment(record)))
+            return
+        measured = [w for w in self.workers.values() if w.measured is not None]
+        if len(measured) >= len(self.topology.stages):
+            self._plan(measured[:len(self.topology.stages)])
+
+    def _plan(self, workers: list[WorkerRecord]) -> None:
+        """Split by the workers' measurements (falling back to the topology's split, said why, when
+        none fits their memory), give each its stage, and start them."""
+        from skippy_zmq.cluster.split import log_plan, plan_measured
+        from skippy_zmq.ops.speed import SpeedPlanError
+
+        try:
+            split = plan_measured(self.topology, {w.name: w.measured for w in workers}, self.config.objective,
+                                  self.config.streams)
+            log_plan(split, self.config.objective)
+            self.topology, order = split.topology, split.workers
+        except SpeedPlanError as exc:
+            logger.error("cluster: no split by measured speed: {}; using the topology's split", exc)
+            order = tuple(w.name for w in workers)
+        self.stage_files = self._stage_files(self.topology)
+        for stage, name in zip(self.topology.stages, order):
+            self.workers[name].stage = stage.id
+        self.planned = True
+        for record in self.workers.values():
+            if record.measured is not None:
+                self._send(record.identity, link.Message("ASSIGN", self._assignment(record)))
+        self._place()
 
     def _assignment(self, record: WorkerRecord) -> dict[str, Any]:
         if record.stage is None:
@@ -290,6 +347,16 @@ class ClusterServer:
         logger.info("cluster: worker {} started stage {} (pid {}), fetched {} bytes{}", name,
                     msg.header.get("stage"), msg.header.get("pid"), msg.header.get("fetched_bytes"),
                     f", speed {msg.header['speed']}" if msg.header.get("speed") else "")
+
+
+def measure_request(topology: Topology) -> dict[str, Any]:
+    """What a worker measures with (MEASURE): the model's model.json and the format, dtype and
+    device its stages run."""
+    from skippy_zmq.checkpoint.checkpoint import resolve_weights
+
+    stage = topology.stages[0]
+    return {"model_json": (topology.model_path / "model.json").read_text(), "dtype": stage.dtype,
+            "weights": resolve_weights(topology.model_path, stage.weights), "device": stage.device}
 
 
 def log_join(record: WorkerRecord) -> None:

@@ -41,6 +41,7 @@ from skippy_zmq.protocol.transport import make_socket
 DEFAULT_CACHE = Path.home() / ".cache" / "skippy_zmq" / "worker"
 FETCH_RETRIES = 3
 MAX_MESSAGE_BYTES = 64 << 20
+MAX_MODEL_JSON_BYTES = 1 << 20
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 # A handshake that fails without a reason is what a wrong driver key looks like from here (the driver
@@ -60,7 +61,8 @@ class WorkerOptions:
     join_timeout_s: float = 30.0
     reply_timeout_s: float = 30.0
     chunk_bytes: int = 1 << 20
-    measure: bool = True               # run cluster/measure.py's measure_host when it exists
+    measure: bool = True               # measure before the stage starts (a driver that splits by measured
+                                       # speed has every worker measure before it gives stages, regardless)
     report_devices: bool = True
     stage_args: tuple[str, ...] = field(default=())   # e.g. ("--log-level", "DEBUG") before `stage`
 
@@ -78,6 +80,7 @@ class Worker:
         self.stop = threading.Event()
         self.fetched_bytes = 0
         self.pending_start: link.Message | None = None
+        self.speed: dict[str, Any] | None = None   # measured before any stage (split: measured)
         self.ctx = zmq.Context()
         token = options.token
         self.sock = make_socket(self.ctx, zmq.DEALER, token.endpoint, bind=False, max_message_bytes=MAX_MESSAGE_BYTES,
@@ -148,9 +151,28 @@ class Worker:
         self.send("HELLO", {"name": self.name, "protocol": link.PROTOCOL,
                             "report": host_report(self.opts.cache, devices=self.opts.report_devices)})
         try:
-            return self.expect({"ASSIGN"}, self.opts.join_timeout_s, "answer to this worker's HELLO")
+            msg = self.expect({"ASSIGN", "MEASURE"}, self.opts.join_timeout_s, "answer to this worker's HELLO")
         except TimeoutError as exc:
             raise TimeoutError(f"{exc}: is the driver running, and is the token (its endpoint) right?") from None
+        if msg.kind == "ASSIGN":
+            return msg
+        self.measure_first(msg)
+        # the driver plans once as many workers as stages have measured: no deadline but a stop
+        return self.expect({"ASSIGN"}, float("inf"), "ASSIGN after this worker's measurement")
+
+    def measure_first(self, msg: link.Message) -> None:
+        """The driver splits by measured speed: measure from its model.json alone (no weights here
+        yet) in the format the stages run, and send the result (or why there is none)."""
+        text = link.field(msg, "model_json", str)
+        if len(text) > MAX_MODEL_JSON_BYTES:
+            raise link.LinkError(f"MEASURE: model.json is {len(text)} bytes (cap {MAX_MODEL_JSON_BYTES})")
+        folder = self.opts.cache / "measure"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model.json").write_text(text)
+        logger.info("worker {}: measuring this host's speed for the driver's split", self.name)
+        self.speed = measure_speed(folder, link.field(msg, "weights", str), link.field(msg, "device", str),
+                                   source="random", dtype=link.field(msg, "dtype", str))
+        self.send("MEASURED", {"speed": self.speed} if self.speed else {"error": "measuring failed (see its log)"})
 
     def fetch(self, assign: link.Message) -> ModelCache:
         """Every file of the assignment into the cache (only what is missing), verified."""
@@ -231,7 +253,8 @@ class Worker:
         run_dir.mkdir(parents=True, exist_ok=True)
         topology_path = self.stage_topology(start, cache, run_dir)
         stage = parse_topology(yaml.safe_load(topology_path.read_text())).stage(stage_id)
-        speed = measure_speed(cache.dir, stage.weights, stage.device) if self.opts.measure else None
+        speed = self.speed or (measure_speed(cache.dir, stage.weights, stage.device, dtype=stage.dtype)
+                               if self.opts.measure else None)
         proc = self.start_stage(stage_id, topology_path, run_dir)
         self.send("STARTED", {"stage": stage_id, "pid": proc.pid, "fetched_bytes": self.fetched_bytes,
                               **({"speed": speed} if speed else {})})

@@ -15,7 +15,7 @@ import yaml
 
 from skippy_zmq.config import checks
 from skippy_zmq.config.cache import CACHE_MODES
-from skippy_zmq.config.cluster import ClusterConfig
+from skippy_zmq.config.cluster import OBJECTIVES, SPLITS, ClusterConfig
 from skippy_zmq.config.http import EdgeConfig, EdgeConfigError
 from skippy_zmq.config.speculative import SpeculativeConfig, SpeculativeConfigError
 from skippy_zmq.config.topology import (DEFAULT_MODEL, CacheConfig, DriverConfig, StageConfig, Topology, TopologyError,
@@ -47,6 +47,7 @@ def _chunk_bytes(value: Any, at: checks.At) -> int:
 _cluster = checks.section(ClusterConfig, {
     "listen": _tcp, "advertise": lambda v, at: None if v is None else checks.dial(_tcp(v, at), at),
     "token_ttl_s": checks.seconds, "max_chunk_bytes": _chunk_bytes,
+    "split": checks.choice(*SPLITS), "objective": checks.choice(*OBJECTIVES), "streams": checks.integer(1),
 })
 
 
