@@ -53,7 +53,7 @@ bench-quick: install model
 	$(BIN)/pip install -q -e '.[test,bench]'
 	$(BIN)/skippy-zmq bench all --quick --out bench-out
 
-# The llama.cpp a user deploys: llama-server, llama-bench and rpc-server built from the llama-cpp-python
+# The llama.cpp a user deploys: llama-server, llama-bench, llama-quantize and rpc-server built from the llama-cpp-python
 # sdist's vendored source with cmake and ninja from PyPI, CPU only, once, into ~/.cache/skippy_zmq
 # ($$SKIPPY_PEERS_DIR); about 10-15 minutes on 2 cores, reused afterwards.
 peers: install

@@ -409,7 +409,8 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--stages", type=int_list, default=(1, 2, 3), help="pipeline stage counts, e.g. 2 or 1,2,3")
     p.add_argument("--shapes", default="", help="scale: only these model shapes, e.g. llama-3.2-1b (default: all)")
     p.add_argument("--build", action="store_true",
-                   help="peers: build llama-server, llama-bench and rpc-server first (once; about 10-15 minutes)")
+                   help="peers: build llama-server, llama-bench, llama-quantize and rpc-server first "
+                        "(once; about 10-15 minutes)")
     p.add_argument("--grid", type=int, default=3, help="cluster: cut points of the grid splits, this many layers apart")
     p.add_argument("--budget-s", type=float, default=360.0, help="cluster: grid splits start while the run is shorter")
     p.add_argument("--peer-models", default="",

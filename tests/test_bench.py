@@ -168,7 +168,7 @@ def test_hop_delay_sets_and_restores_the_variable(monkeypatch):
     assert "SKIPPY_HOP_DELAY_MS" not in os.environ
 
 
-def test_peers_commands_ratios_and_the_build_record(tmp_path):
+def test_peers_commands_ratios_and_the_configure_line(tmp_path):
     cmd = llama_server_command("/b/llama-server", Path("m.gguf"), 9000, slots=8, context=256, spec_type="ngram-mod")
     assert cmd[:3] == ["/b/llama-server", "-m", "m.gguf"] and cmd[-2:] == ["--spec-type", "ngram-mod"]
     flags = dict(zip(cmd[3::2], cmd[4::2]))
@@ -178,16 +178,10 @@ def test_peers_commands_ratios_and_the_build_record(tmp_path):
             {"engine": "llama-server -np 8", "streams": 8, "agg_tok_s": 200.0}]
     assert ratio_rows(conc) == [{"engine": "skippy_zmq q4, 1 stage(s)", "streams": 8, "ratio": 1.5}]
     assert ratio(1.0, 0.0) is None
-    configure = llama_build.configure_command("cmake", "ninja", tmp_path / "src", tmp_path / "b")
+    configure = llama_build.configure_command("cmake", "ninja", tmp_path / "src", tmp_path / "b",
+                                              llama_build.CMAKE_OPTIONS)
     assert "-DGGML_RPC=ON" in configure and "-DLLAMA_USE_PREBUILT_UI=OFF" in configure and "Ninja" in configure
-    assert llama_build.build_command("cmake", tmp_path / "b", 2)[-3:] == list(llama_build.BINARIES.values())
-    assert llama_build.built(tmp_path) is None
-    (tmp_path / "build.json").write_text(json.dumps({"version": llama_build.SDIST_VERSION, "seconds": 1.0}))
-    assert llama_build.built(tmp_path) is None          # the record alone is not a build
-    for path in llama_build.binary_paths(tmp_path).values():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b"")
-    assert set(llama_build.built(tmp_path)["binaries"]) == {"llama-server", "llama-bench", "rpc-server"}
+    assert llama_build.built(tmp_path) is None      # the record and the binaries: tests/test_llama_build.py
 
 
 @pytest.mark.skipif(not matplotlib_available(), reason="matplotlib not installed (the bench extra)")
