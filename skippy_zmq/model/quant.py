@@ -300,8 +300,8 @@ def dense(x: jax.Array, w: Any) -> jax.Array:
     """
     if isinstance(w, ggml.BlockTensor):     # [out, in] GGUF blocks, dequantised in the step
         return ggml.block_dense(x, w)
-    if not isinstance(w, QTensor):
-        return x @ w
+    if not isinstance(w, QTensor):      # (a gguf matrix dequantised at load is f32 under bf16 activations:
+        return (x @ w).astype(x.dtype)  # back to x's dtype, as block_dense does)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     matmul = _kernel_dense if w.impl == "kernel" and kernel_available() else _xla_dense
