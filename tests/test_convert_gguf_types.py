@@ -21,7 +21,7 @@ from skippy_zmq.checkpoint.convert import LAYER_NAMES, ConvertError, convert_ggu
 from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig
 from skippy_zmq.model import ggml
 from skippy_zmq.model.runner import SliceRunner
-from skippy_zmq.ops import planner
+from skippy_zmq.ops import placement, planner
 from test_families_gguf import write_metadata
 from test_quant_ggml import F16_FIELDS
 from model_helpers import restore_stage
@@ -149,9 +149,12 @@ def test_every_kept_type_is_stored_as_the_files_blocks(kept):
     assert source["checkpoint_bytes"] / source["gguf_tensor_bytes"] <= 1.05
 
 
-def test_a_gguf_stage_computes_on_the_files_values(kept):
+@pytest.mark.parametrize("where", ["step", "load"])
+def test_a_gguf_stage_computes_on_the_files_values(kept, where, monkeypatch):
     """Greedy ids of the gguf checkpoint run as stored = those of f32 on the dequantised weights,
-    1 process and 2 stages; the weights a stage holds are the blocks (counted exactly by placement)."""
+    1 process and 2 stages, whether types without a CPU kernel are dequantised in the step or once
+    at load; what a stage holds is counted exactly by placement."""
+    monkeypatch.setenv(ggml.DEQUANTISE_ENV, where)
     path, f32, _ = kept
     ids = np.random.default_rng(3).integers(3, CFG.vocab_size, 9)
     want = greedy(runners(f32, "f32"), ids, 12)
@@ -163,14 +166,51 @@ def test_a_gguf_stage_computes_on_the_files_values(kept):
             assert sum(a.nbytes for a in leaves) == checkpoint.stage_nbytes(
                 CFG, r.start, r.end, "gguf", "gguf", types=checkpoint.kept_types(path))
     layer = rs[0].params["layers"][0]
-    assert isinstance(layer["wq"], ggml.BlockTensor) and layer["wq"].kind == "Q4_K"
+    if where == "step":
+        assert isinstance(layer["wq"], ggml.BlockTensor) and layer["wq"].kind == "Q4_K"
+    else:       # float32 [in, out], the in-step dequantiser's values exactly
+        want_wq = ggml.dequantize(np.asarray(restore_stage(path, CFG)["layers"]["0"]["wq"]["blocks"]), "Q4_K")
+        np.testing.assert_array_equal(np.asarray(layer["wq"]), want_wq.T)
     assert type(rs[1].params["layers"][0]["wq"]).__name__ == "QTensor"      # Q4_0: the kernel's levels
+    assert isinstance(rs[0].params["embed"], ggml.BlockTensor)             # gathered per row either way
+
+
+def test_dequantising_at_load_gives_the_in_step_ids_and_placement_counts_it(kept, monkeypatch):
+    """A CPU stage ("auto") dequantises K / IQ / Q5 / float blocks once at load: greedy ids equal the
+    in-step path's, and placement (a CPU stage's settings) counts the float32 bytes it then holds;
+    a GPU stage's count stays the blocks."""
+    path, _, _ = kept
+    ids = np.random.default_rng(5).integers(3, CFG.vocab_size, 9)
+    monkeypatch.setenv(ggml.DEQUANTISE_ENV, "step")
+    step = runners(path, "auto", (1,))
+    in_step = checkpoint.kept_types(path)
+    want = greedy(step, ids, 12)
+    monkeypatch.delenv(ggml.DEQUANTISE_ENV)
+    rs = runners(path, "auto", (1,))
+    assert greedy(rs, ids, 12) == want
+    types = checkpoint.kept_types(path, "cpu")
+    assert types.at_load and not checkpoint.kept_types(path, "gpu:0").at_load and not in_step.at_load
+    for r, s in zip(rs, step):
+        held = sum(a.nbytes for a in {id(a): a for a in jax.tree.leaves(r.params)}.values())
+        assert held == checkpoint.stage_nbytes(CFG, r.start, r.end, "gguf", "gguf", types=types)
+        need = placement.stage_need(CFG, r.start, r.end, placement.StageSettings(
+            "gguf", types=types))
+        assert need.weights == held
+    # layer 0 is all K / IQ types: 4 bytes a weight now, more than its blocks
+    blocks = checkpoint.stage_nbytes(CFG, 0, 1, "gguf", "gguf", types=in_step)
+    assert checkpoint.stage_nbytes(CFG, 0, 1, "gguf", "gguf", types=types) > blocks
+    monkeypatch.setenv(ggml.DEQUANTISE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="SKIPPY_GGUF_DEQUANTISE='sometimes'"):
+        checkpoint.kept_types(path)
 
 
 @pytest.mark.parametrize("embed", ["Q6_K", "Q8_0"])
-def test_a_tied_head_is_the_embeddings_blocks(tmp_path, embed):
-    """No output.weight: the head is the embedding's blocks (Q6_K: the same BlockTensor serves the lookup;
-    Q8_0: the kernel's int8 levels beside the blocks), counted once each."""
+@pytest.mark.parametrize("where", ["step", "load"])
+def test_a_tied_head_is_the_embeddings_blocks(tmp_path, embed, where, monkeypatch):
+    """No output.weight: the head is the embedding's blocks (Q6_K: the same BlockTensor serves the lookup,
+    or dequantised at load a float32 head beside the blocks; Q8_0: the kernel's int8 levels beside the
+    blocks), counted once each."""
+    monkeypatch.setenv(ggml.DEQUANTISE_ENV, where)
     write_kept_gguf(tmp_path / "m.gguf", TYPES, {"embed": embed}, seed=2)
     convert_gguf(tmp_path / "m.gguf", tmp_path / "gguf")
     convert_gguf(tmp_path / "m.gguf", tmp_path / "f32", "f32")
@@ -187,7 +227,7 @@ def test_a_tied_head_is_the_embeddings_blocks(tmp_path, embed):
                 cfg, r.start, r.end, "gguf", "gguf", types=checkpoint.kept_types(tmp_path / "gguf"))
     assert (rs[1].params["head"] is rs[0].params["embed"]) is False
     one = runners(tmp_path / "gguf", "auto")[0].params
-    assert (one["head"] is one["embed"]) == (embed == "Q6_K")
+    assert (one["head"] is one["embed"]) == (embed == "Q6_K" and where == "step")
 
 
 def test_plan_counts_what_the_gguf_checkpoint_stores(kept):

@@ -60,11 +60,14 @@ MANIFEST = "format.json"
 @dataclasses.dataclass(frozen=True)
 class KeptTypes:
     """The GGUF type of every matrix a gguf checkpoint stores (its manifest's "types"); hashable, so
-    placement's cached byte counts key on it. layers[i]: (key, type) pairs of layer i."""
+    placement's cached byte counts key on it. layers[i]: (key, type) pairs of layer i. at_load: the
+    stage dequantises matrices of types without a CPU kernel to float32 once at load
+    (ggml.dequantise_at_load for its device), so each counts 4 bytes a weight."""
 
     embed: str
     head: str | None
     layers: tuple[tuple[tuple[str, str], ...], ...]
+    at_load: bool = False
 
 
 def stage_nbytes(cfg: ModelConfig, start: int, end: int, fmt: str, stored: str | None = None,
@@ -103,7 +106,8 @@ def kept_layer_nbytes(cfg: ModelConfig, i: int, types: KeptTypes, dtype: str = "
         if key in weights.ROUTER_KEYS:
             total += 4 * s[0] * s[1]
         else:
-            total += kept_nbytes(s[::-1], kinds[key], key) if len(s) == 2 else np.dtype(dtype).itemsize * s[0]
+            total += (kept_nbytes(s[::-1], kinds[key], key, types.at_load) if len(s) == 2
+                      else np.dtype(dtype).itemsize * s[0])
     return total
 
 
@@ -119,9 +123,9 @@ def _kept_stage_nbytes(cfg: ModelConfig, start: int, end: int, dtype: str, types
     if end == cfg.n_layers:
         total += item * cfg.d_model
         if not cfg.tied_embeddings:
-            total += kept_nbytes(vd, types.head or "", "head")
-        elif types.embed in ggml.KERNEL_TYPES:          # a tied head: the embedding's levels, packed
-            total += kept_nbytes(vd, types.embed, "head")
+            total += kept_nbytes(vd, types.head or "", "head", types.at_load)
+        elif types.embed in ggml.KERNEL_TYPES or types.at_load:  # a tied head: the embedding's levels packed,
+            total += kept_nbytes(vd, types.embed, "head", types.at_load)   # or dequantised at load
         elif start != 0:                                # else the embedding's own blocks
             total += kept_nbytes(vd, types.embed, "embed")
     return total
@@ -305,8 +309,9 @@ def resolve_weights(model_dir: Path, asked: str | None) -> str:
     return stored_weights(model_dir) if asked in (None, "auto") else asked
 
 
-def kept_types(model_dir: Path) -> KeptTypes | None:
-    """Every matrix's GGUF type of a gguf checkpoint (None for any other format)."""
+def kept_types(model_dir: Path, device: str = "cpu") -> KeptTypes | None:
+    """Every matrix's GGUF type of a gguf checkpoint (None for any other format), as a stage on `device`
+    ("cpu", "gpu:0", ...) holds them (KeptTypes.at_load)."""
     manifest = _manifest(Path(model_dir) / "params")
     if manifest is None or manifest["weights"] != KEEP:
         return None
@@ -314,8 +319,8 @@ def kept_types(model_dir: Path) -> KeptTypes | None:
     if not isinstance(t, dict) or not isinstance(t.get("layers"), list):
         raise CheckpointError(f"{Path(model_dir) / 'params' / MANIFEST}: a gguf checkpoint without its types: "
                               "re-convert the model")
-    return KeptTypes(t.get("embed"), t.get("head"),
-                     tuple(tuple(sorted(layer.items())) for layer in t["layers"]))
+    return KeptTypes(t.get("embed"), t.get("head"), tuple(tuple(sorted(layer.items())) for layer in t["layers"]),
+                     ggml.dequantise_at_load(device))
 
 
 def itemised(model_dir: Path) -> bool:

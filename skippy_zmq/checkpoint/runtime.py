@@ -6,7 +6,10 @@
                  (every backend, exact to gguf-py's values), except Q4_0 / Q4_1 / Q8_0
                  matrices, which become QTensors holding the very same levels and scales
                  (the CPU kernel reads them in place; elsewhere the QTensor's XLA path gives
-                 the same float32 values: q * d and -8 * d are exact products)
+                 the same float32 values: q * d and -8 * d are exact products). On a CPU
+                 (ggml.dequantise_at_load) a matrix of any other type is dequantised once here
+                 to float32 [in, out], the very values the step would make (the same numpy /
+                 XLA dequantiser, bit-equal), and logged once per stage with the bytes it adds
 
 Items are converted one at a time as they are restored, so a load holds what it keeps plus one item.
 """
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
+from loguru import logger
 
 from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.model import ggml, quant, weights
@@ -46,7 +50,15 @@ def to_runtime(items: Iterable[tuple[str | int, Any]], asked: str, dtype: Any, d
         del stored                # the stored arrays go as soon as their runtime copy exists
         release_freed_memory()    # and so the load's peak is what is held plus one item
     out["layers"] = tuple(layers[i] for i in sorted(layers))
+    put.report_dequantised()
     return out
+
+
+def _platform(device: Any) -> str:
+    """The platform ("cpu", "gpu", "tpu") a stage's arrays land on: its device's, else JAX's default."""
+    import jax
+
+    return device.platform if device is not None else jax.default_backend()
 
 
 def _put_item(put: Any, out: dict[str, Any], layers: dict[int, Any], key: str | int, stored: Any, asked: str,
@@ -70,6 +82,25 @@ class _Put:
 
     def __init__(self, asked: str, dtype: Any, device: Any):
         self.asked, self.dtype, self.device = asked, dtype, device
+        self.at_load = asked == KEEP and ggml.dequantise_at_load(_platform(device))
+        self.dequantised: dict[str, list[int]] = {}     # type -> [matrices, bytes added over the blocks]
+
+    def report_dequantised(self) -> None:
+        """One log line for the stage: which types were dequantised at load and what that adds."""
+        if not self.dequantised:
+            return
+        added = sum(b for _, b in self.dequantised.values())
+        kinds = ", ".join(f"{n} {kind}" for kind, (n, _) in sorted(self.dequantised.items()))
+        logger.info("gguf matrices without a CPU kernel dequantised to float32 at load ({}=step keeps the "
+                    "blocks): {}; {:.1f} MiB more than their blocks", ggml.DEQUANTISE_ENV, kinds, added / 2**20)
+
+    def dequantise(self, blocks: np.ndarray, kind: str) -> Any:
+        """[out, in] blocks -> float32 [in, out], gguf-py's values (ggml.dequantize, as the step would)."""
+        w = ggml.dequantize(blocks, kind)
+        entry = self.dequantised.setdefault(kind, [0, 0])
+        entry[0] += 1
+        entry[1] += w.nbytes - blocks.nbytes
+        return _Put("f32", np.float32, self.device).array(np.ascontiguousarray(w.T))
 
     def array(self, a: Any) -> Any:
         import jax
@@ -98,6 +129,8 @@ class _Put:
             kind = stored_type(stored)
             if kind in ggml.KERNEL_TYPES:      # the kernel's own types: the same levels, packed
                 return self.tree(runtime_qtensor(stored, ggml.KERNEL_TYPES[kind]))
+            if self.at_load:
+                return self.dequantise(np.asarray(stored["blocks"]), kind)
             return self.tree(ggml.BlockTensor(np.asarray(stored["blocks"]), kind))
         if self.asked in ("f32", "bf16"):
             return self.float_matrix(np.ascontiguousarray(to_float(stored).T))

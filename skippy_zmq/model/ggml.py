@@ -15,6 +15,7 @@ jitted step dequantises it (whole for a matmul, per gathered row for an embeddin
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 import jax
@@ -212,6 +213,11 @@ TYPES = {t.name: t for t in (
     BlockType("Q3_K", QK_K, 110, _q3_k), BlockType("Q4_K", QK_K, 144, _q4_k), BlockType("Q5_K", QK_K, 176, _q5_k),
     BlockType("Q6_K", QK_K, 210, _q6_k), BlockType("IQ4_NL", 32, 18, _iq4_nl), BlockType("IQ4_XS", QK_K, 136, _iq4_xs))}
 KERNEL_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}   # types the CPU kernel runs as QTensors (bits), levels exact
+# Where a matrix of any other type is dequantised (docs/models.md): "load" once, to float32, when the stage
+# loads; "step" inside every jitted step; "auto" (unset): "load" on a CPU, where the in-step dequantiser
+# made SmolLM2 Q4_K_M decode 9x slower than the same file in f32, and "step" on GPU / TPU.
+DEQUANTISE_ENV = "SKIPPY_GGUF_DEQUANTISE"
+DEQUANTISE_CHOICES = ("auto", "load", "step")
 
 
 def block_type(name: str) -> BlockType:
@@ -219,6 +225,15 @@ def block_type(name: str) -> BlockType:
     if name not in TYPES:
         raise ValueError(f"GGUF type {name} is not one we keep as it is (kept: {', '.join(TYPES)})")
     return TYPES[name]
+
+
+def dequantise_at_load(platform: str) -> bool:
+    """Whether a stage on `platform` ("cpu", "gpu", "tpu"; a device spelling "gpu:0" is fine) dequantises
+    its matrices of types without a CPU kernel once at load, from DEQUANTISE_ENV (above)."""
+    choice = os.environ.get(DEQUANTISE_ENV, "auto").strip().lower() or "auto"
+    if choice not in DEQUANTISE_CHOICES:
+        raise ValueError(f"{DEQUANTISE_ENV}={choice!r}: expected one of {', '.join(DEQUANTISE_CHOICES)}")
+    return choice == "load" or (choice == "auto" and platform.split(":")[0] == "cpu")
 
 
 def row_bytes(name: str, n: int) -> int:

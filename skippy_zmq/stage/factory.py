@@ -47,7 +47,7 @@ def stage_settings(topology: Topology, stage: StageConfig) -> placement.StageSet
     return placement.StageSettings(weights, stage.dtype, stage.kv_dtype, topology.driver.max_context,
                                    stage.kv_lanes, cache, checkpoint.stored_weights(topology.model_path),
                                    topology.driver.prefill_chunk, max_draft(topology),
-                                   checkpoint.kept_types(topology.model_path) if weights == "gguf" else None)
+                                   checkpoint.kept_types(topology.model_path, stage.device) if weights == "gguf" else None)
 
 
 def predict(topology: Topology, stage: StageConfig) -> placement.StageNeed:

@@ -1,0 +1,157 @@
+"""The native CPU kernel (quant_kernel*.cc, through the XLA FFI): built once per machine and source,
+cached under a name keyed by its sources, ISAs, compiler and flags (a source change rebuilds it),
+loaded and registered once per process, its instruction set picked at run time (SKIPPY_KERNEL_ISA).
+model/quant.py calls it for QTensor matmuls, MoE experts and decode attention; docs/models.md
+("The native kernel") says how it is built and dispatched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+from loguru import logger
+
+from skippy_zmq.files.private_dirs import private_cache_dir, unsafe_reason
+
+KERNEL_TARGETS = {8: "skippy_int8_dense", 4: "skippy_q4_dense"}   # bits -> FFI target
+MOE_TARGETS = {8: "skippy_int8_moe_ffn", 4: "skippy_q4_moe_ffn"}   # an MoE layer's routed experts in one call
+ATTEND_TARGET = "skippy_decode_attention"   # one query token per row over f32 KV (quant_kernel.h)
+KERNEL_DIR = Path(__file__).parent
+KERNEL_SOURCES = ("quant_kernel.cc", "quant_kernel_isa.cc", "quant_kernel.h")
+# Instruction sets quant_kernel_isa.cc is compiled for (x86-64), best first; other CPUs get "generic".
+ISA_FLAGS = {"avx512vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mavx2",
+                           "-mfma", "-mf16c"),
+             "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
+             "avx2": ("-mavx2", "-mfma", "-mf16c"),
+             "generic": ()}
+# auto (default: the best float-activation loops) | avx512vnni (int8 activations, opt-in) | avx512 | avx2 | generic
+ISA_ENV = "SKIPPY_KERNEL_ISA"
+CACHE_ENV = "SKIPPY_KERNEL_CACHE"    # where built kernels go; default $XDG_CACHE_HOME/skippy_zmq
+CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-ffp-contract=fast", "-w")
+
+
+def kernel_available() -> bool:
+    """Whether the CPU kernel is built (once per machine and source) and registered."""
+    return _load_kernel() is not None
+
+
+def kernel_isa() -> str | None:
+    """The instruction set the loaded kernel runs ("avx512vnni", "avx512", "avx2", "generic"), or None."""
+    kernel = _load_kernel()
+    return kernel.isa if kernel is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    lib: ctypes.CDLL   # kept referenced, so the library stays mapped for the life of the process
+    isa: str
+
+
+@functools.cache   # one build, load and warning per process
+def _load_kernel() -> _Kernel | None:
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build_kernel()))
+    except subprocess.CalledProcessError as exc:
+        logger.warning("quantised-matmul CPU kernel failed to build, using the slow XLA fallback:\n{}",
+                       (exc.stderr or "")[-2000:])
+        return None
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        logger.warning("quantised-matmul CPU kernel unavailable, using the slow XLA fallback: {}", exc)
+        return None
+    kernel = _Kernel(lib, _select_isa(lib, os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"))
+    for target in (*KERNEL_TARGETS.values(), *MOE_TARGETS.values(), ATTEND_TARGET):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+    logger.debug("quantised-matmul CPU kernel: {} loops", kernel.isa)
+    return kernel
+
+
+def _select_isa(lib: ctypes.CDLL, want: str) -> str:
+    """Ask the library for `want` (SKIPPY_KERNEL_ISA); the best supported one if it cannot run here."""
+    select = lib.skippy_kernel_select
+    select.restype, select.argtypes = ctypes.c_char_p, [ctypes.c_char_p]
+    got = select(want.encode())
+    if got is None:
+        got = select(b"auto")
+        logger.warning("{}={} is unknown or not supported by this CPU (choices: auto, {}); using {}",
+                       ISA_ENV, want, ", ".join(ISA_FLAGS), got.decode())
+    return got.decode()
+
+
+def supported_isas() -> list[str]:
+    """The kernel's instruction sets this CPU can run, best first (auto picks the first with float
+    activations; avx512vnni, int8 activations, only by name): empty without the kernel."""
+    kernel = _load_kernel()
+    if kernel is None:
+        return []
+    supports = kernel.lib.skippy_kernel_supports
+    supports.restype, supports.argtypes = ctypes.c_int, [ctypes.c_char_p]
+    return [isa for isa in kernel_isas() if supports(isa.encode())]
+
+
+def kernel_isas() -> tuple[str, ...]:
+    """The instruction sets the kernel library is built with on this machine, best first."""
+    return tuple(ISA_FLAGS) if platform.machine().lower() in ("x86_64", "amd64") else ("generic",)
+
+
+def kernel_cache_dir() -> Path:
+    """Built kernels live here, never in the source tree: $SKIPPY_KERNEL_CACHE,
+    else $XDG_CACHE_HOME/skippy_zmq, else ~/.cache/skippy_zmq."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "skippy_zmq"
+
+
+def _build_kernel() -> Path:
+    """The kernel library, compiled on first use; cached under a name keyed by
+    the sources, the ISAs, the compiler (path and version), flags and JAX's FFI headers."""
+    cxx = os.environ.get("CXX") or "g++"
+    path = shutil.which(cxx)
+    if path is None:
+        raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (set CXX)")
+    version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60, check=True).stdout
+    include = jax.ffi.include_dir()
+    isas = kernel_isas()
+    ident = [path, version.splitlines()[0] if version else "", *CXX_FLAGS, include, jax.__version__,
+             *(f"{isa}:{' '.join(ISA_FLAGS[isa])}" for isa in isas)]
+    key = hashlib.sha256(b"".join((KERNEL_DIR / f).read_bytes() for f in KERNEL_SOURCES)
+                         + "\n".join(ident).encode()).hexdigest()[:16]
+    target = _kernel_path(f"quant_kernel-{platform.machine()}-{'+'.join(isas)}-{key}.so")
+    if target.is_file():
+        return target
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:   # build aside, publish atomically
+        def cc(*args: str) -> None:
+            subprocess.run([path, *CXX_FLAGS, *args], check=True, capture_output=True, text=True, timeout=300)
+
+        objects = []
+        for isa in isas:
+            objects.append(f"{tmp}/isa_{isa}.o")
+            cc(*ISA_FLAGS[isa], f"-DSKIPPY_ISA={isa}", "-c", str(KERNEL_DIR / "quant_kernel_isa.cc"), "-o", objects[-1])
+        objects.append(f"{tmp}/glue.o")
+        cc("-I", include, "-c", str(KERNEL_DIR / "quant_kernel.cc"), "-o", objects[-1])
+        out = Path(tmp) / target.name
+        cc("-shared", *objects, "-o", str(out))
+        os.chmod(out, 0o755)      # whatever the umask: a group-writable .so would be refused next time
+        os.replace(out, target)
+    return target
+
+
+def _kernel_path(name: str) -> Path:
+    """Where the built kernel is or goes: the cache when the folder and the file are ours and writable
+    only by us (private_dirs), else a fresh 0700 folder of this process's own (built again, logged)."""
+    cache = private_cache_dir(kernel_cache_dir(), "kernel cache")
+    if cache is not None:
+        target = cache / name
+        if not os.path.lexists(target) or (reason := unsafe_reason(target, follow=False)) is None:
+            return target
+        logger.warning("kernel {} {}: building a private copy instead", target, reason)
+    return Path(tempfile.mkdtemp(prefix="skippy-kernel-")) / name
