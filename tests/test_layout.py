@@ -119,8 +119,8 @@ def test_find_cycle_reports_one():
 # the folders form no loop and a reader can learn them in this order. Why this order:
 #   files       reading untrusted files (checks, the GGUF layout), private folders, fetching: no deps
 #   sampling    logits -> token, numpy only
-#   kv          the prefix KV store (bytes keyed by token prefixes)
 #   config      every frozen dataclass and the topology loader
+#   kv          the prefix KV store (bytes keyed by token prefixes; its settings are config's CacheConfig)
 #   protocol    message frames, sockets, CURVE keys and ZAP (needs the topology's parties)
 #   text        vocabularies, tokenizers, chat templates, grammar constraints, the output side
 #   model       the JAX decoder, rope, quantised weights and kernels, the runner
