@@ -14,6 +14,7 @@ from loguru import logger
 
 from skippy_zmq.devtools.bench import SUITES
 from skippy_zmq.devtools.bench.common import int_list
+from skippy_zmq.devtools.random_cli import add_random_model_parser
 from skippy_zmq.ops.lifetime import watch_parent
 
 DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct")
@@ -408,49 +409,17 @@ def add_bench_parser(sub: Any) -> None:
                         "the GGUF's levels); single runs all of them")
     p.add_argument("--stages", type=int_list, default=(1, 2, 3), help="pipeline stage counts, e.g. 2 or 1,2,3")
     p.add_argument("--shapes", default="", help="scale: only these model shapes, e.g. llama-3.2-1b (default: all)")
+    p.add_argument("--recipes", default="", help="scale: q4_1 (the default: random-model's own GGUF) and/or "
+                   "llama-quantize recipes of each shape: Q4_K_M,Q5_K_M,Q6_K,Q3_K_M,IQ4_XS (needs bench peers --build)")
     p.add_argument("--build", action="store_true",
                    help="peers: build llama-server, llama-bench, llama-quantize and rpc-server first "
                         "(once; about 10-15 minutes)")
     p.add_argument("--grid", type=int, default=3, help="cluster: cut points of the grid splits, this many layers apart")
     p.add_argument("--budget-s", type=float, default=360.0, help="cluster: grid splits start while the run is shorter")
     p.add_argument("--peer-models", default="",
-                   help="peers: comma-separated, from smollm2, llama-3.2-1b, llama-3.1-8b (default: all; --quick: smollm2)")
+                   help="peers: comma-separated, from smollm2, llama-3.2-1b, llama-3.1-8b, or SHAPE:RECIPE for a "
+                        "llama-quantize recipe, e.g. llama-3.2-1b:Q4_K_M (default: the first three; --quick: smollm2)")
     p.set_defaults(func=cmd_bench)
-
-
-def cmd_random_model(args: argparse.Namespace) -> int:
-    import resource
-
-    from skippy_zmq.devtools.random_model import RandomModelError, RandomSpec, write_random_model
-
-    t0 = time.perf_counter()
-    try:
-        spec = RandomSpec(args.shape, args.seed, args.weights, args.layers, args.vocab)
-        cfg = write_random_model(spec, Path(args.out), args.gguf)
-    except RandomModelError as exc:
-        logger.error("random-model failed: {}", exc)
-        return 1
-    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    logger.info("wrote {} ({} layers, {} weights{}) into {} in {:.1f} s, peak RSS {:.2f} GiB", spec.name,
-                cfg.n_layers, args.weights, ", model.gguf" if args.gguf else "", args.out,
-                time.perf_counter() - t0, peak_gib)
-    return 0
-
-
-def add_random_model_parser(sub: Any) -> None:
-    from skippy_zmq.devtools.random_model import SHAPES, WEIGHT_FORMATS  # numpy only: the parser stays quick
-
-    p = sub.add_parser("random-model", help="a model of a real shape with random weights (and its GGUF)")
-    p.add_argument("--shape", required=True, choices=list(SHAPES))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--weights", default="q4", choices=WEIGHT_FORMATS, help="checkpoint format (default q4)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--gguf", default=None, choices=["q4_1"], help="also write OUT/model.gguf, the same weights")
-    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (fast tests)")
-    p.add_argument("--vocab", default=None, metavar="FILE.gguf|DIR",
-                   help="take the tokenizer (and chat template) from this GGUF vocabulary or converted model "
-                        "directory; vocab_size follows it")
-    p.set_defaults(func=cmd_random_model)
 
 
 # One function a subcommand, so each command's flags live beside each other and nothing else.

@@ -1,6 +1,8 @@
 """A GGUF file streamed from Q4_1 blocks (formats.Encoded, fmt "q4") that llama.cpp runs: the same
-blocks our checkpoint holds (random_model.py makes both). Test and bench tooling: the runtime
-reads GGUF files (checkpoint/convert.py), never writes them.
+blocks our checkpoint holds (random_model.py makes both), or their values as F16 (`tensor_type
+"f16"`), the input llama.cpp's `llama-quantize` makes its recipes from (Q4_K_M, Q6_K, IQ4_XS...;
+bench/recipes.py). Test and bench tooling: the runtime reads GGUF files (checkpoint/convert.py),
+never writes them.
 
 Tensor infos are written up front (shapes are known from the config), then each
 tensor's data as it is generated, so nothing but the current tensor is in memory.
@@ -10,8 +12,8 @@ What llama.cpp expects, and this writes:
   permuted the way llama.cpp's HF converter permutes them (our convert.py's
   `unpermute_rows` is the inverse); llama3 rope scaling as a `rope_freqs` tensor
   of per-frequency divisors. Arch `qwen2`: rows as they are, q/k/v biases.
-- norms and biases f32, every 2-D weight Q4_1 (the embedding too; an untied
-  head as `output.weight`).
+- norms and biases f32, every 2-D weight Q4_1 or F16 (the embedding too; an
+  untied head as `output.weight`); an MoE router f32 (llama.cpp keeps it so).
 - `tokenizer.ggml.model = "no_vocab"` with `{arch}.vocab_size`: prompts go in as ids.
 """
 
@@ -28,6 +30,7 @@ from skippy_zmq.checkpoint.formats import Encoded
 
 BLOCK = 32        # weights per Q4_1 block
 Q4_1_BYTES = 20   # per block of 32: f16 d, f16 m, 16 bytes of nibbles
+TENSOR_TYPES = ("q4_1", "f16")   # what the 2-D weights are written as
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "mixtral": "llama", "qwen3_moe": "qwen3moe",
              "qwen2_moe": "qwen2moe"}
 
@@ -92,33 +95,47 @@ def llama3_rope_factors(cfg: Any) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
-def _nbytes(spec: TensorSpec) -> int:
+def _nbytes(spec: TensorSpec, tensor_type: str) -> int:
     n = max(1, spec.parts)
     if spec.is_matrix and not spec.f32:
-        return n * spec.shape[0] * spec.shape[1] // BLOCK * Q4_1_BYTES
+        rows, cols = spec.shape
+        return n * rows * cols * 2 if tensor_type == "f16" else n * rows * cols // BLOCK * Q4_1_BYTES
     return n * 4 * int(np.prod(spec.shape))
 
 
-class GGUFStream:
-    """GGUFStream(path, cfg, specs, name); then write(spec, tensor) for every spec in order; then close()."""
+def matrix_bytes(tensor: Encoded, tensor_type: str) -> np.ndarray:
+    """A matrix's GGUF data: Q4_1 blocks, or its values (q * d + m, exact in f32) rounded to f16."""
+    if tensor_type == "f16":
+        from skippy_zmq.checkpoint.formats import dequantize_grid
 
-    def __init__(self, path: Path, cfg: Any, specs: list[TensorSpec], name: str) -> None:
+        return dequantize_grid(tensor).astype(np.float16)
+    return q4_1_bytes(tensor)
+
+
+class GGUFStream:
+    """GGUFStream(path, cfg, specs, name[, tensor_type]); then write(spec, tensor) for every spec in
+    order; then close()."""
+
+    def __init__(self, path: Path, cfg: Any, specs: list[TensorSpec], name: str, tensor_type: str = "q4_1") -> None:
         import gguf
 
-        self.cfg = cfg
+        if tensor_type not in TENSOR_TYPES:
+            raise ValueError(f"GGUF tensor type must be one of {TENSOR_TYPES}, got {tensor_type!r}")
+        self.cfg, self.tensor_type = cfg, tensor_type
         self.arch = GGUF_ARCH[cfg.arch]
         self.permute = self.arch == "llama"
         self.writer = gguf.GGUFWriter(str(path), self.arch)
         self._metadata(name)
-        Q4_1, F32 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.F32
+        types = gguf.GGMLQuantizationType
+        matrix, F32 = types.F16 if tensor_type == "f16" else types.Q4_1, types.F32
         factors = llama3_rope_factors(cfg) if cfg.rope_type == "llama3" else None
         if factors is not None:
             self.writer.add_tensor_info("rope_freqs.weight", factors.shape, np.float32, factors.nbytes, F32)
         for spec in specs:
             if spec.part > 0:
                 continue          # an expert after the first: the same 3-D tensor
-            self.writer.add_tensor_info(spec.gguf_name, spec.gguf_shape, np.float32, _nbytes(spec),
-                                        Q4_1 if spec.is_matrix and not spec.f32 else F32)
+            self.writer.add_tensor_info(spec.gguf_name, spec.gguf_shape, np.float32, _nbytes(spec, tensor_type),
+                                        matrix if spec.is_matrix and not spec.f32 else F32)
         self.pending = [s.gguf_name for s in specs if s.part <= 0]
         self.parts: list[np.ndarray] = []    # a 3-D expert tensor's slices so far
         self.writer.write_header_to_file()
@@ -144,7 +161,8 @@ class GGUFStream:
         w.add_rope_freq_base(cfg.rope_theta)
         w.add_layer_norm_rms_eps(cfg.norm_eps)
         w.add_vocab_size(cfg.vocab_size)
-        w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+        file_type = gguf.LlamaFileType
+        w.add_file_type(file_type.MOSTLY_F16 if self.tensor_type == "f16" else file_type.MOSTLY_Q4_1)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         w.add_tokenizer_model("no_vocab")
         if cfg.n_experts:   # llama.cpp renormalises the top k of qwen3moe and llama (Mixtral), never qwen2moe's
@@ -166,9 +184,8 @@ class GGUFStream:
             from skippy_zmq.checkpoint.formats import dequantize_grid
 
             tensor = dequantize_grid(tensor)       # the same values, as f32
-        data = q4_1_bytes(tensor) if isinstance(tensor, Encoded) else np.ascontiguousarray(tensor, np.float32)
         if spec.parts:                             # an expert: the 3-D tensor goes out once all are here
-            self.parts.append(data)
+            self.parts.append(self._data(tensor))
             if len(self.parts) < spec.parts:
                 return
             data, self.parts = np.concatenate(self.parts), []
@@ -181,8 +198,12 @@ class GGUFStream:
             order = rotary_row_order(spec.shape[0], heads)
             tensor = Encoded(tensor.fmt, tensor.q[order], tensor.d[order], tensor.m[order]) \
                 if isinstance(tensor, Encoded) else tensor[order]
-            data = q4_1_bytes(tensor) if isinstance(tensor, Encoded) else np.ascontiguousarray(tensor, np.float32)
-        self.writer.write_tensor_data(data)
+        self.writer.write_tensor_data(self._data(tensor))
+
+    def _data(self, tensor: Encoded | np.ndarray) -> np.ndarray:
+        if isinstance(tensor, Encoded):
+            return matrix_bytes(tensor, self.tensor_type)
+        return np.ascontiguousarray(tensor, np.float32)
 
     def close(self) -> None:
         if self.pending:

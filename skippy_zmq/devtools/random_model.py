@@ -1,13 +1,15 @@
 """Random-weight models of real shapes, written straight into our layout (and, on request, a GGUF).
 
-    skippy-zmq random-model --shape llama-3.1-8b --seed 0 --weights q4 --out DIR [--gguf q4_1] [--layers N]
+    skippy-zmq random-model --shape llama-3.1-8b --seed 0 --weights q4 --out DIR [--gguf q4_1|f16] [--layers N]
 
 Speed and memory at scale need models of the real sizes, not their knowledge: a
 Llama-3.1-8B-shaped model with random weights runs every matmul an 8B model runs.
 No HF checkpoint is made on the way; tensors are generated one at a time (seeded
 by the tensor's name, so order does not matter) and written to our checkpoint
 and, with `--gguf q4_1`, to DIR/model.gguf as they come, so an 8B model is made in
-a few GiB of memory.
+a few GiB of memory. `--gguf f16` writes the same values as F16 instead: the input of
+llama.cpp's `llama-quantize`, which makes the recipes people download (Q4_K_M, Q6_K, IQ4_XS...)
+of a real shape from it (bench/recipes.py); `--gguf-only` skips our checkpoint then.
 
 The 2-D weights are generated as GGUF Q4_1 blocks (32 weights: levels 0..15, an
 f16 scale d and an f16 offset m), so the checkpoint and the GGUF hold the very
@@ -39,7 +41,7 @@ import numpy as np
 
 from skippy_zmq.checkpoint.formats import Encoded, q4_blocks
 from skippy_zmq.checkpoint.convert import EXPERT_NAMES, ROUTER_NAME, SHARED_NAMES
-from skippy_zmq.devtools.gguf_writer import BLOCK, GGUF_ARCH, GGUFStream, TensorSpec
+from skippy_zmq.devtools.gguf_writer import BLOCK, GGUF_ARCH, TENSOR_TYPES, GGUFStream, TensorSpec
 
 INIT_STD = 0.02       # std of the 2-D weights (levels uniform in 0..15 have std 4.61)
 LEVEL_STD = float(np.sqrt((16 ** 2 - 1) / 12))
@@ -287,15 +289,18 @@ def vocab_digest(path: str) -> str:
 # ---------------------------------------------------------------- writing
 
 
-def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> Any:
-    """Write OUT/{model.json, params/, tokenizer files, source.json} and, with gguf="q4_1", OUT/model.gguf.
+def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None, checkpoint: bool = True) -> Any:
+    """Write OUT/{model.json, params/, tokenizer files, source.json} and, with gguf="q4_1" or "f16",
+    OUT/model.gguf (checkpoint=False: the GGUF alone).
 
     Tensors are made one at a time and go to both files before the next is made.
     """
     from skippy_zmq.checkpoint.checkpoint import CheckpointWriter
 
-    if gguf not in (None, "q4_1"):
-        raise RandomModelError(f"--gguf must be q4_1, got {gguf!r}")
+    if gguf not in (None, *TENSOR_TYPES):
+        raise RandomModelError(f"--gguf must be one of {', '.join(TENSOR_TYPES)}, got {gguf!r}")
+    if not (gguf or checkpoint):
+        raise RandomModelError("--gguf-only needs --gguf (there would be nothing to write)")
     if gguf and spec.vocab:   # GGUFStream writes no_vocab metadata (prompts as ids)
         raise RandomModelError("--gguf with --vocab is not implemented (the GGUF would carry no vocabulary)")
     out = Path(out)
@@ -306,25 +311,14 @@ def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> 
                                f"{', dense layers between MoE layers' if cfg.n_experts else ''}; only "
                                f"{', '.join(sorted(GGUF_ARCH))}, every layer routed)")
     specs = tensor_specs(cfg)
-    writer = CheckpointWriter(out, cfg, spec.weights)
-    stream = GGUFStream(out / "model.gguf", cfg, specs, spec.name) if gguf else None
-    per_layer: dict[str, int] = {}
-    for s in specs:
-        per_layer[s.where] = per_layer.get(s.where, 0) + 1
-    done: dict[str, int] = {}
-    for ts, tensor in random_tensors(cfg, spec.seed):
-        if stream is not None:
-            stream.write(ts, tensor)
-        if ts.where == "top":
-            writer.add_top(ts.key, tensor)   # norm; embed / head are split into row blocks by the writer
-        else:
-            writer.put_layer_tensor(int(ts.where), ts.key, tensor)
-            done[ts.where] = done.get(ts.where, 0) + 1
-            if done[ts.where] == per_layer[ts.where]:     # a layer's tensors come together (tensor_specs)
-                writer.end_layer(int(ts.where))
-        del tensor                          # before the next is made: one big tensor in memory at a time
+    out.mkdir(parents=True, exist_ok=True)
+    writer = CheckpointWriter(out, cfg, spec.weights) if checkpoint else None
+    stream = GGUFStream(out / "model.gguf", cfg, specs, spec.name, gguf) if gguf else None
+    _write_tensors(cfg, spec.seed, specs, writer, stream)
     if stream is not None:
         stream.close()
+    if writer is None:
+        return cfg
     (vocab_tokenizer(spec.vocab) if spec.vocab else word_tokenizer(cfg.vocab_size)).save(out)
     source = {"format": "random", "shape": spec.shape, "layers": cfg.n_layers, "seed": spec.seed,
               "weights": spec.weights, "generator": GENERATOR_VERSION, "sha256": spec.digest()}
@@ -333,3 +327,23 @@ def write_random_model(spec: RandomSpec, out: Path, gguf: str | None = None) -> 
     writer.finish(source)
     return cfg
 
+
+def _write_tensors(cfg: Any, seed: int, specs: list[TensorSpec], writer: Any, stream: GGUFStream | None) -> None:
+    """Each tensor, made one at a time, to the checkpoint writer and the GGUF stream (either may be None)."""
+    per_layer: dict[str, int] = {}
+    for s in specs:
+        per_layer[s.where] = per_layer.get(s.where, 0) + 1
+    done: dict[str, int] = {}
+    for ts, tensor in random_tensors(cfg, seed):
+        if stream is not None:
+            stream.write(ts, tensor)
+        if writer is None:
+            pass
+        elif ts.where == "top":
+            writer.add_top(ts.key, tensor)   # norm; embed / head are split into row blocks by the writer
+        else:
+            writer.put_layer_tensor(int(ts.where), ts.key, tensor)
+            done[ts.where] = done.get(ts.where, 0) + 1
+            if done[ts.where] == per_layer[ts.where]:     # a layer's tensors come together (tensor_specs)
+                writer.end_layer(int(ts.where))
+        del tensor                          # before the next is made: one big tensor in memory at a time

@@ -7,7 +7,9 @@ llama.cpp). Every prompt is used once per engine, so neither engine's prompt cac
 
 - single stream: prefill tok/s (prompt ÷ time to first token) and decode tok/s (tokens after the
   first ÷ the time they took), SmolLM2 and the random 1B / 8B shapes (their GGUFs carry no
-  vocabulary, on which llama-server aborts detokenizing: llama.cpp's rows come from llama-bench);
+  vocabulary, on which llama-server aborts detokenizing: llama.cpp's rows come from llama-bench),
+  and llama-quantize's recipes of them (`--peer-models llama-3.2-1b:Q4_K_M`: ours runs the file's
+  own blocks; bench/recipes.py);
 - speculation: copy and chat workloads, ours on vs off, `llama-server --spec-type T` for every
   n-gram type it has vs plain, tokens over request time; greedy text compared with plain for both;
 - concurrency: 1, 8, 16, 32 streams at once, plain decoding, ours on 1/2/3 stages vs
@@ -49,9 +51,10 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 @dataclass(frozen=True)
 class PeerModel:
     name: str
-    ours: Path           # q4 checkpoint holding the GGUF's levels
+    ours: Path           # q4 checkpoint holding the GGUF's levels (a recipe's: the file's own blocks)
     gguf: Path
     vocab_ids: Any       # callable(n, seed) -> prompt ids
+    weights: str = "q4"  # what our stages run ("gguf" for a recipe's checkpoint)
 
 
 def peer_models(args: argparse.Namespace, names: list[str]) -> list[PeerModel]:
@@ -70,6 +73,8 @@ def peer_models(args: argparse.Namespace, names: list[str]) -> list[PeerModel]:
             filler = synthetic_prompt(tok, 4096)
             out.append(PeerModel(name, q4_model(model, gguf), gguf,
                                  lambda n, seed, f=filler: [f[(seed * 37) % 512]] + f[1 + seed:n + seed]))
+        elif ":" in name:
+            out.append(recipe_peer(name))
         else:
             from skippy_zmq.devtools.bench.scale import ScaleCase, _vocab, ensure_model, prompt_ids
 
@@ -78,6 +83,24 @@ def peer_models(args: argparse.Namespace, names: list[str]) -> list[PeerModel]:
             out.append(PeerModel(name, model, model / "model.gguf",
                                  lambda n, seed, v=vocab: prompt_ids(v, n, seed=seed + 10)))
     return out
+
+
+def recipe_peer(name: str) -> PeerModel:
+    """SHAPE:RECIPE (llama-3.2-1b:Q4_K_M): llama-quantize's file of the random shape and our checkpoint
+    of it, made unless cached (bench/recipes.py), ours running the file's own blocks."""
+    from skippy_zmq.devtools.bench import llama_build
+    from skippy_zmq.devtools.bench.recipes import RecipeModel, ensure_recipe
+    from skippy_zmq.devtools.bench.scale import _vocab, prompt_ids
+
+    shape, recipe = name.split(":", 1)
+    record = llama_build.built()
+    model = RecipeModel(shape, recipe)
+    if not model.gguf.is_file() or not (model.ours / "model.json").is_file():
+        if record is None:
+            raise SystemExit(f"--peer-models {name}: llama-quantize is {NOT_BUILT}")
+        ensure_recipe(model, record["binaries"]["llama-quantize"])
+    vocab = _vocab(model.ours)
+    return PeerModel(name, model.ours, model.gguf, lambda n, seed, v=vocab: prompt_ids(v, n, seed=seed + 10), "gguf")
 
 
 # ---------------------------------------------------------------- the bench
@@ -101,10 +124,10 @@ def single_rows(m: PeerModel, binaries: dict[str, str] | None, args: argparse.Na
     warm = m.vocab_ids(args.prompt_tokens, 99)
     context = args.prompt_tokens + args.new_tokens + 64
     rows = []
-    with our_server(m.ours, 1, tmp / f"ours-{m.name}", 1, context) as base:
+    with our_server(m.ours, 1, tmp / f"ours-{m.name}", 1, context, weights=m.weights) as base:
         stream_completion(base, warm, 8)
         ours = single_stream(base, prompts, args.new_tokens, {"speculative": False})
-    rows.append({"model": m.name, "engine": "skippy_zmq q4, 1 stage", **_speeds(ours)})
+    rows.append({"model": m.name, "engine": f"skippy_zmq {m.weights}, 1 stage", **_speeds(ours)})
     if binaries and m.name == "smollm2":
         with llama_server(binaries["llama-server"], m.gguf, free_port(), tmp / f"llama-{m.name}", 1, context) as base:
             stream_completion(base, warm, 8)

@@ -128,7 +128,7 @@ def _delayed(ports: list[int], hop_ms: float) -> Iterator[list[int]]:
 
 @contextmanager
 def our_server(model: Path, stages: int, run_dir: Path, lanes: int, context: int,
-               hop_ms: float = 0.0) -> Iterator[str]:
+               hop_ms: float = 0.0, weights: str = "q4") -> Iterator[str]:
     """Our stages and driver (speculation available per request), warmed; with `hop_ms`, every stage
     and the driver's return endpoint are dialled through a relay that holds every byte that long each
     way (the topology's `advertise` keys). Yields the API base URL."""
@@ -140,7 +140,7 @@ def our_server(model: Path, stages: int, run_dir: Path, lanes: int, context: int
     from skippy_zmq.config.topology_yaml import load_topology
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = write_topology(run_dir, model.absolute(), stages, name=f"peers-{stages}", weights="q4",
+    path = write_topology(run_dir, model.absolute(), stages, name=f"peers-{stages}", weights=weights,
                           kv_lanes=lanes, driver__max_sessions=lanes, driver__max_context=context,
                           driver__speculative={"method": "ngram"}, driver__request_timeout_s=900.0,
                           driver__reply_timeout_s=300.0, driver__dead_after_s=60.0)

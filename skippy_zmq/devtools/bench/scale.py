@@ -1,7 +1,7 @@
 """Scale: models of real sizes (random weights, q4) over 1-3 stage processes, and llama.cpp on the
 very same weights (the random model's GGUF), in one run.
 
-    skippy-zmq bench scale [--quick] [--shapes llama-3.2-1b] [--out bench-out]
+    skippy-zmq bench scale [--quick] [--shapes llama-3.2-1b] [--recipes q4_1,Q4_K_M] [--out bench-out]
 
 Cases: the Llama-3.2-1B shape on 1, 2 and 3 stages (512 tokens of context, 128 new) and the
 Llama-3.1-8B shape on 1 and 2 stages (256 of context, 32 new); `--quick`: 2 layers of the 1B shape
@@ -18,6 +18,10 @@ greedy tokens against llama.cpp's. llama.cpp (llama-cpp-python, as many threads 
 cores, which is what every stage's XLA pool uses) runs one sequence: its 8-stream column is n/a and
 our aggregate is compared with its single-stream decode. Conversion: the peak RSS and time of
 `skippy-zmq convert --gguf <the case's GGUF> --weights q4` in a subprocess.
+
+`--recipes` (default q4_1, the rows above): llama.cpp's own recipes of each shape (Q4_K_M, Q5_K_M,
+Q6_K, Q3_K_M, IQ4_XS), made by llama-quantize from an F16 GGUF of the random weights, ours (the
+file's types kept) on 1 and 2 stages beside llama-bench on the very same file (bench/recipes.py).
 
 Memory: one thing at a time (one pipeline, or llama.cpp, or the conversion), never two, so an 8B q4
 model is resident once.
@@ -41,6 +45,7 @@ import numpy as np
 from skippy_zmq.devtools.bench import greedy
 from skippy_zmq.devtools.bench.common import llama_cpp_available, print_table, write_report
 from skippy_zmq.devtools.bench.pipeline import measure, stream_prompts
+from skippy_zmq.devtools.bench.recipes import recipe_tables
 from skippy_zmq.devtools.bench.scale_procs import logged_peak_gib, peak_rss_bytes, run_measured, stage_start_times, staggered_pipeline
 
 GiB = 1 << 30
@@ -101,14 +106,14 @@ def prompt_ids(vocab: int, n: int, seed: int = 1) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, n)]
 
 
-def topology_for(tmp: Path, model: Path, n: int, case: ScaleCase) -> Path:
-    """q4 stages, a lane per stream, context for the case. At least 256 positions: a stage whose KV
+def topology_for(tmp: Path, model: Path, n: int, case: ScaleCase, weights: str = "q4") -> Path:
+    """q4 stages (or `weights`), a lane per stream, context for the case. At least 256 positions: a stage whose KV
     capacity is below its prefill chunk (256) fails compiling that chunk at start. Timeouts are long:
     an 8B stage on 2 shared cores compiling a new bucket (8 rows at the long attention length)
     stays silent for minutes, past the default 30 s reply timeout."""
     from skippy_zmq.devtools.harness import write_topology
 
-    return write_topology(tmp, model.absolute(), n, name=f"scale-{n}", weights="q4", kv_lanes=case.streams,
+    return write_topology(tmp, model.absolute(), n, name=f"scale-{n}", weights=weights, kv_lanes=case.streams,
                           driver__max_sessions=case.streams, driver__max_context=max(256, case.context + case.new_tokens + 16),
                           driver__dead_after_s=120.0, driver__request_timeout_s=3600.0,
                           driver__reply_timeout_s=900.0)
@@ -244,17 +249,37 @@ def select_cases(cases: tuple[ScaleCase, ...], shapes: str, by_name: tuple[Scale
 
 
 def bench_scale(args: argparse.Namespace, tables: list[str], _prior: dict[str, Any] | None = None) -> dict[str, Any]:
+    from skippy_zmq.devtools.bench.recipes import Q4_1, parse_recipes
+
     cases = select_cases(QUICK if args.quick else FULL, getattr(args, "shapes", ""), () if args.quick else MOE)
+    recipes = parse_recipes(getattr(args, "recipes", "") or Q4_1)
     tmp = Path(tempfile.mkdtemp(prefix="skippy-scale-"))
     results = []
-    for case in cases:
+    for case in cases if Q4_1 in recipes else ():
         results.append(run_case(case, tmp))
         print(f"[bench] scale: {case.label} done", flush=True)
     result = {"cases": results, "llama_cpp": llama_cpp_available(), "threads": os.cpu_count()}
-    text = scale_tables(results)
+    text = scale_tables(results) if results else []
+    others = tuple(r for r in recipes if r != Q4_1)
+    if others:
+        result["recipes"] = recipe_results(cases, others, tmp)
+        text += recipe_tables(result["recipes"])
     tables.extend(text)
     write_report(args.out, "scale", "skippy_zmq at scale (random weights, q4)", result, text)
     return result
+
+
+def recipe_results(cases: tuple[ScaleCase, ...], recipes: tuple[str, ...], tmp: Path) -> list[dict[str, Any]]:
+    """The llama.cpp recipes of each case's shape (bench/recipes.py), ours and llama-bench per file."""
+    from skippy_zmq.devtools.bench import llama_build
+    from skippy_zmq.devtools.bench.recipes import recipe_case, recipe_scale_case
+
+    record = llama_build.built()
+    out = []
+    for case in cases:
+        out.append(recipe_case(recipe_scale_case(case), recipes, record["binaries"] if record else None, tmp))
+        print(f"[bench] scale: {case.label} recipes done", flush=True)
+    return out
 
 
 def moe_over_dense(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
