@@ -25,15 +25,13 @@ Without a build (`make peers`, or `bench peers --build`) the llama.cpp side says
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from skippy_zmq.devtools.bench.common import find_gguf, print_table, synthetic_prompt, write_report
 from skippy_zmq.devtools.bench.peers_client import concurrent, run_together, single_stream, stream_completion
-from skippy_zmq.devtools.bench.peers_engines import THREADS, free_port, llama_rpc, llama_server, our_server
+from skippy_zmq.devtools.bench.peers_engines import THREADS, free_port, llama_bench, llama_rpc, llama_server, our_server
 
 NOT_BUILT = "not built (make peers)"
 SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
@@ -90,7 +88,7 @@ def recipe_peer(name: str) -> PeerModel:
     of it, made unless cached (bench/recipes.py), ours running the file's own blocks."""
     from skippy_zmq.devtools.bench import llama_build
     from skippy_zmq.devtools.bench.recipes import RecipeModel, ensure_recipe
-    from skippy_zmq.devtools.bench.scale import _vocab, prompt_ids
+    from skippy_zmq.devtools.bench.scale_procs import model_vocab, prompt_ids
 
     shape, recipe = name.split(":", 1)
     record = llama_build.built()
@@ -99,23 +97,11 @@ def recipe_peer(name: str) -> PeerModel:
         if record is None:
             raise SystemExit(f"--peer-models {name}: llama-quantize is {NOT_BUILT}")
         ensure_recipe(model, record["binaries"]["llama-quantize"])
-    vocab = _vocab(model.ours)
+    vocab = model_vocab(model.ours)
     return PeerModel(name, model.ours, model.gguf, lambda n, seed, v=vocab: prompt_ids(v, n, seed=seed + 10), "gguf")
 
 
 # ---------------------------------------------------------------- the bench
-
-
-def llama_bench(binary: str, gguf: Path, prompt_tokens: int, new_tokens: int, repeats: int) -> dict[str, Any]:
-    """llama-bench on THREADS threads: prefill of `prompt_tokens` from an empty context, and decode of
-    `new_tokens` after that many (-d), as ours is measured; tokens/s averaged over `repeats`."""
-    def avg_ts(*flags: str) -> float:
-        out = subprocess.run([binary, "-m", str(gguf), "-t", str(THREADS), "-r", str(repeats), "-o", "json", *flags],
-                             capture_output=True, text=True, check=True)
-        return round(float(json.loads(out.stdout)[0]["avg_ts"]), 2)
-
-    return {"prefill_tok_s": avg_ts("-p", str(prompt_tokens), "-n", "0"),
-            "decode_tok_s": avg_ts("-p", "0", "-n", str(new_tokens), "-d", str(prompt_tokens))}
 
 
 def single_rows(m: PeerModel, binaries: dict[str, str] | None, args: argparse.Namespace, tmp: Path

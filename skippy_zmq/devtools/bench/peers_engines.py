@@ -3,6 +3,7 @@ pipeline over rpc-servers, and ours (stages and driver), optionally with every h
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from contextlib import ExitStack, contextmanager
@@ -56,6 +57,19 @@ def llama_server_command(binary: str, gguf: Path, port: int, slots: int, context
     cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(THREADS),
            "-tb", str(THREADS), "-np", str(slots), "-c", str(context * slots), "-ngl", "0", "--no-webui"]
     return cmd + (["--spec-type", spec_type] if spec_type else [])
+
+
+def llama_bench(binary: str, gguf: Path, prompt_tokens: int, new_tokens: int, repeats: int) -> dict[str, Any]:
+    """llama-bench on THREADS threads: prefill of `prompt_tokens` from an empty context, and decode of
+    `new_tokens` after that many (-d), as ours is measured; tokens/s averaged over `repeats`."""
+    def avg_ts(*flags: str) -> float:
+        out = subprocess.run([binary, "-m", str(gguf), "-t", str(THREADS), "-r", str(repeats), "-o", "json", *flags],
+                             capture_output=True, text=True, check=True)
+        return round(float(json.loads(out.stdout)[0]["avg_ts"]), 2)
+
+    return {"prefill_tok_s": avg_ts("-p", str(prompt_tokens), "-n", "0"),
+            "decode_tok_s": avg_ts("-p", "0", "-n", str(new_tokens), "-d", str(prompt_tokens))}
+
 
 
 @contextmanager

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,12 +162,11 @@ def ours_run(model: RecipeModel, case: Any, stages: int, tmp: Path) -> dict[str,
     """One stream through our stages running the file's own blocks (weights gguf): prefill and decode
     tok/s and the greedy tokens (scale.one_stream), after a warm-up of other prompts."""
     from skippy_zmq.devtools.bench.pipeline import measure
-    from skippy_zmq.devtools.bench.scale import _vocab, one_stream, prompt_ids, topology_for
-    from skippy_zmq.devtools.bench.scale_procs import staggered_pipeline
+    from skippy_zmq.devtools.bench.scale_procs import model_vocab, one_stream, prompt_ids, staggered_pipeline, topology_for
 
     tmp.mkdir(parents=True, exist_ok=True)
     path = topology_for(tmp, model.ours, stages, case, weights="gguf")
-    vocab = _vocab(model.ours)
+    vocab = model_vocab(model.ours)
     with staggered_pipeline(path, tmp / f"run-{model.shape}-{model.recipe}-{stages}") as (engine, *_rest):
         measure(engine, [prompt_ids(vocab, case.context, seed=2)], 2, strict=False)
         measure(engine, [prompt_ids(vocab, case.context + case.new_tokens - 2, seed=3)], 2, strict=False)
@@ -180,8 +178,7 @@ def recipe_rows(model: RecipeModel, case: Any, binaries: dict[str, str] | None, 
     """Ours on each of case.stages and llama-bench (its threads: peers_engines.THREADS) on the same
     file, one after another; ratios ours ÷ llama.cpp; greedy tokens of each stage count against 1 stage's."""
     from skippy_zmq.devtools.bench import greedy
-    from skippy_zmq.devtools.bench.peers import llama_bench
-    from skippy_zmq.devtools.bench.peers_engines import THREADS
+    from skippy_zmq.devtools.bench.peers_engines import THREADS, llama_bench
 
     base = {"model": model.label, "recipe": model.recipe, "context": case.context, "new_tokens": case.new_tokens}
     rows = []

@@ -30,7 +30,6 @@ model is resident once.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -40,13 +39,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from skippy_zmq.devtools.bench import greedy
 from skippy_zmq.devtools.bench.common import llama_cpp_available, print_table, write_report
 from skippy_zmq.devtools.bench.pipeline import measure, stream_prompts
 from skippy_zmq.devtools.bench.recipes import recipe_tables
-from skippy_zmq.devtools.bench.scale_procs import logged_peak_gib, peak_rss_bytes, run_measured, stage_start_times, staggered_pipeline
+from skippy_zmq.devtools.bench.scale_procs import (logged_peak_gib, model_vocab as _vocab, one_stream, peak_rss_bytes,
+                                                     prompt_ids, run_measured, stage_start_times, staggered_pipeline,
+                                                     topology_for)
 
 GiB = 1 << 30
 SEED = 0
@@ -101,37 +100,11 @@ def ensure_model(case: ScaleCase, root: Path = RANDOM_ROOT) -> tuple[Path, dict[
     return out, made
 
 
-def prompt_ids(vocab: int, n: int, seed: int = 1) -> list[int]:
-    """n token ids drawn uniformly from the vocabulary (a random model has no text to encode)."""
-    return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, n)]
-
-
-def topology_for(tmp: Path, model: Path, n: int, case: ScaleCase, weights: str = "q4") -> Path:
-    """q4 stages (or `weights`), a lane per stream, context for the case. At least 256 positions: a stage whose KV
-    capacity is below its prefill chunk (256) fails compiling that chunk at start. Timeouts are long:
-    an 8B stage on 2 shared cores compiling a new bucket (8 rows at the long attention length)
-    stays silent for minutes, past the default 30 s reply timeout."""
-    from skippy_zmq.devtools.harness import write_topology
-
-    return write_topology(tmp, model.absolute(), n, name=f"scale-{n}", weights=weights, kv_lanes=case.streams,
-                          driver__max_sessions=case.streams, driver__max_context=max(256, case.context + case.new_tokens + 16),
-                          driver__dead_after_s=120.0, driver__request_timeout_s=3600.0,
-                          driver__reply_timeout_s=900.0)
-
-
 def predicted_bytes(topology: Any, stage: Any) -> int:
     """placement.py's prediction of a stage's peak resident bytes, as the stage itself computes it."""
     from skippy_zmq.stage.factory import predict
 
     return predict(topology, stage).total
-
-
-def one_stream(engine: Any, prompt: list[int], new_tokens: int) -> dict[str, Any]:
-    """Greedy tokens, prefill tok/s and decode tok/s of one request through the pipeline."""
-    got = measure(engine, [prompt], new_tokens)
-    tokens = greedy.pipeline_tokens(engine, [prompt], min(new_tokens, 16))[0]
-    return {"prefill_tok_s": round(len(prompt) / (got["ttft_ms"] / 1000), 1),
-            "decode_tok_s": round(1000 / got["itl_p50_ms"], 2), "tokens": tokens}
 
 
 def warm_up(engine: Any, vocab: int, case: ScaleCase) -> None:
@@ -321,10 +294,6 @@ def scale_tables(results: list[dict[str, Any]]) -> list[str]:
                     "logged = the command's own VmHWM, what the conversion itself held (the figure the goal reads); "
                     "random-model appears when the model was not cached."),
     ]
-
-
-def _vocab(model: Path) -> int:
-    return int(json.loads((model / "model.json").read_text())["vocab_size"])
 
 
 def _gib(n: int | None) -> float | None:

@@ -1,9 +1,10 @@
-"""Process measurements for the scale bench: a pipeline whose stages start one after another, a
-subprocess's wall time and peak RSS, a live process's peak RSS, and a stage's start times from its
-log. Linux (/proc, wait4)."""
+"""Process measurements for the scale bench (and its recipes): a pipeline whose stages start one
+after another, its topology, one measured stream through it, a subprocess's wall time and peak RSS,
+a live process's peak RSS, and a stage's start times from its log. Linux (/proc, wait4)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -11,6 +12,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+import numpy as np
 
 # stage/factory.py: "stage s0 layers [0, 16) on cpu: restored in 3.2s, compiled in 11.0s"
 START_LINE = re.compile(r"stage (\S+) layers \[(\d+), (\d+)\) on \S+: restored in ([\d.]+)s, compiled in ([\d.]+)s")
@@ -99,3 +102,37 @@ def _wait_stage_ready(engine: Any, stage_id: str, proc: subprocess.Popen, run_di
         if time.monotonic() > deadline:
             raise TimeoutError(f"stage {stage_id} not READY after {timeout:g} s")
         engine.wait_ready(0.25)   # a bounded wait on the driver's ready event (set only when all are)
+
+
+def prompt_ids(vocab: int, n: int, seed: int = 1) -> list[int]:
+    """n token ids drawn uniformly from the vocabulary (a random model has no text to encode)."""
+    return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, n)]
+
+
+def topology_for(tmp: Path, model: Path, n: int, case: Any, weights: str = "q4") -> Path:
+    """q4 stages (or `weights`), a lane per stream (case.streams), context for the case (a
+    scale.ScaleCase). At least 256 positions: a stage whose KV capacity is below its prefill chunk (256) fails compiling that chunk at start. Timeouts are long:
+    an 8B stage on 2 shared cores compiling a new bucket (8 rows at the long attention length)
+    stays silent for minutes, past the default 30 s reply timeout."""
+    from skippy_zmq.devtools.harness import write_topology
+
+    return write_topology(tmp, model.absolute(), n, name=f"scale-{n}", weights=weights, kv_lanes=case.streams,
+                          driver__max_sessions=case.streams, driver__max_context=max(256, case.context + case.new_tokens + 16),
+                          driver__dead_after_s=120.0, driver__request_timeout_s=3600.0,
+                          driver__reply_timeout_s=900.0)
+
+
+def one_stream(engine: Any, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """Greedy tokens, prefill tok/s and decode tok/s of one request through the pipeline."""
+    from skippy_zmq.devtools.bench import greedy
+    from skippy_zmq.devtools.bench.pipeline import measure
+
+    got = measure(engine, [prompt], new_tokens)
+    tokens = greedy.pipeline_tokens(engine, [prompt], min(new_tokens, 16))[0]
+    return {"prefill_tok_s": round(len(prompt) / (got["ttft_ms"] / 1000), 1),
+            "decode_tok_s": round(1000 / got["itl_p50_ms"], 2), "tokens": tokens}
+
+
+def model_vocab(model: Path) -> int:
+    """A checkpoint's vocabulary size (model.json)."""
+    return int(json.loads((model / "model.json").read_text())["vocab_size"])
