@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import LONGEST_FIRST, SHARED_MODULES, SHARED_UNIT, work_unit
+from conftest import LONGEST_FIRST, SHARED_MODULES, SHARED_UNIT, work_unit, worker_port_slice
 from skippy_zmq.devtools import llama_cpp_models
 from skippy_zmq.devtools import harness
 
@@ -29,6 +29,18 @@ def test_a_worker_picks_free_ports_inside_its_slice(monkeypatch):
     low = harness._ephemeral_range()[0]
     lo, hi = harness.port_slice(max(1024, low - 12_000), low)
     assert all(lo <= harness.free_base_port(4) and harness.free_base_port(4) + 4 <= hi for _ in range(20))
+
+
+def test_a_worker_slice_nests_inside_the_slice_the_run_was_given(monkeypatch):
+    assert [worker_port_slice("", w, 2) for w in (0, 1)] == ["0/2", "1/2"]
+    assert [worker_port_slice("2/8", w, 2) for w in (0, 1)] == ["4/16", "5/16"]
+    outer = (20_000, 32_000)
+    monkeypatch.setenv(harness.PORT_SLICE_ENV, "2/8")
+    lo, hi = harness.port_slice(*outer)
+    for w in (0, 1):
+        monkeypatch.setenv(harness.PORT_SLICE_ENV, worker_port_slice("2/8", w, 2))
+        w_lo, w_hi = harness.port_slice(*outer)
+        assert lo <= w_lo < w_hi <= hi
 
 
 @pytest.mark.parametrize("spec, message", [("1", "expected 'i/n'"), ("a/b", "expected 'i/n'"),
