@@ -75,3 +75,13 @@ def test_the_shared_pipelines_users_are_one_unit_and_every_other_module_its_own(
     assert {work_unit(f"tests/{m}.py::test_x[a::b]") for m in SHARED_MODULES} == {SHARED_UNIT}
     assert work_unit("tests/test_chaos.py::test_scenario[prefill-chunk/first]") == "test_chaos"
     assert LONGEST_FIRST[0] == SHARED_UNIT and len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+
+
+def test_a_free_endpoint_beside_a_topology_takes_none_of_its_ports(monkeypatch, tmp_path):
+    import procs
+
+    topology = tmp_path / "t.yaml"
+    topology.write_text("driver:\n  http: 127.0.0.1:24918\n  return: tcp://127.0.0.1:24917\n")
+    offered = iter([24918, 24917, 24999])
+    monkeypatch.setattr(procs, "free_base_port", lambda count: next(offered))
+    assert procs.free_endpoint(beside=topology) == "tcp://127.0.0.1:24999"
