@@ -123,6 +123,11 @@ def pytest_xdist_make_scheduler(config, log):
             return work_unit(nodeid)
 
         def _assign_work_unit(self, node) -> None:
+            if node not in self.registered_collections:
+                # a worker that replaces a crashed one, its collection not in yet: xdist's own call
+                # would pop a unit and fail on it (KeyError: INTERNALERROR, the run lost); it gets
+                # work when its collection arrives (schedule() reschedules every node)
+                return
             if not self.ordered:   # the queue is complete when the first unit is handed out
                 self.ordered = True
                 rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}

@@ -85,3 +85,27 @@ def test_a_free_endpoint_beside_a_topology_takes_none_of_its_ports(monkeypatch, 
     offered = iter([24918, 24917, 24999])
     monkeypatch.setattr(procs, "free_base_port", lambda count: next(offered))
     assert procs.free_endpoint(beside=topology) == "tcp://127.0.0.1:24999"
+
+
+def test_a_worker_that_replaces_a_crashed_one_gets_work_once_its_collection_is_in(monkeypatch):
+    from types import SimpleNamespace
+
+    import conftest
+    from xdist.scheduler import loadscope
+
+    monkeypatch.setattr(loadscope, "parse_tx_spec_config", lambda config: ["popen", "popen"])
+    sched = conftest.pytest_xdist_make_scheduler(SimpleNamespace(), None)
+    sent = []
+
+    class Worker:   # the part of xdist's WorkerController the scheduler uses here (hashable, as it is)
+        shutting_down = False
+        send_runtest_some = staticmethod(sent.append)
+
+    node = Worker()
+    sched.workqueue["tests/test_a.py"] = {"tests/test_a.py::t": False}
+    sched.assigned_work[node] = {}
+    sched._assign_work_unit(node)                  # no collection from it yet: nothing taken, nothing sent
+    assert list(sched.workqueue) == ["tests/test_a.py"] and sent == []
+    sched.registered_collections[node] = ["tests/test_a.py::t"]
+    sched._assign_work_unit(node)
+    assert not sched.workqueue and sent == [[0]]
