@@ -55,16 +55,27 @@ SPAWNING_MODULES = {"test_quant_kernel", "test_orphans"}
 # The suite runs on parallel workers (pytest-xdist, the Makefile's PYTEST_WORKERS) scheduled by module:
 # a module's tests stay on one worker (its module-scoped pipelines start once), and the modules that
 # send their requests to the session's shared pipelines (SHARED_MODULES) are one unit, on one worker,
-# so each of those pipelines still starts once. Each worker picks ports from its own slice.
+# so each of those pipelines still starts once. Each worker picks ports from its own slice: of the whole
+# range, or of the slice SKIPPY_PORT_SLICE already names (a suite run beside other port users: "2/8" on
+# 2 workers gives them 4/16 and 5/16, both inside 2/8).
 # (xdist's own `--dist loadgroup` does nothing under pytest 9.2: it renames node ids through an
 # attribute pytest no longer reads.)
 SHARED_MODULES = {"test_anthropic_api", "test_bench_peers", "test_console", "test_embeddings", "test_frameworks", "test_fuzz",
                   "test_logprobs", "test_pipeline", "test_responses_api", "test_serving", "test_soak",
                   "test_structured_output"}
 SHARED_UNIT = "shared-pipelines"
+
+
+def worker_port_slice(outer: str, worker: int, workers: int) -> str:
+    """Worker `worker`'s SKIPPY_PORT_SLICE of `workers`, inside the `outer` slice ("" or "i/n")."""
+    i, n = (int(v) for v in outer.split("/")) if outer else (0, 1)
+    return f"{i * workers + worker}/{n * workers}"
+
+
 if "PYTEST_XDIST_WORKER" in os.environ:
-    os.environ[PORT_SLICE_ENV] = (f"{int(os.environ['PYTEST_XDIST_WORKER'].removeprefix('gw'))}/"
-                                  f"{int(os.environ['PYTEST_XDIST_WORKER_COUNT'])}")
+    os.environ[PORT_SLICE_ENV] = worker_port_slice(os.environ.get(PORT_SLICE_ENV, ""),
+                                                   int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")),
+                                                   int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 # The persistent compile cache (~/.cache/skippy_zmq/jax unless SKIPPY_JAX_CACHE says otherwise) for this
 # process and the stages it spawns, every compile written: on a machine that ran the suite before,
 # test_warmup + test_families took 31 s instead of 98 s (the XLA compiles are reads).
@@ -112,6 +123,11 @@ def pytest_xdist_make_scheduler(config, log):
             return work_unit(nodeid)
 
         def _assign_work_unit(self, node) -> None:
+            if node not in self.registered_collections:
+                # a worker that replaces a crashed one, its collection not in yet: xdist's own call
+                # would pop a unit and fail on it (KeyError: INTERNALERROR, the run lost); it gets
+                # work when its collection arrives (schedule() reschedules every node)
+                return
             if not self.ordered:   # the queue is complete when the first unit is handed out
                 self.ordered = True
                 rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}

@@ -52,9 +52,16 @@ def stage_dealer(topology: Any, stage_id: str, identity: bytes) -> Any:
                                  security=stage.client("driver") if stage is not None else None)
 
 
-def free_endpoint() -> str:
-    """A loopback TCP endpoint on a port the OS just handed out (for endpoints that refer to each other)."""
-    return f"tcp://127.0.0.1:{free_base_port(1)}"
+def free_endpoint(beside: Path | None = None) -> str:
+    """A loopback TCP endpoint on a free port (for endpoints that refer to each other); `beside`: a
+    topology file whose ports (not bound yet, so free too) it must not take (one collided with
+    driver.http in a suite run on a narrow port slice)."""
+    import re
+
+    taken = {int(p) for p in re.findall(r":(\d{4,5})\b", beside.read_text())} if beside is not None else set()
+    while (port := free_base_port(1)) in taken:
+        pass
+    return f"tcp://127.0.0.1:{port}"
 
 
 class Served(NamedTuple):

@@ -181,7 +181,7 @@ def test_a_stage_is_placed_on_its_workers_address(tiny_model, tmp_path):
 def cluster_topology(tmp: Path, model: Path, n_stages: int, **cluster) -> Path:
     path = write_topology(tmp, model, n_stages, name=f"cluster{n_stages}")
     data = yaml.safe_load(path.read_text())
-    data["cluster"] = {"listen": free_endpoint(), **cluster}
+    data["cluster"] = {"listen": free_endpoint(beside=path), **cluster}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -388,7 +388,7 @@ def test_the_driver_command_prints_a_token_that_workers_join_with(tiny_model, tm
     expected = LocalEngine(tiny_model).generate(prompt, SamplingParams(), 12, True).token_ids
     path = write_topology(tmp_path, tiny_model, 2, name="plain")          # no cluster: section: --cluster's defaults
     data = yaml.safe_load(path.read_text())
-    listen = free_endpoint()
+    listen = free_endpoint(beside=path)
     data["cluster"] = {"listen": listen}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     url = f"http://{load_topology(path).driver.http}"
