@@ -491,9 +491,12 @@ def test_malformed_link_messages_are_named():
 
     for parts, says in [([b"HELLO"], "expected 2 or 3 frames"), ([b"NOPE", b"{}"], "unknown message kind"),
                         ([b"HELLO", b"[1]"], "not a JSON object"), ([b"HELLO", b"{x"], "not JSON"),
-                        ([b"CHUNK", b"{}"], "a data frame is required"), ([b"FETCH", b"{}", b"x"], "unexpected data")]:
+                        ([b"CHUNK", b"{}"], "a data frame is required"), ([b"FETCH", b"{}", b"x"], "unexpected data"),
+                        ([b"PING", b'{"size": 4}', b"x"], "unexpected data")]:
         with pytest.raises(link.LinkError, match=says):
             link.parse(parts)
+    assert link.parse([b"PONG", b'{"size": 3}', b"abc"]).data == b"abc"    # a link probe's answer carries bytes
+    assert link.parse([b"PONG", b'{"size": 0}']).data is None
     msg = link.parse([b"FETCH", b'{"offset": true}'])
     with pytest.raises(link.LinkError, match="'offset' must be int"):
         link.field(msg, "offset", int)

@@ -4,8 +4,9 @@ even split, the memory-only split and the best split found by trying cuts.
 Hosts (devtools/hosts.py): stage processes in cgroup v1 `cpu` groups at 100%, 50% and 25% of a
 core over a 10 ms period, each in a network namespace of its own when the machine allows it (the
 driver in this process, on the bridge). Each host is measured inside its group by `skippy-zmq
-plan --measure` (cluster/measure.py), the planner (ops/speed.py) splits the model over the three
-by those numbers, and every split is then run for real: 1 stream (ms per token, inter-token
+plan --measure` (cluster/measure.py) and its link to the driver by an echo server in its group and
+namespace (cluster/probe.py), the planner (ops/speed.py) splits the model over the three by those
+numbers (hops costing round trip / 2 + activation bytes / bandwidth), and every split is then run for real: 1 stream (ms per token, inter-token
 median) and 8 streams (steady aggregate tok/s), predicted beside measured.
 
 Splits: planned for latency (1 stream) and for throughput (8 streams), even, memory-only (each
