@@ -65,8 +65,8 @@ class WorkerOptions:
     measure: bool = True               # measure before the stage starts (a driver that splits by measured
                                        # speed has every worker measure before it gives stages, regardless)
     report_devices: bool = True
-    link_probe_bytes: int = TRANSFER_BYTES   # the timed transfer of the link measurement
     stage_args: tuple[str, ...] = field(default=())   # e.g. ("--log-level", "DEBUG") before `stage`
+    link_probe_bytes: int = TRANSFER_BYTES   # the timed transfer of the link measurement
 
 
 def default_name(cache: Path) -> str:
