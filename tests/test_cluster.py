@@ -280,6 +280,33 @@ def test_a_transfer_killed_halfway_resumes_and_resends_at_most_one_chunk(tiny_mo
         server.close()
 
 
+@pytest.mark.slow
+def test_a_worker_reports_its_measured_link_to_the_driver(tiny_model, tmp_path, driver_log):
+    """A real worker process measures round trip and bandwidth over its authenticated link before
+    HELLO (PINGs answered by PONGs); the numbers are in its report and in the driver's join line."""
+    from skippy_zmq.cluster.probe import TRANSFER_BYTES
+    from skippy_zmq.cluster.server import ClusterServer
+    from skippy_zmq.cluster.split import links_of
+    from skippy_zmq.config.topology_yaml import load_topology
+    from skippy_zmq.ops.speed import DRIVER
+
+    server = ClusterServer(load_topology(cluster_topology(tmp_path, tiny_model, 1)))
+    proc = start_worker(server.token.text(), tmp_path / "cache", tmp_path / "w.log", "--no-devices", "--name", "w1")
+    try:
+        assert server.wait_until(lambda: "w1" in server.workers, 300), (tmp_path / "w.log").read_text()[-3000:]
+        found = server.workers["w1"].report["links"]["driver"]
+        assert found["transfer_bytes"] == TRANSFER_BYTES
+        assert 0 < found["rtt_ms"] < 1000                  # loopback: well under a second, never zero
+        assert 1e6 < found["bytes_per_s"] < 1e12           # loopback moves more than 1 MB/s
+        assert any("worker w1 joined" in line and "link to the driver: round trip" in line for line in driver_log)
+        assert "link to the driver: round trip" in (tmp_path / "w.log").read_text()
+        links = links_of({"w1": server.workers["w1"].report})
+        assert links.ms(DRIVER, "w1") == pytest.approx(found["rtt_ms"] / 2)
+    finally:
+        stop(proc)
+        server.close()
+
+
 def gone(pid: int, timeout: float) -> bool:
     """The process `pid` has exited within `timeout` seconds (a liveness poll)."""
     deadline = time.monotonic() + timeout
@@ -464,9 +491,12 @@ def test_malformed_link_messages_are_named():
 
     for parts, says in [([b"HELLO"], "expected 2 or 3 frames"), ([b"NOPE", b"{}"], "unknown message kind"),
                         ([b"HELLO", b"[1]"], "not a JSON object"), ([b"HELLO", b"{x"], "not JSON"),
-                        ([b"CHUNK", b"{}"], "a data frame is required"), ([b"FETCH", b"{}", b"x"], "unexpected data")]:
+                        ([b"CHUNK", b"{}"], "a data frame is required"), ([b"FETCH", b"{}", b"x"], "unexpected data"),
+                        ([b"PING", b'{"size": 4}', b"x"], "unexpected data")]:
         with pytest.raises(link.LinkError, match=says):
             link.parse(parts)
+    assert link.parse([b"PONG", b'{"size": 3}', b"abc"]).data == b"abc"    # a link probe's answer carries bytes
+    assert link.parse([b"PONG", b'{"size": 0}']).data is None
     msg = link.parse([b"FETCH", b'{"offset": true}'])
     with pytest.raises(link.LinkError, match="'offset' must be int"):
         link.field(msg, "offset", int)

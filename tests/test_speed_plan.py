@@ -14,8 +14,8 @@ import yaml
 from conftest import REPO
 
 from skippy_zmq.config.topology_yaml import load_topology
-from skippy_zmq.ops.speed import (OBJECTIVES, HostSpeed, Links, SpeedPlanError, Stage, brute_force, objective_ms,
-                                  micro_rows, plan_split, predict)
+from skippy_zmq.ops.speed import (DRIVER, OBJECTIVES, HostSpeed, Links, SpeedPlanError, Stage, brute_force,
+                                  micro_rows, objective_ms, plan_split, predict, throttled_ms)
 
 
 def host(name: str, layer: float, step: float = 0.5, head: float = 2.0, memory: int = 0) -> HostSpeed:
@@ -61,6 +61,72 @@ def test_plan_split_is_exact_against_brute_force(seed):
                     objective_ms(want.stages, by_name, n_layers, links, objective, streams))
                 assert all(not by_name[s.host].memory or need(s.start, s.end) <= by_name[s.host].memory
                            for s in got.stages)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_plan_split_is_exact_with_hop_costs_and_quota_bursts(seed):
+    """Bandwidth on some links (so the host order matters) and hosts under a CPU quota (a 1-stream
+    step bursts): the DP still finds brute force's optimum."""
+    rng = random.Random(100 + seed)
+    n_layers = rng.randint(2, 8)
+    hosts = [HostSpeed(f"h{i}", (1, 8), (rng.uniform(0.1, 2), rng.uniform(0.3, 6)), (rng.uniform(0, 1), 1.0),
+                       (rng.uniform(0, 3), 5.0), 0.0, 0, rng.choice([1.0, 0.25, 0.5]), rng.choice([0.0, 10.0]))
+             for i in range(rng.randint(2, 3))]
+    need = lambda a, b: b - a   # noqa: E731
+    links = Links.from_rtt(rng.uniform(0, 1), {("h0", "h1"): 2.0}, 0.0,
+                           {("h0", "h1"): 1e6, (DRIVER, "h1"): 2e6, ("h1", "h2"): 5e5})
+    by_name = {h.name: h for h in hosts}
+    for objective in OBJECTIVES:
+        want = brute_force(hosts, n_layers, need, links, objective, 8, None, row_bytes=2304)
+        got = plan_split(hosts, n_layers, need, links, objective, 8, None, row_bytes=2304)
+        assert objective_ms(got.stages, by_name, n_layers, links, objective, 8, 2304) == pytest.approx(
+            objective_ms(want.stages, by_name, n_layers, links, objective, 8, 2304))
+
+
+def test_a_slow_link_keeps_the_layers_on_one_host():
+    """Two equal hosts: over a fast link the planner splits (two stages), over a link that costs
+    more than the layers it would move it keeps every layer on one host; an activation's bytes
+    over the bandwidth count per hop, so the same round trip with a thin link is slower."""
+    a, b = host("a", 1.0), host("b", 1.0)
+    need = lambda x, y: y - x   # noqa: E731
+    thin = Links.from_rtt(0.2, bytes_per_s={("a", "b"): 1e5})    # 100 kB/s between the two hosts
+    one = plan_split([a, b], 30, need, thin, "throughput", row_bytes=2304)
+    assert len(one.stages) == 1 and (one.stages[0].start, one.stages[0].end) == (0, 30)
+    two = predict((Stage("a", 0, 15), Stage("b", 15, 30)), {"a": a, "b": b}, 30, thin, row_bytes=2304)
+    assert two.hop_ms_1[1] == pytest.approx(0.1 + 2304 / 100)    # rtt / 2 + bytes / (bytes per ms)
+    assert two.tok_s_n < one.tok_s_n
+    fast = Links.from_rtt(0.2, bytes_per_s={("a", "b"): 1e9})
+    split = plan_split([a, b], 30, need, fast, "throughput", row_bytes=2304)
+    assert len(split.stages) == 2 and split.stages[0].end in (14, 15, 16)
+
+
+def test_the_host_order_follows_the_links():
+    """Three equal hosts, one pair joined by a thin link: the chain never crosses it."""
+    hosts = [host(n, 1.0, memory=12) for n in ("a", "b", "c")]
+    links = Links.from_rtt(0.2, bytes_per_s={("a", "c"): 1e5})
+    p = plan_split(hosts, 30, lambda x, y: y - x, links, "latency", n_stages=3, row_bytes=2304)
+    order = [s.host for s in p.stages]
+    assert sorted(order) == ["a", "b", "c"] and order[1] == "b", order   # a and c never neighbours
+
+
+def test_links_from_the_workers_measured_driver_links():
+    links = Links.from_driver_links({"a": {"rtt_ms": 2.0, "bytes_per_s": 1e8}, "b": {"rtt_ms": 6.0, "bytes_per_s": 1e7},
+                                     "c": {"rtt_ms": "?", "bytes_per_s": 1}}, default_rtt_ms=0.4)
+    assert links.ms(DRIVER, "a") == 1.0 and links.ms("b", DRIVER, 10_000) == pytest.approx(3.0 + 1.0)
+    assert links.ms("a", "b", 10_000) == pytest.approx(3.0 + 1.0)   # the slower link of the two
+    assert links.ms("a", "c") == 0.2                                # c measured nothing usable: the default
+
+
+def test_a_quota_burst_is_fast_when_short_and_sustained_when_long():
+    assert throttled_ms(1.0, 0.25, 10.0) == pytest.approx(1.0)        # within the 2.5 ms budget
+    assert throttled_ms(2.5, 0.25, 10.0) == pytest.approx(2.5)
+    long = throttled_ms(50.0, 0.25, 10.0)                              # 20 periods of budget
+    assert 190 - 10 <= long <= 200 and long < 50 / 0.25
+    slow = HostSpeed("s", (1,), (2.0,), (1.0,), (4.0,), idle_ratio=0.25, period_ms=10.0)
+    assert slow.stage_ms(1, False, burst=True) == pytest.approx(0.75)   # 3 ms measured busy, 0.75 of work
+    assert slow.stage_ms(1, False) == 3.0
+    assert slow.stage_ms(30, True, burst=True) < slow.stage_ms(30, True)
+    assert HostSpeed("f", (1,), (2.0,), (1.0,), (4.0,)).stage_ms(1, False, burst=True) == 3.0   # no quota
 
 
 def test_a_slow_host_gets_fewer_layers_and_memory_caps_bind():

@@ -3,9 +3,11 @@ driver's ROUTER (CURVE; the worker holds a join token's key).
 
     worker -> driver   HELLO {name, report}          FETCH {path, offset, length}     STARTED {stage, pid}
                        MEASURED {speed | error}      (split: measured, the answer to MEASURE)
+                       PING {size}                   (a link probe: cluster/probe.py)
     driver -> worker   MEASURE {model_json, weights, dtype, device}   (split: measured, before ASSIGN)
                        ASSIGN {stage, layers, digest, files, max_chunk_bytes}
                        START {topology, keys}        CHUNK {path, offset} + data      REFUSED {reason}
+                       PONG {size} (+ size bytes, at most probe.MAX_PROBE_BYTES)
 
 Every header is a JSON object of at most MAX_HEADER_BYTES, checked before it is used; a message
 that breaks a rule is a LinkError naming the rule. No JAX.
@@ -20,7 +22,7 @@ from typing import Any
 import zmq
 
 PROTOCOL = 1
-KINDS = {"HELLO", "FETCH", "STARTED", "MEASURED", "MEASURE", "ASSIGN", "START", "CHUNK", "REFUSED"}
+KINDS = {"HELLO", "FETCH", "STARTED", "MEASURED", "MEASURE", "ASSIGN", "START", "CHUNK", "REFUSED", "PING", "PONG"}
 MAX_HEADER_BYTES = 16 << 20     # START carries the topology and keys, ASSIGN a stage's file table
 MAX_WORKER_MESSAGE = 64 << 10   # what the driver accepts from a worker (HELLO with its report is the largest)
 
@@ -62,8 +64,10 @@ def parse(parts: list[Any]) -> Message:
     data = None
     if len(parts) == 3:
         data = parts[2].buffer if isinstance(parts[2], zmq.Frame) else parts[2]
-    if (kind == "CHUNK") != (data is not None):
-        raise LinkError(f"{kind}: {'a data frame is required' if kind == 'CHUNK' else 'unexpected data frame'}")
+    if kind == "CHUNK" and data is None:
+        raise LinkError(f"{kind}: a data frame is required")
+    if kind not in ("CHUNK", "PONG") and data is not None:
+        raise LinkError(f"{kind}: unexpected data frame")
     return Message(kind, header, data)
 
 

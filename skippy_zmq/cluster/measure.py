@@ -11,7 +11,11 @@ format the stages will run, and times real `SliceRunner` steps on it:
 - the head (final norm + logits over the vocabulary) of the last stage, per row count;
 - a prefill chunk of `CHUNK` tokens, per token per layer;
 - a decode message encoded, sent over ZeroMQ TCP loopback, received and decoded (a stage's
-  software per hop), and greedy sampling of the logits (the final stage's).
+  software per hop), and greedy sampling of the logits (the final stage's);
+- under a CPU quota, the 1-row step through 1 layer once more, each call after an idle gap of a
+  few quota periods (`idle_ratio`: its time over the busy loop's). A loop keeps a host busy and
+  measures the quota's sustained speed; a pipeline at one stream leaves the host idle between
+  its steps, so a short step runs on the period's full budget (ops/speed.py `throttled_ms`).
 
 Medians of `repeats` timed calls after one warm-up call (compiles happen there). Plus the
 host's cores (and a cgroup CPU quota when one caps this process), memory total and available.
@@ -38,6 +42,8 @@ CAPACITY = 512         # KV positions of the measuring runners (small: nothing h
 RETRIES = 2            # re-measurements of a row count whose layer time came out <= 0
 SOURCES = ("checkpoint", "random")   # where the measured layer's weights come from (measure_host)
 SAMPLE_S = 0.1         # one timing sample: a loop of the step this long (ten 10 ms quota periods)
+IDLE_PERIODS = 3       # the idle gap before an idle-start call, in quota periods
+IDLE_SAMPLES = 9
 
 
 def _median_ms(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
@@ -71,6 +77,19 @@ def _decode_call(runner: Any, rows: int, output: str) -> Callable[[], Any]:
 def _prefill_call(runner: Any) -> Callable[[], Any]:
     inputs = np.random.default_rng(0).standard_normal((CHUNK, runner.cfg.d_model)).astype(np.float32)
     return lambda: runner.prefill(0, inputs, 0, output="hidden")
+
+
+def idle_ratio(call: Callable[[], Any], busy_ms: float, period_ms: float, samples: int = IDLE_SAMPLES) -> float:
+    """The median time of `call` started after IDLE_PERIODS quiet quota periods, over `busy_ms`
+    (its time in a busy loop), at most 1: what an idle host's step costs under its quota beside
+    what a busy one pays. The gap is a sleep on purpose: it is the idleness being measured."""
+    times = []
+    for _ in range(samples):
+        time.sleep(IDLE_PERIODS * period_ms / 1000)
+        t0 = time.perf_counter()
+        call()
+        times.append(1000 * (time.perf_counter() - t0))
+    return min(1.0, statistics.median(times) / busy_ms) if busy_ms > 0 else 1.0
 
 
 def _message_ms(width: int, rows: int, repeats: int) -> float:
@@ -126,10 +145,19 @@ def _runners(model_dir: Path, weights: str, dtype: str, device: Any, source: str
         raise ValueError(f"measure source must be one of {SOURCES}, got {source!r}")
     kv = KVConfig(lanes=max(ROWS), capacity=min(CAPACITY, cfg.max_seq_len), dtype="float32")
     last = SliceRunner(cfg, {"layers": (layer,), **_random_head(cfg, weights, device)}, n - 1, n, kv, device=device)
-    # the stack sits strictly inside a model of at least STACK + 2 layers: no embedding, no head
+    # the stack sits strictly inside a model of at least STACK + 2 layers: no embedding, no head.
+    # Its layers are copies in memory of their own: one array read STACK times stays in the core's
+    # cache, where a stage's distinct layers stream from memory (half the speed here, 2 MiB L2)
     inner = dataclasses.replace(cfg, n_layers=max(n, STACK + 2))
-    stack = SliceRunner(inner, {"layers": tuple(layer for _ in range(STACK))}, 1, 1 + STACK, kv, device=device)
+    stack = SliceRunner(inner, {"layers": tuple(_copy(layer) for _ in range(STACK))}, 1, 1 + STACK, kv, device=device)
     return last, stack
+
+
+def _copy(tree: Any) -> Any:
+    """A copy of a pytree of device arrays, each in memory of its own."""
+    import jax
+
+    return jax.tree.map(lambda x: x.copy() if hasattr(x, "copy") else x, tree)
 
 
 def _random_layer(model_dir: Path, index: int, weights: str, dtype: str, device: Any,
@@ -191,9 +219,10 @@ def host_facts() -> dict[str, Any]:
         facts["cores_usable"] = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         facts["cores_usable"] = facts["cores"]
-    quota = cpu_quota_cores()
+    quota = cpu_quota()
     if quota is not None:
-        facts["cpu_quota_cores"] = round(quota, 3)
+        facts["cpu_quota_cores"] = round(quota[0], 3)
+        facts["cpu_period_ms"] = round(quota[1], 3)
     meminfo = _meminfo()
     facts["memory_total"] = meminfo.get("MemTotal", 0)
     facts["memory_available"] = meminfo.get("MemAvailable", 0)
@@ -228,6 +257,13 @@ def _meminfo() -> dict[str, int]:
 def cpu_quota_cores(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> float | None:
     """The CPU quota over this process's cgroup, in cores (None when uncapped or unreadable):
     cgroup v1 `cpu` (cfs_quota_us / cfs_period_us) or v2 `cpu.max`."""
+    quota = cpu_quota(proc_cgroup, root)
+    return None if quota is None else quota[0]
+
+
+def cpu_quota(proc_cgroup: Path = Path("/proc/self/cgroup"),
+              root: Path = Path("/sys/fs/cgroup")) -> tuple[float, float] | None:
+    """(cores, period in ms) of the CPU quota over this process's cgroup (cpu_quota_cores)."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
@@ -250,7 +286,7 @@ def cpu_quota_cores(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = 
             except (OSError, ValueError, IndexError):
                 continue
             if quota > 0 and period > 0:
-                return quota / period
+                return quota / period, period / 1000
     return None
 
 
@@ -285,9 +321,12 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
                              "message_ms": round(_message_ms(last.cfg.d_model, rows, repeats), 4)}
     prefill_layer = max(0.0, (ms["prefill_stack"] - ms["prefill_one"]) / (STACK - 1))
     p_one = ms["prefill_one"]
+    facts = host_facts()
+    if facts.get("cpu_period_ms"):
+        facts["idle_ratio"] = round(idle_ratio(calls["one_1"], ms["one_1"], facts["cpu_period_ms"]), 4)
     return {"schema": SCHEMA, "name": name or os.uname().nodename, "model": str(model_dir), "weights": weights,
             "dtype": dtype, "device": device, "source": source, "layers": last.cfg.n_layers, "decode": decode,
             "prefill": {"chunk": CHUNK, "layer_ms_per_token": round(prefill_layer / CHUNK, 5),
                         "step_ms": round(max(0.0, p_one - prefill_layer), 4)},
-            "kernels": last.kernels(), **host_facts(), "load_s": round(load_s, 2),
+            "kernels": last.kernels(), **facts, "load_s": round(load_s, 2),
             "measure_s": round(time.perf_counter() - t_start, 2)}

@@ -32,6 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 from skippy_zmq.checkpoint.manifest import item_files, load_manifest, model_digest, stage_item_names
 from skippy_zmq.cluster import link, token
 from skippy_zmq.cluster.assign import placed_topology, stage_key_files
+from skippy_zmq.cluster.probe import MAX_PROBE_BYTES
 from skippy_zmq.config.cluster import SPLITS, ClusterConfig
 from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.config.topology import Topology
@@ -205,7 +206,7 @@ class ClusterServer:
         try:
             msg = link.parse(parts)
             handler = {"HELLO": self._hello, "FETCH": self._fetch, "STARTED": self._started,
-                       "MEASURED": self._measured}.get(msg.kind)
+                       "MEASURED": self._measured, "PING": self._ping}.get(msg.kind)
             if handler is None:
                 raise link.LinkError(f"{msg.kind} is not a worker's message")
             address = parts[0].get("Peer-Address") if parts else "?"
@@ -272,12 +273,12 @@ class ClusterServer:
     def _plan(self, workers: list[WorkerRecord]) -> None:
         """Split by the workers' measurements (falling back to the topology's split, said why, when
         none fits their memory), give each its stage, and start them."""
-        from skippy_zmq.cluster.split import log_plan, plan_measured
+        from skippy_zmq.cluster.split import links_of, log_plan, plan_measured
         from skippy_zmq.ops.speed import SpeedPlanError
 
         try:
             split = plan_measured(self.topology, {w.name: w.measured for w in workers}, self.config.objective,
-                                  self.config.streams)
+                                  self.config.streams, links_of({w.name: w.report for w in workers}))
             log_plan(split, self.config.objective)
             self.topology, order = split.topology, split.workers
         except SpeedPlanError as exc:
@@ -339,6 +340,14 @@ class ClusterServer:
         if self.on_chunk is not None:
             self.on_chunk(record.name, record.sent_bytes)
 
+    def _ping(self, identity: bytes, msg: link.Message, address: str) -> None:
+        """A worker measuring its link (cluster/probe.py): `size` zero bytes back at once (capped);
+        answered before HELLO too, since a worker reports the link in its HELLO."""
+        size = link.field(msg, "size", int, 0)
+        if size > MAX_PROBE_BYTES:
+            raise link.LinkError(f"PING: size {size} is over the probe cap ({MAX_PROBE_BYTES})")
+        self._send(identity, link.Message("PONG", {"size": size}, bytes(size) if size else None))
+
     def _started(self, identity: bytes, msg: link.Message, address: str) -> None:
         name = self.by_identity.get(identity)
         if name is None:
@@ -366,6 +375,22 @@ def log_join(record: WorkerRecord) -> None:
     kinds = ", ".join(str(d.get("kind", "?")) for d in devices if isinstance(d, dict)) or "unknown"
     gib = 1 << 30
     logger.info("cluster: worker {} joined from {}: {} cores, memory {:.1f} GiB ({:.1f} available), {:.1f} GiB "
-                "free disk, devices: {}; stage: {}", record.name, record.address, r.get("cores"),
-                (mem.get("total") or 0) / gib, (mem.get("available") or 0) / gib, (r.get("disk_free") or 0) / gib,
-                kinds, record.stage or "none (standing by)")
+                "free disk, devices: {}; link to the driver: {}; stage: {}", record.name, record.address,
+                r.get("cores"), (mem.get("total") or 0) / gib, (mem.get("available") or 0) / gib,
+                (r.get("disk_free") or 0) / gib, kinds, describe_link(driver_link(r)),
+                record.stage or "none (standing by)")
+
+
+def driver_link(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The worker's measured link to the driver from its report (None: it sent none, or a bad one)."""
+    links = report.get("links")
+    found = links.get("driver") if isinstance(links, dict) else None
+    ok = isinstance(found, dict) and all(isinstance(found.get(k), (int, float)) and found[k] > 0
+                                         for k in ("rtt_ms", "bytes_per_s"))
+    return found if ok else None
+
+
+def describe_link(found: dict[str, Any] | None) -> str:
+    if found is None:
+        return "not measured"
+    return f"round trip {found['rtt_ms']:.3f} ms, {found['bytes_per_s'] / 1e6:.1f} MB/s"

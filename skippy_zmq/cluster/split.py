@@ -4,7 +4,10 @@ rewritten (ids, ports and every other setting kept).
 
 Each worker measures right after it joins, from model.json alone (cluster/measure.py with
 source="random": it holds no weights yet), in the weight format the stages run; the driver plans
-once as many workers as the topology has stages have measured, then assigns the stages.
+once as many workers as the topology has stages have measured, then assigns the stages. Each
+worker's HELLO carries its measured link to the driver (round trip, bandwidth): hops to and from
+a worker cost its link's, and a hop between two workers the slower of their two links (the
+workers do not measure each other yet).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.config.topology import Topology
 from skippy_zmq.config.topology_yaml import parse_topology
 from skippy_zmq.ops import placement
-from skippy_zmq.ops.speed import HostSpeed, Prediction, plan_split
+from skippy_zmq.ops.speed import HostSpeed, Links, Prediction, plan_split
+
+WIRE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8": 1}   # an activation value on the wire (q8: + a scale a row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,17 +53,34 @@ def host_speed(name: str, measured: Mapping[str, Any]) -> HostSpeed:
     return HostSpeed.from_measure(measured, int(measured.get("memory_available") or 0), name=name)
 
 
+def links_of(reports: Mapping[str, Mapping[str, Any]]) -> Links:
+    """Hop costs from the workers' HELLO reports (name -> report with links.driver {rtt_ms,
+    bytes_per_s}): ops/speed.Links.from_driver_links."""
+    found = {}
+    for name, report in reports.items():
+        links = report.get("links") if isinstance(report, Mapping) else None
+        if isinstance(links, Mapping) and isinstance(links.get("driver"), Mapping):
+            found[name] = links["driver"]
+    return Links.from_driver_links(found)
+
+
+def row_bytes(topology: Topology, d_model: int) -> int:
+    """One decode row's activation on the wire (the topology's wire.activation_dtype)."""
+    dtype = topology.wire.activation_dtype
+    return d_model * WIRE_BYTES.get(dtype, 4) + (4 if dtype == "q8" else 0)
+
+
 def plan_measured(topology: Topology, measured: Mapping[str, Mapping[str, Any]], objective: str = "latency",
-                  streams: int = 8) -> MeasuredSplit:
+                  streams: int = 8, links: Links = Links()) -> MeasuredSplit:
     """Exactly len(topology.stages) of the `measured` workers (name -> measure_host dict), in the
-    order and with the cut points that ops/speed.plan_split finds best; SpeedPlanError when no
-    split fits their memory."""
+    order and with the cut points that ops/speed.plan_split finds best (hops costing `links`);
+    SpeedPlanError when no split fits their memory."""
     cfg = ModelConfig.load(topology.model_path / "model.json")
     settings = stage_settings(topology)
     hosts = [host_speed(name, m) for name, m in measured.items()]
     need = lambda a, b: placement.stage_need(cfg, a, b, settings).total   # noqa: E731
-    pred = plan_split(hosts, cfg.n_layers, need, objective=objective, streams=streams,
-                      n_stages=len(topology.stages))
+    pred = plan_split(hosts, cfg.n_layers, need, links, objective, streams, len(topology.stages),
+                      row_bytes(topology, cfg.d_model))
     data = topology.to_dict()
     for row, st in zip(data["stages"], pred.stages):
         row["layers"] = [st.start, st.end]

@@ -30,6 +30,7 @@ from skippy_zmq.checkpoint.manifest import MANIFEST_VERSION, check_manifest
 from skippy_zmq.cluster import link
 from skippy_zmq.cluster.assign import write_key_files
 from skippy_zmq.cluster.cache import CacheError, ModelCache
+from skippy_zmq.cluster.probe import TRANSFER_BYTES, measure_link
 from skippy_zmq.cluster.report import host_report, measure_speed
 from skippy_zmq.cluster.token import JoinToken
 from skippy_zmq.config.topology import TopologyError
@@ -65,6 +66,7 @@ class WorkerOptions:
                                        # speed has every worker measure before it gives stages, regardless)
     report_devices: bool = True
     stage_args: tuple[str, ...] = field(default=())   # e.g. ("--log-level", "DEBUG") before `stage`
+    link_probe_bytes: int = TRANSFER_BYTES   # the timed transfer of the link measurement
 
 
 def default_name(cache: Path) -> str:
@@ -148,9 +150,10 @@ class Worker:
     # ---------------------------------------------------------------- steps
 
     def join(self) -> link.Message:
-        self.send("HELLO", {"name": self.name, "protocol": link.PROTOCOL,
-                            "report": host_report(self.opts.cache, devices=self.opts.report_devices)})
+        report = host_report(self.opts.cache, devices=self.opts.report_devices)
         try:
+            report["links"] = {"driver": self.measure_driver_link()}
+            self.send("HELLO", {"name": self.name, "protocol": link.PROTOCOL, "report": report})
             msg = self.expect({"ASSIGN", "MEASURE"}, self.opts.join_timeout_s, "answer to this worker's HELLO")
         except TimeoutError as exc:
             raise TimeoutError(f"{exc}: is the driver running, and is the token (its endpoint) right?") from None
@@ -159,6 +162,21 @@ class Worker:
         self.measure_first(msg)
         # the driver plans once as many workers as stages have measured: no deadline but a stop
         return self.expect({"ASSIGN"}, float("inf"), "ASSIGN after this worker's measurement")
+
+    def measure_driver_link(self) -> dict[str, float]:
+        """Round trip and bandwidth to the driver over this (authenticated) link: PINGs answered
+        by PONGs of the asked size (cluster/probe.py), each within the join deadline."""
+        def ask(size: int) -> None:
+            self.send("PING", {"size": size})
+            pong = self.expect({"PONG"}, self.opts.join_timeout_s, "PONG")
+            got = 0 if pong.data is None else len(pong.data)
+            if got != size:
+                raise link.LinkError(f"PONG carried {got} bytes, {size} were asked for")
+
+        found = measure_link(ask, transfer_bytes=self.opts.link_probe_bytes)
+        logger.info("worker {}: link to the driver: round trip {:.3f} ms, {:.1f} MB/s", self.name,
+                    found["rtt_ms"], found["bytes_per_s"] / 1e6)
+        return found
 
     def measure_first(self, msg: link.Message) -> None:
         """The driver splits by measured speed: measure from its model.json alone (no weights here

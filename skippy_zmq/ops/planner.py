@@ -143,8 +143,13 @@ def plan_speed(req: PlanRequest, speed: SpeedRequest) -> tuple[Topology, list[pl
     s = settings(req)
     hosts = speed_hosts(speed)
     need = lambda a, b: placement.stage_need(cfg, a, b, s).total   # noqa: E731
-    links = Links.from_rtt(speed.default_rtt_ms, {(a, b): v for a, b, v in speed.rtt_ms})
-    pred = plan_split(hosts, cfg.n_layers, need, links, speed.objective, speed.streams, speed.stages)
+    # a host's measured link to the driver ("link": {rtt_ms, bytes_per_s}, as a cluster worker or
+    # `bench cluster` measures it), the round trips the hosts JSON gives winning
+    links = Links.from_driver_links({h.name: m["link"] for h, m in zip(hosts, speed.hosts)
+                                     if isinstance(m.get("link"), dict)}, speed.default_rtt_ms,
+                                    {(a, b): v for a, b, v in speed.rtt_ms})
+    # hops carry f32 activations (the topology written below keeps the default wire)
+    pred = plan_split(hosts, cfg.n_layers, need, links, speed.objective, speed.streams, speed.stages, cfg.d_model * 4)
     ranges = [(st.start, st.end) for st in pred.stages]
     by_name = {h.name: (h, m) for h, m in zip(hosts, speed.hosts)}
     cache = {"max_bytes": req.cache_bytes} if req.cache_bytes else {"mode": "disabled"}
@@ -168,6 +173,9 @@ def speed_comments(pred: Any, objective: str) -> str:
     for i, (st, one, many) in enumerate(zip(p["stages"], p["stage_ms_1"], p["stage_ms_n"])):
         lines.append(f"#   s{i} on {st['host']}: layers [{st['start']}, {st['end']}), {one:.3f} ms a step at 1 row, "
                      f"{many:.3f} ms at {math.ceil(p['streams'] / len(p['stages']))} rows")
+    if p.get("hop_ms_1"):
+        lines.append("# hops at 1 row (round trip / 2 + activation / bandwidth): "
+                     + ", ".join(f"{ms:.3f} ms" for ms in p["hop_ms_1"]))
     lines.append(f"# predicted: 1 stream {p['ms_per_token_1']:.2f} ms per token ({p['tok_s_1']:.1f} tok/s); "
                  f"{p['streams']} streams {p['tok_s_n']:.1f} tok/s (a round of {p['round_ms_n']:.2f} ms)")
     return "\n".join(lines) + "\n"

@@ -4,11 +4,23 @@ layers. Pure arithmetic over numbers measured elsewhere (cluster/measure.py); no
 The time model, per host h (its measurement, `HostSpeed`) and rows r a step carries:
 
     stage(h, [a, b), r) = step_h(r) + (b - a) · layer_h(r) + head_h(r) if b == n_layers
-    hop(x, y)           = one-way link cost x -> y (ms), the driver being host DRIVER
+    hop(x, y, n)        = rtt(x, y) / 2 + n / bandwidth(x, y)   (ms; the driver is host DRIVER)
 
-A token of one stream goes driver -> s0 -> ... -> s_last -> driver, each stage in turn:
+n is what the hop carries: between stages a step's activation (rows · `row_bytes`, [rows,
+d_model] in the wire dtype), to and from the driver a few bytes (token ids), so the order of
+the hosts matters where links differ. A token of one stream goes driver -> s0 -> ... -> s_last
+-> driver, each stage in turn:
 
-    latency(1)  = Σ stage(h_i, range_i, 1) + Σ hop over the ring                 (one stream)
+    latency(1)  = Σ burst(h_i, stage(h_i, range_i, 1)) + Σ hop over the ring      (one stream)
+
+burst(): a host under a CPU quota (a cgroup's q cores every period P) was measured by a loop
+that kept it busy, so its times are the throttled, sustained ones. One stream leaves each host
+idle while the others compute (a token takes longer than P), so a step starts with the period's
+whole budget. measure.py times a short step started idle too: e = idle ÷ busy time
+(`HostSpeed.idle_ratio`; q itself when the step runs one thread and nothing else eats the
+budget). A step of sustained time t then takes e·t when it ends within the budget, and about t
+when it is many periods long (`throttled_ms`: e·t of work at a quota of e, averaged over where
+in the period it starts). Many streams keep the hosts busy: their steps take the measured time.
 
 N streams run as M = n_stages micro-batches of ceil(N / M) rows (engine/scheduler.py), each a
 step of r rows (that count padded to its row bucket, as the runner pads it) and a round of the
@@ -55,6 +67,8 @@ class HostSpeed:
     head_ms: tuple[float, ...]               # the final norm, head and sampling (last stage only)
     prefill_ms_per_token: float = 0.0        # one layer, per prompt token
     memory: int = 0
+    idle_ratio: float = 1.0                  # a short step started idle ÷ busy, under a CPU quota
+    period_ms: float = 0.0                   # the quota's period (0: no quota)
 
     def at(self, values: tuple[float, ...], rows: int) -> float:
         if rows <= self.rows[0]:
@@ -64,9 +78,13 @@ class HostSpeed:
                 return v0 + (rows - r0) / (r1 - r0) * (v1 - v0)
         return values[-1]
 
-    def stage_ms(self, layers: int, last: bool, rows: int = 1) -> float:
+    def stage_ms(self, layers: int, last: bool, rows: int = 1, burst: bool = False) -> float:
+        """A step's time; burst: starting idle, with its CPU quota's whole budget (module docstring)."""
         head = self.at(self.head_ms, rows) if last else 0.0
-        return self.at(self.step_ms, rows) + layers * self.at(self.layer_ms, rows) + head
+        sustained = self.at(self.step_ms, rows) + layers * self.at(self.layer_ms, rows) + head
+        if not burst or not 0 < self.idle_ratio < 1 or self.period_ms <= 0:
+            return sustained
+        return throttled_ms(sustained * self.idle_ratio, self.idle_ratio, self.period_ms)
 
     @classmethod
     def from_measure(cls, m: Mapping[str, Any], memory: int = 0, name: str | None = None) -> HostSpeed:
@@ -80,30 +98,84 @@ class HostSpeed:
             head = tuple(h + s for h, s in zip(pick("head_ms"), pick("sample_ms")))
             return cls(name or str(m.get("name", "host")), tuple(int(r) for r in rows), pick("layer_ms"),
                        step, head, float(m.get("prefill", {}).get("layer_ms_per_token", 0.0)),
-                       int(memory or m.get("memory", 0)))
+                       int(memory or m.get("memory", 0)), float(m.get("idle_ratio") or 1.0),
+                       float(m.get("cpu_period_ms") or 0.0))
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise SpeedPlanError(f"host measurement {m.get('name', '?')!r} is not a measure_host result: "
                                  f"{exc!r}") from None
 
 
+PHASES = 16    # where in its quota period a burst starts: this many points, evenly spread
+
+
+@functools.lru_cache(maxsize=4096)
+def throttled_ms(work_ms: float, quota_cores: float, period_ms: float) -> float:
+    """Wall time of `work_ms` of one thread's CPU work under a quota of quota_cores · period_ms
+    every period_ms, starting with the period's whole budget at an even spread of phases: CFS
+    runs it until the budget is spent, then holds it until the next period refills the budget."""
+    budget, total = quota_cores * period_ms, 0.0
+    for k in range(PHASES):
+        left, wall, free, until = work_ms, 0.0, budget, period_ms * (1 - k / PHASES)
+        while left > 1e-12:
+            ran = min(left, free, until)
+            left, wall, free, until = left - ran, wall + ran, free - ran, until - ran
+            if left <= 1e-12:
+                break
+            if until > 1e-12:          # the budget ran out first: held until the period ends
+                wall += until
+            free, until = budget, period_ms
+        total += wall
+    return total / PHASES
+
+
 @dataclass(frozen=True)
 class Links:
-    """One-way hop costs in ms: `pairs[(x, y)]` where measured, else `default_ms`."""
+    """Hop costs: one-way latency in ms (`pairs[(x, y)]` where measured, else `default_ms`) and
+    bandwidth in bytes per ms (`bandwidth[(x, y)]`, else `default_bytes_per_ms`; 0: unlimited)."""
 
     default_ms: float = 0.0
     pairs: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    default_bytes_per_ms: float = 0.0
+    bandwidth: Mapping[tuple[str, str], float] = field(default_factory=dict)
 
-    def ms(self, a: str, b: str) -> float:
-        return self.pairs.get((a, b), self.default_ms)
+    def ms(self, a: str, b: str, nbytes: int = 0) -> float:
+        rate = self.bandwidth.get((a, b), self.default_bytes_per_ms)
+        return self.pairs.get((a, b), self.default_ms) + (nbytes / rate if nbytes and rate > 0 else 0.0)
 
     @classmethod
-    def from_rtt(cls, default_rtt_ms: float = 0.0, rtt: Mapping[tuple[str, str], float] | None = None) -> Links:
-        """From round trips (a hop is half of one; symmetric unless both directions are given)."""
-        pairs: dict[tuple[str, str], float] = {}
-        for (a, b), value in (rtt or {}).items():
-            pairs.setdefault((b, a), value / 2)
-            pairs[(a, b)] = value / 2
-        return cls(default_rtt_ms / 2, pairs)
+    def from_rtt(cls, default_rtt_ms: float = 0.0, rtt: Mapping[tuple[str, str], float] | None = None,
+                 default_bytes_per_s: float = 0.0, bytes_per_s: Mapping[tuple[str, str], float] | None = None) -> Links:
+        """From round trips (a hop is half of one) and bandwidths in bytes/s; each symmetric unless
+        both directions are given."""
+        return cls(default_rtt_ms / 2, _symmetric(rtt, 0.5), default_bytes_per_s / 1000,
+                   _symmetric(bytes_per_s, 1e-3))
+
+
+    @classmethod
+    def from_driver_links(cls, found: Mapping[str, Mapping[str, Any]], default_rtt_ms: float = 0.0,
+                          rtt: Mapping[tuple[str, str], float] | None = None) -> Links:
+        """From each host's measured link to the driver (name -> {rtt_ms, bytes_per_s}, as a
+        worker reports it: cluster/probe.py): the driver's hops as measured; a hop between two
+        hosts the larger round trip and the smaller bandwidth of theirs (hosts do not measure each
+        other yet); `rtt` (round trips given by hand) wins; a host with no usable link costs
+        `default_rtt_ms`."""
+        ok = {name: (float(d["rtt_ms"]), float(d["bytes_per_s"])) for name, d in found.items()
+              if all(isinstance(d.get(k), (int, float)) and d[k] > 0 for k in ("rtt_ms", "bytes_per_s"))}
+        rtts, rates = {}, {}
+        for a, (rtt_a, rate_a) in ok.items():
+            rtts[(DRIVER, a)], rates[(DRIVER, a)] = rtt_a, rate_a
+            for b, (rtt_b, rate_b) in ok.items():
+                if a != b:
+                    rtts[(a, b)], rates[(a, b)] = max(rtt_a, rtt_b), min(rate_a, rate_b)
+        return cls.from_rtt(default_rtt_ms, {**rtts, **(rtt or {})}, 0.0, rates)
+
+
+def _symmetric(values: Mapping[tuple[str, str], float] | None, scale: float) -> dict[tuple[str, str], float]:
+    pairs: dict[tuple[str, str], float] = {}
+    for (a, b), value in (values or {}).items():
+        pairs.setdefault((b, a), value * scale)
+        pairs[(a, b)] = value * scale
+    return pairs
 
 
 @dataclass(frozen=True)
@@ -124,6 +196,7 @@ class Prediction:
     stage_ms_1: tuple[float, ...]
     stage_ms_n: tuple[float, ...]
     prefill_ms_per_token: float      # the slowest stage's prompt time per token (chunks pipeline)
+    hop_ms_1: tuple[float, ...] = ()  # each hop of the ring at 1 row: driver -> s0, ..., s_last -> driver
 
     def to_json(self) -> dict[str, Any]:
         return {"stages": [{"host": s.host, "start": s.start, "end": s.end} for s in self.stages],
@@ -131,7 +204,8 @@ class Prediction:
                 "streams": self.streams, "round_ms_n": round(self.round_ms_n, 3), "tok_s_n": round(self.tok_s_n, 2),
                 "stage_ms_1": [round(v, 3) for v in self.stage_ms_1],
                 "stage_ms_n": [round(v, 3) for v in self.stage_ms_n],
-                "prefill_ms_per_token": round(self.prefill_ms_per_token, 4)}
+                "prefill_ms_per_token": round(self.prefill_ms_per_token, 4),
+                "hop_ms_1": [round(v, 4) for v in self.hop_ms_1]}
 
 
 def micro_rows(streams: int, n_stages: int) -> int:
@@ -140,35 +214,48 @@ def micro_rows(streams: int, n_stages: int) -> int:
     return Buckets().rows_for(min(max(1, math.ceil(streams / n_stages)), Buckets().decode_rows[-1]))
 
 
-def ring_ms(stages: Sequence[Stage], links: Links) -> float:
+TOKEN_BYTES = 8   # what a hop to or from the driver carries per row (token ids, positions): next to nothing
+
+
+def hops_ms(stages: Sequence[Stage], links: Links, rows: int = 1, row_bytes: int = 0) -> list[float]:
+    """Each hop of one step round the ring: activations between stages, token ids to and from the driver."""
     hosts = [DRIVER] + [s.host for s in stages] + [DRIVER]
-    return sum(links.ms(a, b) for a, b in zip(hosts, hosts[1:]))
+    sizes = [rows * TOKEN_BYTES] + [rows * row_bytes] * (len(stages) - 1) + [rows * TOKEN_BYTES]
+    return [links.ms(a, b, n) for (a, b), n in zip(zip(hosts, hosts[1:]), sizes)]
+
+
+def ring_ms(stages: Sequence[Stage], links: Links, rows: int = 1, row_bytes: int = 0) -> float:
+    return sum(hops_ms(stages, links, rows, row_bytes))
 
 
 def predict(stages: Sequence[Stage], hosts: Mapping[str, HostSpeed], n_layers: int, links: Links,
-            streams: int = 8) -> Prediction:
-    """Time per token (1 stream) and tok/s (1 and `streams` streams) of a split (module docstring)."""
-    ring, m = ring_ms(stages, links), len(stages)
+            streams: int = 8, row_bytes: int = 0) -> Prediction:
+    """Time per token (1 stream) and tok/s (1 and `streams` streams) of a split (module docstring).
+    row_bytes: one row's activation on the wire (d_model x the wire dtype's bytes)."""
+    m = len(stages)
     rows = micro_rows(streams, m)
-    one = tuple(hosts[s.host].stage_ms(s.end - s.start, s.end == n_layers, 1) for s in stages)
+    one = tuple(hosts[s.host].stage_ms(s.end - s.start, s.end == n_layers, 1, burst=True) for s in stages)
     many = tuple(hosts[s.host].stage_ms(s.end - s.start, s.end == n_layers, rows) for s in stages)
-    latency = sum(one) + ring
-    round_ms = max(sum(many) + ring, m * max(many))
+    hops = tuple(hops_ms(stages, links, 1, row_bytes))
+    latency = sum(one) + sum(hops)
+    round_ms = max(sum(many) + ring_ms(stages, links, rows, row_bytes), m * max(many))
     prefill = max(hosts[s.host].prefill_ms_per_token * (s.end - s.start) for s in stages)
     return Prediction(tuple(stages), latency, 1000 / latency, streams, round_ms, 1000 * streams / round_ms,
-                      one, many, prefill)
+                      one, many, prefill, hops)
 
 
 def objective_ms(stages: Sequence[Stage], hosts: Mapping[str, HostSpeed], n_layers: int, links: Links,
-                 objective: str, streams: int) -> float:
-    p = predict(stages, hosts, n_layers, links, streams)
+                 objective: str, streams: int, row_bytes: int = 0) -> float:
+    p = predict(stages, hosts, n_layers, links, streams, row_bytes)
     return p.ms_per_token_1 if objective == "latency" else p.round_ms_n / streams
 
 
 def plan_split(hosts: Sequence[HostSpeed], n_layers: int, need: Callable[[int, int], int], links: Links = Links(),
-               objective: str = "latency", streams: int = 8, n_stages: int | None = None) -> Prediction:
+               objective: str = "latency", streams: int = 8, n_stages: int | None = None,
+               row_bytes: int = 0) -> Prediction:
     """The best split (module docstring). `n_stages`: use exactly that many hosts (default: any
-    number, 1 to len(hosts)). Raises SpeedPlanError when no split fits the memory budgets."""
+    number, 1 to len(hosts)); row_bytes: one activation row on the wire (hops cost its transfer).
+    Raises SpeedPlanError when no split fits the memory budgets."""
     if objective not in OBJECTIVES:
         raise SpeedPlanError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if not 1 <= len(hosts) <= MAX_HOSTS:
@@ -179,24 +266,28 @@ def plan_split(hosts: Sequence[HostSpeed], n_layers: int, need: Callable[[int, i
     by_name = {h.name: h for h in hosts}
     best: Prediction | None = None
     for m in counts:
-        for stages in _best_chains(hosts, n_layers, need, links, objective, streams, m):
-            cost = objective_ms(stages, by_name, n_layers, links, objective, streams)
-            if best is None or cost < objective_ms(best.stages, by_name, n_layers, links, objective, streams) - 1e-9:
-                best = predict(stages, by_name, n_layers, links, streams)
+        for stages in _best_chains(hosts, n_layers, need, links, objective, streams, m, row_bytes):
+            cost = objective_ms(stages, by_name, n_layers, links, objective, streams, row_bytes)
+            if best is None or cost < objective_ms(best.stages, by_name, n_layers, links, objective, streams,
+                                                   row_bytes) - 1e-9:
+                best = predict(stages, by_name, n_layers, links, streams, row_bytes)
     if best is None:
         raise SpeedPlanError(_no_fit(hosts, n_layers, need))
     return best
 
 
 def _best_chains(hosts: Sequence[HostSpeed], n_layers: int, need: Callable[[int, int], int], links: Links,
-                 objective: str, streams: int, m: int) -> list[tuple[Stage, ...]]:
+                 objective: str, streams: int, m: int, row_bytes: int = 0) -> list[tuple[Stage, ...]]:
     """The chain(s) of m stages that can be best for the objective (one for latency; for
     throughput, the least-sum chain under each candidate bottleneck bound on the search path)."""
-    rows = 1 if objective == "latency" else micro_rows(streams, m)
+    latency = objective == "latency"
+    rows = 1 if latency else micro_rows(streams, m)
     fits = functools.lru_cache(maxsize=None)(lambda h, a, b: not hosts[h].memory or need(a, b) <= hosts[h].memory)
-    cost = functools.lru_cache(maxsize=None)(lambda h, a, b: hosts[h].stage_ms(b - a, b == n_layers, rows))
-    if objective == "latency":
-        chain = _min_sum_chain(hosts, n_layers, fits, cost, links, m, math.inf)
+    cost = functools.lru_cache(maxsize=None)(lambda h, a, b: hosts[h].stage_ms(b - a, b == n_layers, rows, latency))
+    hop = functools.lru_cache(maxsize=None)(   # what a hop carries: ring_ms's sizes
+        lambda a, b: links.ms(a, b, rows * (TOKEN_BYTES if DRIVER in (a, b) else row_bytes)))
+    if latency:
+        chain = _min_sum_chain(hosts, n_layers, fits, cost, hop, m, math.inf)
         return [chain] if chain else []
     bounds = sorted({cost(h, a, b) for h in range(len(hosts)) for a in range(n_layers)
                      for b in range(a + 1, n_layers + 1)})
@@ -205,18 +296,18 @@ def _best_chains(hosts: Sequence[HostSpeed], n_layers: int, need: Callable[[int,
     lo, hi, found = 0, len(bounds) - 1, []
     while lo <= hi:
         mid = (lo + hi) // 2
-        chain = _min_sum_chain(hosts, n_layers, fits, cost, links, m, bounds[mid])
+        chain = _min_sum_chain(hosts, n_layers, fits, cost, hop, m, bounds[mid])
         if chain:
             found.append(chain)
         total = math.inf if chain is None else sum(cost(_index(hosts, s.host), s.start, s.end) for s in chain) + \
-            ring_ms(chain, links)
+            ring_ms(chain, links, rows, row_bytes)
         if total <= m * bounds[mid]:
             hi = mid - 1
         else:
             lo = mid + 1
     for k in (lo - 1, lo):    # the crossing's neighbours, in case the search stepped over one
         if 0 <= k < len(bounds):
-            chain = _min_sum_chain(hosts, n_layers, fits, cost, links, m, bounds[k])
+            chain = _min_sum_chain(hosts, n_layers, fits, cost, hop, m, bounds[k])
             if chain:
                 found.append(chain)
     return found
@@ -227,7 +318,7 @@ def _index(hosts: Sequence[HostSpeed], name: str) -> int:
 
 
 def _min_sum_chain(hosts: Sequence[HostSpeed], n_layers: int, fits: Callable[[int, int, int], bool],
-                   cost: Callable[[int, int, int], float], links: Links, m: int,
+                   cost: Callable[[int, int, int], float], hop: Callable[[str, str], float], m: int,
                    bound: float) -> tuple[Stage, ...] | None:
     """Least Σ stage cost + hops over chains of m distinct hosts covering [0, n_layers), every
     stage fitting its host's memory and costing <= bound. DP state: (hosts used, last host, end)."""
@@ -238,7 +329,7 @@ def _min_sum_chain(hosts: Sequence[HostSpeed], n_layers: int, fits: Callable[[in
         for b in range(1, n_layers - (m - 1) + 1):
             c = cost(h, 0, b)
             if c <= bound and fits(h, 0, b):
-                layer[(1 << h, h, b)] = (links.ms(DRIVER, names[h]) + c, None)
+                layer[(1 << h, h, b)] = (hop(DRIVER, names[h]) + c, None)
     states = [layer]
     for k in range(1, m):
         nxt: dict[tuple[int, int, int], tuple[float, tuple[int, int, int] | None]] = {}
@@ -246,16 +337,16 @@ def _min_sum_chain(hosts: Sequence[HostSpeed], n_layers: int, fits: Callable[[in
             for h in range(len(hosts)):
                 if mask >> h & 1:
                     continue
-                hop = links.ms(names[last], names[h])
+                link = hop(names[last], names[h])
                 for b in range(a + 1, n_layers - (m - 1 - k) + 1):
                     c = cost(h, a, b)
                     if c > bound or not fits(h, a, b):
                         continue
-                    key, total = (mask | 1 << h, h, b), so_far + hop + c
+                    key, total = (mask | 1 << h, h, b), so_far + link + c
                     if key not in nxt or total < nxt[key][0]:
                         nxt[key] = (total, (mask, last, a))
         states.append(nxt)
-    ends = [(v[0] + links.ms(names[key[1]], DRIVER), key) for key, v in states[-1].items() if key[2] == n_layers]
+    ends = [(v[0] + hop(names[key[1]], DRIVER), key) for key, v in states[-1].items() if key[2] == n_layers]
     if not ends:
         return None
     key = min(ends)[1]
@@ -277,7 +368,8 @@ def _no_fit(hosts: Sequence[HostSpeed], n_layers: int, need: Callable[[int, int]
 
 
 def brute_force(hosts: Sequence[HostSpeed], n_layers: int, need: Callable[[int, int], int], links: Links,
-                objective: str, streams: int = 8, n_stages: int | None = None) -> Prediction | None:
+                objective: str, streams: int = 8, n_stages: int | None = None, row_bytes: int = 0
+                ) -> Prediction | None:
     """Every ordered choice of hosts (of `n_stages`, default any count) and every set of cuts:
     what tests and `bench cluster` check plan_split against."""
     import itertools
@@ -291,7 +383,7 @@ def brute_force(hosts: Sequence[HostSpeed], n_layers: int, need: Callable[[int, 
                 stages = tuple(Stage(h.name, a, b) for h, a, b in zip(order, bounds, bounds[1:]))
                 if any(h.memory and need(s.start, s.end) > h.memory for h, s in zip(order, stages)):
                     continue
-                c = objective_ms(stages, by_name, n_layers, links, objective, streams)
+                c = objective_ms(stages, by_name, n_layers, links, objective, streams, row_bytes)
                 if c < best_cost - 1e-9:
-                    best, best_cost = predict(stages, by_name, n_layers, links, streams), c
+                    best, best_cost = predict(stages, by_name, n_layers, links, streams, row_bytes), c
     return best

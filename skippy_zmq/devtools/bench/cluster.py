@@ -4,8 +4,9 @@ even split, the memory-only split and the best split found by trying cuts.
 Hosts (devtools/hosts.py): stage processes in cgroup v1 `cpu` groups at 100%, 50% and 25% of a
 core over a 10 ms period, each in a network namespace of its own when the machine allows it (the
 driver in this process, on the bridge). Each host is measured inside its group by `skippy-zmq
-plan --measure` (cluster/measure.py), the planner (ops/speed.py) splits the model over the three
-by those numbers, and every split is then run for real: 1 stream (ms per token, inter-token
+plan --measure` (cluster/measure.py) and its link to the driver by an echo server in its group and
+namespace (cluster/probe.py), the planner (ops/speed.py) splits the model over the three by those
+numbers (hops costing round trip / 2 + activation bytes / bandwidth), and every split is then run for real: 1 stream (ms per token, inter-token
 median) and 8 streams (steady aggregate tok/s), predicted beside measured.
 
 Splits: planned for latency (1 stream) and for throughput (8 streams), even, memory-only (each
@@ -53,13 +54,37 @@ NEW_TOKENS = 24
 PROMPT_TOKENS = 32
 CONTEXT = 256          # few attention buckets: few shapes for a stage to compile at 25% of a core
 LANES = 8
-# The cost of a link beyond what measure_host times (a message's encode, send, receive and decode):
-# the stage loop's bookkeeping, the driver's scheduling, a sleeping process waking on a crowded
-# 2-core machine. As a round trip (a hop is half): docs/benchmarks.md's per-hop overhead on this
-# machine is 2.2-2.8 ms one way including a step's fixed cost (~0.5-1 ms); 3 ms a round trip is
-# what is left of it. Not fitted to this bench's splits.
-RTT_MS = 3.0
 PORT = 5611            # stage listen port inside each namespace (each has its own port space)
+PROBE_PORT = 5620      # + host index: cluster/probe.py's echo server in each host, for its link
+
+
+def probe_links(hosts: Hosts) -> tuple[Any, list[dict[str, Any]]]:
+    """Each host's link to the driver measured (cluster/probe.py: round trip, bandwidth), an echo
+    server in the host's group and namespace, so the round trip includes a throttled host waking
+    up; a link between two hosts is taken as the mean of theirs (both sit on one bridge)."""
+    from skippy_zmq.cluster.probe import echo_client, measure_link
+    from skippy_zmq.ops.speed import DRIVER
+
+    rows = []
+    for i, spec in enumerate(hosts.specs):
+        endpoint = f"tcp://{hosts.address(i)}:{PROBE_PORT + i}"
+        argv = hosts.wrap(i, [sys.executable, "-m", "skippy_zmq.cluster.probe", endpoint])
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=tied_env(True))
+        try:
+            proc.stdout.readline()    # "ready": bound
+            ask, close = echo_client(endpoint)
+            try:
+                rows.append({"host": spec.name, **measure_link(ask)})
+            finally:
+                close()
+        finally:
+            proc.kill()
+            proc.wait()
+    print(f"[bench cluster] links to the driver: {rows}", flush=True)
+    rtt = {(DRIVER, r["host"]): r["rtt_ms"] for r in rows}
+    rate = {(DRIVER, r["host"]): r["bytes_per_s"] for r in rows}
+    links = Links.from_rtt(statistics.mean(rtt.values()), rtt, statistics.mean(rate.values()), rate)
+    return links, rows
 
 
 def even_ranges(n_layers: int, n: int) -> list[tuple[int, int]]:
@@ -97,8 +122,11 @@ def _measure(hosts: Hosts, which: list[int], model: Path, weights: str, tmp: Pat
         path = tmp / f"measure-{spec.name}-{tag}.json"
         argv = [sys.executable, "-m", "skippy_zmq.cli", "--log-level", "WARNING", "plan", "--measure", "--model",
                 str(model), "--weights", weights, "--name", spec.name, "--measure-out", str(path)]
-        # the plan after the measurement may find no room in this machine's free memory: not our question
-        procs.append(subprocess.Popen(hosts.wrap(i, argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        # the plan after the measurement may find no room in this machine's free memory: not our question.
+        # In the host's CPU group but not its namespace (measuring needs no network, and `ip netns exec`
+        # hides the cgroup folders the measurement reads its quota from)
+        group = hosts.groups[i]
+        procs.append(subprocess.Popen(group.wrap(argv) if group is not None else argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       env=tied_env(True)))
         paths.append(path)
     for proc in procs:
@@ -107,6 +135,10 @@ def _measure(hosts: Hosts, which: list[int], model: Path, weights: str, tmp: Pat
     if missing:
         raise RuntimeError(f"measuring wrote no {', '.join(missing)}")
     out = [json.loads(p.read_text()) for p in paths]
+    for i, m in zip(which, out):
+        if hosts.specs[i].cpu is not None and "cpu_period_ms" not in m:
+            print(f"[bench cluster] {m['name']}: its measurement read no CPU quota; idle starts not measured",
+                  flush=True)
     for m in out:
         print(f"[bench cluster] measured {m['name']} ({tag}) in {time.perf_counter() - t0:.0f} s: layer "
               f"{m['decode']['1']['layer_ms']} ms, step {m['decode']['1']['step_ms']} ms, head "
@@ -200,14 +232,19 @@ def run_split(name: str, stages: Sequence[Stage], hosts: Hosts, model: Path, wei
         engine.on_reply_hooks.append(log)
         base = synthetic_prompt(tokenizer, PROMPT_TOKENS)
         measure(engine, stream_prompts(base, STREAMS, salt=100), 4, strict=False)   # ramps the row buckets
+        t0_one = time.perf_counter()
         one = measure(engine, [base], NEW_TOKENS, log, ids)
         t0_many = time.perf_counter()
+        steps_1 = log.window(t0_one, t0_many, steps_only=True)
         many = measure(engine, stream_prompts(base, STREAMS, salt=1), NEW_TOKENS, log, ids)
         steps = log.window(t0_many, time.perf_counter(), steps_only=True)
     row = {"split": name, "layers": _label(stages),
            "ms_per_token_1": one["itl_p50_ms"], "predicted_ms_1": round(predicted.ms_per_token_1, 2),
            # the stages' own compute per step (their telemetry) beside the model's Σ stage times
            "compute_ms_1": one.get("step_compute_ms"), "predicted_compute_ms_1": round(sum(predicted.stage_ms_1), 2),
+           # each stage's own step compute at 1 stream beside the model's (burst) stage times
+           "step_ms_1": " / ".join(f"{v:.1f}" for v in stage_step_ms(steps_1, ids)),
+           "predicted_step_ms_1": " / ".join(f"{v:.1f}" for v in predicted.stage_ms_1),
            "tok_s_8": many["agg_tok_s"], "predicted_tok_s_8": round(predicted.tok_s_n, 1),
            "bubble_8": " / ".join(f"{v:.2f}" for v in many.get("bubble", {}).values()),
            # each stage's own step compute at 8 streams (median over its decode steps) beside the model's
@@ -220,11 +257,12 @@ def run_split(name: str, stages: Sequence[Stage], hosts: Hosts, model: Path, wei
     return row
 
 
-def plan_splits(speeds: list[HostSpeed], n_layers: int, need: Any, links: Links) -> dict[str, tuple[Stage, ...]]:
+def plan_splits(speeds: list[HostSpeed], n_layers: int, need: Any, links: Links,
+                row_bytes: int = 0) -> dict[str, tuple[Stage, ...]]:
     """The splits every run measures, but memory-only: planned (latency, throughput), even."""
     names = [h.name for h in speeds]
-    latency = plan_split(speeds, n_layers, need, links, "latency", STREAMS, n_stages=len(speeds))
-    throughput = plan_split(speeds, n_layers, need, links, "throughput", STREAMS, n_stages=len(speeds))
+    latency = plan_split(speeds, n_layers, need, links, "latency", STREAMS, len(speeds), row_bytes)
+    throughput = plan_split(speeds, n_layers, need, links, "throughput", STREAMS, len(speeds), row_bytes)
     return {"planned (latency)": latency.stages, "planned (throughput)": throughput.stages,
             "even": tuple(Stage(h, a, b) for h, (a, b) in zip(names, even_ranges(n_layers, len(names))))}
 
@@ -262,26 +300,29 @@ def bench_cluster(args: argparse.Namespace, tables: list[str], _prior: dict[str,
     settings = placement.StageSettings(weights, "float32", "f32", CONTEXT, LANES, 0, _stored(model))
     need = lambda a, b: placement.stage_need(cfg, a, b, settings).total   # noqa: E731
     budget = 4 * placement.GiB
-    links = Links.from_rtt(RTT_MS)
+    row_bytes = cfg.d_model * 4      # a decode activation row on the wire (f32)
     load = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="skippy-cluster-"))
     with Hosts(HOSTS, netns=netns_why is None) as hosts, driver_group(hosts.tag):
+        links, link_rows = probe_links(hosts)
         measured = measure_hosts(hosts, model, weights, tmp)
+        for m, r in zip(measured, link_rows):
+            m["link"] = r
         speeds = [HostSpeed.from_measure(m, budget) for m in measured]
         by_name = {h.name: h for h in speeds}
-        splits = plan_splits(speeds, cfg.n_layers, need, links)
+        splits = plan_splits(speeds, cfg.n_layers, need, links, row_bytes)
         fit = placement.fit_layers(cfg, [budget] * len(speeds), [settings] * len(speeds))
         splits["memory-only"] = tuple(Stage(h.name, n.start, n.end) for h, n in zip(speeds, fit))
-        checks = _brute_checks(speeds, cfg.n_layers, need, links, splits)
+        checks = _brute_checks(speeds, cfg.n_layers, need, links, splits, row_bytes)
         rows, seen = [], set()
-        for name, stages in list(splits.items()) + _grid(splits, by_name, cfg.n_layers, links, args):
+        for name, stages in list(splits.items()) + _grid(splits, by_name, cfg.n_layers, links, args, row_bytes):
             if stages in seen:
                 continue
             if name.startswith("grid") and time.perf_counter() - t_start > args.budget_s:
                 break
             seen.add(stages)
             rows.append(run_split(name, stages, hosts, model, weights, tmp,
-                                  predict(stages, by_name, cfg.n_layers, links, STREAMS)))
+                                  predict(stages, by_name, cfg.n_layers, links, STREAMS, row_bytes)))
     return _report(args, tables, rows, measured, checks, netns_why, load, t_start)
 
 
@@ -292,19 +333,19 @@ def _stored(model: Path) -> str:
 
 
 def _grid(splits: dict[str, tuple[Stage, ...]], by_name: dict[str, HostSpeed], n_layers: int, links: Links,
-          args: argparse.Namespace) -> list[tuple[str, tuple[Stage, ...]]]:
+          args: argparse.Namespace, row_bytes: int = 0) -> list[tuple[str, tuple[Stage, ...]]]:
     """Grid splits in both planned host orders, best predicted first (latency and throughput in turn)."""
     step = max(1, args.grid)
     candidates = {g for key in ("planned (latency)", "planned (throughput)")
                   for g in grid_splits([s.host for s in splits[key]], n_layers, step)}
-    by_lat = sorted(candidates, key=lambda g: predict(g, by_name, n_layers, links, STREAMS).ms_per_token_1)
-    by_thr = sorted(candidates, key=lambda g: -predict(g, by_name, n_layers, links, STREAMS).tok_s_n)
+    by_lat = sorted(candidates, key=lambda g: predict(g, by_name, n_layers, links, STREAMS, row_bytes).ms_per_token_1)
+    by_thr = sorted(candidates, key=lambda g: -predict(g, by_name, n_layers, links, STREAMS, row_bytes).tok_s_n)
     order = [g for pair in zip(by_lat, by_thr) for g in pair]
     return [(f"grid {' / '.join(str(s.end - s.start) for s in g)}", g) for g in order]
 
 
 def _brute_checks(speeds: list[HostSpeed], n_layers: int, need: Any, links: Links,
-                  splits: dict[str, tuple[Stage, ...]]) -> list[dict[str, Any]]:
+                  splits: dict[str, tuple[Stage, ...]], row_bytes: int = 0) -> list[dict[str, Any]]:
     """The planner against brute force over every order and cut of three stages, in prediction."""
     from skippy_zmq.ops.speed import objective_ms
 
@@ -312,10 +353,12 @@ def _brute_checks(speeds: list[HostSpeed], n_layers: int, need: Any, links: Link
     out = []
     for objective, key in (("latency", "planned (latency)"), ("throughput", "planned (throughput)")):
         t0 = time.perf_counter()
-        best = brute_force(speeds, n_layers, need, links, objective, STREAMS, len(speeds)).stages
+        best = brute_force(speeds, n_layers, need, links, objective, STREAMS, len(speeds), row_bytes).stages
         out.append({"objective": objective, "planned": _label(splits[key]), "brute_force": _label(best),
-                    "planned_ms": round(objective_ms(splits[key], by_name, n_layers, links, objective, STREAMS), 3),
-                    "brute_force_ms": round(objective_ms(best, by_name, n_layers, links, objective, STREAMS), 3),
+                    "planned_ms": round(objective_ms(splits[key], by_name, n_layers, links, objective, STREAMS,
+                                                     row_bytes), 3),
+                    "brute_force_ms": round(objective_ms(best, by_name, n_layers, links, objective, STREAMS,
+                                                         row_bytes), 3),
                     "brute_force_s": round(time.perf_counter() - t0, 1)})
     return out
 
@@ -332,6 +375,8 @@ def _report(args: argparse.Namespace, tables: list[str], rows: list[dict[str, An
     host_rows = [{"host": m["name"], "cpu_quota_cores": m.get("cpu_quota_cores") or quota.get(m["name"]),
                   **{f"{k}_{r}": m["decode"][r][k] for r in ("1", "4", "8") for k in ("layer_ms", "step_ms", "head_ms")},
                   "layer_ms_8_alone": m.get("decode_alone", {}).get("8", {}).get("layer_ms"),
+                  "idle_ratio": m.get("idle_ratio"), "rtt_ms": m.get("link", {}).get("rtt_ms"),
+                  "link_MB_s": round(m.get("link", {}).get("bytes_per_s", 0) / 1e6, 1),
                   "prefill_layer_ms_per_token": m["prefill"]["layer_ms_per_token"], "measure_s": m["measure_s"]}
                  for m in measured]
     cpu = measured[0].get("cpu", "?")
