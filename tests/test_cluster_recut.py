@@ -84,15 +84,19 @@ def start_cluster(tmp_path, topology, workers: dict[str, list[str]], env: dict |
 
 
 def serve(server, procs, tmp_path, n_workers: int):
+    """Every stage placed, the engine ready, the rebalancer attached. The workers' measurements are
+    given (the same for each): the re-cut's subject is not measuring (tests/test_cluster.py's is)."""
     from skippy_zmq.api.main import open_engine
     from skippy_zmq.engine.recut import attach_rebalancer
 
-    def settled() -> bool:   # every worker measured, every stage placed, or a worker died
+    def settled() -> bool:   # every stage placed and started, or a worker died
         return any(p.poll() is not None for p in procs.values()) or (
-            server.placed is not None and sum(1 for w in server.workers.values() if w.measured) == n_workers)
+            server.placed is not None and sum(1 for w in server.workers.values() if w.started) == n_workers)
     server.wait_until(settled, 400)
     assert server.placed is not None and all(p.poll() is None for p in procs.values()), \
         [(tmp_path / f"{n}.log").read_text()[-2000:] for n in procs]
+    for w in server.workers.values():
+        w.measured = fake_measure(8 << 30)
     placed = server.placed
     engine, _ = open_engine(placed)
     wait_alive(engine, procs, tmp_path)
@@ -116,35 +120,42 @@ def split_of(server) -> dict[str, tuple[int, int]]:
 @pytest.mark.slow
 def test_a_rebalance_on_command_while_8_streams_run_fails_none_and_changes_no_token(tiny_model, tmp_path,
                                                                                       driver_log):
-    """`skippy-zmq rebalance` while 8 streams decode: the fast host got slow (its measurement scaled
-    as drift would), the split moves its layers to the other, no stream fails, every token equal."""
-    n = 200
-    expected = expected_tokens(tiny_model, n)
+    """`skippy-zmq rebalance` while 8 streams decode: the worker of s1 got slow (its measurement
+    scaled as drift would), the split moves its layers to the other, no stream fails, every token equal."""
     from skippy_zmq.config.topology_yaml import load_topology
 
-    server, procs = start_cluster(tmp_path, load_topology(recut_topology(tmp_path, tiny_model, 2)),
-                                  {"slow": [], "fast": []}, env={"slow": {"SKIPPY_TEST_SPEED_SCALE": "10"}})
+    n = 200
+    expected = expected_tokens(tiny_model, n)
+    topology = load_topology(recut_topology(tmp_path, tiny_model, 2, split="topology"))
+    server, procs = start_cluster(tmp_path, topology, {"a": ["--no-measure"], "b": ["--no-measure"]})
     engine = rebalancer = None
     try:
         engine, rebalancer = serve(server, procs, tmp_path, 2)
+        slowed = holder(server, "s1")
         before = split_of(server)
-        assert before["slow"][1] - before["slow"][0] == 1
-        rebalancer.drift.scale["fast"] = 100.0     # fresh numbers: "fast" is now 10x slower than "slow"
-        streams = Streams(engine, n)
-        streams.warm.wait(300)
+        assert before[slowed] == (2, 4)
+        rebalancer.drift.scale[slowed] = 10.0       # fresh numbers: it is now 10x slower than it measured
+        running, begin = [], rebalancer.target.begin
+
+        def begin_mid_run(reason: str) -> None:    # the pause comes with all 8 streams mid-run, whatever
+            running.append(Streams(engine, n))      # the CLI's start-up took (a loaded machine's seconds)
+            running[0].warm.wait(300)
+            begin(reason)
+        rebalancer.target.begin = begin_mid_run
         cli = subprocess.run([sys.executable, "-m", "skippy_zmq.cli", "rebalance", "--join", server.token.text(),
                               "--timeout", "600"], capture_output=True, text=True, timeout=700, env=tied_env())
+        streams = running[0]
         streams.join(600)
         assert cli.returncode == 0, cli.stderr[-3000:]
         outcome = yaml.safe_load(cli.stdout)
-        assert outcome["ok"] and outcome["changed"]
+        assert outcome["ok"] and outcome["changed"], outcome
         after = split_of(server)
-        assert after["fast"][1] - after["fast"][0] == 1 and after != before
+        assert after[slowed][1] - after[slowed][0] == 1 and after != before
         assert streams.errors == []
         assert streams.tokens == expected
         assert any("re-cut (asked for" in line and "paused 8 request(s)" in line for line in driver_log), \
             [line for line in driver_log if "re-cut" in line]
-        assert server.sent_bytes > 0 and all(w.next_files is None for w in server.workers.values())
+        assert all(w.next_files is None for w in server.workers.values())
     finally:
         for closer in (rebalancer, engine):
             if closer is not None:
@@ -192,8 +203,6 @@ def test_a_worker_gone_for_good_is_planned_around_or_named_in_a_503(tiny_model, 
     server, procs = start_cluster(tmp_path, topology, {"a": ["--no-measure"], "b": ["--no-measure"]})
     engine = rebalancer = None
     try:
-        for w in server.workers.values():
-            w.measured = fake_measure(8 << 30)      # the re-cut's subject is not measuring: numbers given
         engine, rebalancer = serve(server, procs, tmp_path, 2)
         streams = Streams(engine, n)
         streams.warm.wait(300)

@@ -33,6 +33,7 @@ from skippy_zmq.cluster.server import ClusterServer, WorkerRecord
 from skippy_zmq.cluster.split import MeasuredSplit, log_plan, plan_measured
 from skippy_zmq.config.topology import Topology
 from skippy_zmq.config.topology_yaml import parse_topology
+from skippy_zmq.protocol.keystore import keys_dir_of
 
 PREPARE_TIMEOUT_S = 900.0   # fetching a stage's items while serving (large models on slow links)
 HALT_TIMEOUT_S = 60.0       # a stage stops within its grace period
@@ -61,6 +62,8 @@ def speed_of(record: WorkerRecord) -> dict[str, Any] | None:
 def trimmed(base: Topology, n: int) -> Topology:
     """`base` with its first n stages only, layers evenly cut (the planner rewrites them)."""
     data = base.to_dict()
+    if base.keys_dir is None:   # the generated key folder is named by the stages: keep the base's keys
+        data["keys_dir"] = str(keys_dir_of(base))
     layers = base.stages[-1].end
     data["stages"] = data["stages"][:n]
     for i, row in enumerate(data["stages"]):
