@@ -178,6 +178,7 @@ class Rebalancer:
         self._halt(split)
         self._install(split)
         self.target.finish(self.server.placed)
+        self.gone = dict.fromkeys(self.gone, "")        # planned around: they hold nothing of this split
         if self.drift is not None:
             self.drift.reset(self.server.topology, {w.name: w for w in self.server.workers.values()})
         done = {"ok": True, "changed": True, "reason": reason, "stages": self._current(),
@@ -221,12 +222,12 @@ class Rebalancer:
         return self.drift.scaled(record.name, speed) if self.drift is not None else speed
 
     def _no_split(self, exc: Exception, measured: dict[str, dict[str, Any]]) -> None:
-        if not self.gone:
+        if not any(self.gone.values()):   # nothing of the split in use is lost: it stays
             logger.error("cluster: no re-cut: {}; the split stays as it is", exc)
             return
         left = ", ".join(f"{name} ({float(m.get('memory_available') or 0) / (1 << 20):.1f} MiB available)"
                          for name, m in measured.items()) or "none"
-        lost = "; ".join(f"{held} (worker {name}, gone)" for name, held in self.gone.items())
+        lost = "; ".join(f"{held} (worker {name}, gone)" for name, held in self.gone.items() if held) or "a stage"
         self.missing = (f"the model is not whole: {lost} missing, and the workers left ({left}) cannot hold "
                         f"all {self.base.stages[-1].end} layers ({exc}); add a worker with "
                         f"`skippy-zmq worker --join TOKEN`")
