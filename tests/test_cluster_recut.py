@@ -264,3 +264,20 @@ def test_drift_over_the_threshold_for_the_window_asks_for_a_recut_with_scaled_nu
     off.reset(topology, workers)
     off.observe([{"stage": "s1", "compute_ms": 99.0, "rows": 1}] * 40)
     assert off.check(0.0) is None and off.check(1e6) is None
+
+
+@pytest.mark.parametrize("key, value, says", [("recut_threshold", 1.0, "a factor above 1"),
+                                               ("recut", "yes", "true or false"),
+                                               ("gone_after_s", -1, "gone_after_s")])
+def test_a_bad_recut_setting_is_named(tiny_model, tmp_path, key, value, says):
+    from skippy_zmq.config.topology import TopologyError
+    from skippy_zmq.config.topology_yaml import load_topology
+
+    path = recut_topology(tmp_path, tiny_model, 2)
+    assert load_topology(path).cluster.recut is True
+    data = yaml.safe_load(path.read_text())
+    data["cluster"][key] = value
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(TopologyError) as err:
+        load_topology(path)
+    assert f"cluster.{key}" in str(err.value) and says in str(err.value)
