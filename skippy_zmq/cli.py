@@ -440,7 +440,7 @@ SUBCOMMAND_PARSERS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from skippy_zmq.cluster.commands import add_manifest_parser, add_worker_parser
+    from skippy_zmq.cluster.commands import add_manifest_parser, add_rebalance_parser, add_worker_parser
     from skippy_zmq.protocol.security import add_keys_parser
 
     parser = argparse.ArgumentParser(prog="skippy-zmq", description=__doc__)
@@ -449,9 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMAND_PARSERS:
         add(sub)
-    add_keys_parser(sub)
-    add_worker_parser(sub)
-    add_manifest_parser(sub)
+    for add in (add_keys_parser, add_worker_parser, add_manifest_parser, add_rebalance_parser):
+        add(sub)
     return parser
 
 

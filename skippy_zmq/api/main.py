@@ -128,11 +128,18 @@ def run_driver(args: argparse.Namespace) -> int:
         cluster, topology = start_cluster(topology, split=split)
     try:
         engine, tokenizer = open_engine(topology)
+        rebalancer = None
+        if cluster is not None and cluster.config.recut:   # re-cut while serving (engine/recut.py)
+            from skippy_zmq.engine.recut import attach_rebalancer
+
+            rebalancer = attach_rebalancer(cluster, engine)
         stop = threading.Event()
         install_stop_signals(stop)
         try:
             serve_http(topology, engine, tokenizer, keys, edge, stop)
         finally:
+            if rebalancer is not None:
+                rebalancer.close()
             engine.close()
     finally:
         if cluster is not None:

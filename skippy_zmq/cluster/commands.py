@@ -24,7 +24,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     stage_args = ("--log-level", args.log_level)
     return run_worker(WorkerOptions(token, Path(args.cache).expanduser(), args.name or "", args.join_timeout,
                                     args.reply_timeout, args.chunk_bytes, not args.no_measure,
-                                    not args.no_devices, stage_args))
+                                    not args.no_devices, stage_args, args.memory))
 
 
 def add_worker_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +40,8 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per fetch request (the driver caps it)")
     p.add_argument("--no-measure", action="store_true", help="do not measure this host's speed before starting its stage "
                    "(a driver with `split: measured` still has it measure as it joins)")
+    p.add_argument("--memory", type=int, default=0, metavar="BYTES", help="the most memory this worker offers "
+                   "a split by measured speed (default: the memory it has available)")
     p.add_argument("--no-devices", action="store_true", help="do not list devices (skips a JAX child process)")
     p.set_defaults(func=cmd_worker)
 
@@ -60,6 +62,42 @@ def add_manifest_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("manifest", help="write a converted model's manifest.json (sha256 per file); print its digest")
     p.add_argument("--model", required=True)
     p.set_defaults(func=cmd_manifest)
+
+
+def cmd_rebalance(args: argparse.Namespace) -> int:
+    """Ask the driver to re-cut now (over the cluster link, with a join token); print the outcome."""
+    import json
+
+    from skippy_zmq.cluster.token import TokenError, parse
+    from skippy_zmq.cluster.worker import Refused, Worker, WorkerOptions
+
+    try:
+        token = parse(args.join)
+    except TokenError as exc:
+        logger.error("rebalance: {}", exc)
+        return 2
+    link = Worker(WorkerOptions(token, name="rebalance"))
+    try:
+        link.send("REBALANCE", {})
+        outcome = link.expect({"REBALANCED"}, args.timeout, "answer to REBALANCE").header
+    except Refused as exc:
+        logger.error("rebalance: {}", exc)
+        return 3
+    except TimeoutError as exc:
+        logger.error("rebalance: {}", exc)
+        return 1
+    finally:
+        link.close()
+    print(json.dumps(outcome, indent=2))
+    return 0 if outcome.get("ok") else 1
+
+
+def add_rebalance_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("rebalance", help="ask a cluster's driver to re-cut the split now, by the workers' "
+                       "measured speed (its join token authenticates)")
+    p.add_argument("--join", required=True, metavar="TOKEN", help="a join token the driver printed")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the re-cut to finish")
+    p.set_defaults(func=cmd_rebalance)
 
 
 def start_cluster(topology: Topology, timeout_s: float | None = None,

@@ -22,7 +22,9 @@ from typing import Any
 import zmq
 
 PROTOCOL = 1
-KINDS = {"HELLO", "FETCH", "STARTED", "MEASURED", "MEASURE", "ASSIGN", "START", "CHUNK", "REFUSED", "PING", "PONG"}
+KINDS = {"HELLO", "FETCH", "STARTED", "MEASURED", "MEASURE", "ASSIGN", "START", "CHUNK", "REFUSED", "PING", "PONG",
+         # a serving worker's heartbeat, and a re-cut's steps (cluster/rebalance.py)
+         "BEAT", "PREPARE", "PREPARED", "HALT", "HALTED", "REBALANCE", "REBALANCED"}
 MAX_HEADER_BYTES = 16 << 20     # START carries the topology and keys, ASSIGN a stage's file table
 MAX_WORKER_MESSAGE = 64 << 10   # what the driver accepts from a worker (HELLO with its report is the largest)
 

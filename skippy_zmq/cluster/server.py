@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import queue
 import re
 import threading
 import time
@@ -75,6 +76,8 @@ class WorkerRecord:
     sent_bytes: int = 0
     started: dict[str, Any] | None = None
     measured: dict[str, Any] | None = None   # its measure_host result (split: measured)
+    last_seen: float = 0.0                   # monotonic time of its last message (a re-cut's liveness)
+    next_files: dict[str, Any] | None = None   # a re-cut's next stage's files: it may fetch these too
 
 
 class ClusterServer:
@@ -117,6 +120,11 @@ class ClusterServer:
         except BaseException:
             self.auth.stop()
             raise
+        # Other threads (cluster/rebalance.py) act on the router only through here: a socket has one thread.
+        self.posted: queue.Queue[Callable[[], None]] = queue.Queue()
+        self.handlers: dict[str, Callable[[bytes, link.Message, str], None]] = {
+            "HELLO": self._hello, "FETCH": self._fetch, "STARTED": self._started, "MEASURED": self._measured,
+            "PING": self._ping, "BEAT": lambda *_: None}   # a serving worker's heartbeat: _handle notes when it was last seen
         self.thread = threading.Thread(target=self._serve, name="cluster-server", daemon=True)
         self.thread.start()
 
@@ -152,6 +160,22 @@ class ClusterServer:
         with self.changed:
             return self.changed.wait_for(predicate, timeout)
 
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the server's thread (within POLL_MS), the one that owns its socket."""
+        self.posted.put(fn)
+
+    def _run_posted(self) -> None:
+        while True:
+            try:
+                fn = self.posted.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fn()
+            except Exception:   # a re-cut's step that fails must not stop the other workers' transfers
+                logger.exception("cluster: a posted step failed")
+            self._changed()
+
     def _changed(self) -> None:
         with self.changed:
             self.changed.notify_all()
@@ -177,6 +201,7 @@ class ClusterServer:
                     self._handshake_failed(recv_monitor_message(monitor))
                 if self.router in ready:
                     self._drain()
+                self._run_posted()
         finally:
             self.router.disable_monitor()
             monitor.close(linger=0)
@@ -205,8 +230,10 @@ class ClusterServer:
         identity = identity_frame.bytes
         try:
             msg = link.parse(parts)
-            handler = {"HELLO": self._hello, "FETCH": self._fetch, "STARTED": self._started,
-                       "MEASURED": self._measured, "PING": self._ping}.get(msg.kind)
+            handler = self.handlers.get(msg.kind)
+            name = self.by_identity.get(identity)
+            if name is not None:
+                self.workers[name].last_seen = time.monotonic()
             if handler is None:
                 raise link.LinkError(f"{msg.kind} is not a worker's message")
             address = parts[0].get("Peer-Address") if parts else "?"
@@ -242,7 +269,9 @@ class ClusterServer:
         record.identity, record.address, record.report, record.started = identity, address, report, None
         self.by_identity[identity] = name
         log_join(record)
-        if not self.planned:
+        record.last_seen = time.monotonic()
+        if not self.planned or (self.config.recut and record.stage is None and record.measured is None):
+            # a joiner that stands by measures too, so that a re-cut can plan with it
             self._send(identity, link.Message("MEASURE", measure_request(self.topology)))
             return
         self._send(identity, link.Message("ASSIGN", self._assignment(record)))
@@ -318,10 +347,11 @@ class ClusterServer:
 
     def _fetch(self, identity: bytes, msg: link.Message, address: str) -> None:
         record = self.workers.get(self.by_identity.get(identity, ""))
-        if record is None or record.stage is None:
+        if record is None or (record.stage is None and record.next_files is None):
             raise link.LinkError("FETCH before HELLO, or from a worker with no stage")
         rel = link.field(msg, "path", str)
-        entry = self.stage_files[record.stage].get(rel)
+        entry = (self.stage_files[record.stage].get(rel) if record.stage is not None else None) \
+            or (record.next_files or {}).get(rel)
         if entry is None:
             raise link.LinkError(f"{rel[:200]!r} is not a file of stage {record.stage}")
         offset = link.field(msg, "offset", int, 0)

@@ -48,6 +48,7 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILE
 # A handshake that fails without a reason is what a wrong driver key looks like from here (the driver
 # cannot decrypt us), but a connection broken mid-handshake looks the same once: refuse on the third.
 WRONG_KEY_FAILURES = 3
+BEAT_S = 1.0   # a serving worker's heartbeat on the cluster link (the driver's gone_after_s judges it)
 
 
 class Refused(RuntimeError):
@@ -66,6 +67,7 @@ class WorkerOptions:
                                        # speed has every worker measure before it gives stages, regardless)
     report_devices: bool = True
     stage_args: tuple[str, ...] = field(default=())   # e.g. ("--log-level", "DEBUG") before `stage`
+    memory: int = 0                    # the most memory (bytes) this worker offers a split (0: what it has)
     link_probe_bytes: int = TRANSFER_BYTES   # the timed transfer of the link measurement
 
 
@@ -83,6 +85,10 @@ class Worker:
         self.fetched_bytes = 0
         self.pending_start: link.Message | None = None
         self.speed: dict[str, Any] | None = None   # measured before any stage (split: measured)
+        self.stage_id: str | None = None
+        self.cache: ModelCache | None = None
+        self.next_stage: str | None = None         # a re-cut's next stage, fetched while this one serves
+        self.next_cache: ModelCache | None = None
         self.ctx = zmq.Context()
         token = options.token
         self.sock = make_socket(self.ctx, zmq.DEALER, token.endpoint, bind=False, max_message_bytes=MAX_MESSAGE_BYTES,
@@ -190,6 +196,9 @@ class Worker:
         logger.info("worker {}: measuring this host's speed for the driver's split", self.name)
         self.speed = measure_speed(folder, link.field(msg, "weights", str), link.field(msg, "device", str),
                                    source="random", dtype=link.field(msg, "dtype", str))
+        if self.speed and self.opts.memory:
+            self.speed["memory_available"] = min(int(self.speed.get("memory_available") or self.opts.memory),
+                                                 self.opts.memory)
         self.send("MEASURED", {"speed": self.speed} if self.speed else {"error": "measuring failed (see its log)"})
 
     def fetch(self, assign: link.Message) -> ModelCache:
@@ -260,40 +269,81 @@ class Worker:
         stage_id = assign.header.get("stage")
         if stage_id is None:
             logger.info("worker {}: joined; {}", self.name, assign.header.get("reason", "no stage"))
-            self.stop.wait()
-            return 0
+            return self.serve(None)
         logger.info("worker {}: joined; runs stage {} (layers {})", self.name, stage_id, assign.header.get("layers"))
-        cache = self.fetch(assign)
+        self.cache = self.fetch(assign)
+        self.stage_id = stage_id
         start = self.pending_start or self.expect({"START"}, float("inf"), "START")
-        if start.header.get("stage") != stage_id:
-            raise Refused(f"START names stage {start.header.get('stage')!r}, but this worker was given {stage_id!r}")
+        self.pending_start = None
+        return self.serve(self.start(start))
+
+    def start(self, start: link.Message) -> subprocess.Popen:
+        """START: write the stage's topology over this worker's copy and run the stage (STARTED)."""
+        stage_id = link.field(start, "stage", str)
+        if stage_id != self.stage_id or self.cache is None:
+            raise Refused(f"START names stage {stage_id!r}, but this worker was given {self.stage_id!r}")
         run_dir = self.opts.cache / "runs" / re.sub(r"[^A-Za-z0-9_.-]", "_", stage_id)
         run_dir.mkdir(parents=True, exist_ok=True)
-        topology_path = self.stage_topology(start, cache, run_dir)
+        topology_path = self.stage_topology(start, self.cache, run_dir)
         stage = parse_topology(yaml.safe_load(topology_path.read_text())).stage(stage_id)
-        speed = self.speed or (measure_speed(cache.dir, stage.weights, stage.device, dtype=stage.dtype)
+        speed = self.speed or (measure_speed(self.cache.dir, stage.weights, stage.device, dtype=stage.dtype)
                                if self.opts.measure else None)
+        self.speed = speed   # a re-cut's START does not measure again
         proc = self.start_stage(stage_id, topology_path, run_dir)
         self.send("STARTED", {"stage": stage_id, "pid": proc.pid, "fetched_bytes": self.fetched_bytes,
                               **({"speed": speed} if speed else {})})
-        return self.supervise(proc, stage_id, run_dir)
+        return proc
 
-    def supervise(self, proc: subprocess.Popen, stage_id: str, run_dir: Path) -> int:
-        """Until stopped (SIGTERM / SIGINT) or the stage exits; the link is drained meanwhile."""
-        while not self.stop.wait(0.2):
-            if proc.poll() is not None:
-                logger.error("worker {}: stage {} exited with code {}; see {}", self.name, stage_id, proc.returncode,
-                             run_dir / f"{stage_id}.log")
+    def serve(self, proc: subprocess.Popen | None) -> int:
+        """Until stopped (SIGTERM / SIGINT) or the stage exits: heartbeats to the driver, and a
+        re-cut's steps (PREPARE: fetch the next stage's items while this one serves; HALT: stop the
+        stage; START: run the next one)."""
+        next_beat = 0.0
+        while not self.stop.is_set():
+            if proc is not None and proc.poll() is not None:
+                logger.error("worker {}: stage {} exited with code {}; see {}", self.name, self.stage_id,
+                             proc.returncode, self.opts.cache / "runs" / str(self.stage_id) / f"{self.stage_id}.log")
                 return 1
-            while self.sock.poll(0):
-                self.sock.recv_multipart()     # nothing is expected while serving (a re-cut would come here)
+            if time.monotonic() >= next_beat:
+                self.send("BEAT", {"stage": self.stage_id if proc is not None else None})
+                next_beat = time.monotonic() + BEAT_S
+            msg = self.pending_start or self.recv(0.2)
+            self.pending_start = None
+            if msg is not None:
+                proc = self.on_recut(msg, proc)
+        self.halt(proc)
+        return 0
+
+    def on_recut(self, msg: link.Message, proc: subprocess.Popen | None) -> subprocess.Popen | None:
+        if msg.kind == "PREPARE":
+            stage_id = link.field(msg, "stage", str)
+            logger.info("worker {}: re-cut: fetching what stage {} (layers {}) needs while serving", self.name,
+                        stage_id, msg.header.get("layers"))
+            self.next_cache, self.next_stage = self.fetch(msg), stage_id
+            self.send("PREPARED", {"stage": stage_id, "fetched_bytes": self.fetched_bytes})
+        elif msg.kind == "HALT":
+            self.halt(proc)
+            proc = None
+            if msg.header.get("next"):
+                self.cache, self.stage_id = self.next_cache, self.next_stage
+            else:
+                self.stage_id = None
+            self.send("HALTED", {"stage": msg.header.get("stage")})
+        elif msg.kind == "START" and proc is None:
+            proc = self.start(msg)
+        else:
+            logger.warning("worker {}: ignored a {} from the driver", self.name, msg.kind)
+        return proc
+
+    def halt(self, proc: subprocess.Popen | None) -> None:
+        if proc is None:
+            return
         proc.terminate()
         try:
             proc.wait(STOP_GRACE_S + 2)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        return 0
 
 
 def run_worker(options: WorkerOptions) -> int:

@@ -11,6 +11,12 @@
                                      # cut points from their measured speed and memory (ops/speed.py)
       objective: latency             # split: measured plans for latency (1 stream) or throughput
       streams: 8                     # the streams a throughput plan (and the logged prediction) is for
+      recut: true                    # re-cut while serving (docs/cluster.md): on `skippy-zmq rebalance`,
+                                     # a worker gone for good or joined, or measured drift
+      recut_threshold: 1.3           # re-cut when a stage's measured step time ÷ its planned time exceeds
+                                     # the others' by this factor (0: never on drift) ...
+      recut_window_s: 20             # ... sustained over this long
+      gone_after_s: 15               # a worker silent this long is gone for good: plan around it
 
 With the section (or `skippy-zmq driver --cluster`) the driver serves the checkpoint's items to
 workers (skippy_zmq/cluster/) and each stage runs on the worker it is given to.
@@ -36,6 +42,10 @@ class ClusterConfig:
     split: str = "topology"
     objective: str = "latency"
     streams: int = 8
+    recut: bool = True
+    recut_threshold: float = 1.3
+    recut_window_s: float = 20.0
+    gone_after_s: float = 15.0
 
     @property
     def connect(self) -> str:

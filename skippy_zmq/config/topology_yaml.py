@@ -44,10 +44,24 @@ def _chunk_bytes(value: Any, at: checks.At) -> int:
     return value
 
 
+def _flag(value: Any, at: checks.At) -> bool:
+    if not isinstance(value, bool):
+        at.fail(f"must be true or false, got {value!r}")
+    return value
+
+
+def _recut_threshold(value: Any, at: checks.At) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value == 0 or value > 1):
+        at.fail(f"must be 0 (never re-cut on drift) or a factor above 1, got {value!r}")
+    return float(value)
+
+
 _cluster = checks.section(ClusterConfig, {
     "listen": _tcp, "advertise": lambda v, at: None if v is None else checks.dial(_tcp(v, at), at),
     "token_ttl_s": checks.seconds, "max_chunk_bytes": _chunk_bytes,
     "split": checks.choice(*SPLITS), "objective": checks.choice(*OBJECTIVES), "streams": checks.integer(1),
+    "recut": _flag, "recut_threshold": _recut_threshold, "recut_window_s": checks.seconds,
+    "gone_after_s": checks.seconds,
 })
 
 

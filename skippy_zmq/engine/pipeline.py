@@ -70,6 +70,11 @@ class PipelineEngine:
         self.internal_errors = 0   # driver bugs the loop survived (logged with their traceback)
         self.wire_rejected = 0     # replies dropped: sent under another party's key, or naming another stage
         self.on_rejected_hooks: list[Callable[[str, str], None]] = []   # (claimed stage, why), per drop
+        # A re-cut (engine/recut.py): admission waits (requests queue) until every new stage is READY;
+        # `missing` is the 503 every request gets while no split of the workers left holds the model.
+        self.recutting = False
+        self.missing: str | None = None
+        self.socks: transport.DriverSockets | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -110,7 +115,9 @@ class PipelineEngine:
 
     def submit(self, req: GenRequest, sink: Callable[[object], None]) -> Callable[[], None]:
         """Queue a request; returns a cancel function. Raises EngineError when it cannot be taken."""
-        if not self.is_ready():
+        if self.missing is not None:
+            raise EngineError(self.missing, 503, "layers_missing")
+        if not self.is_ready() and not self.recutting:
             raise EngineError(self.not_ready_reason(), 503, "not_ready")
         result: queue.Queue = queue.Queue(maxsize=1)
 
@@ -202,6 +209,7 @@ class PipelineEngine:
         except Exception:   # said here, or the engine would only ever look "not ready"
             logger.exception("the driver could not open its sockets")
             raise
+        self.socks = socks
         poller = zmq.Poller()
         poller.register(socks.router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -345,6 +353,7 @@ class PipelineEngine:
             if not self._ready.is_set():
                 logger.info("all {} stages ready", len(self.stages))
             self._ready.set()
+            self.recutting = False
             if self.scheduler.paused_since is not None:
                 paused = self.scheduler.resume()
                 if self.faults:

@@ -1,0 +1,107 @@
+"""Drift: a stage whose measured step times have left the plan (its host got slower or faster).
+
+Every reply carries a trace of each stage's compute time and rows (stage/worker.py `_trace`).
+Per stage, an average of measured ÷ planned compute time (the planned time is the worker's own
+measurement for that many rows and layers: ops/speed.HostSpeed). A uniform bias (every host a
+little slower than it measured) moves every ratio alike and changes no split, so drift is the
+worst stage's ratio over the best's; when it stays above `threshold` for `window_s` the rebalancer
+re-cuts, with each worker's measurement scaled by its ratio over the best (the fresh numbers).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Mapping
+
+from skippy_zmq.config.topology import Topology
+from skippy_zmq.ops.speed import HostSpeed, SpeedPlanError
+
+ALPHA = 0.05          # the average's weight of one sample
+MIN_SAMPLES = 30      # per stage, before its ratio counts
+TIME_KEYS = ("layer_ms", "step_ms", "head_ms", "sample_ms", "message_ms")
+
+
+def scale_measure(speed: Mapping[str, Any], factor: float) -> dict[str, Any]:
+    """A measure_host result with every time multiplied by `factor`."""
+    out = dict(speed)
+    out["decode"] = {rows: {k: (v * factor if k in TIME_KEYS else v) for k, v in entry.items()}
+                     for rows, entry in speed.get("decode", {}).items()}
+    prefill = dict(speed.get("prefill", {}))
+    if "layer_ms_per_token" in prefill:
+        prefill["layer_ms_per_token"] = prefill["layer_ms_per_token"] * factor
+    out["prefill"] = prefill
+    return out
+
+
+class DriftMonitor:
+    """Fed from the pipeline thread (`observe`), read by the rebalancer's (`check`, `scaled`, `reset`)."""
+
+    def __init__(self, threshold: float, window_s: float):
+        self.threshold, self.window_s = threshold, window_s
+        self.lock = threading.Lock()
+        self.scale: dict[str, float] = {}                          # worker -> its measurement's factor
+        self.plan: dict[str, tuple[str, HostSpeed, int, bool]] = {}   # stage -> worker, speed, layers, last
+        self.ratio: dict[str, float] = {}
+        self.samples: dict[str, int] = {}
+        self.since: float | None = None
+
+    def scaled(self, name: str, speed: Mapping[str, Any]) -> dict[str, Any]:
+        factor = self.scale.get(name, 1.0)
+        return dict(speed) if factor == 1.0 else scale_measure(speed, factor)
+
+    def reset(self, topology: Topology, workers: Mapping[str, Any]) -> None:
+        """A new split: what each stage is planned to take (workers: name -> WorkerRecord)."""
+        plan = {}
+        for w in workers.values():
+            speed = w.measured or (w.started or {}).get("speed")
+            if w.stage is None or not speed or w.stage not in {s.id for s in topology.stages}:
+                continue
+            stage = topology.stage(w.stage)
+            try:
+                host = HostSpeed.from_measure(self.scaled(w.name, speed), name=w.name)
+            except SpeedPlanError:
+                continue
+            plan[stage.id] = (w.name, host, stage.end - stage.start, stage.id == topology.stages[-1].id)
+        with self.lock:
+            self.plan, self.ratio, self.samples, self.since = plan, {}, {}, None
+
+    def observe(self, trace: Any) -> None:
+        if not isinstance(trace, list) or self.threshold == 0:
+            return
+        with self.lock:
+            for entry in trace:
+                if not isinstance(entry, dict) or entry.get("stage") not in self.plan:
+                    continue
+                _, host, layers, last = self.plan[entry["stage"]]
+                rows = max(1, int(entry.get("rows") or 1))
+                planned = layers * host.at(host.layer_ms, rows) + (host.at(host.head_ms, rows) if last else 0.0)
+                measured = float(entry.get("compute_ms") or 0.0)
+                if planned <= 0 or measured <= 0:
+                    continue
+                stage = entry["stage"]
+                old = self.ratio.get(stage)
+                self.ratio[stage] = measured / planned if old is None else old + ALPHA * (measured / planned - old)
+                self.samples[stage] = self.samples.get(stage, 0) + 1
+
+    def check(self, now: float) -> str | None:
+        """The reason to re-cut when drift stayed over the threshold for the window (and the
+        factors the next plan scales the workers' measurements by), else None."""
+        with self.lock:
+            ratios = {s: r for s, r in self.ratio.items() if self.samples.get(s, 0) >= MIN_SAMPLES}
+            if self.threshold == 0 or len(ratios) < 2:
+                return None
+            worst, best = max(ratios, key=ratios.get), min(ratios, key=ratios.get)
+            drift = ratios[worst] / ratios[best]
+            if drift <= self.threshold:
+                self.since = None
+                return None
+            if self.since is None:
+                self.since = now
+            if now - self.since < self.window_s:
+                return None
+            for stage, ratio in ratios.items():
+                name = self.plan[stage][0]
+                self.scale[name] = self.scale.get(name, 1.0) * ratio / ratios[best]
+            self.since = None
+            return (f"stage {worst} on worker {self.plan[worst][0]} runs {drift:.2f}x slower than planned "
+                    f"beside stage {best} (threshold {self.threshold:g}, for {self.window_s:g} s)")

@@ -1,0 +1,105 @@
+"""The engine's side of a re-cut (cluster/rebalance.py decides when and where to): pause
+admission, drop what is in flight, wait for the stages of the new split, resume.
+
+It rides on the resume path a stage failure already uses (Scheduler.pause / resume): in-flight
+rows are dropped and every running session is re-prefilled from its token history once every
+stage of the new split said READY, so greedy output is what it would have been without the
+re-cut. Requests that arrive meanwhile queue (`engine.recutting` lets `submit` take them).
+
+A stage of the old split must not count as one of the new: every stage is marked not ready with
+no known incarnation, so only a READY (a new process) makes it ready again; the fence
+(protocol/fencing.py) drops whatever the old processes left in the pipes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from loguru import logger
+
+from skippy_zmq.config.topology import Topology
+from skippy_zmq.engine.pipeline import PipelineEngine, StageState
+from skippy_zmq.engine.prefix_index import PrefixIndex
+from skippy_zmq.engine.request import EngineError
+
+STEP_TIMEOUT_S = 10.0   # the pipeline thread answers a command within one pass of its loop
+
+
+class EngineRecut:
+    """What cluster/rebalance.Rebalancer asks of the pipeline engine (each runs on its thread)."""
+
+    def __init__(self, engine: PipelineEngine):
+        self.engine = engine
+
+    def _on_loop(self, fn) -> None:
+        done = threading.Event()
+        failed: list[BaseException] = []
+
+        def step() -> None:
+            try:
+                fn()
+            except BaseException as exc:   # said to the caller, not only to the loop's log
+                failed.append(exc)
+                raise
+            finally:
+                done.set()
+        self.engine.call(step)
+        if not done.wait(STEP_TIMEOUT_S):
+            raise TimeoutError("the pipeline thread did not answer a re-cut step")
+        if failed:
+            raise failed[0]
+
+    def begin(self, reason: str) -> None:
+        """Pause admission and drop in-flight rows; no stage counts as ready until it says READY again."""
+        def step() -> None:
+            e = self.engine
+            e.recutting = True
+            e.scheduler.pause(f"re-cut: {reason}")
+            for state in e.stages.values():
+                state.ready, state.incarnation = False, 0
+            e._ready.clear()
+            logger.info("re-cut ({}): paused {} request(s); they resume from their token history on the new "
+                        "split", reason, len(e.scheduler.running))
+        self._on_loop(step)
+
+    def finish(self, topology: Topology) -> None:
+        """The new split's topology (same stage ids, new layer ranges; maybe fewer stages): the engine
+        waits for its stages' READY, then resumes (PipelineEngine._update_ready)."""
+        def step() -> None:
+            e = self.engine
+            old_first = e.topology.first.connect
+            e.topology = topology
+            e.stages = {s.id: StageState(s.id) for s in topology.stages}
+            e.scheduler.cfg = dataclasses.replace(e.scheduler.cfg, n_stages=len(topology.stages))
+            index = PrefixIndex([s.cache for s in topology.stages])   # the new stages' stores start empty
+            e.scheduler.state.index = index if index.enabled else None
+            if topology.first.connect != old_first and e.socks is not None:
+                e.socks.push.disconnect(old_first)
+                e.socks.push.connect(topology.first.connect)
+        self._on_loop(step)
+
+    def set_missing(self, text: str | None) -> None:
+        """No split of the workers left holds the model (`text` says what is missing): every request,
+        running or new, gets a 503 with it; None: the model is whole again."""
+        def step() -> None:
+            e = self.engine
+            e.missing = text
+            if text is not None:
+                e.recutting = False
+                e.scheduler.fail_all(EngineError(text, 503, "layers_missing"))
+        self._on_loop(step)
+
+    def wait_ready(self, timeout: float) -> bool:
+        return self.engine.wait_ready(timeout)
+
+
+def attach_rebalancer(server, engine: PipelineEngine):   # (ClusterServer) -> Rebalancer
+    """Re-cut `server`'s split while `engine` serves (the driver's `cluster.recut: true`)."""
+    from skippy_zmq.cluster.drift import DriftMonitor
+    from skippy_zmq.cluster.rebalance import Rebalancer
+
+    drift = DriftMonitor(server.config.recut_threshold, server.config.recut_window_s)
+    drift.reset(server.topology, dict(server.workers))
+    engine.on_reply_hooks.append(lambda stage_id, msg: drift.observe(msg.extras.get("trace")))
+    return Rebalancer(server, EngineRecut(engine), drift)
