@@ -296,7 +296,8 @@ def test_an_moe_gguf_keeps_its_expert_blocks(tmp_path, monkeypatch):
 def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_path):
     """SmolLM2's GGUF requantised by llama.cpp's own llama-quantize (built by `bench peers --build`) into
     a real mixed recipe: the default convert keeps every tensor's type at about the file's size, and the
-    gguf stage's greedy ids equal f32's on the dequantised weights, 1 process and 2 stages."""
+    gguf stage's greedy ids (the CPU kernel reading Q4_K / Q5_K / Q6_K / Q5_0 blocks in place) equal
+    f32's on the dequantised weights, 1 process and 2 stages."""
     import subprocess
 
     from conftest import REPO
@@ -321,6 +322,9 @@ def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_pat
     ref = runners(tmp_path / "f32", "f32")
     for cuts in ((), (cfg.n_layers // 2,)):
         ours = runners(tmp_path / "gguf", "auto", cuts)
+        in_place = {w.kind for r in ours for layer in r.params["layers"] for w in layer.values()
+                    if isinstance(w, ggml.BlockTensor) and w.impl == "kernel"}
+        assert in_place == stored & set(ggml.kernel_block_types("cpu")), in_place   # the kernel reads them
         for seed in range(2):
             ids = np.random.default_rng(seed).integers(10, cfg.vocab_size, 10)
             assert greedy(ours, ids, 16) == greedy(ref, ids, 16), (recipe, cuts, seed)

@@ -35,6 +35,8 @@ constexpr int kRows = 4;                 // rows of x sharing each scaled weight
 constexpr int kRows = 2;                 // (16 ymm / xmm registers)
 #endif
 
+typedef uint8_t v16u8 __attribute__((vector_size(16)));   // 16 bytes: SSE2 / NEON on any 64-bit CPU
+
 inline float f16_at(const uint8_t* p) {
   uint16_t h;
   memcpy(&h, p, 2);
@@ -59,7 +61,7 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
 
 // 256 weights: d * sc_j * q - dmin * m_j per 32-input sub-block j; Q5_K adds qh's bit j as q's fifth bit.
 template <bool kFive>
-void unpack_k4(const uint8_t* b, int8_t* level, float* scale, float* min) {
+void unpack_k4(const uint8_t* __restrict b, int8_t* __restrict level, float* scale, float* min) {
   const float d = f16_at(b), dmin = f16_at(b + 2);
   const uint8_t *qh = b + 16, *qs = b + (kFive ? 48 : 16);
   for (int j = 0; j < 4; ++j) {
@@ -78,7 +80,7 @@ void unpack_k4(const uint8_t* b, int8_t* level, float* scale, float* min) {
 }
 
 // 256 weights in two halves of 128: d * sc_r * (q - 32), q's low 4 bits in ql, high 2 in qh.
-void unpack_q6_k(const uint8_t* b, int8_t* level, float* scale) {
+void unpack_q6_k(const uint8_t* __restrict b, int8_t* __restrict level, float* scale) {
   const uint8_t *ql = b, *qh = b + 128;
   const int8_t* sc = (const int8_t*)(b + 192);
   const float d = f16_at(b + 208);
@@ -93,17 +95,24 @@ void unpack_q6_k(const uint8_t* b, int8_t* level, float* scale) {
   for (int r = 0; r < 16; ++r) scale[r] = d * (float)sc[r];
 }
 
-// 32 weights: d * (q - 16), q's fifth bit i in the u32 qh.
-void unpack_q5_0(const uint8_t* b, int8_t* level, float* scale) {
-  const float d = f16_at(b);
-  uint32_t qh;
-  memcpy(&qh, b + 2, 4);
-  const uint8_t* qs = b + 6;
-  for (int j = 0; j < 16; ++j) {
-    level[j] = (int8_t)(((qs[j] & 15) | (((qh >> j) & 1) << 4)) - 16);
-    level[j + 16] = (int8_t)(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+// Byte i of kSpread[b] is 16 if bit i of b is set, else 0: a Q5_0 fifth bit, placed, 8 at a time.
+struct Spread {
+  uint64_t of[256];
+  constexpr Spread() : of() {
+    for (int b = 0; b < 256; ++b)
+      for (int i = 0; i < 8; ++i) of[b] |= (uint64_t)((b >> i) & 1) << (8 * i + 4);
   }
-  scale[0] = scale[1] = d;
+};
+constexpr Spread kSpread;
+
+// 32 weights: d * (q - 16), q's fifth bit i in the u32 qh.
+void unpack_q5_0(const uint8_t* __restrict b, int8_t* __restrict level, float* scale) {
+  const uint64_t spread[4] = {kSpread.of[b[2]], kSpread.of[b[3]], kSpread.of[b[4]], kSpread.of[b[5]]};
+  v16u8 qs, h0, h1;
+  memcpy(&qs, b + 6, 16), memcpy(&h0, spread, 16), memcpy(&h1, spread + 2, 16);
+  const v16u8 lo = ((qs & 15) | h0) - 16, hi = ((qs >> 4) | h1) - 16;   // (wrapping: the int8 levels)
+  memcpy(level, &lo, 16), memcpy(level + 16, &hi, 16);
+  scale[0] = scale[1] = f16_at(b);
 }
 
 bool has_min(int32_t type) { return type == SKIPPY_GGML_Q4_K || type == SKIPPY_GGML_Q5_K; }
@@ -127,12 +136,16 @@ template <int R>
 void dot_rows(const SkippyBlockArgs& a, int64_t m0, int64_t n, const Unpacked& u) {
   vf acc[R][kChains][kVecs] = {};
   const int64_t runs = a.K / kRun;
-  for (int64_t s = 0; s < runs; ++s) {
-    vf w[kVecs];
-    for (int v = 0; v < kVecs; ++v) w[v] = widen_s8(u.level + s * kRun + v * kLanes) * u.scale[s];
-    for (int r = 0; r < R; ++r) {
-      const float* x = a.x + (m0 + r) * a.K + s * kRun;
-      for (int v = 0; v < kVecs; ++v) acc[r][s % kChains][v] += loadf(x + v * kLanes) * w[v];
+  // the chain index c is a constant in the unrolled loop: a run-time index would keep acc in memory
+  for (int64_t s0 = 0; s0 < runs; s0 += kChains) {
+    for (int c = 0; c < kChains && s0 + c < runs; ++c) {
+      const int64_t s = s0 + c;
+      vf w[kVecs];
+      for (int v = 0; v < kVecs; ++v) w[v] = widen_s8(u.level + s * kRun + v * kLanes) * u.scale[s];
+      for (int r = 0; r < R; ++r) {
+        const float* x = a.x + (m0 + r) * a.K + s * kRun;
+        for (int v = 0; v < kVecs; ++v) acc[r][c][v] += loadf(x + v * kLanes) * w[v];
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
