@@ -1,4 +1,4 @@
-"""The CPU kernel reading GGUF Q4_K / Q5_K / Q6_K / Q5_0 blocks in place (model/block_kernel_isa.cc):
+"""The CPU kernel reading GGUF Q4_K / Q5_K / Q6_K / Q5_0 / Q8_0 blocks in place (model/block_kernel_isa.cc):
 for every instruction set this CPU runs (each in a fresh interpreter, since the ISA is chosen once per
 process), x @ W.T equals the float64 product of gguf-py's dequantised W within float32 rounding, on
 random blocks and on the edge cases (zero blocks, every byte 0xFF, subnormal, largest and negative f16

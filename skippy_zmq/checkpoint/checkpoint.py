@@ -130,8 +130,9 @@ def _kept_stage_nbytes(cfg: ModelConfig, start: int, end: int, dtype: str, types
         total += item * cfg.d_model
         if not cfg.tied_embeddings:
             total += kept_nbytes(vd, types.head or "", "head", types.dequantised(types.head or ""))
-        elif types.embed in ggml.KERNEL_TYPES or types.dequantised(types.embed):   # a tied head: the embedding's
-            total += kept_nbytes(vd, types.embed, "head", True)   # levels packed, or dequantised at load
+        elif ((types.embed in ggml.KERNEL_TYPES and types.embed not in types.in_place)   # a tied head: the
+              or types.dequantised(types.embed)):                                    # embedding's levels packed,
+            total += kept_nbytes(vd, types.embed, "head", True)                     # or dequantised at load
         elif start != 0:                                # else the embedding's own blocks
             total += kept_nbytes(vd, types.embed, "embed")
     return total

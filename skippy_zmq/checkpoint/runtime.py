@@ -71,7 +71,7 @@ def _put_item(put: Any, out: dict[str, Any], layers: dict[int, Any], key: str | 
     elif key == "embed":      # after norm and head: a last stage knows by now whether its head is tied
         tied = "norm" in out and "head" not in out and asked in ("int8", "q4", KEEP)
         if tied:
-            out["head"] = put.matrix("head", stored)      # tied: the embedding's levels, packed
+            out["head"] = put.matrix("head", stored, tied=True)   # tied: the embedding's levels, packed
         if first or "head" not in out:                    # gguf blocks: the same arrays serve the lookup
             same = tied and isinstance(out["head"], ggml.BlockTensor)
             out["embed"] = out["head"] if same else put.embed(stored)
@@ -127,10 +127,12 @@ class _Put:
             return self.array(w)
         return _Put("bf16", jnp.bfloat16, self.device).array(w)
 
-    def matrix(self, key: str, stored: dict[str, np.ndarray]) -> Any:
+    def matrix(self, key: str, stored: dict[str, np.ndarray], tied: bool = False) -> Any:
+        """A stored [out, in] matrix -> the stage's runtime matrix; `tied`: a head that is the embedding
+        (blocks the kernel reads serve both, even Q8_0's: no packed copy beside them)."""
         if self.asked == KEEP:
             kind = stored_type(stored)
-            if kind in ggml.KERNEL_TYPES:      # the kernel's own types: the same levels, packed
+            if kind in ggml.KERNEL_TYPES and not (tied and kind in self.in_place):   # the same levels, packed
                 return self.tree(runtime_qtensor(stored, ggml.KERNEL_TYPES[kind]))
             if kind in self.in_place:          # the file's blocks, read in place by the kernel
                 return self.tree(ggml.BlockTensor(np.asarray(stored["blocks"]), kind, impl="kernel"))

@@ -1,5 +1,5 @@
 // GGUF blocks read in place, for one instruction set: y[M, N] = x[M, K] @ W.T with W [N, K] held as
-// the file's own rows of Q4_K, Q5_K, Q6_K or Q5_0 blocks (layout and arguments: quant_kernel.h).
+// the file's own rows of Q4_K, Q5_K, Q6_K, Q5_0 or Q8_0 blocks (layout and arguments: quant_kernel.h).
 // Built per ISA like quant_kernel_isa.cc, linked with the FFI glue (quant_kernel.cc), which splits
 // W's rows over XLA's pool; only the one entry point has external linkage.
 //
@@ -115,10 +115,17 @@ void unpack_q5_0(const uint8_t* __restrict b, int8_t* __restrict level, float* s
   scale[0] = scale[1] = f16_at(b);
 }
 
+// 32 weights: d * q, q the block's own int8 levels.
+void unpack_q8_0(const uint8_t* __restrict b, int8_t* __restrict level, float* scale) {
+  memcpy(level, b + 2, 32);
+  scale[0] = scale[1] = f16_at(b);
+}
+
 bool has_min(int32_t type) { return type == SKIPPY_GGML_Q4_K || type == SKIPPY_GGML_Q5_K; }
 
 void unpack_row(const SkippyBlockArgs& a, const uint8_t* row, Unpacked u) {
-  const int64_t block = a.type == SKIPPY_GGML_Q5_0 ? 32 : 256, bytes = a.row_bytes / (a.K / block);
+  const int64_t block = a.type == SKIPPY_GGML_Q5_0 || a.type == SKIPPY_GGML_Q8_0 ? 32 : 256;
+  const int64_t bytes = a.row_bytes / (a.K / block);
   for (int64_t i = 0; i < a.K / block; ++i, row += bytes) {
     int8_t* level = u.level + i * block;
     float *scale = u.scale + i * (block / kRun), *min = u.min + i * (block / kRun);
@@ -126,6 +133,7 @@ void unpack_row(const SkippyBlockArgs& a, const uint8_t* row, Unpacked u) {
       case SKIPPY_GGML_Q4_K: unpack_k4<false>(row, level, scale, min); break;
       case SKIPPY_GGML_Q5_K: unpack_k4<true>(row, level, scale, min); break;
       case SKIPPY_GGML_Q6_K: unpack_q6_k(row, level, scale); break;
+      case SKIPPY_GGML_Q8_0: unpack_q8_0(row, level, scale); break;
       default: unpack_q5_0(row, level, scale); break;
     }
   }

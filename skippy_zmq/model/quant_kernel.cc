@@ -154,6 +154,7 @@ ffi::Error BlockDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   int64_t block = 0, bytes = 0;   // weights and bytes per block
   switch (type) {
     case SKIPPY_GGML_Q5_0: block = 32, bytes = 22; break;
+    case SKIPPY_GGML_Q8_0: block = 32, bytes = 34; break;
     case SKIPPY_GGML_Q4_K: block = 256, bytes = 144; break;
     case SKIPPY_GGML_Q5_K: block = 256, bytes = 176; break;
     case SKIPPY_GGML_Q6_K: block = 256, bytes = 210; break;

@@ -57,6 +57,7 @@ typedef void (*SkippyAttendFn)(const SkippyAttendArgs* args, int64_t task);
 // row_bytes bytes of GGML type `type` (SKIPPY_GGML_*), exactly as the file stores them. xsum [M, K / 16]:
 // x's sums per 16 inputs, for the types whose blocks subtract a minimum (Q4_K, Q5_K).
 #define SKIPPY_GGML_Q5_0 6
+#define SKIPPY_GGML_Q8_0 8
 #define SKIPPY_GGML_Q4_K 12
 #define SKIPPY_GGML_Q5_K 13
 #define SKIPPY_GGML_Q6_K 14
