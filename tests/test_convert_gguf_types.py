@@ -102,8 +102,8 @@ def kept(tmp_path_factory) -> tuple[Path, Path, dict]:
     return tmp / "gguf", tmp / "f32", written
 
 
-def runners(model: Path, fmt: str, cuts: tuple[int, ...] = ()) -> list[SliceRunner]:
-    bounds = [0, *cuts, CFG.n_layers]
+def runners(model: Path, fmt: str, cuts: tuple[int, ...] = (), n_layers: int = CFG.n_layers) -> list[SliceRunner]:
+    bounds = [0, *cuts, n_layers]
     out = []
     for start, end in zip(bounds, bounds[1:]):
         cfg, params = loader.load_slice(model, start, end, fmt=fmt)
@@ -320,9 +320,9 @@ def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_pat
     source_json = json.loads((tmp_path / "gguf" / "source.json").read_text())
     assert source_json["bytes_ratio"] <= 1.05 and source_json["requantised"] == {}
     cfg = ModelConfig.load(tmp_path / "gguf" / "model.json")
-    ref = runners(tmp_path / "f32", "f32")
+    ref = runners(tmp_path / "f32", "f32", n_layers=cfg.n_layers)
     for cuts in ((), (cfg.n_layers // 2,)):
-        ours = runners(tmp_path / "gguf", "auto", cuts)
+        ours = runners(tmp_path / "gguf", "auto", cuts, cfg.n_layers)     # every layer of the real model
         in_place = {w.kind for r in ours for layer in r.params["layers"] for w in layer.values()
                     if isinstance(w, ggml.BlockTensor) and w.impl == "kernel"}
         assert in_place == stored & set(ggml.kernel_block_types("cpu")) - set(ggml.KERNEL_TYPES), in_place
