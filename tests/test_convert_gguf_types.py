@@ -102,8 +102,8 @@ def kept(tmp_path_factory) -> tuple[Path, Path, dict]:
     return tmp / "gguf", tmp / "f32", written
 
 
-def runners(model: Path, fmt: str, cuts: tuple[int, ...] = ()) -> list[SliceRunner]:
-    bounds = [0, *cuts, CFG.n_layers]
+def runners(model: Path, fmt: str, cuts: tuple[int, ...] = (), n_layers: int = CFG.n_layers) -> list[SliceRunner]:
+    bounds = [0, *cuts, n_layers]
     out = []
     for start, end in zip(bounds, bounds[1:]):
         cfg, params = loader.load_slice(model, start, end, fmt=fmt)
@@ -205,11 +205,11 @@ def test_dequantising_at_load_gives_the_in_step_ids_and_placement_counts_it(kept
 
 
 @pytest.mark.parametrize("embed", ["Q6_K", "Q8_0"])
-@pytest.mark.parametrize("where", ["step", "load"])
+@pytest.mark.parametrize("where", ["step", "load", "auto"])
 def test_a_tied_head_is_the_embeddings_blocks(tmp_path, embed, where, monkeypatch):
     """No output.weight: the head is the embedding's blocks (Q6_K: the same BlockTensor serves the lookup,
     or dequantised at load a float32 head beside the blocks; Q8_0: the kernel's int8 levels beside the
-    blocks), counted once each."""
+    blocks; on a CPU by default, either type's blocks read in place by the kernel), counted once each."""
     monkeypatch.setenv(ggml.DEQUANTISE_ENV, where)
     write_kept_gguf(tmp_path / "m.gguf", TYPES, {"embed": embed}, seed=2)
     convert_gguf(tmp_path / "m.gguf", tmp_path / "gguf")
@@ -227,7 +227,8 @@ def test_a_tied_head_is_the_embeddings_blocks(tmp_path, embed, where, monkeypatc
                 cfg, r.start, r.end, "gguf", "gguf", types=checkpoint.kept_types(tmp_path / "gguf"))
     assert (rs[1].params["head"] is rs[0].params["embed"]) is False
     one = runners(tmp_path / "gguf", "auto")[0].params
-    assert (one["head"] is one["embed"]) == (embed == "Q6_K" and where == "step")
+    in_place = where == "auto" and embed in ggml.kernel_block_types("cpu")
+    assert (one["head"] is one["embed"]) == (embed == "Q6_K" and where == "step" or in_place)
 
 
 def test_plan_counts_what_the_gguf_checkpoint_stores(kept):
@@ -296,7 +297,8 @@ def test_an_moe_gguf_keeps_its_expert_blocks(tmp_path, monkeypatch):
 def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_path):
     """SmolLM2's GGUF requantised by llama.cpp's own llama-quantize (built by `bench peers --build`) into
     a real mixed recipe: the default convert keeps every tensor's type at about the file's size, and the
-    gguf stage's greedy ids equal f32's on the dequantised weights, 1 process and 2 stages."""
+    gguf stage's greedy ids (the CPU kernel reading Q4_K / Q5_K / Q6_K / Q5_0 blocks in place) equal
+    f32's on the dequantised weights, 1 process and 2 stages."""
     import subprocess
 
     from conftest import REPO
@@ -318,9 +320,12 @@ def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_pat
     source_json = json.loads((tmp_path / "gguf" / "source.json").read_text())
     assert source_json["bytes_ratio"] <= 1.05 and source_json["requantised"] == {}
     cfg = ModelConfig.load(tmp_path / "gguf" / "model.json")
-    ref = runners(tmp_path / "f32", "f32")
+    ref = runners(tmp_path / "f32", "f32", n_layers=cfg.n_layers)
     for cuts in ((), (cfg.n_layers // 2,)):
-        ours = runners(tmp_path / "gguf", "auto", cuts)
+        ours = runners(tmp_path / "gguf", "auto", cuts, cfg.n_layers)     # every layer of the real model
+        in_place = {w.kind for r in ours for layer in r.params["layers"] for w in layer.values()
+                    if isinstance(w, ggml.BlockTensor) and w.impl == "kernel"}
+        assert in_place == stored & set(ggml.kernel_block_types("cpu")) - set(ggml.KERNEL_TYPES), in_place
         for seed in range(2):
             ids = np.random.default_rng(seed).integers(10, cfg.vocab_size, 10)
             assert greedy(ours, ids, 16) == greedy(ref, ids, 16), (recipe, cuts, seed)

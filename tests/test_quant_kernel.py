@@ -139,24 +139,27 @@ def test_fresh_build_lands_in_the_cache_dir_never_the_source_tree(tmp_path):
     assert not [p for p in package.iterdir() if p.suffix in (".so", ".o")]
 
 
-def test_avx2_loops_hold_no_avx512_instruction_and_share_no_symbol(tmp_path):
-    """Compile the loops as the AVX2 variant is built and read the code: no zmm, no mask
+@pytest.mark.parametrize("source, exported", [
+    ("quant_kernel_isa.cc", ["skippy_attend_avx2", "skippy_int8_panel_avx2", "skippy_q4_panel_avx2"]),
+    ("block_kernel_isa.cc", ["skippy_blocks_avx2"])])
+def test_avx2_loops_hold_no_avx512_instruction_and_share_no_symbol(tmp_path, source, exported):
+    """Compile each per-ISA file as the AVX2 variant is built and read the code: no zmm, no mask
     or upper-16 vector register, so the AVX2 path can run on an AVX2-only CPU; and the
-    object exports its three entry points only (no weak inline copy the linker could hand
+    object exports its entry points only (no weak inline copy the linker could hand
     to another ISA's caller)."""
     cxx = shutil.which(os.environ.get("CXX") or "g++")
     if not (X86 and cxx and shutil.which("objdump") and shutil.which("nm")):
         pytest.skip("needs x86-64, a C++ compiler and binutils")
     obj = tmp_path / "avx2.o"
     subprocess.run([cxx, *quant.CXX_FLAGS, *quant.ISA_FLAGS["avx2"], "-DSKIPPY_ISA=avx2", "-c",
-                    str(quant.KERNEL_DIR / "quant_kernel_isa.cc"), "-o", str(obj)], check=True, timeout=300)
+                    str(quant.KERNEL_DIR / source), "-o", str(obj)], check=True, timeout=300)
     asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(obj)], check=True, capture_output=True,
                          text=True).stdout
     assert "ymm" in asm                                          # it is vectorised
     assert not re.search(r"zmm|%k[0-7]|[xy]mm(1[6-9]|2[0-9]|3[01])", asm)
     symbols = subprocess.run(["nm", "--extern-only", "--defined-only", str(obj)], check=True, capture_output=True,
                              text=True).stdout.split()
-    assert sorted(symbols[2::3]) == ["skippy_attend_avx2", "skippy_int8_panel_avx2", "skippy_q4_panel_avx2"]
+    assert sorted(symbols[2::3]) == exported
 
 
 INT8_CHILD = """

@@ -62,12 +62,18 @@ class KeptTypes:
     """The GGUF type of every matrix a gguf checkpoint stores (its manifest's "types"); hashable, so
     placement's cached byte counts key on it. layers[i]: (key, type) pairs of layer i. at_load: the
     stage dequantises matrices of types without a CPU kernel to float32 once at load
-    (ggml.dequantise_at_load for its device), so each counts 4 bytes a weight."""
+    (ggml.dequantise_at_load for its device), so each counts 4 bytes a weight; in_place: the types
+    the kernel reads as blocks instead (ggml.kernel_block_types), which count their blocks."""
 
     embed: str
     head: str | None
     layers: tuple[tuple[tuple[str, str], ...], ...]
     at_load: bool = False
+    in_place: tuple[str, ...] = ()
+
+    def dequantised(self, kind: str) -> bool:
+        """Whether a matrix of `kind` is float32 at runtime (dequantised once at load)."""
+        return self.at_load and kind not in self.in_place
 
 
 def stage_nbytes(cfg: ModelConfig, start: int, end: int, fmt: str, stored: str | None = None,
@@ -106,7 +112,7 @@ def kept_layer_nbytes(cfg: ModelConfig, i: int, types: KeptTypes, dtype: str = "
         if key in weights.ROUTER_KEYS:
             total += 4 * s[0] * s[1]
         else:
-            total += (kept_nbytes(s[::-1], kinds[key], key, types.at_load) if len(s) == 2
+            total += (kept_nbytes(s[::-1], kinds[key], key, types.dequantised(kinds[key])) if len(s) == 2
                       else np.dtype(dtype).itemsize * s[0])
     return total
 
@@ -123,9 +129,10 @@ def _kept_stage_nbytes(cfg: ModelConfig, start: int, end: int, dtype: str, types
     if end == cfg.n_layers:
         total += item * cfg.d_model
         if not cfg.tied_embeddings:
-            total += kept_nbytes(vd, types.head or "", "head", types.at_load)
-        elif types.embed in ggml.KERNEL_TYPES or types.at_load:  # a tied head: the embedding's levels packed,
-            total += kept_nbytes(vd, types.embed, "head", types.at_load)   # or dequantised at load
+            total += kept_nbytes(vd, types.head or "", "head", types.dequantised(types.head or ""))
+        elif ((types.embed in ggml.KERNEL_TYPES and types.embed not in types.in_place)   # a tied head: the
+              or types.dequantised(types.embed)):                                    # embedding's levels packed,
+            total += kept_nbytes(vd, types.embed, "head", True)                     # or dequantised at load
         elif start != 0:                                # else the embedding's own blocks
             total += kept_nbytes(vd, types.embed, "embed")
     return total
@@ -320,7 +327,7 @@ def kept_types(model_dir: Path, device: str = "cpu") -> KeptTypes | None:
         raise CheckpointError(f"{Path(model_dir) / 'params' / MANIFEST}: a gguf checkpoint without its types: "
                               "re-convert the model")
     return KeptTypes(t.get("embed"), t.get("head"), tuple(tuple(sorted(layer.items())) for layer in t["layers"]),
-                     ggml.dequantise_at_load(device))
+                     ggml.dequantise_at_load(device), ggml.kernel_block_types(device))
 
 
 def itemised(model_dir: Path) -> bool:

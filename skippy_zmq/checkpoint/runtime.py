@@ -7,7 +7,9 @@
                  matrices, which become QTensors holding the very same levels and scales
                  (the CPU kernel reads them in place; elsewhere the QTensor's XLA path gives
                  the same float32 values: q * d and -8 * d are exact products). On a CPU
-                 (ggml.dequantise_at_load) a matrix of any other type is dequantised once here
+                 Q4_K / Q5_K / Q6_K / Q5_0 matrices stay blocks the kernel reads in place
+                 (ggml.kernel_block_types, impl "kernel"); with ggml.dequantise_at_load
+                 a matrix of any other type is dequantised once here
                  to float32 [in, out], the very values the step would make (the same numpy /
                  XLA dequantiser, bit-equal), and logged once per stage with the bytes it adds
 
@@ -69,7 +71,7 @@ def _put_item(put: Any, out: dict[str, Any], layers: dict[int, Any], key: str | 
     elif key == "embed":      # after norm and head: a last stage knows by now whether its head is tied
         tied = "norm" in out and "head" not in out and asked in ("int8", "q4", KEEP)
         if tied:
-            out["head"] = put.matrix("head", stored)      # tied: the embedding's levels, packed
+            out["head"] = put.matrix("head", stored, tied=True)   # tied: the embedding's levels, packed
         if first or "head" not in out:                    # gguf blocks: the same arrays serve the lookup
             same = tied and isinstance(out["head"], ggml.BlockTensor)
             out["embed"] = out["head"] if same else put.embed(stored)
@@ -83,6 +85,7 @@ class _Put:
     def __init__(self, asked: str, dtype: Any, device: Any):
         self.asked, self.dtype, self.device = asked, dtype, device
         self.at_load = asked == KEEP and ggml.dequantise_at_load(_platform(device))
+        self.in_place = ggml.kernel_block_types(_platform(device)) if asked == KEEP else ()
         self.dequantised: dict[str, list[int]] = {}     # type -> [matrices, bytes added over the blocks]
 
     def report_dequantised(self) -> None:
@@ -124,11 +127,15 @@ class _Put:
             return self.array(w)
         return _Put("bf16", jnp.bfloat16, self.device).array(w)
 
-    def matrix(self, key: str, stored: dict[str, np.ndarray]) -> Any:
+    def matrix(self, key: str, stored: dict[str, np.ndarray], tied: bool = False) -> Any:
+        """A stored [out, in] matrix -> the stage's runtime matrix; `tied`: a head that is the embedding
+        (blocks the kernel reads serve both, even Q8_0's: no packed copy beside them)."""
         if self.asked == KEEP:
             kind = stored_type(stored)
-            if kind in ggml.KERNEL_TYPES:      # the kernel's own types: the same levels, packed
+            if kind in ggml.KERNEL_TYPES and not (tied and kind in self.in_place):   # the same levels, packed
                 return self.tree(runtime_qtensor(stored, ggml.KERNEL_TYPES[kind]))
+            if kind in self.in_place:          # the file's blocks, read in place by the kernel
+                return self.tree(ggml.BlockTensor(np.asarray(stored["blocks"]), kind, impl="kernel"))
             if self.at_load:
                 return self.dequantise(np.asarray(stored["blocks"]), kind)
             return self.tree(ggml.BlockTensor(np.asarray(stored["blocks"]), kind))

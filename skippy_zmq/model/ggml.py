@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from skippy_zmq.model.kernel import BLOCK_TARGET, kernel_available
+
 QK_K = 256
 # GGML's type ids (ggml.h, gguf-py GGMLQuantizationType): what a checkpoint records per tensor.
 TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
@@ -213,9 +215,13 @@ TYPES = {t.name: t for t in (
     BlockType("Q3_K", QK_K, 110, _q3_k), BlockType("Q4_K", QK_K, 144, _q4_k), BlockType("Q5_K", QK_K, 176, _q5_k),
     BlockType("Q6_K", QK_K, 210, _q6_k), BlockType("IQ4_NL", 32, 18, _iq4_nl), BlockType("IQ4_XS", QK_K, 136, _iq4_xs))}
 KERNEL_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}   # types the CPU kernel runs as QTensors (bits), levels exact
+# Types the CPU kernel reads in place as the file's blocks (block_kernel_isa.cc). Q8_0 matrices stay
+# QTensors (KERNEL_TYPES); its blocks serve a tied head, which then needs no int8 copy of the embedding.
+BLOCK_KERNEL_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0")
 # Where a matrix of any other type is dequantised (docs/models.md): "load" once, to float32, when the stage
-# loads; "step" inside every jitted step; "auto" (unset): "load" on a CPU, where the in-step dequantiser
-# made SmolLM2 Q4_K_M decode 9x slower than the same file in f32, and "step" on GPU / TPU.
+# loads; "step" inside every jitted step; "auto" (unset): on a CPU the kernel reads BLOCK_KERNEL_TYPES in
+# place and the rest are dequantised at load (the in-step dequantiser made SmolLM2 Q4_K_M decode 9x slower
+# than the same file in f32); "step" on GPU / TPU. "load" dequantises every type but KERNEL_TYPES.
 DEQUANTISE_ENV = "SKIPPY_GGUF_DEQUANTISE"
 DEQUANTISE_CHOICES = ("auto", "load", "step")
 
@@ -227,13 +233,26 @@ def block_type(name: str) -> BlockType:
     return TYPES[name]
 
 
-def dequantise_at_load(platform: str) -> bool:
-    """Whether a stage on `platform` ("cpu", "gpu", "tpu"; a device spelling "gpu:0" is fine) dequantises
-    its matrices of types without a CPU kernel once at load, from DEQUANTISE_ENV (above)."""
+def _dequantise_choice() -> str:
     choice = os.environ.get(DEQUANTISE_ENV, "auto").strip().lower() or "auto"
     if choice not in DEQUANTISE_CHOICES:
         raise ValueError(f"{DEQUANTISE_ENV}={choice!r}: expected one of {', '.join(DEQUANTISE_CHOICES)}")
+    return choice
+
+
+def dequantise_at_load(platform: str) -> bool:
+    """Whether a stage on `platform` ("cpu", "gpu", "tpu"; a device spelling "gpu:0" is fine) dequantises
+    its matrices of types without a CPU kernel once at load, from DEQUANTISE_ENV (above)."""
+    choice = _dequantise_choice()
     return choice == "load" or (choice == "auto" and platform.split(":")[0] == "cpu")
+
+
+def kernel_block_types(platform: str) -> tuple[str, ...]:
+    """The types whose matrices a stage on `platform` keeps as blocks for the CPU kernel to read in place
+    (BLOCK_KERNEL_TYPES on a CPU under "auto" when the kernel is built; none otherwise)."""
+    if _dequantise_choice() != "auto" or platform.split(":")[0] != "cpu" or not kernel_available():
+        return ()
+    return BLOCK_KERNEL_TYPES
 
 
 def row_bytes(name: str, n: int) -> int:
@@ -263,6 +282,7 @@ class BlockTensor:
 
     blocks: Any
     kind: str = dataclasses.field(metadata=dict(static=True))
+    impl: str = dataclasses.field(default="xla", metadata=dict(static=True))   # "kernel": block_kernel_isa.cc
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -275,7 +295,14 @@ class BlockTensor:
 
 
 def block_dense(x: jax.Array, w: BlockTensor) -> jax.Array:
-    """x @ W.T for W [out, in] in blocks: dequantised inside the step, then one f32 dot."""
+    """x @ W.T for W [out, in] in blocks: the CPU kernel reading them in place (impl "kernel"), else
+    dequantised inside the step, then one f32 dot."""
+    if w.impl == "kernel" and w.blocks.ndim == 2 and kernel_available():
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+        out = jax.ShapeDtypeStruct((x2.shape[0], w.blocks.shape[0]), jnp.float32)
+        y = jax.ffi.ffi_call(BLOCK_TARGET, out)(x2, w.blocks, type=np.int64(TYPE_IDS[w.kind]))
+        return y.reshape(*lead, w.blocks.shape[0]).astype(x.dtype)
     weight = dequantize(w.blocks, w.kind, jnp)
     y = jax.lax.dot_general(x.astype(jnp.float32), weight, (((x.ndim - 1,), (weight.ndim - 1,)), ((), ())))
     return y.astype(x.dtype)

@@ -26,9 +26,11 @@ from skippy_zmq.files.private_dirs import private_cache_dir, unsafe_reason
 KERNEL_TARGETS = {8: "skippy_int8_dense", 4: "skippy_q4_dense"}   # bits -> FFI target
 MOE_TARGETS = {8: "skippy_int8_moe_ffn", 4: "skippy_q4_moe_ffn"}   # an MoE layer's routed experts in one call
 ATTEND_TARGET = "skippy_decode_attention"   # one query token per row over f32 KV (quant_kernel.h)
+BLOCK_TARGET = "skippy_block_dense"         # GGUF Q4_K / Q5_K / Q6_K / Q5_0 / Q8_0 blocks read in place (ggml.py)
 KERNEL_DIR = Path(__file__).parent
-KERNEL_SOURCES = ("quant_kernel.cc", "quant_kernel_isa.cc", "quant_kernel.h")
-# Instruction sets quant_kernel_isa.cc is compiled for (x86-64), best first; other CPUs get "generic".
+ISA_SOURCES = ("quant_kernel_isa.cc", "block_kernel_isa.cc")   # compiled once per instruction set
+KERNEL_SOURCES = ("quant_kernel.cc", *ISA_SOURCES, "quant_kernel.h", "quant_kernel_simd.h")
+# Instruction sets ISA_SOURCES are compiled for (x86-64), best first; other CPUs get "generic".
 ISA_FLAGS = {"avx512vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mavx2",
                            "-mfma", "-mf16c"),
              "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
@@ -69,7 +71,7 @@ def _load_kernel() -> _Kernel | None:
         logger.warning("quantised-matmul CPU kernel unavailable, using the slow XLA fallback: {}", exc)
         return None
     kernel = _Kernel(lib, _select_isa(lib, os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"))
-    for target in (*KERNEL_TARGETS.values(), *MOE_TARGETS.values(), ATTEND_TARGET):
+    for target in (*KERNEL_TARGETS.values(), *MOE_TARGETS.values(), ATTEND_TARGET, BLOCK_TARGET):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     logger.debug("quantised-matmul CPU kernel: {} loops", kernel.isa)
     return kernel
@@ -134,8 +136,9 @@ def _build_kernel() -> Path:
 
         objects = []
         for isa in isas:
-            objects.append(f"{tmp}/isa_{isa}.o")
-            cc(*ISA_FLAGS[isa], f"-DSKIPPY_ISA={isa}", "-c", str(KERNEL_DIR / "quant_kernel_isa.cc"), "-o", objects[-1])
+            for source in ISA_SOURCES:
+                objects.append(f"{tmp}/{Path(source).stem}_{isa}.o")
+                cc(*ISA_FLAGS[isa], f"-DSKIPPY_ISA={isa}", "-c", str(KERNEL_DIR / source), "-o", objects[-1])
         objects.append(f"{tmp}/glue.o")
         cc("-I", include, "-c", str(KERNEL_DIR / "quant_kernel.cc"), "-o", objects[-1])
         out = Path(tmp) / target.name

@@ -51,6 +51,7 @@ struct Isa {
   bool (*supported)();
   SkippyQuantizeFn quantize;  // int8 activations (null: float loops only)
   SkippyAttendFn attend;
+  SkippyBlockFn blocks;
 };
 
 bool always() { return true; }
@@ -71,11 +72,13 @@ bool has_avx512vnni() {
 const Isa kIsas[] = {  // best first
 #if defined(__x86_64__)
     {"avx512vnni", skippy_int8_panel_avx512vnni, skippy_q4_panel_avx512vnni, has_avx512vnni,
-     skippy_quantize_x_avx512vnni, skippy_attend_avx512vnni},
-    {"avx512", skippy_int8_panel_avx512, skippy_q4_panel_avx512, has_avx512, nullptr, skippy_attend_avx512},
-    {"avx2", skippy_int8_panel_avx2, skippy_q4_panel_avx2, has_avx2, nullptr, skippy_attend_avx2},
+     skippy_quantize_x_avx512vnni, skippy_attend_avx512vnni, skippy_blocks_avx512vnni},
+    {"avx512", skippy_int8_panel_avx512, skippy_q4_panel_avx512, has_avx512, nullptr, skippy_attend_avx512,
+     skippy_blocks_avx512},
+    {"avx2", skippy_int8_panel_avx2, skippy_q4_panel_avx2, has_avx2, nullptr, skippy_attend_avx2, skippy_blocks_avx2},
 #endif
-    {"generic", skippy_int8_panel_generic, skippy_q4_panel_generic, always, nullptr, skippy_attend_generic},
+    {"generic", skippy_int8_panel_generic, skippy_q4_panel_generic, always, nullptr, skippy_attend_generic,
+     skippy_blocks_generic},
 };
 constexpr int kNumIsas = sizeof(kIsas) / sizeof(kIsas[0]);
 
@@ -142,6 +145,36 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const void* q, f
   // memory here (33 vs 38 GB/s for two). So decode projections stay on the
   // caller; the head and prefill chunks (compute-bound) use the pool.
   RunTasks(pool, panels, args.M * K * args.Np, [fn, args](int64_t p) { fn(&args, p); });
+  return ffi::Error::Success();
+}
+
+// GGUF blocks in place (block_kernel_isa.cc): y[M, N] = x[M, K] @ W.T, W [N, row bytes] of `type`.
+ffi::Error BlockDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                      ffi::ResultBuffer<ffi::F32> y, int64_t type) {
+  int64_t block = 0, bytes = 0;   // weights and bytes per block
+  switch (type) {
+    case SKIPPY_GGML_Q5_0: block = 32, bytes = 22; break;
+    case SKIPPY_GGML_Q8_0: block = 32, bytes = 34; break;
+    case SKIPPY_GGML_Q4_K: block = 256, bytes = 144; break;
+    case SKIPPY_GGML_Q5_K: block = 256, bytes = 176; break;
+    case SKIPPY_GGML_Q6_K: block = 256, bytes = 210; break;
+    default: return ffi::Error(ffi::ErrorCode::kInvalidArgument, "blocks: not a GGML type the kernel reads");
+  }
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] % block || wd[1] != xd[1] / block * bytes ||
+      yd[0] != xd[0] || yd[1] != wd[0]) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "blocks: x [M, K], w [N, K / block * bytes], y [M, N]");
+  }
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  thread_local std::vector<float> xsum;   // per 16 inputs, for the blocks' minimums (per thread: XLA may
+  xsum.assign(M * (K / 16), 0.0f);        // run two calls at once; every task ends before this returns)
+  const float* xs = x.typed_data();
+  for (int64_t i = 0; i < M * (K / 16); ++i)
+    for (int j = 0; j < 16; ++j) xsum[i] += xs[i * 16 + j];
+  const SkippyBlockArgs args{xs, xsum.data(), w.typed_data(), y->typed_data(), M, K, N, wd[1],
+                             static_cast<int32_t>(type)};
+  const SkippyBlockFn fn = g_isa.load(std::memory_order_relaxed)->blocks;
+  RunTasks(pool, (N + SKIPPY_BLOCK_ROWS - 1) / SKIPPY_BLOCK_ROWS, M * K * N, [fn, args](int64_t t) { fn(&args, t); });
   return ffi::Error::Success();
 }
 
@@ -321,6 +354,13 @@ extern "C" int skippy_kernel_supports(const char* name) {
       .Arg<ffi::Buffer<ffi::F16>>()             \
       .Ret<ffi::Buffer<ffi::F32>>()
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_block_dense, BlockDense,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("type"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_int8_dense, Int8Dense, SKIPPY_BIND(ffi::S8));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_q4_dense, Q4Dense, SKIPPY_BIND(ffi::U8));
 

@@ -53,12 +53,34 @@ typedef struct {
 // Computes task = b * KVH + kv head.
 typedef void (*SkippyAttendFn)(const SkippyAttendArgs* args, int64_t task);
 
+// GGUF blocks read in place (block_kernel_isa.cc): y[M, N] = x[M, K] @ W.T, W [N, K] held as rows of
+// row_bytes bytes of GGML type `type` (SKIPPY_GGML_*), exactly as the file stores them. xsum [M, K / 16]:
+// x's sums per 16 inputs, for the types whose blocks subtract a minimum (Q4_K, Q5_K).
+#define SKIPPY_GGML_Q5_0 6
+#define SKIPPY_GGML_Q8_0 8
+#define SKIPPY_GGML_Q4_K 12
+#define SKIPPY_GGML_Q5_K 13
+#define SKIPPY_GGML_Q6_K 14
+#define SKIPPY_BLOCK_ROWS 16   // rows of W per task
+typedef struct {
+  const float* x;
+  const float* xsum;
+  const uint8_t* w;
+  float* y;
+  int64_t M, K, N, row_bytes;
+  int32_t type;
+} SkippyBlockArgs;
+
+// Computes rows [task * SKIPPY_BLOCK_ROWS, + SKIPPY_BLOCK_ROWS) of W (clipped to N) for every row of x.
+typedef void (*SkippyBlockFn)(const SkippyBlockArgs* args, int64_t task);
+
 // Computes every row of output panel p.
 typedef void (*SkippyPanelFn)(const SkippyDenseArgs* args, int64_t p);
 
 #define SKIPPY_DECLARE_ISA(isa)                                                 \
   extern "C" void skippy_int8_panel_##isa(const SkippyDenseArgs* args, int64_t p); \
   extern "C" void skippy_q4_panel_##isa(const SkippyDenseArgs* args, int64_t p);        \
-  extern "C" void skippy_attend_##isa(const SkippyAttendArgs* args, int64_t task);
+  extern "C" void skippy_attend_##isa(const SkippyAttendArgs* args, int64_t task); \
+  extern "C" void skippy_blocks_##isa(const SkippyBlockArgs* args, int64_t task);
 #define SKIPPY_DECLARE_QUANTIZE(isa) \
   extern "C" void skippy_quantize_x_##isa(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs);

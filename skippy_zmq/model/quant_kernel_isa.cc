@@ -11,6 +11,7 @@
 // quant_kernel.cc.
 
 #include "quant_kernel.h"
+#include "quant_kernel_simd.h"
 
 #include <math.h>
 
@@ -26,18 +27,6 @@
 
 namespace {
 
-// One vector register of floats: 16 lanes (zmm), 8 (ymm) or 4 (xmm). Never
-// wider than the ISA's registers: GCC lowers a 64-byte vector type without
-// AVX-512 through the stack, which measured 30x slower.
-#if defined(__AVX512F__)
-#define SKIPPY_LANES 16
-#elif defined(__AVX2__)
-#define SKIPPY_LANES 8
-#else
-#define SKIPPY_LANES 4
-#endif
-constexpr int kLanes = SKIPPY_LANES;
-typedef float vf __attribute__((vector_size(4 * SKIPPY_LANES)));
 constexpr int64_t kPanel = SKIPPY_PANEL;
 
 // A pass over K covers kVecs vectors of columns (accumulators, partial sums
@@ -51,50 +40,6 @@ constexpr int kRows = 4;
 #else
 constexpr int kRows = 2;
 #endif
-
-// IEEE binary16 bits -> float, portably (the generic path; x86 uses F16C below).
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 31) {
-    bits = sign | 0x7f800000u | (man << 13);                 // inf, nan
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);         // normal: rebias 15 -> 127
-  } else {
-    float f = (float)man * (1.0f / 16777216.0f);             // zero, subnormal: man * 2^-24
-    __builtin_memcpy(&bits, &f, 4);
-    bits |= sign;
-  }
-  float out;
-  __builtin_memcpy(&out, &bits, 4);
-  return out;
-}
-
-// kLanes float16 scales -> float (one conversion per group and column vector).
-inline vf loadh(const uint16_t* p) {
-#if defined(__AVX512F__)
-  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-#elif defined(__AVX2__)
-  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-#else
-  vf out;
-  for (int i = 0; i < kLanes; ++i) out[i] = half_to_float(p[i]);
-  return out;
-#endif
-}
-
-// kLanes int8 -> kLanes float in registers (GCC's generic vector convert goes scalar).
-inline vf widen_s8(const int8_t* p) {
-#if defined(__AVX512F__)
-  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-#elif defined(__AVX2__)
-  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-#else
-  vf out;
-  for (int i = 0; i < kLanes; ++i) out[i] = p[i];
-  return out;
-#endif
-}
 
 // The low (high = false) or high nibbles of kLanes bytes -> kLanes float.
 inline vf widen_u4(const uint8_t* p, bool high) {
@@ -116,16 +61,6 @@ inline vf widen_u4(const uint8_t* p, bool high) {
 // ---- decode attention (quant_kernel.h): one pass over the keys in chunks, online softmax.
 constexpr int kChunk = 128;
 
-inline float hsum(vf v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps((__m512)v);
-#else
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-#endif
-}
-
 typedef int32_t vi __attribute__((vector_size(4 * SKIPPY_LANES)));
 
 // exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp): 2^n * p(r), x = n ln2 + r.
@@ -145,12 +80,6 @@ inline vf vexp(vf x) {
   vf scale;
   __builtin_memcpy(&scale, &bits, sizeof(vf));
   return p * scale;
-}
-
-inline vf loadf(const float* p) {
-  vf v;
-  __builtin_memcpy(&v, p, sizeof(vf));
-  return v;
 }
 
 void attend(const SkippyAttendArgs& a, int64_t task) {
