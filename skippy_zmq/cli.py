@@ -292,7 +292,7 @@ def add_generate_parser(sub: Any) -> None:
     mode.add_argument("--chat", action="store_true", default=True)
     mode.add_argument("--raw", action="store_true")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--speculative", default=None, choices=["off", "ngram"],
+    p.add_argument("--speculative", default=None, choices=["off", "ngram", "suffix"],
                    help="draft from the prompt and output, verify windows (default: the topology's driver.speculative, "
                         "off without a topology)")
     p.add_argument("--max-draft", type=int, default=None, help="most drafted tokens per window (default 15)")

@@ -57,11 +57,12 @@ def token_lists(events: dict[str, list]) -> dict[str, list[int]]:
     return {rid: tokens_of(ev) for rid, ev in events.items()}
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
 @pytest.mark.parametrize("cuts", [[], [2], [1, 3]], ids=["1stage", "2stage", "3stage"])
-def test_greedy_tokens_are_identical_with_speculation_on_and_off(cuts):
+def test_greedy_tokens_are_identical_with_speculation_on_and_off(cuts, method):
     reqs = requests()
     off = token_lists(run(cuts, reqs, None))
-    on_events = run(cuts, reqs, SPEC)
+    on_events = run(cuts, reqs, dataclasses.replace(SPEC, method=method))
     counts = run.last.spec_counts   # type: ignore[attr-defined]
     assert token_lists(on_events) == off
     assert all(len(t) == 40 for t in off.values())
@@ -238,16 +239,20 @@ def test_sampler_window_equals_step_by_step_on_the_model():
 
 @pytest.mark.slow
 def test_local_engine_speculation_on_the_real_model(model_dir, parity):
-    """`generate --speculative ngram` (single process): identical greedy tokens, windows reported."""
+    """`generate --speculative ngram|suffix` (single process): identical greedy tokens, windows
+    reported; the last prompt is bench spec's code rewrite (a long copy with changed lines)."""
+    from skippy_zmq.devtools.bench.spec_workloads import copy_messages
     from skippy_zmq.engine.generate import LocalEngine
 
     engine = LocalEngine(model_dir)
     copy = engine.tokenizer.encode_chat([{"role": "user", "content": (
         "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank.")}])
-    for ids in [c["prompt_ids"] for c in parity["prompts"][:2]] + [copy]:
-        off = engine.generate(ids, max_tokens=32, ignore_eos=True)
-        on = engine.generate(ids, max_tokens=32, ignore_eos=True, speculative=SPEC)
-        assert on.token_ids == off.token_ids and on.finish_reason == off.finish_reason
+    code = engine.tokenizer.encode_chat([{"role": "user", "content": copy_messages()[2]}])
+    for ids in [c["prompt_ids"] for c in parity["prompts"][:2]] + [copy, code]:
+        off = engine.generate(ids, max_tokens=48, ignore_eos=True)
+        for method in ("ngram", "suffix"):
+            on = engine.generate(ids, max_tokens=48, ignore_eos=True, speculative=dataclasses.replace(SPEC, method=method))
+            assert on.token_ids == off.token_ids and on.finish_reason == off.finish_reason, method
     assert on.speculative["windows"] > 0
     spec = on.to_json()["speculative"]
     assert spec["accepted_per_step"] == round(spec["accepted"] / spec["windows"], 3) and spec["accepted_per_step"] > 0.5

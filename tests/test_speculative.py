@@ -265,9 +265,9 @@ def test_config_defaults_and_round_trip():
 
 
 @pytest.mark.parametrize("raw, text", [
-    ({"max_drafts": 4}, "max_drafts: unknown key (allowed: depth, max_draft, max_match, method, min_acceptance,"),
-    ({"method": "eagle"}, "method: expected one of off, ngram, got 'eagle'"),
-    ({"method": True}, "method: expected one of off, ngram, got True"),
+    ({"max_drafts": 4}, "max_drafts: unknown key (allowed: depth, long_match, max_draft, max_match, method, min_acceptance,"),
+    ({"method": "eagle"}, "method: expected one of off, ngram, suffix, got 'eagle'"),
+    ({"method": True}, "method: expected one of off, ngram, suffix, got True"),
     ({"max_draft": "eight"}, "max_draft: expected an integer, got 'eight'"),
     ({"max_draft": True}, "max_draft: expected an integer, got True"),
     ({"max_draft": 33}, "max_draft: must be at most 32, got 33"),
@@ -275,6 +275,7 @@ def test_config_defaults_and_round_trip():
     ({"min_draft": 16}, "min_draft: must be at most max_draft (15), got 16"),
     ({"min_match": 0}, "min_match: must be at least 1, got 0"),
     ({"min_match": 3, "max_match": 2}, "max_match: must be at least min_match (3), got 2"),
+    ({"long_match": 0}, "long_match: must be at least 1, got 0"),
     ({"shared": "yes"}, "shared: expected true or false, got 'yes'"),
     ({"shared_tokens": 0}, "shared_tokens: must be at least 1, got 0"),
     ({"min_acceptance": 1.5}, "min_acceptance: must be between 0 and 1, got 1.5"),

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-METHODS = ("off", "ngram")
+METHODS = ("off", "ngram", "suffix")
 MAX_DRAFT_LIMIT = 32
 MAX_DEPTH = 16
 
@@ -22,11 +22,12 @@ class SpeculativeConfigError(ValueError):
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "off"            # off | ngram
+    method: str = "off"            # off | ngram | suffix (engine/long_match.py)
     max_draft: int = 15            # most drafted tokens per window (1..32); windows pad to 2/4/8/16 tokens
     min_draft: int = 1             # smallest window while drafting
     min_match: int = 2             # shortest suffix n-gram that counts as a match
     max_match: int = 8             # longest suffix tried
+    long_match: int = 12           # suffix: a match this long drafts the widest window at once
     shared: bool = True            # fall back to recent outputs of other requests
     shared_tokens: int = 65536     # size bound of that index
     min_acceptance: float = 0.25   # below this (moving average) a session stops drafting
@@ -66,6 +67,7 @@ class SpeculativeConfig:
         _integer("min_draft", cfg.min_draft, 1, cfg.max_draft, high_is="max_draft")
         _integer("min_match", cfg.min_match, 1)
         _integer("max_match", cfg.max_match, cfg.min_match, low_is="min_match")
+        _integer("long_match", cfg.long_match, 1)
         _integer("shared_tokens", cfg.shared_tokens, 1)
         _integer("probe_every", cfg.probe_every, 1)
         _integer("depth", cfg.depth, 0, MAX_DEPTH)

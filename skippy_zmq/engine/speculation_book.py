@@ -15,7 +15,8 @@ from skippy_zmq.config.model import widest_window
 from skippy_zmq.engine.awaiting import Awaiting
 from skippy_zmq.engine.job import Job, JobStatus, WindowAhead
 from skippy_zmq.engine.scheduler_config import SchedulerConfig
-from skippy_zmq.engine.speculative import Drafter, SharedIndex, judge_window
+from skippy_zmq.engine.long_match import make_drafter
+from skippy_zmq.engine.speculative import SharedIndex, judge_window
 
 _KEEP_LENGTHS = 100_000   # accepted lengths kept when nobody drains them (the oldest half goes)
 
@@ -33,7 +34,7 @@ class SpeculationBook:
     def start(self, job: Job, allowed: bool) -> None:
         """Give an admitted job its drafter when speculation is on for it."""
         if self.cfg.speculative.enabled and allowed:
-            job.spec = Drafter(self.cfg.speculative, job.prompt, self.shared)
+            job.spec = make_drafter(self.cfg.speculative, job.prompt, self.shared)
 
     def draft(self, group: list[Job]) -> None:
         """Give each job of one DECODE its drafts (job.drafts), within what the message can carry:
