@@ -124,9 +124,28 @@ def warm_before_ready(runner: SliceRunner, windows: tuple[int, ...] = ()) -> flo
     only (run=False): running the small shapes once too is left to the idle warm-ups, so it does
     not lengthen the time to READY (half an 8B: 23 s of a 30 s bound)."""
     rows = runner.buckets.decode_rows[:2]
+    if runner.stopgap:
+        return warm_stopgap(runner, windows)
     spent = runner.warmup(rows=rows, chunks=runner.buckets.prefill_chunks, attn_lens=runner.attn_buckets(),
                           run=False)
     return spent + runner.warmup(rows=(), windows=windows, attn_lens=runner.attn_buckets(1), pairs=set(), run=False)
+
+
+def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
+    """warm_before_ready for a `stopgap` runner: before READY only the layer-by-layer step of what a
+    first request runs (1- and 2-row decode, the verify windows and the chunks of at most
+    WARM_RUN_TOKENS, at the first attention length), run once on padding: one layer compiled per
+    shape instead of the slice's every layer (SmolLM2's cold start: 24 whole-slice shapes took 24 s
+    of XLA compile). Then warm_before_ready's own shapes compile in a thread (compile_behind), the
+    first attention length first, and each shape's steps switch to the whole-slice step as it is
+    there; the stage loop holds its idle warm-ups until that thread is done."""
+    rows, first = runner.buckets.decode_rows[:2], runner.attn_buckets(1)
+    small = tuple(c for c in runner.buckets.prefill_chunks if c <= WARM_RUN_TOKENS)
+    spent = runner.warmup(rows=rows, chunks=small, attn_lens=first, windows=windows, layered=True)
+    chunks, rest = runner.buckets.prefill_chunks, runner.attn_buckets()[len(first):]
+    runner.compile_behind(runner.warm_shapes(rows, chunks, first, windows=windows)
+                          + runner.warm_shapes(rows, chunks, rest))
+    return spent
 
 
 def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
@@ -151,6 +170,7 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     buckets = stage_buckets(topology, stage.kv_lanes, capacity)
     runner = SliceRunner(cfg, params, stage.start, stage.end,
                          KVConfig(lanes=stage.kv_lanes, capacity=capacity, dtype=stage.kv_dtype), buckets, device)
+    runner.stopgap = True    # READY before the whole-slice steps compile (warm_stopgap)
     t1 = time.perf_counter()
     warm_before_ready(runner, spec_windows(topology, buckets))
     logger.info("stage {} layers [{}, {}) on {}: restored in {:.1f}s, compiled in {:.1f}s", stage.id,
