@@ -22,6 +22,7 @@ from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig, decode_shape
 from skippy_zmq.kv.prefix_store import PrefixStore, StoreIdentity
 from skippy_zmq.checkpoint import checkpoint, loader
 from skippy_zmq.checkpoint.convert import model_digest
+from skippy_zmq.model.kernel import prepare_kernel
 from skippy_zmq.model.runner import WARM_RUN_TOKENS, SliceRunner, resolve_device
 from skippy_zmq.stage.sessions import SessionTable
 from skippy_zmq.stage.worker import StageInfo, StageWorker
@@ -162,6 +163,8 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     where = where or Placement.of(stage)
     need = check_budget(topology, stage, where.memory)
     t0 = time.perf_counter()
+    if where.device == "cpu":
+        prepare_kernel()     # built (a cold machine: seconds of compiler) while the weights restore
     device = resolve_device(where.device)
     cfg, params = loader.load_slice(topology.model_path, stage.start, stage.end, stage.dtype, device,
                                     fmt=stage.weights)
