@@ -97,6 +97,8 @@ def main() -> int:
     ap.add_argument("--explain", action="store_true", help="jax_explain_cache_misses")
     ap.add_argument("--decode", type=int, default=0, metavar="STEPS",
                     help="after the start, time this many decode steps with 1 and with 4 rows")
+    ap.add_argument("--idle", action="store_true",
+                    help="after the start, run the idle warm-ups the stage loop runs after READY (timed)")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args()
     configure_logging(args.log_level)
@@ -129,7 +131,12 @@ def main() -> int:
     worker = build_worker(topology, stage)
     start_s, start_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     runner = worker.runner
-    factory_shapes = len(runner.stats.shapes)
+    factory_shapes, layered_shapes = len(runner.stats.shapes), len(runner.stats.layered)
+    t1, c1 = time.perf_counter(), time.process_time()
+    runner.join_behind()     # a stop-gap stage's whole-slice compiles, then its idle warm-ups, as the loop runs them
+    behind_s, behind_cpu_s = time.perf_counter() - t1, time.process_time() - c1
+    idle_s = sum(fn() or 0.0 for fn in worker.warm_later) if args.idle else 0.0
+    runner.stopgap = False   # the steady state the idle warm-ups end in: every shape runs the whole-slice step
     full_s = 0.0
     if args.coverage == "full":
         rows = stage_buckets(topology, stage.kv_lanes).decode_rows[:2]
@@ -137,8 +144,10 @@ def main() -> int:
     decode = decode_ms(runner, args.decode) if args.decode else {}
     print(json.dumps({"stage": stage.id, "layers": [stage.start, stage.end], "weights": stage.weights,
                       "coverage": args.coverage, "start_s": round(start_s, 2), "start_cpu_s": round(start_cpu_s, 2),
-                      "full_extra_s": round(full_s, 2),
-                      "factory_shapes": factory_shapes, "shapes": len(runner.stats.shapes),
+                      "behind_s": round(behind_s, 2), "behind_cpu_s": round(behind_cpu_s, 2),
+                      "idle_s": round(idle_s, 2), "full_extra_s": round(full_s, 2),
+                      "factory_shapes": factory_shapes, "layered_shapes": layered_shapes,
+                      "shapes": len(runner.stats.shapes),
                       **{k: round(v, 2) for k, v in sorted(phases.items())}, **dict(events),
                       "cache_files_before": before, "cache_files_after": files(cache), **kernel, **decode,
                       "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),

@@ -417,10 +417,7 @@ def forward_slice(params: Params, kv: KVCache, inputs: jax.Array, positions: jax
     final norm's [B, T, D] float32 output, what the head reads (embeddings pool it); "none" -> KV only.
     The third result: routed experts summed over the slice's MoE layers (int32; 0 when dense).
     """
-    x = embed(params, inputs, cfg) if start == 0 else inputs.astype(jnp.dtype(cfg.dtype))
-    rope = model_rope(cfg, positions)
-    local_freq = rope_freqs.local_inv_freq(cfg)
-    local = rope if local_freq is None else rope_tables(positions, local_freq)
+    x, rope, local = slice_inputs(params, inputs, positions, cfg, start)
     ks, vs = list(kv.k), list(kv.v)
     routed = jnp.zeros((), jnp.int32)
     for i, p in enumerate(params["layers"]):
@@ -429,18 +426,31 @@ def forward_slice(params: Params, kv: KVCache, inputs: jax.Array, positions: jax
         x, one, n = _block_jit(p, x, one, positions, lanes, local if window else rope, window=window,
                                attn_len=attn_len, cfg=cfg)
         ks[i], vs[i], routed = one.k[0], one.v[0], routed + n
-    kv = KVCache(k=tuple(ks), v=tuple(vs), dtype=kv.dtype)
+    return slice_output(params, x, cfg, end, output), KVCache(k=tuple(ks), v=tuple(vs), dtype=kv.dtype), routed
+
+
+def slice_inputs(params: Params, inputs: jax.Array, positions: jax.Array, cfg: ModelConfig,
+                 start: int) -> tuple[jax.Array, tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    """What a slice's first layer reads: activations [B, T, D] (embedded ids when start == 0) and
+    the rope tables of the global and the windowed (local) layers."""
+    x = embed(params, inputs, cfg) if start == 0 else inputs.astype(jnp.dtype(cfg.dtype))
+    rope = model_rope(cfg, positions)
+    local_freq = rope_freqs.local_inv_freq(cfg)
+    return x, rope, rope if local_freq is None else rope_tables(positions, local_freq)
+
+
+def slice_output(params: Params, x: jax.Array, cfg: ModelConfig, end: int, output: str) -> jax.Array | None:
+    """The last layer's activations as `output` asks (forward_slice)."""
     if output == "none":
-        return None, kv, routed
+        return None
+    if output in ("logits", "normed") and end != cfg.n_layers:
+        raise ValueError(f"{'logits' if output == 'logits' else 'the final norm'} requested from a stage "
+                         "that does not end the model")
     if output == "logits":
-        if end != cfg.n_layers:
-            raise ValueError("logits requested from a stage that does not end the model")
-        return head(params, x, cfg), kv, routed
+        return head(params, x, cfg)
     if output == "normed":
-        if end != cfg.n_layers:
-            raise ValueError("the final norm requested from a stage that does not end the model")
-        return rms_norm(x, params["norm"], cfg.norm_eps).astype(jnp.float32), kv, routed
-    return x, kv, routed
+        return rms_norm(x, params["norm"], cfg.norm_eps).astype(jnp.float32)
+    return x
 
 
 forward_jit = jax.jit(forward_slice, static_argnames=("cfg", "start", "end", "attn_len", "output"),

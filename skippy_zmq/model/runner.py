@@ -5,6 +5,7 @@ chunking and device placement. The step itself stays pure and small.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig
+from skippy_zmq.model.layered import forward_layered
 from skippy_zmq.model.llama import KVCache, forward_jit
 from skippy_zmq.model import quant
 from skippy_zmq.model.quant import for_device
@@ -40,6 +42,7 @@ class StepStats:
     compute_s: float = 0.0
     shapes: set = field(default_factory=set)   # (inputs shape, attn_len, output) compiled: run or warmed
     ran: set = field(default_factory=set)      # of those, the ones run at least once (traffic or warm-up)
+    layered: set = field(default_factory=set)  # shapes run layer by layer (SliceRunner.stopgap)
     copies: set = field(default_factory=set)   # KV spans whose lane copies are compiled (warm_kv_copies)
     moe_layer_passes: int = 0     # MoE layers run by counted steps (steps x the slice's MoE layers)
     moe_experts_routed: int = 0   # distinct experts their real tokens chose, summed over those passes
@@ -59,6 +62,11 @@ class SliceRunner:
                                  jnp.dtype(kv_cfg.dtype), device)
         self.stats = StepStats()
         self.moe_layers = sum(cfg.is_moe_layer(i) for i in range(start, end))
+        # True: a shape whose whole-slice step is not compiled (and, if small, run once) yet runs
+        # layer by layer (model/layered.py) instead of compiling the whole slice on the spot; a
+        # stage sets it, so that it can say READY before compiling every layer of every shape
+        self.stopgap = False
+        self._behind: threading.Thread | None = None   # compile_behind's thread
 
     @property
     def first(self) -> bool:
@@ -86,12 +94,22 @@ class SliceRunner:
     def _put(self, a: np.ndarray) -> jax.Array:
         return jax.device_put(a, self.device)
 
+    def _fused(self, shape: tuple) -> bool:
+        """Whether `_step` runs this (inputs shape, attn_len, output) with the whole-slice step: always,
+        unless `stopgap`; then once it is compiled and, when small (`_compile` runs those once: a
+        compiled step's first run is slow), run."""
+        if not self.stopgap or shape in self.stats.ran:
+            return True
+        return shape in self.stats.shapes and not _small(shape[0])
+
     def _step(self, inputs: np.ndarray, positions: np.ndarray, lanes: np.ndarray, attn_len: int,
               output: str) -> jax.Array | None:
         t0 = time.perf_counter()
-        out, self.kv, routed = forward_jit(self.params, self.kv, self._put(inputs), self._put(positions),
-                                           self._put(lanes), cfg=self.cfg, start=self.start, end=self.end,
-                                           attn_len=attn_len, output=output)
+        shape = (inputs.shape, attn_len, output)
+        fused = self._fused(shape)
+        out, self.kv, routed = (forward_jit if fused else forward_layered)(
+            self.params, self.kv, self._put(inputs), self._put(positions), self._put(lanes), cfg=self.cfg,
+            start=self.start, end=self.end, attn_len=attn_len, output=output)
         if out is not None:
             out = np.asarray(out)
         else:
@@ -101,8 +119,11 @@ class SliceRunner:
             self.stats.moe_experts_routed += int(routed)
         self.stats.calls += 1
         self.stats.compute_s += time.perf_counter() - t0
-        self.stats.shapes.add((inputs.shape, attn_len, output))
-        self.stats.ran.add((inputs.shape, attn_len, output))
+        if fused:
+            self.stats.shapes.add(shape)
+            self.stats.ran.add(shape)
+        else:
+            self.stats.layered.add(shape)
         return out
 
     def _pad_inputs(self, inputs: np.ndarray, rows: int, length: int) -> np.ndarray:
@@ -200,7 +221,7 @@ class SliceRunner:
     def warmup(self, rows: tuple[int, ...] = (1,), chunks: tuple[int, ...] | None = None,
                attn_lens: tuple[int, ...] | None = None,
                pairs: set[tuple[int, int]] | None = None, windows: tuple[int, ...] = (),
-               shapes: tuple[tuple[int, int], ...] = (), run: bool = True) -> float:
+               shapes: tuple[tuple[int, int], ...] = (), run: bool = True, layered: bool = False) -> float:
         """Compile the step for the shapes traffic can bring, ahead of it; shapes of at most
         WARM_RUN_TOKENS tokens are also run once, on padding positions that change no KV (`_compile`).
 
@@ -214,26 +235,36 @@ class SliceRunner:
         run, where small) are skipped, so a second call, or one after traffic, costs nothing. `windows`: one-row verify windows of
         these lengths (window buckets), scored like decode rows; `shapes`: any (rows, tokens) a DECODE
         can bring (config.decode_shapes: several rows, each a window). `run=False` compiles only,
-        even the small shapes `_compile` would run (a stage before READY). Returns the seconds spent.
+        even the small shapes `_compile` would run (a stage before READY). `layered`: warm the
+        layer-by-layer step instead (`stopgap`; small shapes only, each run once). Returns the seconds spent.
         """
         t0 = time.perf_counter()
+        for shape, attn, output in self.warm_shapes(rows, chunks, attn_lens, pairs, windows, shapes):
+            if layered:
+                self._run_layered(shape, attn, output)
+            else:
+                self._compile(shape, attn, output, run)
+        return time.perf_counter() - t0
+
+    def warm_shapes(self, rows: tuple[int, ...] = (1,), chunks: tuple[int, ...] | None = None,
+                    attn_lens: tuple[int, ...] | None = None, pairs: set[tuple[int, int]] | None = None,
+                    windows: tuple[int, ...] = (), shapes: tuple[tuple[int, int], ...] = ()) -> list[tuple]:
+        """The (inputs shape, attention length, output) list `warmup` compiles, in its order: by
+        attention length, decode rows, then windows and shapes, then the prefill chunks."""
         chunks = chunks if chunks is not None else self.buckets.prefill_chunks
         attn_lens = attn_lens if attn_lens is not None else self.attn_buckets(1)
         pairs = pairs if pairs is not None else {(c, a) for c in chunks for a in attn_lens}
         width = () if self.first else (self.cfg.d_model,)
-        dtype = np.int32 if self.first else np.float32
         decode_out = "logits" if self.last else "hidden"
         prefill_out = "none" if self.last else "hidden"
+        out = []
         for attn in sorted(attn_lens):
-            for r in rows:
-                self._compile(np.zeros((r, 1) + width, dtype), attn, decode_out, run)
-            for r, t in [(1, t) for t in windows] + list(shapes):
-                self._compile(np.zeros((r, t) + width, dtype), attn, decode_out, run)
-        for c, attn in sorted(pairs, key=lambda p: (p[1], p[0])):
-            self._compile(np.zeros((1, c) + width, dtype), attn, prefill_out, run)
-        return time.perf_counter() - t0
+            out += [((r, 1) + width, attn, decode_out) for r in rows]
+            out += [((r, t) + width, attn, decode_out) for r, t in [(1, t) for t in windows] + list(shapes)]
+        out += [((1, c) + width, attn, prefill_out) for c, attn in sorted(pairs, key=lambda p: (p[1], p[0]))]
+        return out
 
-    def _compile(self, inputs: np.ndarray, attn_len: int, output: str, run: bool = True) -> None:
+    def _compile(self, shape: tuple[int, ...], attn_len: int, output: str, run: bool = True) -> None:
         """Compile the step `_step` would run for inputs of this shape (same placements, so the
         later call finds it compiled). Shapes of at most WARM_RUN_TOKENS tokens (decode rows,
         verify windows, short chunks) are also run once, on padding positions that write no KV:
@@ -242,21 +273,58 @@ class SliceRunner:
         otherwise paid mid-answer. Larger shapes are compiled only: an 8B stage's 256-token
         prefill alone computes for seconds. With `run` False a small shape is compiled only too,
         and a later call with `run` runs it (a stage compiles before READY, runs while idle)."""
-        shape = (inputs.shape, attn_len, output)
-        small = inputs.shape[0] * inputs.shape[1] <= WARM_RUN_TOKENS
-        if shape in self.stats.shapes and (shape in self.stats.ran or not (run and small)):
+        key = (shape, attn_len, output)
+        small = _small(shape)
+        if key in self.stats.shapes and (key in self.stats.ran or not (run and small)):
             return
-        rows, length = inputs.shape[:2]
-        positions, lanes = np.full((rows, length), self.capacity, np.int32), np.zeros(rows, np.int32)
-        args = (self.params, self.kv, self._put(inputs), self._put(positions), self._put(lanes))
         static = dict(cfg=self.cfg, start=self.start, end=self.end, attn_len=attn_len, output=output)
         if run and small:
-            out, self.kv, _ = forward_jit(*args, **static)   # every position is padding: no lane changes
-            jax.block_until_ready((out, self.kv))
-            self.stats.ran.add(shape)
-        else:
-            forward_jit.lower(*args, **static).compile()
-        self.stats.shapes.add(shape)
+            out, self.kv, _ = forward_jit(self.params, self.kv, *self._padding(shape), **static)
+            jax.block_until_ready((out, self.kv))   # every position is padding: no lane changes
+            self.stats.ran.add(key)
+        else:   # self.kv may be donated away meanwhile (compile_behind's thread): lowering reads its avals
+            forward_jit.lower(self.params, self.kv, *self._padding(shape), **static).compile()
+        self.stats.shapes.add(key)
+
+    def _run_layered(self, shape: tuple[int, ...], attn_len: int, output: str) -> None:
+        """Run the layer-by-layer step once on padding (it compiles one layer per window kind), so a
+        stop-gap step of this shape compiles nothing; larger shapes are left to their first use."""
+        key = (shape, attn_len, output)
+        if key in self.stats.layered or not _small(shape):
+            return
+        out, self.kv, _ = forward_layered(self.params, self.kv, *self._padding(shape), cfg=self.cfg,
+                                          start=self.start, end=self.end, attn_len=attn_len, output=output)
+        jax.block_until_ready((out, self.kv))
+        self.stats.layered.add(key)
+
+    def _padding(self, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Step inputs of this shape whose every position is padding (position == capacity)."""
+        dtype = np.int32 if self.first else np.float32
+        rows, length = shape[:2]
+        return (self._put(np.zeros(shape, dtype)), self._put(np.full((rows, length), self.capacity, np.int32)),
+                self._put(np.zeros(rows, np.int32)))
+
+    def compile_behind(self, shapes: list[tuple]) -> None:
+        """Compile the whole-slice step for these (inputs shape, attention length, output) in a
+        thread, in order, while the caller goes on (a `stopgap` stage after READY: its steps run
+        layer by layer until their shape is here). XLA's compile releases the GIL; the thread
+        only lowers (never runs a step), so it never touches the KV the caller's steps donate."""
+        def compile_all() -> None:
+            for shape in shapes:
+                self._compile(*shape, run=False)
+
+        self._behind = threading.Thread(target=compile_all, name="compile-behind", daemon=True)
+        self._behind.start()
+
+    def join_behind(self) -> None:
+        """Wait for compile_behind's thread (a tool timing a stage's start; tests)."""
+        if self._behind is not None:
+            self._behind.join()
+
+    @property
+    def compiling(self) -> bool:
+        """Whether compile_behind's thread is still compiling."""
+        return self._behind is not None and self._behind.is_alive()
 
     def kv_spans(self) -> tuple[int, ...]:
         """Every span `_span` can return: the KV copies' compiled lengths."""
@@ -303,6 +371,11 @@ class SliceRunner:
         span = self._span(k.shape[1])
         pad = [(0, 0), (0, span - k.shape[1]), (0, 0), (0, 0)]
         self.kv = _write_lane(self.kv, np.int32(lane), self._put(np.pad(k, pad)), self._put(np.pad(v, pad)))
+
+
+def _small(shape: tuple[int, ...]) -> bool:
+    """Whether a step of this inputs shape is cheap enough for a warm-up to run (WARM_RUN_TOKENS)."""
+    return shape[0] * shape[1] <= WARM_RUN_TOKENS
 
 
 # Blocks leave and enter as [layers, span, kvh, hd] in the KV dtype; the arena itself is head-major.

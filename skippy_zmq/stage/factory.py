@@ -22,6 +22,7 @@ from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig, decode_shape
 from skippy_zmq.kv.prefix_store import PrefixStore, StoreIdentity
 from skippy_zmq.checkpoint import checkpoint, loader
 from skippy_zmq.checkpoint.convert import model_digest
+from skippy_zmq.model.kernel import prepare_kernel
 from skippy_zmq.model.runner import WARM_RUN_TOKENS, SliceRunner, resolve_device
 from skippy_zmq.stage.sessions import SessionTable
 from skippy_zmq.stage.worker import StageInfo, StageWorker
@@ -124,9 +125,28 @@ def warm_before_ready(runner: SliceRunner, windows: tuple[int, ...] = ()) -> flo
     only (run=False): running the small shapes once too is left to the idle warm-ups, so it does
     not lengthen the time to READY (half an 8B: 23 s of a 30 s bound)."""
     rows = runner.buckets.decode_rows[:2]
+    if runner.stopgap:
+        return warm_stopgap(runner, windows)
     spent = runner.warmup(rows=rows, chunks=runner.buckets.prefill_chunks, attn_lens=runner.attn_buckets(),
                           run=False)
     return spent + runner.warmup(rows=(), windows=windows, attn_lens=runner.attn_buckets(1), pairs=set(), run=False)
+
+
+def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
+    """warm_before_ready for a `stopgap` runner: before READY only the layer-by-layer step of what a
+    first request runs (1- and 2-row decode, the verify windows and the chunks of at most
+    WARM_RUN_TOKENS, at the first attention length), run once on padding: one layer compiled per
+    shape instead of the slice's every layer (SmolLM2's cold start: 24 whole-slice shapes took 24 s
+    of XLA compile). Then warm_before_ready's own shapes compile in a thread (compile_behind), the
+    first attention length first, and each shape's steps switch to the whole-slice step as it is
+    there; the stage loop holds its idle warm-ups until that thread is done."""
+    rows, first = runner.buckets.decode_rows[:2], runner.attn_buckets(1)
+    small = tuple(c for c in runner.buckets.prefill_chunks if c <= WARM_RUN_TOKENS)
+    spent = runner.warmup(rows=rows, chunks=small, attn_lens=first, windows=windows, layered=True)
+    chunks, rest = runner.buckets.prefill_chunks, runner.attn_buckets()[len(first):]
+    runner.compile_behind(runner.warm_shapes(rows, chunks, first, windows=windows)
+                          + runner.warm_shapes(rows, chunks, rest))
+    return spent
 
 
 def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
@@ -143,6 +163,8 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     where = where or Placement.of(stage)
     need = check_budget(topology, stage, where.memory)
     t0 = time.perf_counter()
+    if where.device == "cpu":
+        prepare_kernel()     # built (a cold machine: seconds of compiler) while the weights restore
     device = resolve_device(where.device)
     cfg, params = loader.load_slice(topology.model_path, stage.start, stage.end, stage.dtype, device,
                                     fmt=stage.weights)
@@ -151,6 +173,7 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     buckets = stage_buckets(topology, stage.kv_lanes, capacity)
     runner = SliceRunner(cfg, params, stage.start, stage.end,
                          KVConfig(lanes=stage.kv_lanes, capacity=capacity, dtype=stage.kv_dtype), buckets, device)
+    runner.stopgap = True    # READY before the whole-slice steps compile (warm_stopgap)
     t1 = time.perf_counter()
     warm_before_ready(runner, spec_windows(topology, buckets))
     logger.info("stage {} layers [{}, {}) on {}: restored in {:.1f}s, compiled in {:.1f}s", stage.id,
@@ -158,7 +181,8 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     info = StageInfo(stage.id, first=stage.start == 0, last=stage.end == cfg.n_layers, width=cfg.d_model)
     worker = StageWorker(info, runner, SessionTable(stage.kv_lanes), make_store(topology, stage))
     worker.memory.update(memory_report(worker, need, where.memory))
-    worker.warm_later = idle_warmups(runner, reachable_shapes(topology, buckets))
+    # first, compile_behind's end (the loop reaches it once that thread is done: a wait of nothing)
+    worker.warm_later = [runner.join_behind] + idle_warmups(runner, reachable_shapes(topology, buckets))
     if info.last:
         worker.tokenizer_source = (topology.model_path, cfg.vocab_size)
         prepare_constraints(worker)

@@ -167,7 +167,9 @@ class StageLoop:
             events = dict(poller.poll(wait_ms))
             if self.sockets.pull in events:
                 self.drain(DRAIN_BATCH)
-            elif self.worker.warm_later and not events and not self.delayed:
+            elif self.worker.warm_later and not events and not self.delayed and not self.worker.runner.compiling:
+                # (while the runner compiles behind, in a thread, its steps run layer by layer: the
+                # idle warm-ups wait for it, so that they neither compile its shapes twice nor run them)
                 self.worker.warm_later[0]()   # idle: compile one more shape (a fraction of a second);
                 self.worker.warm_later.pop(0)  # counted pending (heartbeats) until it is done
                 settle_heap(collect=False)   # its executable lives as long as we do; no full pass over it

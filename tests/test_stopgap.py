@@ -1,0 +1,93 @@
+"""A stop-gap stage (SliceRunner.stopgap): before its whole-slice steps compile, it runs layer by
+layer (model/layered.py) with the same results; warm_stopgap compiles one layer per shape before
+READY and the whole-slice steps behind, and after the idle warm-ups the steps are whole-slice
+again and nothing a request brings compiles (no timing here)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY, counting_compiles, random_ids
+from skippy_zmq.config.model import Buckets, KVConfig, decode_shapes
+from skippy_zmq.model import weights
+from skippy_zmq.model.runner import SliceRunner
+from skippy_zmq.stage.factory import idle_warmups, warm_before_ready
+
+BUCKETS = Buckets(prefill_chunks=(16, 64, 128), decode_rows=(1, 2, 4), attn_lens=(128, 256))
+# windowed layers beside global ones (Gemma, Qwen): the layered step compiles one layer per window kind
+WINDOWED = dataclasses.replace(TINY, sliding_window=8, full_attention_layers=(0, 2))
+
+
+def make(tree: dict, cfg=TINY, start: int = 0, end: int = TINY.n_layers, stopgap: bool = False) -> SliceRunner:
+    params = weights.to_runtime(tree, jnp.float32)
+    part = {**params, "layers": params["layers"][start:end]}
+    r = SliceRunner(cfg, part, start, end, KVConfig(lanes=4, capacity=256), BUCKETS)
+    r.stopgap = stopgap
+    return r
+
+
+def serve(r: SliceRunner, x: np.ndarray, prefill_out: str = "hidden") -> list[np.ndarray]:
+    """A prompt of 40, one of 100 (chunks 64 + 64 across two attention lengths), decode of 1 and 3 rows
+    and a verify window: every output."""
+    outs = [r.prefill(0, x[:40], 0, prefill_out), r.prefill(1, x[:100], 0, prefill_out)]
+    outs.append(r.decode(np.array([0]), x[40:41], np.array([40])))
+    outs.append(r.decode(np.array([0, 1, 2]), x[41:44], np.array([41, 100, 0])))
+    outs.append(r.step(np.array([1]), x[:4], np.array([130]), np.array([4])))
+    return outs
+
+
+@pytest.mark.parametrize("cfg", [TINY, WINDOWED], ids=["global", "windowed"])
+@pytest.mark.parametrize("start,end", [(0, 2), (2, TINY.n_layers), (0, TINY.n_layers)])
+def test_layer_by_layer_steps_match_the_whole_slice(tiny_tree, cfg, start, end):
+    """Same inputs, same outputs and same KV, whichever step runs; the stop-gap runner compiled no
+    whole-slice step and ran every shape layer by layer."""
+    x = random_ids(200, TINY.vocab_size, seed=5) if start == 0 else \
+        np.random.default_rng(5).standard_normal((200, TINY.d_model)).astype(np.float32)
+    fused, layered = make(tiny_tree, cfg, start, end), make(tiny_tree, cfg, start, end, stopgap=True)
+    for a, b in zip(serve(fused, x), serve(layered, x)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+    for ka, kb in zip(fused.kv.k + fused.kv.v, layered.kv.k + layered.kv.v):
+        np.testing.assert_allclose(np.asarray(ka), np.asarray(kb), rtol=2e-5, atol=2e-5)
+    assert layered.stats.shapes == set() and layered.stats.layered == fused.stats.shapes
+
+
+def test_warm_stopgap_readies_layers_then_compiles_the_slice_behind(tiny_tree):
+    """Before READY: the first requests' shapes layer by layer; behind: warm_before_ready's own
+    shapes; then the idle warm-ups (which the loop holds while the thread compiles) run them once,
+    and from there every shape a request brings runs the whole-slice step and compiles nothing."""
+    r = make(tiny_tree, stopgap=True)
+    warm_before_ready(r, windows=(2, 4))
+    assert {(shape, attn) for shape, attn, _out in r.stats.layered} == {
+        ((1, 1), 128), ((2, 1), 128), ((1, 2), 128), ((1, 4), 128), ((1, 16), 128), ((1, 64), 128)}
+    r.join_behind()
+    assert not r.compiling
+    plain = make(tiny_tree)
+    warm_before_ready(plain, windows=(2, 4))
+    assert r.stats.shapes == plain.stats.shapes
+    shapes = decode_shapes(r.buckets.decode_rows, (2, 4))
+    for fn in idle_warmups(r, shapes):
+        fn()
+    x = random_ids(200, TINY.vocab_size, seed=9)
+    layered_before = set(r.stats.layered)
+    with counting_compiles() as compiles:
+        outs = serve(r, x, "none")       # what a last stage's prefill asks for
+    assert compiles == [] and r.stats.layered == layered_before
+    for a, b in zip(outs[2:], serve(make(tiny_tree), x, "none")[2:]):    # the prefills return None
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+def test_a_stopgap_shape_first_seen_compiles_one_layer_not_the_slice(tiny_tree):
+    """A shape nothing warmed (a 4-row decode at the second attention length) runs layer by layer:
+    its compiles are the layered step's parts, and a second step of it compiles nothing."""
+    r = make(tiny_tree, stopgap=True)
+    x = random_ids(8, TINY.vocab_size, seed=2)
+    with counting_compiles() as first:
+        r.decode(np.arange(4), x[:4], np.array([200, 201, 202, 203]))
+    with counting_compiles() as second:
+        r.decode(np.arange(4), x[:4], np.array([204, 205, 206, 207]))
+    assert 0 < len(first) <= 3 and second == []     # inputs, one layer, output
+    assert r.stats.layered == {((4, 1), 256, "logits")} and r.stats.shapes == set()
