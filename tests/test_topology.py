@@ -423,9 +423,9 @@ def test_driver_speculative_parses_and_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("speculative, fragment", [
-    ({"max_drafts": 4}, "driver.speculative.max_drafts: unknown key (allowed: depth, max_draft, max_match, method,"),
+    ({"max_drafts": 4}, "driver.speculative.max_drafts: unknown key (allowed: depth, long_match, max_draft, max_match, method,"),
     ({"max_draft": 64}, "driver.speculative.max_draft: must be at most 32, got 64"),
-    ({"method": "eagle"}, "driver.speculative.method: expected one of off, ngram, got 'eagle'"),
+    ({"method": "eagle"}, "driver.speculative.method: expected one of off, ngram, suffix, got 'eagle'"),
     ({"min_match": 4, "max_match": 3}, "driver.speculative.max_match: must be at least min_match (4), got 3"),
     ("ngram", "driver.speculative: expected a mapping, got 'ngram'"),
 ])
