@@ -118,6 +118,16 @@ def split_of(server) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.slow
+def close_all(server, procs, *closers) -> None:
+    """The rebalancer and engine (either may be None: a start that failed), the workers, the server."""
+    for closer in closers:
+        if closer is not None:
+            closer.close()
+    for proc in procs.values():
+        stop(proc)
+    server.close()
+
+
 def test_a_rebalance_on_command_while_8_streams_run_fails_none_and_changes_no_token(tiny_model, tmp_path,
                                                                                       driver_log):
     """`skippy-zmq rebalance` while 8 streams decode: the worker of s1 got slow (its measurement
@@ -157,12 +167,7 @@ def test_a_rebalance_on_command_while_8_streams_run_fails_none_and_changes_no_to
             [line for line in driver_log if "re-cut" in line]
         assert all(w.next_files is None for w in server.workers.values())
     finally:
-        for closer in (rebalancer, engine):
-            if closer is not None:
-                closer.close()
-        for proc in procs.values():
-            stop(proc)
-        server.close()
+        close_all(server, procs, rebalancer, engine)
 
 
 def fake_measure(memory: int) -> dict:
@@ -232,12 +237,7 @@ def test_a_worker_gone_for_good_is_planned_around_or_named_in_a_503(tiny_model, 
         assert err.value.status == 503 and err.value.code == "layers_missing"
         assert f"layers [{stage.start}, {stage.end}) (worker {gone}, gone) missing" in err.value.message
     finally:
-        for closer in (rebalancer, engine):
-            if closer is not None:
-                closer.close()
-        for proc in procs.values():
-            stop(proc)
-        server.close()
+        close_all(server, procs, rebalancer, engine)
 
 
 def test_drift_over_the_threshold_for_the_window_asks_for_a_recut_with_scaled_numbers(tiny_model, tmp_path):

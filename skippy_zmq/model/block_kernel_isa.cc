@@ -18,12 +18,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifndef SKIPPY_ISA
-#error "compile with -DSKIPPY_ISA=<name>"
-#endif
-#define SKIPPY_CAT2(a, b) a##b
-#define SKIPPY_CAT(a, b) SKIPPY_CAT2(a, b)
-
 namespace {
 
 constexpr int kRun = 16;                 // inputs per scale (Q6_K's own; Q4_K / Q5_K / Q5_0 scales repeat)

@@ -19,12 +19,6 @@
 #include <immintrin.h>
 #endif
 
-#ifndef SKIPPY_ISA
-#error "compile with -DSKIPPY_ISA=<name>"
-#endif
-#define SKIPPY_CAT2(a, b) a##b
-#define SKIPPY_CAT(a, b) SKIPPY_CAT2(a, b)
-
 namespace {
 
 constexpr int64_t kPanel = SKIPPY_PANEL;

@@ -2,6 +2,13 @@
 // compiled into each with that file's ISA flags. Everything is in an anonymous namespace:
 // internal linkage, so no ISA object can hand another a copy built for a wider CPU.
 #pragma once
+
+// Each loop file is compiled once per ISA; its exported names end in that ISA (SKIPPY_CAT).
+#ifndef SKIPPY_ISA
+#error "compile with -DSKIPPY_ISA=<name>"
+#endif
+#define SKIPPY_CAT2(a, b) a##b
+#define SKIPPY_CAT(a, b) SKIPPY_CAT2(a, b)
 #include <stdint.h>
 
 #if defined(__x86_64__) && defined(__AVX2__)
