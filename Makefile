@@ -34,8 +34,9 @@ PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -rs -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadscope
 
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
+# --durations: the slowest units are printed at the end, so every run (CI's too) says where the time went.
 test: install model
-	$(PYTEST) tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
+	$(PYTEST) --durations=40 tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
 
 # The fast part of the suite: no process spawning, no real-model runs (pytest -m "not slow").
 test-quick: install model

@@ -12,19 +12,27 @@ from loguru import logger
 from skippy_zmq.config.topology import Topology
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
+def _join_token(args: argparse.Namespace, command: str):
+    """The parsed `--join` token, or None after logging why it is refused (the caller exits 2)."""
     from skippy_zmq.cluster.token import TokenError, parse
-    from skippy_zmq.cluster.worker import WorkerOptions, run_worker
 
     try:
-        token = parse(args.join)
+        return parse(args.join)
     except TokenError as exc:
-        logger.error("worker: {}", exc)
+        logger.error("{}: {}", command, exc)
+        return None
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from skippy_zmq.cluster.worker import WorkerOptions, run_worker
+
+    token = _join_token(args, "worker")
+    if token is None:
         return 2
-    stage_args = ("--log-level", args.log_level)
-    return run_worker(WorkerOptions(token, Path(args.cache).expanduser(), args.name or "", args.join_timeout,
-                                    args.reply_timeout, args.chunk_bytes, not args.no_measure,
-                                    not args.no_devices, stage_args, args.memory))
+    return run_worker(WorkerOptions(
+        token, cache=Path(args.cache).expanduser(), name=args.name or "", join_timeout_s=args.join_timeout,
+        reply_timeout_s=args.reply_timeout, chunk_bytes=args.chunk_bytes, measure=not args.no_measure,
+        report_devices=not args.no_devices, stage_args=("--log-level", args.log_level), memory=args.memory))
 
 
 def add_worker_parser(sub: argparse._SubParsersAction) -> None:
@@ -68,13 +76,10 @@ def cmd_rebalance(args: argparse.Namespace) -> int:
     """Ask the driver to re-cut now (over the cluster link, with a join token); print the outcome."""
     import json
 
-    from skippy_zmq.cluster.token import TokenError, parse
     from skippy_zmq.cluster.worker import Refused, Worker, WorkerOptions
 
-    try:
-        token = parse(args.join)
-    except TokenError as exc:
-        logger.error("rebalance: {}", exc)
+    token = _join_token(args, "rebalance")
+    if token is None:
         return 2
     link = Worker(WorkerOptions(token, name="rebalance"))
     try:
