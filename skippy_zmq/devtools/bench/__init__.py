@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -58,7 +59,14 @@ def suite_runners() -> dict[str, Runner]:
             "spec": bench_spec, "cluster": bench_cluster}
 
 
+def _stop_on_term(signum: int, _frame: Any) -> None:
+    """SIGTERM unwinds like Ctrl-C: every `with` that started a peer (llama-server, rpc-server,
+    stages, relays) stops it; Python's default would exit at once and leave them running."""
+    raise SystemExit(128 + signum)
+
+
 def main(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _stop_on_term)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suites = ALL_SUITES if args.suite == "all" else (args.suite,)
