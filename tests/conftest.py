@@ -105,6 +105,9 @@ def work_unit(nodeid: str) -> str:
 # test_launch for the end). Units not listed follow in collection order.
 LONGEST_FIRST = ["shared-pipelines",   # 300 s
                  "test_llama_server_suite",   # 230 s (llama.cpp's server tests against a pipeline of its own)
+                 # (2026-12-05, docs/development.md) worker processes re-cut twice, ~3.5 min alone; three real
+                 # SmolLM2 recipes by llama-quantize (where llama.cpp is built); five recipes and their rows
+                 "test_cluster_recut", "test_convert_gguf_types", "test_bench_recipes",
                  "test_cluster",              # ~150 s (worker processes, a driver, stages) on a busy machine
                  "test_chaos", "test_bench", "test_quant_kernel", "test_quant", "test_resume",   # 78-52 s
                  "test_launch", "test_checkpoint", "test_placement", "test_orphans",            # 40-27 s

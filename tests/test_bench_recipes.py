@@ -64,13 +64,23 @@ RECIPE_TYPES = {"Q4_K_M": {"Q4_K", "Q6_K"}, "Q5_K_M": {"Q5_K", "Q6_K"}, "Q6_K": 
                 "Q3_K_M": {"Q4_K"}, "IQ4_XS": {"IQ4_XS"}}
 
 
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> tuple:
+    """Every recipe made once for the module, on a fresh root: (the root, recipe -> its step rows).
+    llama-quantize runs once per recipe; the rows test below reuses the Q4_K_M file made here."""
+    root = tmp_path_factory.mktemp("recipes")
+    return root, {recipe: ensure_recipe(RecipeModel("smollm2-135m", recipe, layers=2, root=root),
+                                        RECORD["binaries"]["llama-quantize"]) for recipe in RECIPES}
+
+
 @pytest.mark.slow
 @NEEDS_PEERS
-def test_every_recipe_is_made_by_llama_quantize_and_converted_with_its_types_kept(tmp_path):
+def test_every_recipe_is_made_by_llama_quantize_and_converted_with_its_types_kept(made):
+    root, steps_of = made
     for recipe in RECIPES:
-        model = RecipeModel("smollm2-135m", recipe, layers=2, root=tmp_path)
-        steps = ensure_recipe(model, RECORD["binaries"]["llama-quantize"])
-        assert [s["step"] for s in steps] == (["random-model --gguf f16"] if recipe == RECIPES[0] else []) + \
+        model = RecipeModel("smollm2-135m", recipe, layers=2, root=root)
+        assert [s["step"] for s in steps_of[recipe]] == \
+            (["random-model --gguf f16"] if recipe == RECIPES[0] else []) + \
             [f"llama-quantize {recipe}", "convert --gguf (types kept)"]
         types = file_types(model.gguf)
         assert RECIPE_TYPES[recipe] <= set(types) and "F16" not in types, (recipe, types)
@@ -82,11 +92,14 @@ def test_every_recipe_is_made_by_llama_quantize_and_converted_with_its_types_kep
 
 @pytest.mark.slow
 @NEEDS_PEERS
-def test_a_recipe_runs_on_1_and_2_stages_beside_llama_bench_in_one_call(tmp_path):
+def test_a_recipe_runs_on_1_and_2_stages_beside_llama_bench_in_one_call(made, tmp_path):
+    root, steps_of = made
     case = ScaleCase("smollm2-135m", (1, 2), 32, 8, layers=2, streams=1)
-    got = recipe_case(case, ("Q4_K_M",), RECORD["binaries"], tmp_path / "run", root=tmp_path / "models")
-    assert [s["step"] for s in got["steps"]] == ["random-model --gguf f16", "llama-quantize Q4_K_M",
-                                                 "convert --gguf (types kept)"]
+    got = recipe_case(case, ("Q4_K_M",), RECORD["binaries"], tmp_path / "run", root=root)
+    # the module made Q4_K_M (its steps, F16 first, are checked above): recipe_case makes nothing again
+    assert RECIPES[0] == "Q4_K_M" and [s["step"] for s in steps_of["Q4_K_M"]] == [
+        "random-model --gguf f16", "llama-quantize Q4_K_M", "convert --gguf (types kept)"]
+    assert got["steps"] == []
     ours, theirs = got["rows"][:2], got["rows"][2]
     assert [r["engine"] for r in got["rows"]] == ["skippy_zmq (gguf), 1 stage", "skippy_zmq (gguf), 2 stages",
                                                   "llama-bench (2 threads, same file)"]

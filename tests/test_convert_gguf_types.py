@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from skippy_zmq.checkpoint import checkpoint, loader
 from skippy_zmq.checkpoint.convert import LAYER_NAMES, ConvertError, convert_gguf, unpermute_rows
 from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig
+from skippy_zmq.files.gguf_layout import read_gguf_layout
 from skippy_zmq.model import ggml
 from skippy_zmq.model.runner import SliceRunner
 from skippy_zmq.ops import placement, planner
@@ -313,19 +314,20 @@ def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_pat
                    capture_output=True, timeout=600)
     convert_gguf(made, tmp_path / "gguf")
     convert_gguf(made, tmp_path / "f32", "f32")
-    held = gguf.GGUFReader(made).tensors
+    held = read_gguf_layout(made).tensors    # the header only (gguf-py's reader parses the vocabulary: ~2 s)
     manifest = json.loads((tmp_path / "gguf" / "params" / "format.json").read_text())
     stored = {manifest["types"]["embed"], *(k for layer in manifest["types"]["layers"] for k in layer.values())}
-    assert stored == {t.tensor_type.name for t in held if len(t.shape) == 2}
+    assert stored == {Q(t.ggml_type).name for t in held if len(t.dims) == 2}
     source_json = json.loads((tmp_path / "gguf" / "source.json").read_text())
     assert source_json["bytes_ratio"] <= 1.05 and source_json["requantised"] == {}
     cfg = ModelConfig.load(tmp_path / "gguf" / "model.json")
     ref = runners(tmp_path / "f32", "f32", n_layers=cfg.n_layers)
+    prompts = [np.random.default_rng(seed).integers(10, cfg.vocab_size, 10) for seed in range(2)]
+    want = [greedy(ref, ids, 16) for ids in prompts]      # the f32 ids, once per prompt for both cuts
     for cuts in ((), (cfg.n_layers // 2,)):
         ours = runners(tmp_path / "gguf", "auto", cuts, cfg.n_layers)     # every layer of the real model
         in_place = {w.kind for r in ours for layer in r.params["layers"] for w in layer.values()
                     if isinstance(w, ggml.BlockTensor) and w.impl == "kernel"}
         assert in_place == stored & set(ggml.kernel_block_types("cpu")) - set(ggml.KERNEL_TYPES), in_place
-        for seed in range(2):
-            ids = np.random.default_rng(seed).integers(10, cfg.vocab_size, 10)
-            assert greedy(ours, ids, 16) == greedy(ref, ids, 16), (recipe, cuts, seed)
+        for seed, ids in enumerate(prompts):
+            assert greedy(ours, ids, 16) == want[seed], (recipe, cuts, seed)
