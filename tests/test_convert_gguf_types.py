@@ -293,12 +293,13 @@ def test_an_moe_gguf_keeps_its_expert_blocks(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["Q4_K_M", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("recipe", ["Q4_K_M", "Q6_K", "IQ4_XS", "Q3_K_M"])
 def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_path):
     """SmolLM2's GGUF requantised by llama.cpp's own llama-quantize (built by `bench peers --build`) into
     a real mixed recipe: the default convert keeps every tensor's type at about the file's size, and the
-    gguf stage's greedy ids (the CPU kernel reading Q4_K / Q5_K / Q6_K / Q5_0 blocks in place) equal
-    f32's on the dequantised weights, 1 process and 2 stages."""
+    gguf stage's greedy ids (the CPU kernel reading every block type of the file in place: Q4_K / Q5_K /
+    Q6_K / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS) equal f32's on the dequantised weights, 1 process and 2 stages;
+    the stages hold about the file's bytes (nothing dequantised at load)."""
     import subprocess
 
     from conftest import REPO
@@ -326,6 +327,8 @@ def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_pat
         in_place = {w.kind for r in ours for layer in r.params["layers"] for w in layer.values()
                     if isinstance(w, ggml.BlockTensor) and w.impl == "kernel"}
         assert in_place == stored & set(ggml.kernel_block_types("cpu")) - set(ggml.KERNEL_TYPES), in_place
+        held = sum(a.nbytes for a in {id(a): a for r in ours for a in jax.tree.leaves(r.params)}.values())
+        assert cuts or held / source_json["gguf_tensor_bytes"] <= 1.05, (held, source_json["gguf_tensor_bytes"])
         for seed in range(2):
             ids = np.random.default_rng(seed).integers(10, cfg.vocab_size, 10)
             assert greedy(ours, ids, 16) == greedy(ref, ids, 16), (recipe, cuts, seed)

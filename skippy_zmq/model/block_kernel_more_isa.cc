@@ -82,15 +82,22 @@ void unpack_q2_k(const uint8_t* b, int8_t* level, float* scale, float* min) {
   two_bit_levels<false>(b + 16, nullptr, level);
 }
 
+typedef uint8_t v16u8 __attribute__((vector_size(16)));   // 16 bytes: SSE2 / NEON on any 64-bit CPU
+
+// 16 fifth bits as level bits: byte i is 16 where bit i of the 16 bits (lo, then hi) is set. In vectors
+// (a byte test per lane): a loop over (qh >> i) & 1 stays scalar and made Q5_1 rows 8x slower to unpack.
+inline v16u8 fifth_bits(uint8_t lo, uint8_t hi) {
+  const v16u8 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  const v16u8 bytes = {lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi};
+  return (v16u8)((bytes & bit) == bit) & 16;
+}
+
 // 32 weights: d * q + m, q 0..31 with its fifth bit i in the u32 qh; the kernel subtracts min = -m.
 void unpack_q5_1(const uint8_t* b, int8_t* __restrict level, float* scale, float* min) {
-  uint32_t qh;
-  memcpy(&qh, b + 4, 4);
-  const uint8_t* qs = b + 8;
-  for (int l = 0; l < 16; ++l) {
-    level[l] = (int8_t)((qs[l] & 15) | ((qh >> l) & 1) << 4);
-    level[l + 16] = (int8_t)((qs[l] >> 4) | ((qh >> (l + 16)) & 1) << 4);
-  }
+  v16u8 qs;
+  memcpy(&qs, b + 8, 16);
+  const v16u8 lo = (qs & 15) | fifth_bits(b[4], b[5]), hi = (qs >> 4) | fifth_bits(b[6], b[7]);
+  memcpy(level, &lo, 16), memcpy(level + 16, &hi, 16);
   scale[0] = scale[1] = f16_at(b);
   min[0] = min[1] = -f16_at(b + 2);
 }
