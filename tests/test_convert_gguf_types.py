@@ -176,9 +176,9 @@ def test_a_gguf_stage_computes_on_the_files_values(kept, where, monkeypatch):
 
 
 def test_dequantising_at_load_gives_the_in_step_ids_and_placement_counts_it(kept, monkeypatch):
-    """A CPU stage ("auto") dequantises K / IQ / Q5 / float blocks once at load: greedy ids equal the
-    in-step path's, and placement (a CPU stage's settings) counts the float32 bytes it then holds;
-    a GPU stage's count stays the blocks."""
+    """A CPU stage ("auto") dequantises the types the kernel does not read (F16, BF16) once at load:
+    greedy ids equal the in-step path's, and placement (a CPU stage's settings) counts the float32 bytes
+    it then holds; a GPU stage's count stays the blocks."""
     path, _, _ = kept
     ids = np.random.default_rng(5).integers(3, CFG.vocab_size, 9)
     monkeypatch.setenv(ggml.DEQUANTISE_ENV, "step")
@@ -196,9 +196,10 @@ def test_dequantising_at_load_gives_the_in_step_ids_and_placement_counts_it(kept
         need = placement.stage_need(CFG, r.start, r.end, placement.StageSettings(
             "gguf", types=types))
         assert need.weights == held
-    # layer 0 is all K / IQ types: 4 bytes a weight now, more than its blocks
-    blocks = checkpoint.stage_nbytes(CFG, 0, 1, "gguf", "gguf", types=in_step)
-    assert checkpoint.stage_nbytes(CFG, 0, 1, "gguf", "gguf", types=types) > blocks
+    # layer 0 is all K / IQ types, read in place: its blocks; layer 1's F16 / BF16: 4 bytes a weight now
+    for start, grows in ((0, False), (1, True)):
+        blocks = checkpoint.stage_nbytes(CFG, start, start + 1, "gguf", "gguf", types=in_step)
+        assert (checkpoint.stage_nbytes(CFG, start, start + 1, "gguf", "gguf", types=types) > blocks) == grows
     monkeypatch.setenv(ggml.DEQUANTISE_ENV, "sometimes")
     with pytest.raises(ValueError, match="SKIPPY_GGUF_DEQUANTISE='sometimes'"):
         checkpoint.kept_types(path)
