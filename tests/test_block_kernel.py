@@ -1,4 +1,5 @@
-"""The CPU kernel reading GGUF Q4_K / Q5_K / Q6_K / Q5_0 / Q8_0 blocks in place (model/block_kernel_isa.cc):
+"""The CPU kernel reading GGUF blocks in place (model/block_kernel_isa.cc; Q3_K, IQ4_XS, IQ4_NL, Q5_1 and
+Q2_K unpacked by block_kernel_more_isa.cc), each of ggml.BLOCK_KERNEL_TYPES:
 for every instruction set this CPU runs, x @ W.T equals the float64 product of gguf-py's dequantised W
 within float32 rounding, on random blocks and on the edge cases (zero blocks, every byte 0xFF,
 subnormal, largest and negative f16 scales and mins; a NaN scale gives NaN where gguf-py's does), on
@@ -62,6 +63,8 @@ def check_every_type() -> dict:
         cases = [(m, random_blocks(rng, kind, n, k)) for m, n, k in
                  [(1, 40, 512), (2, 17, 256), (3, 16, 768), (5, 33, 1024), (9, 7, 256), (8, 640, 1024)]]
         cases.append((4, edge_blocks(rng, kind, 512)))
+        if ggml.TYPES[kind].block == 32:     # K not a multiple of 256: runs of 16 left over a whole vector
+            cases += [(m, random_blocks(rng, kind, n, k)) for m, n, k in [(1, 24, 576), (3, 5, 96), (2, 9, 32)]]
         for m, raw in cases:
             k = raw.shape[1] // ggml.TYPES[kind].nbytes * ggml.TYPES[kind].block
             x = rng.standard_normal((m, k)).astype(np.float32)
@@ -107,6 +110,6 @@ def test_block_kernel_matches_the_dequantised_product_on_every_isa(isa):
 
 def test_block_kernel_types_are_the_glues():
     """The Python list of types the kernel reads and the glue's type ids agree (quant_kernel.h)."""
-    header = (Path(quant.KERNEL_DIR) / "quant_kernel.h").read_text()
+    header = "".join((Path(quant.KERNEL_DIR) / name).read_text() for name in ("quant_kernel.h", "block_kernel_more.h"))
     for kind in ggml.BLOCK_KERNEL_TYPES:
         assert f"#define SKIPPY_GGML_{kind} {ggml.TYPE_IDS[kind]}\n" in header

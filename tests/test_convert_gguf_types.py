@@ -177,9 +177,9 @@ def test_a_gguf_stage_computes_on_the_files_values(kept, where, monkeypatch):
 
 
 def test_dequantising_at_load_gives_the_in_step_ids_and_placement_counts_it(kept, monkeypatch):
-    """A CPU stage ("auto") dequantises K / IQ / Q5 / float blocks once at load: greedy ids equal the
-    in-step path's, and placement (a CPU stage's settings) counts the float32 bytes it then holds;
-    a GPU stage's count stays the blocks."""
+    """A CPU stage ("auto") dequantises the types the kernel does not read (F16, BF16) once at load:
+    greedy ids equal the in-step path's, and placement (a CPU stage's settings) counts the float32 bytes
+    it then holds; a GPU stage's count stays the blocks."""
     path, _, _ = kept
     ids = np.random.default_rng(5).integers(3, CFG.vocab_size, 9)
     monkeypatch.setenv(ggml.DEQUANTISE_ENV, "step")
@@ -197,9 +197,10 @@ def test_dequantising_at_load_gives_the_in_step_ids_and_placement_counts_it(kept
         need = placement.stage_need(CFG, r.start, r.end, placement.StageSettings(
             "gguf", types=types))
         assert need.weights == held
-    # layer 0 is all K / IQ types: 4 bytes a weight now, more than its blocks
-    blocks = checkpoint.stage_nbytes(CFG, 0, 1, "gguf", "gguf", types=in_step)
-    assert checkpoint.stage_nbytes(CFG, 0, 1, "gguf", "gguf", types=types) > blocks
+    # layer 0 is all K / IQ types, read in place: its blocks; layer 1's F16 / BF16: 4 bytes a weight now
+    for start, grows in ((0, False), (1, True)):
+        blocks = checkpoint.stage_nbytes(CFG, start, start + 1, "gguf", "gguf", types=in_step)
+        assert (checkpoint.stage_nbytes(CFG, start, start + 1, "gguf", "gguf", types=types) > blocks) == grows
     monkeypatch.setenv(ggml.DEQUANTISE_ENV, "sometimes")
     with pytest.raises(ValueError, match="SKIPPY_GGUF_DEQUANTISE='sometimes'"):
         checkpoint.kept_types(path)
@@ -294,12 +295,13 @@ def test_an_moe_gguf_keeps_its_expert_blocks(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["Q4_K_M", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("recipe", ["Q4_K_M", "Q6_K", "IQ4_XS", "Q3_K_M"])
 def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_path):
     """SmolLM2's GGUF requantised by llama.cpp's own llama-quantize (built by `bench peers --build`) into
     a real mixed recipe: the default convert keeps every tensor's type at about the file's size, and the
-    gguf stage's greedy ids (the CPU kernel reading Q4_K / Q5_K / Q6_K / Q5_0 blocks in place) equal
-    f32's on the dequantised weights, 1 process and 2 stages."""
+    gguf stage's greedy ids (the CPU kernel reading every block type of the file in place: Q4_K / Q5_K /
+    Q6_K / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS) equal f32's on the dequantised weights, 1 process and 2 stages;
+    the stages hold about the file's bytes (nothing dequantised at load)."""
     import subprocess
 
     from conftest import REPO
@@ -329,5 +331,7 @@ def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_pat
         in_place = {w.kind for r in ours for layer in r.params["layers"] for w in layer.values()
                     if isinstance(w, ggml.BlockTensor) and w.impl == "kernel"}
         assert in_place == stored & set(ggml.kernel_block_types("cpu")) - set(ggml.KERNEL_TYPES), in_place
+        nbytes = sum(a.nbytes for a in {id(a): a for r in ours for a in jax.tree.leaves(r.params)}.values())
+        assert cuts or nbytes / source_json["gguf_tensor_bytes"] <= 1.05, (nbytes, source_json["gguf_tensor_bytes"])
         for seed, ids in enumerate(prompts):
             assert greedy(ours, ids, 16) == want[seed], (recipe, cuts, seed)

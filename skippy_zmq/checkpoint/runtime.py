@@ -7,7 +7,7 @@
                  matrices, which become QTensors holding the very same levels and scales
                  (the CPU kernel reads them in place; elsewhere the QTensor's XLA path gives
                  the same float32 values: q * d and -8 * d are exact products). On a CPU
-                 Q4_K / Q5_K / Q6_K / Q5_0 matrices stay blocks the kernel reads in place
+                 matrices of ggml.BLOCK_KERNEL_TYPES (K, IQ4, Q5) stay blocks the kernel reads in place
                  (ggml.kernel_block_types, impl "kernel"); with ggml.dequantise_at_load
                  a matrix of any other type is dequantised once here
                  to float32 [in, out], the very values the step would make (the same numpy /

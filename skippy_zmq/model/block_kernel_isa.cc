@@ -14,6 +14,7 @@
 
 #include "quant_kernel.h"
 #include "quant_kernel_simd.h"
+#include "block_kernel_more.h"   // Q3_K, IQ4_XS, IQ4_NL, Q5_1, Q2_K: block_kernel_more_isa.cc
 
 #include <stdlib.h>
 #include <string.h>
@@ -115,9 +116,13 @@ void unpack_q8_0(const uint8_t* __restrict b, int8_t* __restrict level, float* s
   scale[0] = scale[1] = f16_at(b);
 }
 
-bool has_min(int32_t type) { return type == SKIPPY_GGML_Q4_K || type == SKIPPY_GGML_Q5_K; }
+bool has_min(int32_t type) {
+  return type == SKIPPY_GGML_Q4_K || type == SKIPPY_GGML_Q5_K || skippy_more_has_min(type);
+}
 
 void unpack_row(const SkippyBlockArgs& a, const uint8_t* row, Unpacked u) {
+  int64_t more_block, more_bytes;
+  if (skippy_more_block(a.type, &more_block, &more_bytes)) return skippy_unpack_more(&a, row, u.level, u.scale, u.min);
   const int64_t block = a.type == SKIPPY_GGML_Q5_0 || a.type == SKIPPY_GGML_Q8_0 ? 32 : 256;
   const int64_t bytes = a.row_bytes / (a.K / block);
   for (int64_t i = 0; i < a.K / block; ++i, row += bytes) {
@@ -155,11 +160,14 @@ void dot_rows(const SkippyBlockArgs& a, int64_t m0, int64_t n, const Unpacked& u
     for (int c = 0; c < kChains; ++c)
       for (int v = 0; v < kVecs; ++v) total += acc[r][c][v];
     float y = hsum(total);
-    if (has_min(a.type)) {   // runs is a multiple of 16 here (K of 256-blocks), so whole vectors
+    if (has_min(a.type)) {   // whole vectors, then the runs left by K of 32-blocks (Q5_1)
       const float* xs = a.xsum + (m0 + r) * runs;
       vf mins = {};
-      for (int64_t s = 0; s < runs; s += kLanes) mins += loadf(u.min + s) * loadf(xs + s);
-      y -= hsum(mins);
+      int64_t s = 0;
+      for (; s + kLanes <= runs; s += kLanes) mins += loadf(u.min + s) * loadf(xs + s);
+      float tail = 0.0f;
+      for (; s < runs; ++s) tail += u.min[s] * xs[s];
+      y -= hsum(mins) + tail;
     }
     a.y[(m0 + r) * a.N + n] = y;
   }

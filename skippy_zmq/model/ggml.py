@@ -215,9 +215,10 @@ TYPES = {t.name: t for t in (
     BlockType("Q3_K", QK_K, 110, _q3_k), BlockType("Q4_K", QK_K, 144, _q4_k), BlockType("Q5_K", QK_K, 176, _q5_k),
     BlockType("Q6_K", QK_K, 210, _q6_k), BlockType("IQ4_NL", 32, 18, _iq4_nl), BlockType("IQ4_XS", QK_K, 136, _iq4_xs))}
 KERNEL_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}   # types the CPU kernel runs as QTensors (bits), levels exact
-# Types the CPU kernel reads in place as the file's blocks (block_kernel_isa.cc). Q8_0 matrices stay
-# QTensors (KERNEL_TYPES); its blocks serve a tied head, which then needs no int8 copy of the embedding.
-BLOCK_KERNEL_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0")
+# Types the CPU kernel reads in place as the file's blocks (block_kernel_isa.cc; the last five unpacked by
+# block_kernel_more_isa.cc). Q8_0 matrices stay QTensors (KERNEL_TYPES); its blocks serve a tied head,
+# which then needs no int8 copy of the embedding.
+BLOCK_KERNEL_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0", "Q3_K", "IQ4_XS", "IQ4_NL", "Q5_1", "Q2_K")
 # Where a matrix of any other type is dequantised (docs/models.md): "load" once, to float32, when the stage
 # loads; "step" inside every jitted step; "auto" (unset): on a CPU the kernel reads BLOCK_KERNEL_TYPES in
 # place and the rest are dequantised at load (the in-step dequantiser made SmolLM2 Q4_K_M decode 9x slower

@@ -27,10 +27,11 @@ from skippy_zmq.files.private_dirs import private_cache_dir, unsafe_reason
 KERNEL_TARGETS = {8: "skippy_int8_dense", 4: "skippy_q4_dense"}   # bits -> FFI target
 MOE_TARGETS = {8: "skippy_int8_moe_ffn", 4: "skippy_q4_moe_ffn"}   # an MoE layer's routed experts in one call
 ATTEND_TARGET = "skippy_decode_attention"   # one query token per row over f32 KV (quant_kernel.h)
-BLOCK_TARGET = "skippy_block_dense"         # GGUF Q4_K / Q5_K / Q6_K / Q5_0 / Q8_0 blocks read in place (ggml.py)
+BLOCK_TARGET = "skippy_block_dense"         # GGUF blocks read in place (ggml.BLOCK_KERNEL_TYPES)
 KERNEL_DIR = Path(__file__).parent
-ISA_SOURCES = ("quant_kernel_isa.cc", "block_kernel_isa.cc")   # compiled once per instruction set
-KERNEL_SOURCES = ("quant_kernel.cc", *ISA_SOURCES, "quant_kernel.h", "quant_kernel_simd.h")
+# compiled once per instruction set
+ISA_SOURCES = ("quant_kernel_isa.cc", "block_kernel_isa.cc", "block_kernel_more_isa.cc")
+KERNEL_SOURCES = ("quant_kernel.cc", *ISA_SOURCES, "quant_kernel.h", "quant_kernel_simd.h", "block_kernel_more.h")
 # Instruction sets ISA_SOURCES are compiled for (x86-64), best first; other CPUs get "generic".
 ISA_FLAGS = {"avx512vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mavx2",
                            "-mfma", "-mf16c"),

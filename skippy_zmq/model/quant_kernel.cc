@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "quant_kernel.h"
+#include "block_kernel_more.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -158,7 +159,9 @@ ffi::Error BlockDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     case SKIPPY_GGML_Q4_K: block = 256, bytes = 144; break;
     case SKIPPY_GGML_Q5_K: block = 256, bytes = 176; break;
     case SKIPPY_GGML_Q6_K: block = 256, bytes = 210; break;
-    default: return ffi::Error(ffi::ErrorCode::kInvalidArgument, "blocks: not a GGML type the kernel reads");
+    default:
+      if (!skippy_more_block(type, &block, &bytes))
+        return ffi::Error(ffi::ErrorCode::kInvalidArgument, "blocks: not a GGML type the kernel reads");
   }
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] % block || wd[1] != xd[1] / block * bytes ||
