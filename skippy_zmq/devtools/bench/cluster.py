@@ -285,14 +285,31 @@ def goal_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+PARTS = ("splits", "recut")   # `bench cluster --only recut`: the re-cut row alone (bench/cluster_recut.py)
+
+
 def bench_cluster(args: argparse.Namespace, tables: list[str], _prior: dict[str, Any] | None = None
                   ) -> dict[str, Any]:
-    from skippy_zmq.config.model import ModelConfig
-
     problem = cpu_cgroup_problem()
     if problem:
         print(f"[bench cluster] skipped: cannot make CPU-quota hosts here: {problem}", flush=True)
         return {"skipped": problem}
+    parts = [p for p in (args.only or ",".join(PARTS)).split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise SystemExit(f"bench cluster --only: unknown part(s) {', '.join(unknown)}; use {', '.join(PARTS)}")
+    result = bench_splits(args, tables) if "splits" in parts else {}
+    if "recut" in parts:
+        from skippy_zmq.devtools.bench.cluster_recut import bench_recut
+
+        result["recut"] = bench_recut(args, tables)
+    write_report(args.out, "cluster", "bench cluster", result, [t for t in tables if t])
+    return result
+
+
+def bench_splits(args: argparse.Namespace, tables: list[str]) -> dict[str, Any]:
+    from skippy_zmq.config.model import ModelConfig
+
     t_start = time.perf_counter()
     netns_why = netns_problem()
     model, weights = Path(args.model).absolute(), args.weights or "q4"
@@ -396,5 +413,4 @@ def _report(args: argparse.Namespace, tables: list[str], rows: list[dict[str, An
     result = {"hosts": measured, "splits": rows, "brute_force": checks, "goals": goals, "where": where,
               "load_avg": [round(v, 2) for v in load], "load_avg_end": [round(v, 2) for v in os.getloadavg()],
               "elapsed_s": round(time.perf_counter() - t_start, 1)}
-    write_report(args.out, "cluster", "bench cluster", result, [t for t in tables if t])
     return result
