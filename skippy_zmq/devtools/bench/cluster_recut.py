@@ -35,7 +35,7 @@ from typing import Any, Iterator
 
 import yaml
 
-from skippy_zmq.devtools.bench.cluster import SHARES
+from skippy_zmq.devtools.bench.cluster import SHARES, driver_group
 from skippy_zmq.devtools.hosts import Hosts, HostSpec
 
 HOSTS = (HostSpec("a", 1.0, shares=SHARES), HostSpec("b", 1.0, shares=SHARES))
@@ -242,7 +242,7 @@ def run_recut(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], list
     model, weights = Path(args.model).absolute(), args.weights or "q4"
     mode = args.recut_trigger
     t_start = time.perf_counter()
-    with Hosts(HOSTS, netns=False) as hosts, \
+    with Hosts(HOSTS, netns=False) as hosts, driver_group(hosts.tag), \
             cluster_serving(hosts, recut_topology(tmp, model, weights), tmp) as (server, engine, tok, rebalancer):
         start_s, planned = time.perf_counter() - t_start, split_text(server)
         print(f"[bench cluster recut] serving {planned} after {start_s:.0f} s", flush=True)
@@ -278,11 +278,13 @@ def run_recut(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], list
 
 
 def reference_tokens(model: Path, weights: str, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """The one-process engine's greedy tokens (the same weights format as the stages)."""
+    """The one-process engine's greedy tokens (the same weights format as the stages), the prompts
+    as rows of one step (a lane each: the time of about one stream, where one at a time took ~6
+    minutes for 8 x 450 tokens on the shared 2-core machine)."""
     from skippy_zmq.engine.generate import LocalEngine
 
-    local = LocalEngine(model, capacity=CONTEXT, weights=weights)
-    return [local.generate(p, max_tokens=n, ignore_eos=True).token_ids for p in prompts]
+    local = LocalEngine(model, capacity=CONTEXT, weights=weights, lanes=len(prompts))
+    return local.generate_many(prompts, n, ignore_eos=True)
 
 
 def bench_recut(args: argparse.Namespace, tables: list[str]) -> dict[str, Any]:
