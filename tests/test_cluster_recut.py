@@ -299,7 +299,8 @@ def test_the_one_process_reference_for_many_streams_decodes_them_together_token_
     prompt's tokens are what one prompt at a time gives."""
     from skippy_zmq.engine.generate import LocalEngine
 
-    assert LocalEngine(tiny_model, lanes=8).generate_many(PROMPTS, 40, ignore_eos=True) == expected_tokens(tiny_model, 40)
+    together = LocalEngine(tiny_model, lanes=8).generate_many(PROMPTS, 40, ignore_eos=True)
+    assert together == expected_tokens(tiny_model, 40)
     with pytest.raises(ValueError, match="9 prompts for an engine of 8 lane"):
         LocalEngine(tiny_model, lanes=8).generate_many(PROMPTS + PROMPTS[:1], 4)
 

@@ -37,16 +37,12 @@ import yaml
 from skippy_zmq.config.topology_yaml import load_topology, plan_topology
 from skippy_zmq.devtools.bench.common import print_table, synthetic_prompt, write_report
 from skippy_zmq.devtools.bench.pipeline import TraceLog, measure, stream_prompts
-from skippy_zmq.devtools.hosts import Hosts, HostSpec, cpu_cgroup_problem, netns_problem
+from skippy_zmq.devtools.hosts import SHARES, Hosts, HostSpec, cpu_cgroup_problem, driver_group, netns_problem
 from skippy_zmq.ops import placement
 from skippy_zmq.ops.launch import check_alive, prepare_keys, stage_command, stop_processes
 from skippy_zmq.ops.lifetime import tied_env
 from skippy_zmq.ops.speed import HostSpeed, Links, Stage, brute_force, plan_split, predict
 
-# cpu.shares: on a shared machine (a load average of 10-40 on 2 cores while this was written) a
-# group weighted like one task gets a sliver of a core and its quota never binds, so every "host"
-# runs at the same crowded speed; weighted like SHARES tasks, each gets its quota and no more.
-SHARES = 64 * 1024
 HOSTS = (HostSpec("h100", 1.0, shares=SHARES), HostSpec("h50", 0.5, shares=SHARES),
          HostSpec("h25", 0.25, shares=SHARES))
 STREAMS = 8
@@ -206,19 +202,6 @@ def stage_step_ms(traces: list[list[dict[str, Any]]], ids: Sequence[str]) -> lis
     """Median compute_ms of each stage over decode-step traces (one trace per reply)."""
     per = {sid: [float(h["compute_ms"]) for t in traces for h in t if h.get("stage") == sid] for sid in ids}
     return [statistics.median(v) if v else 0.0 for v in per.values()]
-
-
-@contextmanager
-def driver_group(tag: str) -> Iterator[None]:
-    """This process (the driver) in an uncapped group weighted as the hosts are, back in the root after."""
-    from skippy_zmq.devtools.hosts import CpuGroup
-
-    group = CpuGroup(f"{tag}-driver", None, shares=SHARES)
-    group.adopt(os.getpid())
-    try:
-        yield
-    finally:
-        group.remove()
 
 
 def run_split(name: str, stages: Sequence[Stage], hosts: Hosts, model: Path, weights: str, tmp: Path,
