@@ -49,3 +49,6 @@ def test_the_recut_rows_windows_and_goals():
     row.update(failed=1, identical=7, after={"tok_s": 48.0})
     goals = recut_goals(row)
     assert [g["measured"] for g in goals] == [1, "7/8", 1.2] and not any(g["met"] for g in goals)
+    row.update(failed=0, identical=8, gone_reason="worker b (stage s1, layers [25, 30)) is gone")
+    goals = recut_goals(row)
+    assert goals[-1]["measured"] == "0; 8/8" and goals[-1]["met"]

@@ -48,6 +48,7 @@ SETTLE_S = 3.0                      # after the slowdown / the re-cut's warm-up,
 RECUT_THRESHOLD, RECUT_WINDOW_S = 1.3, 5.0
 START_TIMEOUT_S, RECUT_TIMEOUT_S = 600.0, 420.0
 GOAL = 1.3
+GONE_AFTER_S = 15.0                 # the default cluster.gone_after_s
 MAX_RECUTS = 3                      # re-cuts after the slowdown before the row takes its `after` window
 
 
@@ -118,7 +119,11 @@ def recut_goals(row: dict[str, Any]) -> list[dict[str, Any]]:
             {"check": "greedy output identical to one process (streams)", "goal": f"{row['streams']}/{row['streams']}",
              "measured": f"{row['identical']}/{row['streams']}", "met": row["identical"] == row["streams"]},
             {"check": "tok/s after the re-cut / without it (time per token, x better)", "goal": f">= {GOAL}",
-             "measured": ratio, "met": ratio is not None and ratio >= GOAL}]
+             "measured": ratio, "met": ratio is not None and ratio >= GOAL}] + ([
+            {"check": f"worker b then gone for good, the same {row['streams']} streams: failed; identical",
+             "goal": f"0; {row['streams']}/{row['streams']}", "measured": f"{row['failed']}; {row['identical']}/"
+             f"{row['streams']}", "met": row["failed"] == 0 and row["identical"] == row["streams"]}]
+            if row.get("gone_reason") else [])
 
 
 def recut_topology(tmp: Path, model: Path, weights: str) -> Path:
@@ -134,7 +139,7 @@ def recut_topology(tmp: Path, model: Path, weights: str) -> Path:
     # threshold 0 (drift off) until the bench lets it go: see the module's docstring
     data["cluster"] = {"listen": f"tcp://127.0.0.1:{base + 4}", "split": "measured", "objective": "throughput",
                        "streams": STREAMS, "recut": True, "recut_threshold": 0, "recut_window_s": RECUT_WINDOW_S,
-                       "gone_after_s": 120}
+                       "gone_after_s": GONE_AFTER_S}
     path = tmp / "recut.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -147,9 +152,9 @@ def _layers(model: Path) -> int:
 
 
 @contextmanager
-def cluster_serving(hosts: Hosts, path: Path, tmp: Path) -> Iterator[tuple[Any, Any, Any, Any]]:
+def cluster_serving(hosts: Hosts, path: Path, tmp: Path) -> Iterator[tuple[Any, Any, Any, Any, list[Any]]]:
     """Workers in their hosts joined and serving, the engine ready with the rebalancer attached:
-    (server, engine, tokenizer, rebalancer)."""
+    (server, engine, tokenizer, rebalancer, the worker processes in host order)."""
     from skippy_zmq.api.main import open_engine
     from skippy_zmq.cluster.server import ClusterServer
     from skippy_zmq.config.topology_yaml import load_topology
@@ -177,7 +182,7 @@ def cluster_serving(hosts: Hosts, path: Path, tmp: Path) -> Iterator[tuple[Any, 
             raise RuntimeError(f"the split was not ready: {engine.not_ready_reason()}")
         wait_warmed(engine, START_TIMEOUT_S)
         rebalancer = attach_rebalancer(server, engine)
-        yield server, engine, tokenizer, rebalancer
+        yield server, engine, tokenizer, rebalancer, procs
     finally:
         for closer in (rebalancer, engine):
             if closer is not None:
@@ -246,6 +251,17 @@ def after_window(rebalancer: Any, engine: Any, streams: StreamSet, recuts: list[
         recuts.append(wait_recut(rebalancer, engine, streams, done))
 
 
+def gone_phase(rebalancer: Any, engine: Any, streams: StreamSet, proc: Any) -> dict[str, Any]:
+    """Worker b killed for good (SIGKILL: its stage dies with it) while the streams run; the
+    driver plans around it once it is silent for GONE_AFTER_S (worker a has the memory for every
+    layer), and the streams go on from their token history."""
+    done = len(rebalancer.history)
+    proc.kill()
+    t_kill = time.perf_counter()
+    recut = wait_recut(rebalancer, engine, streams, done)
+    return {"gone_reason": recut["reason"], "gone_to_serving_s": round(recut["warmed"] - t_kill, 1)}
+
+
 def run_recut(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], list[list[int]], list[list[int]]]:
     """The three windows on one cluster; (row, prompts, each stream's tokens)."""
     from skippy_zmq.devtools.bench.common import synthetic_prompt
@@ -255,7 +271,7 @@ def run_recut(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], list
     mode = args.recut_trigger
     t_start = time.perf_counter()
     with Hosts(HOSTS, netns=False) as hosts, driver_group(hosts.tag), \
-            cluster_serving(hosts, recut_topology(tmp, model, weights), tmp) as (server, engine, tok, rebalancer):
+            cluster_serving(hosts, recut_topology(tmp, model, weights), tmp) as (server, engine, tok, rebalancer, procs):
         start_s, planned = time.perf_counter() - t_start, split_text(server)
         print(f"[bench cluster recut] serving {planned} after {start_s:.0f} s", flush=True)
         prompts = stream_prompts(synthetic_prompt(tok, PROMPT_TOKENS), STREAMS, salt=7)
@@ -275,10 +291,13 @@ def run_recut(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], list
             recuts = [wait_recut(rebalancer, engine, streams, done_before)]
             after = after_window(rebalancer, engine, streams, recuts)
             print(f"[bench cluster recut] after the re-cut {after}", flush=True)
+            split_after, n_recuts = split_text(server), len(rebalancer.history)
+            gone = gone_phase(rebalancer, engine, streams, procs[SLOWED])
+            gone["split_gone"] = split_text(server)
+            print(f"[bench cluster recut] worker b gone for good: {gone}", flush=True)
         finally:
             streams.stop()
-        row = {"trigger": mode, "split_before": planned, "split_after": split_text(server),
-               "recuts": len(rebalancer.history), "scale": {k: round(v, 2) for k, v in rebalancer.drift.scale.items()},
+        row = {"trigger": mode, "split_before": planned, "split_after": split_after, "recuts": n_recuts, **gone, "scale": {k: round(v, 2) for k, v in rebalancer.drift.scale.items()},
                "before": before, "without": without, "after": after,
                "detect_s": round(recuts[0]["switched"] - t_let, 1),
                "pause_s": [round(r["ready"] - r["switched"], 1) for r in recuts],
@@ -321,6 +340,7 @@ def bench_recut(args: argparse.Namespace, tables: list[str]) -> dict[str, Any]:
         windows, f"{WINDOW_S:g} s windows of the same streams: tok_s aggregate, ms_per_token each stream's median gap; "
         f"{row['recuts']} re-cut(s), the first {row['detect_s']} s after the trigger was let go; "
         f"paused {row['pause_s']} s, "
-        f"their stages done compiling {row['warm_s']} s after."))
+        f"their stages done compiling {row['warm_s']} s after. Then worker b killed: "
+        f"{row.get('split_gone')} serving {row.get('gone_to_serving_s')} s after the kill."))
     tables.append(print_table("cluster: re-cut goals (issue 40)", goals))
     return {**row, "windows": windows, "goals": goals}
