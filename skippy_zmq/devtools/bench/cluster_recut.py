@@ -35,6 +35,7 @@ from typing import Any, Iterator
 
 import yaml
 
+from skippy_zmq.devtools.bench.pipeline import TraceLog
 from skippy_zmq.devtools.hosts import SHARES, Hosts, HostSpec, driver_group
 
 HOSTS = (HostSpec("a", 1.0, shares=SHARES), HostSpec("b", 1.0, shares=SHARES))
@@ -60,6 +61,8 @@ class StreamSet:
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self.errors: list[str] = []
         self.done = threading.Event()
+        self.log = TraceLog()                       # each decode step's per-stage compute
+        engine.on_reply_hooks.append(self.log)
         self.threads = [threading.Thread(target=self._run, args=(engine, i, p), daemon=True)
                         for i, p in enumerate(prompts)]
         for t in self.threads:
@@ -98,7 +101,17 @@ class StreamSet:
             t.join(timeout)
 
     def window(self, t0: float, t1: float) -> dict[str, Any]:
-        return window_rate(self.times, t0, t1)
+        return {**window_rate(self.times, t0, t1), **stage_steps(self.log.window(t0, t1, steps_only=True))}
+
+
+def stage_steps(traces: list[list[dict[str, Any]]]) -> dict[str, str]:
+    """Each stage's decode-step compute in the window, median and worst (ms): where the time went."""
+    per: dict[str, list[float]] = {}
+    for trace in traces:
+        for hop in trace:
+            per.setdefault(str(hop.get("stage")), []).append(float(hop.get("compute_ms") or 0.0))
+    return {"step_ms": " / ".join(f"{statistics.median(v):.1f}" for v in per.values()),
+            "step_ms_max": " / ".join(f"{max(v):.0f}" for v in per.values())}
 
 
 def window_rate(times: list[list[float]], t0: float, t1: float) -> dict[str, Any]:
