@@ -104,6 +104,16 @@ class StreamSet:
         return {**window_rate(self.times, t0, t1), **stage_steps(self.log.window(t0, t1, steps_only=True))}
 
 
+def timeline(times: list[list[float]], t0: float, bin_s: float = 2.0) -> list[int]:
+    """Tokens of every stream in each bin_s-second bin from t0 (the slowdown): where the time went."""
+    bins: list[int] = []
+    for t in (t for ts in times for t in ts if t >= t0):
+        i = int((t - t0) / bin_s)
+        bins.extend([0] * (i + 1 - len(bins)))
+        bins[i] += 1
+    return bins
+
+
 def stage_steps(traces: list[list[dict[str, Any]]]) -> dict[str, str]:
     """Each stage's decode-step compute in the window, median and worst (ms): where the time went."""
     per: dict[str, list[float]] = {}
@@ -247,9 +257,11 @@ def wait_recut(rebalancer: Any, engine: Any, streams: StreamSet, done_before: in
         if time.monotonic() > deadline:
             raise RuntimeError(f"the new split's stages still compiling after {RECUT_TIMEOUT_S:g} s")
         time.sleep(0.2)   # heartbeats carry it; nothing to block on
+    t_warmed = time.perf_counter()
     n = streams.count()
-    streams.wait_tokens(n + 2, RECUT_TIMEOUT_S)
-    return {"switched": t_switched, "ready": t_ready, "warmed": time.perf_counter(), **rebalancer.history[-1]}
+    streams.wait_tokens(n + 2, RECUT_TIMEOUT_S)   # every stream re-prefilled and decoding again
+    return {"switched": t_switched, "ready": t_ready, "warmed": t_warmed, "moving": time.perf_counter(),
+            **rebalancer.history[-1]}
 
 
 def after_window(rebalancer: Any, engine: Any, streams: StreamSet, recuts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -258,7 +270,7 @@ def after_window(rebalancer: Any, engine: Any, streams: StreamSet, recuts: list[
     while True:
         done = len(rebalancer.history)
         time.sleep(SETTLE_S + WINDOW_S)
-        t0 = recuts[-1]["warmed"] + SETTLE_S
+        t0 = recuts[-1]["moving"] + SETTLE_S
         if len(rebalancer.history) == done or len(recuts) >= MAX_RECUTS:
             return streams.window(t0, t0 + WINDOW_S)
         recuts.append(wait_recut(rebalancer, engine, streams, done))
@@ -272,7 +284,7 @@ def gone_phase(rebalancer: Any, engine: Any, streams: StreamSet, proc: Any) -> d
     proc.kill()
     t_kill = time.perf_counter()
     recut = wait_recut(rebalancer, engine, streams, done)
-    return {"gone_reason": recut["reason"], "gone_to_serving_s": round(recut["warmed"] - t_kill, 1)}
+    return {"gone_reason": recut["reason"], "gone_to_serving_s": round(recut["moving"] - t_kill, 1)}
 
 
 def run_recut(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], list[list[int]], list[list[int]]]:
@@ -310,13 +322,18 @@ def run_recut(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, Any], list
             print(f"[bench cluster recut] worker b gone for good: {gone}", flush=True)
         finally:
             streams.stop()
-        row = {"trigger": mode, "split_before": planned, "split_after": split_after, "recuts": n_recuts, **gone, "scale": {k: round(v, 2) for k, v in rebalancer.drift.scale.items()},
+        row = {"trigger": mode, "split_before": planned, "split_after": split_after, "recuts": n_recuts, **gone,
+               "scale": {k: round(v, 2) for k, v in rebalancer.drift.scale.items()},
                "before": before, "without": without, "after": after,
                "detect_s": round(recuts[0]["switched"] - t_let, 1),
                "pause_s": [round(r["ready"] - r["switched"], 1) for r in recuts],
-               "warm_s": [round(r["warmed"] - r["ready"], 1) for r in recuts], "start_s": round(start_s, 1),
+               "warm_s": [round(r["warmed"] - r["ready"], 1) for r in recuts],
+               "moving_s": [round(r["moving"] - r["ready"], 1) for r in recuts], "start_s": round(start_s, 1),
                "reasons": [r["reason"] for r in recuts],
                "streams": STREAMS, "tokens_per_stream": [len(t) for t in streams.tokens],
+               "timeline_2s": timeline(streams.times, t_slow),
+               "marks_s": {"recut_let_go": round(t_let - t_slow, 1), **{f"recut{i}_{k}": round(r[k] - t_slow, 1)
+                           for i, r in enumerate(recuts) for k in ("switched", "ready", "warmed", "moving")}},
                "failed": len(streams.errors),
                "errors": streams.errors[:4]}
     return row, prompts, streams.tokens
@@ -353,7 +370,8 @@ def bench_recut(args: argparse.Namespace, tables: list[str]) -> dict[str, Any]:
         windows, f"{WINDOW_S:g} s windows of the same streams: tok_s aggregate, ms_per_token each stream's median gap; "
         f"{row['recuts']} re-cut(s), the first {row['detect_s']} s after the trigger was let go; "
         f"paused {row['pause_s']} s, "
-        f"their stages done compiling {row['warm_s']} s after. Then worker b killed: "
+        f"their stages done compiling {row['warm_s']} s and every stream decoding again {row['moving_s']} s after "
+        f"READY. Then worker b killed: "
         f"{row.get('split_gone')} serving {row.get('gone_to_serving_s')} s after the kill."))
     tables.append(print_table("cluster: re-cut goals (issue 40)", goals))
     return {**row, "windows": windows, "goals": goals}
