@@ -416,6 +416,9 @@ def add_bench_parser(sub: Any) -> None:
                         "(once; about 10-15 minutes)")
     p.add_argument("--grid", type=int, default=3, help="cluster: cut points of the grid splits, this many layers apart")
     p.add_argument("--budget-s", type=float, default=360.0, help="cluster: grid splits start while the run is shorter")
+    p.add_argument("--only", default="", help="cluster: splits and/or recut, comma-separated (default: both)")
+    p.add_argument("--recut-trigger", default="drift", choices=["drift", "command"],
+                   help="cluster recut: what asks for the re-cut after the slowdown (drift, or `rebalance`)")
     p.add_argument("--peer-models", default="",
                    help="peers: comma-separated, from smollm2, llama-3.2-1b, llama-3.1-8b, or SHAPE:RECIPE for a "
                         "llama-quantize recipe, e.g. llama-3.2-1b:Q4_K_M (default: the first three; --quick: smollm2)")

@@ -34,3 +34,21 @@ def test_stage_step_ms_is_each_stages_median_compute():
               [{"stage": "s0", "compute_ms": 3.0}, {"stage": "s1", "compute_ms": 6.0}],
               [{"stage": "s0", "compute_ms": 2.0}]]
     assert stage_step_ms(traces, ("s0", "s1", "s2")) == [2.0, 5.0, 0.0]
+
+
+def test_the_recut_rows_windows_and_goals():
+    from skippy_zmq.devtools.bench.cluster_recut import recut_goals, window_rate
+
+    times = [[0.0, 0.5, 1.0, 1.5, 2.0], [0.1, 1.1, 2.1]]            # two streams: gaps of 0.5 and 1.0 s
+    w = window_rate(times, 0.0, 2.0)
+    assert w == {"tok_s": 3.0, "ms_per_token": 500.0, "tokens": 6, "seconds": 2.0}   # [0, 2): 2.0 and 2.1 out
+    assert window_rate(times, 5.0, 6.0) == {"tok_s": 0.0, "ms_per_token": None, "tokens": 0, "seconds": 1.0}
+    row = {"streams": 8, "failed": 0, "identical": 8, "without": {"tok_s": 40.0}, "after": {"tok_s": 56.0}}
+    goals = recut_goals(row)
+    assert [g["met"] for g in goals] == [True, True, True] and goals[-1]["measured"] == 1.4
+    row.update(failed=1, identical=7, after={"tok_s": 48.0})
+    goals = recut_goals(row)
+    assert [g["measured"] for g in goals] == [1, "7/8", 1.2] and not any(g["met"] for g in goals)
+    row.update(failed=0, identical=8, gone_reason="worker b (stage s1, layers [25, 30)) is gone")
+    goals = recut_goals(row)
+    assert goals[-1]["measured"] == "0; 8/8" and goals[-1]["met"]

@@ -266,6 +266,45 @@ def test_drift_over_the_threshold_for_the_window_asks_for_a_recut_with_scaled_nu
     assert off.check(0.0) is None and off.check(1e6) is None
 
 
+def test_drift_counts_only_decode_steps_of_stages_done_compiling_and_any_recut_takes_fresh_numbers(tiny_model,
+                                                                                                  tmp_path):
+    from types import SimpleNamespace
+
+    from skippy_zmq.config.topology_yaml import load_topology
+
+    topology = load_topology(recut_topology(tmp_path, tiny_model, 2))
+    workers = {n: SimpleNamespace(name=n, stage=s, measured=fake_measure(1 << 30), started=None)
+               for n, s in (("a", "s0"), ("b", "s1"))}
+    drift = DriftMonitor(1.3, 10.0)
+    drift.reset(topology, workers)
+    planned = 2 * (1.0 + 1 / 8)
+    for _ in range(40):   # a prefill chunk (32 positions) and a stage still compiling: neither counts
+        drift.observe([{"stage": "s0", "compute_ms": 50 * planned, "rows": 1, "tokens": 32},
+                       {"stage": "s1", "compute_ms": 50 * planned, "rows": 1, "tokens": 1}], warming=["s1"])
+    assert drift.samples == {} and drift.refresh() == {}
+    for _ in range(40):   # decode steps: b takes 3x its plan (the head and sampling too)
+        drift.observe([{"stage": "s0", "compute_ms": planned, "rows": 1, "tokens": 1},
+                       {"stage": "s1", "compute_ms": 3 * (planned + 0.51), "rows": 1, "tokens": 1}])
+    assert drift.refresh() == {"a": pytest.approx(1.0), "b": pytest.approx(3.0)}   # e.g. `rebalance` asked
+    assert drift.refresh() == {"a": pytest.approx(1.0), "b": pytest.approx(3.0)}   # taken once, not twice
+    for _ in range(40):   # the split stayed: b still 3x what it measured, now planned so: no drift
+        drift.observe([{"stage": "s0", "compute_ms": planned, "rows": 1, "tokens": 1},
+                       {"stage": "s1", "compute_ms": 3 * (planned + 0.51), "rows": 1, "tokens": 1}])
+    assert drift.check(0.0) is None and drift.check(100.0) is None
+    assert drift.ratio["s1"] / drift.ratio["s0"] == pytest.approx(1.0)
+
+
+def test_the_one_process_reference_for_many_streams_decodes_them_together_token_for_token(tiny_model):
+    """LocalEngine.generate_many (bench cluster's re-cut row checks 8 streams against it): each
+    prompt's tokens are what one prompt at a time gives."""
+    from skippy_zmq.engine.generate import LocalEngine
+
+    together = LocalEngine(tiny_model, lanes=8).generate_many(PROMPTS, 40, ignore_eos=True)
+    assert together == expected_tokens(tiny_model, 40)
+    with pytest.raises(ValueError, match="9 prompts for an engine of 8 lane"):
+        LocalEngine(tiny_model, lanes=8).generate_many(PROMPTS + PROMPTS[:1], 4)
+
+
 @pytest.mark.parametrize("key, value, says", [("recut_threshold", 1.0, "a factor above 1"),
                                                ("recut", "yes", "true or false"),
                                                ("gone_after_s", -1, "gone_after_s")])

@@ -6,12 +6,16 @@ measurement for that many rows and layers: ops/speed.HostSpeed). A uniform bias 
 little slower than it measured) moves every ratio alike and changes no split, so drift is the
 worst stage's ratio over the best's; when it stays above `threshold` for `window_s` the rebalancer
 re-cuts, with each worker's measurement scaled by its ratio over the best (the fresh numbers).
+Any other re-cut (`skippy-zmq rebalance`, a worker gone or joined) takes the fresh numbers too
+(`refresh`): a host that slowed down is planned at the speed its replies show, not at the speed it
+measured when it joined. The scale applies to the plan at once, so the ratios that follow measure
+what is left over, and a split that stays as it is does not drift again on the same slowdown.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from skippy_zmq.config.topology import Topology
 from skippy_zmq.ops.speed import HostSpeed, SpeedPlanError
@@ -40,7 +44,7 @@ class DriftMonitor:
         self.threshold, self.window_s = threshold, window_s
         self.lock = threading.Lock()
         self.scale: dict[str, float] = {}                          # worker -> its measurement's factor
-        self.plan: dict[str, tuple[str, HostSpeed, int, bool]] = {}   # stage -> worker, speed, layers, last
+        self.plan: dict[str, tuple[str, HostSpeed, int, bool]] = {}   # stage -> worker, speed (unscaled), layers, last
         self.ratio: dict[str, float] = {}
         self.samples: dict[str, int] = {}
         self.since: float | None = None
@@ -58,23 +62,31 @@ class DriftMonitor:
                 continue
             stage = topology.stage(w.stage)
             try:
-                host = HostSpeed.from_measure(self.scaled(w.name, speed), name=w.name)
+                host = HostSpeed.from_measure(speed, name=w.name)   # observe() applies the worker's scale
             except SpeedPlanError:
                 continue
             plan[stage.id] = (w.name, host, stage.end - stage.start, stage.id == topology.stages[-1].id)
         with self.lock:
             self.plan, self.ratio, self.samples, self.since = plan, {}, {}, None
 
-    def observe(self, trace: Any) -> None:
+    def observe(self, trace: Any, warming: Collection[str] = ()) -> None:
+        """A reply's trace. Only decode steps count (one position a row: a prefill chunk or a verify
+        window is not what the plan's step times are for), and not a stage still compiling its
+        shapes (`warming`: a stage just started runs layer by layer while its fused steps compile
+        beside serving, for a minute on a slow host; counted, that looked like drift and re-cut
+        again and again)."""
         if not isinstance(trace, list) or self.threshold == 0:
             return
         with self.lock:
             for entry in trace:
-                if not isinstance(entry, dict) or entry.get("stage") not in self.plan:
+                if not isinstance(entry, dict) or entry.get("stage") not in self.plan or entry["stage"] in warming:
                     continue
-                _, host, layers, last = self.plan[entry["stage"]]
                 rows = max(1, int(entry.get("rows") or 1))
+                if int(entry.get("tokens") or rows) != rows:
+                    continue
+                name, host, layers, last = self.plan[entry["stage"]]
                 planned = layers * host.at(host.layer_ms, rows) + (host.at(host.head_ms, rows) if last else 0.0)
+                planned *= self.scale.get(name, 1.0)
                 measured = float(entry.get("compute_ms") or 0.0)
                 if planned <= 0 or measured <= 0:
                     continue
@@ -83,11 +95,32 @@ class DriftMonitor:
                 self.ratio[stage] = measured / planned if old is None else old + ALPHA * (measured / planned - old)
                 self.samples[stage] = self.samples.get(stage, 0) + 1
 
+    def _counted(self) -> dict[str, float]:
+        return {s: r for s, r in self.ratio.items() if self.samples.get(s, 0) >= MIN_SAMPLES}
+
+    def _rescale(self, ratios: Mapping[str, float]) -> None:
+        """Each worker's factor times its stage's ratio over the best; the averages start again
+        (they were taken against the old factors). Under self.lock."""
+        best = min(ratios.values())
+        for stage, ratio in ratios.items():
+            name = self.plan[stage][0]
+            self.scale[name] = self.scale.get(name, 1.0) * ratio / best
+        self.ratio, self.samples, self.since = {}, {}, None
+
+    def refresh(self) -> dict[str, float]:
+        """Before any re-cut plans: take the fresh numbers the replies show (when every stage has
+        enough of them); the factors after."""
+        with self.lock:
+            ratios = self._counted()
+            if len(ratios) >= 2 and len(ratios) == len(self.plan):
+                self._rescale(ratios)
+            return dict(self.scale)
+
     def check(self, now: float) -> str | None:
         """The reason to re-cut when drift stayed over the threshold for the window (and the
         factors the next plan scales the workers' measurements by), else None."""
         with self.lock:
-            ratios = {s: r for s, r in self.ratio.items() if self.samples.get(s, 0) >= MIN_SAMPLES}
+            ratios = self._counted()
             if self.threshold == 0 or len(ratios) < 2:
                 return None
             worst, best = max(ratios, key=ratios.get), min(ratios, key=ratios.get)
@@ -99,9 +132,6 @@ class DriftMonitor:
                 self.since = now
             if now - self.since < self.window_s:
                 return None
-            for stage, ratio in ratios.items():
-                name = self.plan[stage][0]
-                self.scale[name] = self.scale.get(name, 1.0) * ratio / ratios[best]
-            self.since = None
+            self._rescale(ratios)
             return (f"stage {worst} on worker {self.plan[worst][0]} runs {drift:.2f}x slower than planned "
                     f"beside stage {best} (threshold {self.threshold:g}, for {self.window_s:g} s)")

@@ -204,6 +204,8 @@ class Rebalancer:
 
         workers = [w for w in list(self.server.workers.values()) if w.name not in self.gone and speed_of(w)]
         self.considered = {w.name for w in workers}
+        if self.drift is not None:   # whatever asked for it, plan at the speeds the replies show now
+            logger.info("cluster: re-cut plans with each worker's measurement scaled by {}", self.drift.refresh())
         n = min(len(self.base.stages), len(workers))
         measured = {w.name: self._speed(w) for w in workers}
         try:

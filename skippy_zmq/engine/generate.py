@@ -71,9 +71,10 @@ class LocalEngine:
     stage worker that holds every layer (the pipeline's engine, without sockets)."""
 
     def __init__(self, model_dir: Path, dtype: str = "float32", device: str = "cpu", capacity: int = 2048,
-                 weights: str = "f32"):
+                 weights: str = "f32", lanes: int = 1):
         """weights: "gguf", "f32", "bf16", "int8" or "q4" (the checkpoint's format or a coarser one; see
-        checkpoint/checkpoint.py), or "auto": the checkpoint's own."""
+        checkpoint/checkpoint.py), or "auto": the checkpoint's own. lanes: sessions at once
+        (`generate_many`; `generate` uses one)."""
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
         self.tokenizer = TextTokenizer.load(model_dir)
@@ -81,9 +82,10 @@ class LocalEngine:
         self.cfg, params = load_slice(model_dir, dtype=dtype, device=dev, fmt=weights)
         capacity = min(capacity, self.cfg.max_seq_len)
         self.runner = SliceRunner(self.cfg, params, 0, self.cfg.n_layers,
-                                  KVConfig(lanes=1, capacity=capacity, dtype=dtype), device=dev)
+                                  KVConfig(lanes=lanes, capacity=capacity, dtype=dtype), device=dev)
         info = StageInfo("local", first=True, last=True, width=self.cfg.d_model)
-        self.chain = InprocChain([StageWorker(info, self.runner, SessionTable(1))])
+        self.lanes = lanes
+        self.chain = InprocChain([StageWorker(info, self.runner, SessionTable(lanes))])
 
     def warmup(self, prompt_tokens: int | None = None, max_tokens: int = 0, everything: bool = False,
                windows: tuple[int, ...] = ()) -> float:
@@ -132,6 +134,32 @@ class LocalEngine:
         events.fill(result)
         result.text = self.tokenizer.decode(result.token_ids, skip_special=True)
         return result
+
+
+    def generate_many(self, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False
+                      ) -> list[list[int]]:
+        """Each prompt's greedy tokens, the prompts decoded together as rows of one step (one lane
+        each, as a pipeline batches streams): a reference for many streams at the cost of about one."""
+        if not prompts or len(prompts) > self.lanes:
+            raise ValueError(f"{len(prompts)} prompts for an engine of {self.lanes} lane(s)")
+        if not all(prompts):
+            raise ValueError("a prompt is empty")
+        max_tokens = min(max_tokens, self.runner.capacity - max(map(len, prompts)))
+        if max_tokens <= 0:
+            raise ValueError(f"the longest prompt leaves no room in a {self.runner.capacity}-token context")
+        scheduler = Scheduler(SchedulerConfig(
+            n_stages=1, max_sessions=len(prompts), max_queue=len(prompts), prefill_chunk=self.runner.capacity,
+            prefill_credit=1, max_context=self.runner.capacity, window_lens=self.runner.buckets.window_lens,
+            reply_timeout_s=float("inf"), request_timeout_s=float("inf")), frozenset(self.tokenizer.eos_ids))
+        events: list[list[Any]] = [[] for _ in prompts]
+        for i, prompt in enumerate(prompts):
+            scheduler.submit(GenRequest(f"local{i}", tuple(prompt), SamplingParams(), max_tokens, ignore_eos),
+                             events[i].append)
+        run_until(scheduler, self.chain, lambda: all(finished(e) for e in events))
+        for e in events:
+            if e and isinstance(e[-1], EngineError):
+                raise e[-1]
+        return [[x.token_id for x in e if x.token_id is not None] for e in events]
 
 
 class _Timed:

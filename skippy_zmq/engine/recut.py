@@ -101,5 +101,9 @@ def attach_rebalancer(server, engine: PipelineEngine):   # (ClusterServer) -> Re
 
     drift = DriftMonitor(server.config.recut_threshold, server.config.recut_window_s)
     drift.reset(server.topology, dict(server.workers))
-    engine.on_reply_hooks.append(lambda stage_id, msg: drift.observe(msg.extras.get("trace")))
+    def observe(stage_id: str, msg) -> None:   # on the pipeline thread, which owns engine.stages
+        # a stage whose shapes still compile behind serving (heartbeats say so) runs slower for now
+        warming = [sid for sid, state in engine.stages.items() if state.info.get("compiling", True)]
+        drift.observe(msg.extras.get("trace"), warming)
+    engine.on_reply_hooks.append(observe)
     return Rebalancer(server, EngineRecut(engine), drift)

@@ -125,10 +125,11 @@ class StageWorker:
         session.truncate(position)
         return session
 
-    def _trace(self, msg: Message, compute_ms: float, rows: int) -> dict[str, Any]:
+    def _trace(self, msg: Message, compute_ms: float, rows: int, tokens: int) -> dict[str, Any]:
         trace = msg.extras.get("trace", [])
         trace = list(trace) if isinstance(trace, list) else []   # a peer's bad trace is dropped, not fatal
-        trace.append({"stage": self.info.stage_id, "compute_ms": round(compute_ms, 3), "rows": rows,
+        # tokens: rows x positions run (a decode step: one each; cluster/drift.py compares only those)
+        trace.append({"stage": self.info.stage_id, "compute_ms": round(compute_ms, 3), "rows": rows, "tokens": tokens,
                       **self.lock.times()})
         return {**msg.extras, "trace": trace}
 
@@ -272,7 +273,7 @@ class StageWorker:
                                                                output=output))
         compute_ms = 1000 * (time.perf_counter() - t0)
         self._append(batch)
-        return Ran(result, self._trace(batch.msg, compute_ms, len(batch.rows)))
+        return Ran(result, self._trace(batch.msg, compute_ms, len(batch.rows), int(lengths.sum())))
 
     def _append(self, batch: RowsToRun) -> None:
         """The rows' token ids into their sessions (a recording prefill records after the reply)."""
@@ -465,7 +466,8 @@ class StageWorker:
         out = {"lanes_in_use": len(self.sessions), "lanes": self.sessions.lanes, **self.counters,
                "fenced": self.fence.dropped, "unstamped": self.fence.unstamped, **self.memory,
                "rss_bytes": rss_bytes(),
-               "warmups_pending": len(self.warm_later), **{f"kernel_{k}": v for k, v in self.kernels.items()}}
+               "warmups_pending": len(self.warm_later), "compiling": self.runner.compiling,   # compile_behind's thread
+               **{f"kernel_{k}": v for k, v in self.kernels.items()}}
         if getattr(self.runner, "moe_layers", 0):   # a mixture-of-experts slice: its routing counts
             out.update(moe_layer_passes=self.runner.stats.moe_layer_passes,
                        moe_experts_routed=self.runner.stats.moe_experts_routed)

@@ -37,16 +37,12 @@ import yaml
 from skippy_zmq.config.topology_yaml import load_topology, plan_topology
 from skippy_zmq.devtools.bench.common import print_table, synthetic_prompt, write_report
 from skippy_zmq.devtools.bench.pipeline import TraceLog, measure, stream_prompts
-from skippy_zmq.devtools.hosts import Hosts, HostSpec, cpu_cgroup_problem, netns_problem
+from skippy_zmq.devtools.hosts import SHARES, Hosts, HostSpec, cpu_cgroup_problem, driver_group, netns_problem
 from skippy_zmq.ops import placement
 from skippy_zmq.ops.launch import check_alive, prepare_keys, stage_command, stop_processes
 from skippy_zmq.ops.lifetime import tied_env
 from skippy_zmq.ops.speed import HostSpeed, Links, Stage, brute_force, plan_split, predict
 
-# cpu.shares: on a shared machine (a load average of 10-40 on 2 cores while this was written) a
-# group weighted like one task gets a sliver of a core and its quota never binds, so every "host"
-# runs at the same crowded speed; weighted like SHARES tasks, each gets its quota and no more.
-SHARES = 64 * 1024
 HOSTS = (HostSpec("h100", 1.0, shares=SHARES), HostSpec("h50", 0.5, shares=SHARES),
          HostSpec("h25", 0.25, shares=SHARES))
 STREAMS = 8
@@ -208,19 +204,6 @@ def stage_step_ms(traces: list[list[dict[str, Any]]], ids: Sequence[str]) -> lis
     return [statistics.median(v) if v else 0.0 for v in per.values()]
 
 
-@contextmanager
-def driver_group(tag: str) -> Iterator[None]:
-    """This process (the driver) in an uncapped group weighted as the hosts are, back in the root after."""
-    from skippy_zmq.devtools.hosts import CpuGroup
-
-    group = CpuGroup(f"{tag}-driver", None, shares=SHARES)
-    group.adopt(os.getpid())
-    try:
-        yield
-    finally:
-        group.remove()
-
-
 def run_split(name: str, stages: Sequence[Stage], hosts: Hosts, model: Path, weights: str, tmp: Path,
               predicted: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
@@ -285,14 +268,31 @@ def goal_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+PARTS = ("splits", "recut")   # `bench cluster --only recut`: the re-cut row alone (bench/cluster_recut.py)
+
+
 def bench_cluster(args: argparse.Namespace, tables: list[str], _prior: dict[str, Any] | None = None
                   ) -> dict[str, Any]:
-    from skippy_zmq.config.model import ModelConfig
-
     problem = cpu_cgroup_problem()
     if problem:
         print(f"[bench cluster] skipped: cannot make CPU-quota hosts here: {problem}", flush=True)
         return {"skipped": problem}
+    parts = [p for p in (args.only or ",".join(PARTS)).split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise SystemExit(f"bench cluster --only: unknown part(s) {', '.join(unknown)}; use {', '.join(PARTS)}")
+    result = bench_splits(args, tables) if "splits" in parts else {}
+    if "recut" in parts:
+        from skippy_zmq.devtools.bench.cluster_recut import bench_recut
+
+        result["recut"] = bench_recut(args, tables)
+    write_report(args.out, "cluster", "bench cluster", result, [t for t in tables if t])
+    return result
+
+
+def bench_splits(args: argparse.Namespace, tables: list[str]) -> dict[str, Any]:
+    from skippy_zmq.config.model import ModelConfig
+
     t_start = time.perf_counter()
     netns_why = netns_problem()
     model, weights = Path(args.model).absolute(), args.weights or "q4"
@@ -396,5 +396,4 @@ def _report(args: argparse.Namespace, tables: list[str], rows: list[dict[str, An
     result = {"hosts": measured, "splits": rows, "brute_force": checks, "goals": goals, "where": where,
               "load_avg": [round(v, 2) for v in load], "load_avg_end": [round(v, 2) for v in os.getloadavg()],
               "elapsed_s": round(time.perf_counter() - t_start, 1)}
-    write_report(args.out, "cluster", "bench cluster", result, [t for t in tables if t])
     return result
