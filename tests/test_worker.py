@@ -68,6 +68,15 @@ def test_stop_frees_the_lane(first):
     assert out.to == NEXT
 
 
+def test_a_held_lane_keeps_the_runner_from_compiling_behind(first):
+    """While a request holds a lane the runner is not quiet: its compile_behind waits (runner.quiet)."""
+    assert first.runner.quiet.is_set()
+    first.handle(prefill(1, [5, 6]))
+    assert not first.runner.quiet.is_set()
+    first.handle(Message(Kind.STOP, 9, 1))
+    assert first.runner.quiet.is_set()
+
+
 def test_auto_align_trims_kv_that_is_ahead_and_gaps_are_refused(first):
     first.handle(prefill(1, random_ids(20, TINY.vocab_size)))
     [out] = first.handle(prefill(1, [4, 5, 6], pos=10))        # rewrite from 10: trims 20 -> 10 first

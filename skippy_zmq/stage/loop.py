@@ -167,7 +167,10 @@ class StageLoop:
             events = dict(poller.poll(wait_ms))
             if self.sockets.pull in events:
                 self.drain(DRAIN_BATCH)
-            elif self.worker.warm_later and not events and not self.delayed and not self.worker.runner.compiling:
+            elif not events and not self.delayed and self.worker.runner.compiling:
+                if self.worker.runner.quiet.is_set():   # no request here: a shape compiled behind runs once,
+                    self.worker.runner.run_compiled()   # and its steps switch to the whole-slice step
+            elif self.worker.warm_later and not events and not self.delayed:
                 # (while the runner compiles behind, in a thread, its steps run layer by layer: the
                 # idle warm-ups wait for it, so that they neither compile its shapes twice nor run them)
                 self.worker.warm_later[0]()   # idle: compile one more shape (a fraction of a second);
@@ -178,6 +181,7 @@ class StageLoop:
             self.check_driver()
             for sid in self.worker.sessions.reclaim_idle():
                 logger.warning("stage {} reclaimed idle session {}", self.stage.id, sid)
+            self.worker.note_sessions()
         self.drain(10_000)   # finish what already arrived, then say goodbye
         self.send_due(everything=True)
         self._beats_done.set()

@@ -57,6 +57,19 @@ class StageWorker:
         self._constraint_info: Any = None
 
     def handle(self, msg: Message) -> list[Outbound]:
+        try:
+            return self._dispatch(msg)
+        finally:
+            self.note_sessions()
+
+    def note_sessions(self) -> None:
+        """Tell the runner whether a request holds a lane here: its compile_behind waits while one does."""
+        if len(self.sessions):
+            self.runner.quiet.clear()
+        else:
+            self.runner.quiet.set()
+
+    def _dispatch(self, msg: Message) -> list[Outbound]:
         self.counters["messages"] += 1
         handler = self.handlers.get(msg.kind)
         try:
