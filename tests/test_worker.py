@@ -77,6 +77,18 @@ def test_a_held_lane_keeps_the_runner_from_compiling_behind(first):
     assert first.runner.quiet.is_set()
 
 
+def test_status_counts_the_steps_that_compiled_on_the_spot(first):
+    """Nothing warmed this runner: its first prefill compiles (a cold step), a second of that shape
+    does not; heartbeats carry the count to /metrics (skippy_stage_cold_steps)."""
+    from skippy_zmq.engine.pipeline_metrics import STAGE_COUNTERS
+
+    assert first.status()["cold_steps"] == 0
+    first.handle(prefill(1, [5, 6]))
+    first.handle(prefill(2, [7, 8]))
+    assert first.status()["cold_steps"] == 1 and first.status()["behind_waits"] == 0
+    assert {"cold_steps", "behind_waits"} <= set(STAGE_COUNTERS)
+
+
 def test_auto_align_trims_kv_that_is_ahead_and_gaps_are_refused(first):
     first.handle(prefill(1, random_ids(20, TINY.vocab_size)))
     [out] = first.handle(prefill(1, [4, 5, 6], pos=10))        # rewrite from 10: trims 20 -> 10 first

@@ -478,7 +478,9 @@ class StageWorker:
         out = {"lanes_in_use": len(self.sessions), "lanes": self.sessions.lanes, **self.counters,
                "fenced": self.fence.dropped, "unstamped": self.fence.unstamped, **self.memory,
                "rss_bytes": rss_bytes(),
-               "warmups_pending": len(self.warm_later), **{f"kernel_{k}": v for k, v in self.kernels.items()}}
+               "warmups_pending": len(self.warm_later), "cold_steps": self.runner.stats.cold_steps,
+               "behind_waits": self.runner.stats.behind_waits,
+               **{f"kernel_{k}": v for k, v in self.kernels.items()}}
         if getattr(self.runner, "moe_layers", 0):   # a mixture-of-experts slice: its routing counts
             out.update(moe_layer_passes=self.runner.stats.moe_layer_passes,
                        moe_experts_routed=self.runner.stats.moe_experts_routed)
