@@ -77,6 +77,19 @@ def test_a_held_lane_keeps_the_runner_from_compiling_behind(first):
     assert first.runner.quiet.is_set()
 
 
+def test_idle_warmups_wait_while_a_request_holds_a_lane(first):
+    """The loop's idle warm-ups (compiles of seconds) never run between a request's steps."""
+    from skippy_zmq.stage.loop import idle_warmup
+
+    done: list[int] = []
+    first.warm_later = [lambda: done.append(1)]
+    first.handle(prefill(1, [5, 6]))
+    assert idle_warmup(first) is False and len(first.warm_later) == 1 and done == []
+    first.handle(Message(Kind.STOP, 9, 1))
+    assert idle_warmup(first) is True and first.warm_later == [] and done == [1]
+    assert idle_warmup(first) is False
+
+
 def test_status_counts_the_steps_that_compiled_on_the_spot(first):
     """Nothing warmed this runner: its first prefill compiles (a cold step), a second of that shape
     does not; heartbeats carry the count to /metrics (skippy_stage_cold_steps)."""

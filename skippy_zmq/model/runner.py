@@ -5,6 +5,7 @@ chunking and device placement. The step itself stays pure and small.
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 import time
 from dataclasses import dataclass, field
@@ -332,6 +333,9 @@ class SliceRunner:
                 if not self.quiet.wait(self.behind_yield_s):
                     self.stats.behind_waits += 1
                 self._compile(*shape, run=False)
+                # its traces live as long as we do: out of the cyclic collector's full passes, which
+                # over them held the GIL for seconds and stalled heartbeats (ops/lifetime.settle_heap)
+                gc.freeze()
 
         self._behind = threading.Thread(target=compile_all, name="compile-behind", daemon=True)
         self._behind.start()
