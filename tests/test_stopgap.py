@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -91,3 +92,41 @@ def test_a_stopgap_shape_first_seen_compiles_one_layer_not_the_slice(tiny_tree):
         r.decode(np.arange(4), x[:4], np.array([204, 205, 206, 207]))
     assert 0 < len(first) <= 3 and second == []     # inputs, one layer, output
     assert r.stats.layered == {((4, 1), 256, "logits")} and r.stats.shapes == set()
+
+
+def test_a_first_request_after_ready_compiles_nothing_while_the_slice_waits(tiny_tree):
+    """What a first chat request runs right after READY (a 40-token prefill, one-row decode, its
+    prefix recording's lane read) was warmed before READY: no compile, no cold step; and the
+    compile-behind thread, the stage being busy, has not started a shape meanwhile."""
+    r = make(tiny_tree, stopgap=True)
+    r.quiet.clear()              # a request holds a lane (StageWorker.note_sessions)
+    r.behind_yield_s = 600.0     # longer than this test: the thread waits for quiet
+    warm_before_ready(r, windows=(2, 4))
+    x = random_ids(60, TINY.vocab_size, seed=4)
+    with counting_compiles() as compiles:
+        r.prefill(0, x[:40], 0, "none")
+        for i in range(8):
+            r.decode(np.array([0]), x[40 + i:41 + i], np.array([40 + i]))
+        jax.block_until_ready(r.read_kv_device(0, 48))
+    assert compiles == [] and r.stats.cold_steps == 0 and r.stats.shapes == set()
+    r.quiet.set()
+    r.join_behind()
+    assert r.stats.behind_waits == 0 and ((1, 1), 128, "logits") in r.stats.shapes
+
+
+def test_compile_behind_goes_on_after_its_wait_and_the_loop_runs_what_it_compiled(tiny_tree):
+    """A stage that stays busy past behind_yield_s still gets its shapes compiled (counted as a
+    wait); run_compiled then runs each compiled small shape once, and its steps are whole-slice."""
+    r = make(tiny_tree, stopgap=True)
+    shape = r.warm_shapes()[0]
+    assert shape == ((1, 1), 128, "logits")
+    r.quiet.clear()
+    r.behind_yield_s = 0.01
+    r.compile_behind([shape])
+    r.join_behind()
+    assert r.stats.behind_waits == 1 and r.stats.shapes == {shape} and r.stats.ran == set()
+    with counting_compiles() as compiles:
+        assert r.run_compiled() is True and r.stats.ran == {shape}
+        assert r.run_compiled() is False
+        r.decode(np.array([0]), random_ids(1, TINY.vocab_size, seed=3), np.array([0]))
+    assert compiles == [] and r.stats.layered == set() and r.stats.cold_steps == 0

@@ -68,6 +68,40 @@ def test_stop_frees_the_lane(first):
     assert out.to == NEXT
 
 
+def test_a_held_lane_keeps_the_runner_from_compiling_behind(first):
+    """While a request holds a lane the runner is not quiet: its compile_behind waits (runner.quiet)."""
+    assert first.runner.quiet.is_set()
+    first.handle(prefill(1, [5, 6]))
+    assert not first.runner.quiet.is_set()
+    first.handle(Message(Kind.STOP, 9, 1))
+    assert first.runner.quiet.is_set()
+
+
+def test_idle_warmups_wait_while_a_request_holds_a_lane(first):
+    """The loop's idle warm-ups (compiles of seconds) never run between a request's steps."""
+    from skippy_zmq.stage.loop import idle_warmup
+
+    done: list[int] = []
+    first.warm_later = [lambda: done.append(1)]
+    first.handle(prefill(1, [5, 6]))
+    assert idle_warmup(first) is False and len(first.warm_later) == 1 and done == []
+    first.handle(Message(Kind.STOP, 9, 1))
+    assert idle_warmup(first) is True and first.warm_later == [] and done == [1]
+    assert idle_warmup(first) is False
+
+
+def test_status_counts_the_steps_that_compiled_on_the_spot(first):
+    """Nothing warmed this runner: its first prefill compiles (a cold step), a second of that shape
+    does not; heartbeats carry the count to /metrics (skippy_stage_cold_steps)."""
+    from skippy_zmq.engine.pipeline_metrics import STAGE_COUNTERS
+
+    assert first.status()["cold_steps"] == 0
+    first.handle(prefill(1, [5, 6]))
+    first.handle(prefill(2, [7, 8]))
+    assert first.status()["cold_steps"] == 1 and first.status()["behind_waits"] == 0
+    assert {"cold_steps", "behind_waits"} <= set(STAGE_COUNTERS)
+
+
 def test_auto_align_trims_kv_that_is_ahead_and_gaps_are_refused(first):
     first.handle(prefill(1, random_ids(20, TINY.vocab_size)))
     [out] = first.handle(prefill(1, [4, 5, 6], pos=10))        # rewrite from 10: trims 20 -> 10 first

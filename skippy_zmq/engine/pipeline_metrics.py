@@ -26,6 +26,8 @@ STAGE_COUNTERS = {"messages": "messages handled", "errors": "error replies sent"
                   "unstamped": "requests dropped for want of the driver's chain view stamp (security on)",
                   "zap_rejected": "connections its authenticator refused (a key that is not its upstream's)",
                   "peer_rejected": "messages dropped as sent under a key that is not its upstream's",
+                  "cold_steps": "steps that compiled on the spot (a shape no warm-up had reached)",
+                  "behind_waits": "shapes its compile thread started, after waiting, while a request held a lane",
                   "constraint_mask_seconds": "seconds computing structured-output token masks (final stage; "
                                              "per token: rate of this / rate of constraint_masks)",
                   "constraint_masks": "structured-output token masks computed (final stage)",

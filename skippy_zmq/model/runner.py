@@ -5,6 +5,7 @@ chunking and device placement. The step itself stays pure and small.
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ from skippy_zmq.model import quant
 from skippy_zmq.model.quant import for_device
 
 WARM_RUN_TOKENS = 64   # warm-up runs (not only compiles) shapes of at most this many tokens: SliceRunner._compile
+# compile_behind starts its next shape only while the stage serves no request, or after this long waiting:
+# progress under traffic that never stops, yet a request's steps rarely share the cores with an XLA compile
+BEHIND_YIELD_S = 5.0
 
 
 def resolve_device(spec: str = "cpu") -> Any:
@@ -44,6 +48,9 @@ class StepStats:
     ran: set = field(default_factory=set)      # of those, the ones run at least once (traffic or warm-up)
     layered: set = field(default_factory=set)  # shapes run layer by layer (SliceRunner.stopgap)
     copies: set = field(default_factory=set)   # KV spans whose lane copies are compiled (warm_kv_copies)
+    reads: set = field(default_factory=set)    # KV spans whose lane read is compiled and run (warm_kv_copies)
+    cold_steps: int = 0      # steps that compiled on the spot: a shape neither warmed nor compiled before
+    behind_waits: int = 0    # compile_behind shapes started after BEHIND_YIELD_S with the stage still busy
     moe_layer_passes: int = 0     # MoE layers run by counted steps (steps x the slice's MoE layers)
     moe_experts_routed: int = 0   # distinct experts their real tokens chose, summed over those passes
 
@@ -67,6 +74,11 @@ class SliceRunner:
         # stage sets it, so that it can say READY before compiling every layer of every shape
         self.stopgap = False
         self._behind: threading.Thread | None = None   # compile_behind's thread
+        # set while the stage holds no session (StageWorker keeps it): compile_behind's thread waits for
+        # it before each shape, up to behind_yield_s. Set by default: a runner nobody serves with never waits
+        self.quiet = threading.Event()
+        self.quiet.set()
+        self.behind_yield_s = BEHIND_YIELD_S
 
     @property
     def first(self) -> bool:
@@ -107,6 +119,8 @@ class SliceRunner:
         t0 = time.perf_counter()
         shape = (inputs.shape, attn_len, output)
         fused = self._fused(shape)
+        if shape not in (self.stats.shapes if fused else self.stats.layered):
+            self.stats.cold_steps += 1   # this step compiles first (a warm-up missed its shape)
         out, self.kv, routed = (forward_jit if fused else forward_layered)(
             self.params, self.kv, self._put(inputs), self._put(positions), self._put(lanes), cfg=self.cfg,
             start=self.start, end=self.end, attn_len=attn_len, output=output)
@@ -308,10 +322,20 @@ class SliceRunner:
         """Compile the whole-slice step for these (inputs shape, attention length, output) in a
         thread, in order, while the caller goes on (a `stopgap` stage after READY: its steps run
         layer by layer until their shape is here). XLA's compile releases the GIL; the thread
-        only lowers (never runs a step), so it never touches the KV the caller's steps donate."""
+        only lowers (never runs a step), so it never touches the KV the caller's steps donate.
+
+        Each shape waits for `quiet` (no request at the stage) up to behind_yield_s: a compile beside a
+        request's steps made them several times slower (a layer-by-layer step is a dozen small
+        dispatches, each waiting for a core the compile holds). A lower OS priority for this thread
+        would not help: XLA:CPU compiles on its client's pool threads, made when the client starts."""
         def compile_all() -> None:
             for shape in shapes:
+                if not self.quiet.wait(self.behind_yield_s):
+                    self.stats.behind_waits += 1
                 self._compile(*shape, run=False)
+                # its traces live as long as we do: out of the cyclic collector's full passes, which
+                # over them held the GIL for seconds and stalled heartbeats (ops/lifetime.settle_heap)
+                gc.freeze()
 
         self._behind = threading.Thread(target=compile_all, name="compile-behind", daemon=True)
         self._behind.start()
@@ -320,6 +344,17 @@ class SliceRunner:
         """Wait for compile_behind's thread (a tool timing a stage's start; tests)."""
         if self._behind is not None:
             self._behind.join()
+
+    def run_compiled(self) -> bool:
+        """Run once, on padding, one small shape compile_behind has compiled but nothing has run
+        (`_compile`: a compiled step's first run is slow), so that steps of it switch to the
+        whole-slice step before compile_behind is done; False when there is none. The loop thread
+        only (it donates the KV), while the stage is idle."""
+        for key in sorted(self.stats.shapes - self.stats.ran, key=lambda k: (k[1], k[0])):
+            if _small(key[0]):
+                self._compile(*key)
+                return True
+        return False
 
     @property
     def compiling(self) -> bool:
@@ -330,16 +365,21 @@ class SliceRunner:
         """Every span `_span` can return: the KV copies' compiled lengths."""
         return tuple(sorted({self._span(n) for n in range(128, self.capacity, 128)} | {self._span(self.capacity)}))
 
-    def warm_kv_copies(self, span: int) -> float:
+    def warm_kv_copies(self, span: int, writes: bool = True) -> float:
         """Compile the lane copies (prefix recording, restore, an n-choice fork) for one span and run
         the read once (it changes nothing), so a server's first recordings neither compile nor pay a
         first run: a 64-token prompt's recording cost the next request 100-190 ms (SmolLM2, measured).
-        The writes are compiled only (a run would change a lane). Already done: free. Seconds spent."""
-        if span in self.stats.copies:
+        The writes are compiled only (a run would change a lane); `writes` False: the read alone (what
+        a first request's recording needs, before READY). Already done: free. Seconds spent."""
+        if span in self.stats.copies or (span in self.stats.reads and not writes):
             return 0.0
         t0 = time.perf_counter()
         lane = np.int32(0)     # as read_kv_device, write_kv and copy_lane pass theirs: one compiled copy each
-        jax.block_until_ready(_read_lane(self.kv, lane, span=span))
+        if span not in self.stats.reads:
+            jax.block_until_ready(_read_lane(self.kv, lane, span=span))
+            self.stats.reads.add(span)
+        if not writes:
+            return time.perf_counter() - t0
         arena = self.kv.k[0].shape     # [lanes, kvh, positions, hd]
         block = self._put(np.zeros((len(self.kv.k), span, arena[1], arena[3]), jnp.dtype(self.kv.dtype)))
         _write_lane.lower(self.kv, lane, block, block).compile()

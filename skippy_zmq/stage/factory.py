@@ -139,10 +139,14 @@ def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
     shape instead of the slice's every layer (SmolLM2's cold start: 24 whole-slice shapes took 24 s
     of XLA compile). Then warm_before_ready's own shapes compile in a thread (compile_behind), the
     first attention length first, and each shape's steps switch to the whole-slice step as it is
-    there; the stage loop holds its idle warm-ups until that thread is done."""
+    there; the stage loop holds its idle warm-ups until that thread is done, and meanwhile runs each
+    small shape the thread has compiled once, while no request is in flight (runner.run_compiled).
+    Also the lane read of the shortest KV span: a first chat's prefix recording (at its STOP) compiled
+    it on the loop thread, in front of the next request."""
     rows, first = runner.buckets.decode_rows[:2], runner.attn_buckets(1)
     small = tuple(c for c in runner.buckets.prefill_chunks if c <= WARM_RUN_TOKENS)
     spent = runner.warmup(rows=rows, chunks=small, attn_lens=first, windows=windows, layered=True)
+    spent += runner.warm_kv_copies(runner.kv_spans()[0], writes=False)
     chunks, rest = runner.buckets.prefill_chunks, runner.attn_buckets()[len(first):]
     runner.compile_behind(runner.warm_shapes(rows, chunks, first, windows=windows)
                           + runner.warm_shapes(rows, chunks, rest))

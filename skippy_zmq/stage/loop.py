@@ -167,17 +167,14 @@ class StageLoop:
             events = dict(poller.poll(wait_ms))
             if self.sockets.pull in events:
                 self.drain(DRAIN_BATCH)
-            elif self.worker.warm_later and not events and not self.delayed and not self.worker.runner.compiling:
-                # (while the runner compiles behind, in a thread, its steps run layer by layer: the
-                # idle warm-ups wait for it, so that they neither compile its shapes twice nor run them)
-                self.worker.warm_later[0]()   # idle: compile one more shape (a fraction of a second);
-                self.worker.warm_later.pop(0)  # counted pending (heartbeats) until it is done
+            elif not events and not self.delayed and idle_warmup(self.worker):
                 settle_heap(collect=False)   # its executable lives as long as we do; no full pass over it
                 if not self.worker.warm_later:
                     logger.info("stage {} warm-up compiles done", self.stage.id)
             self.check_driver()
             for sid in self.worker.sessions.reclaim_idle():
                 logger.warning("stage {} reclaimed idle session {}", self.stage.id, sid)
+            self.worker.note_sessions()
         self.drain(10_000)   # finish what already arrived, then say goodbye
         self.send_due(everything=True)
         self._beats_done.set()
@@ -224,6 +221,26 @@ class StageLoop:
                 return
             self.handle_frames(frames, time.time_ns())
             self.send_due()
+
+
+def idle_warmup(worker: StageWorker) -> bool:
+    """One piece of the warm-up left after READY, for the loop while idle; False when it did none.
+
+    Only while no request holds a lane (runner.quiet): an idle warm-up compiles for seconds on a
+    loaded machine, and a request's steps waited behind it (the loop is idle between them too, while
+    the other stages compute). While the runner compiles behind, a shape it has compiled runs once
+    (its steps switch to the whole-slice step); the idle warm-ups wait for that thread, so that they
+    neither compile its shapes twice nor run them."""
+    runner = worker.runner
+    if not runner.quiet.is_set():
+        return False
+    if runner.compiling:
+        return runner.run_compiled()
+    if not worker.warm_later:
+        return False
+    worker.warm_later[0]()          # counted pending (heartbeats) until it is done
+    worker.warm_later.pop(0)
+    return True
 
 
 def _own_trace_entry(msg: wire.Message, stage_id: str) -> dict[str, Any] | None:

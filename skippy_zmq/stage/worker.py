@@ -57,6 +57,19 @@ class StageWorker:
         self._constraint_info: Any = None
 
     def handle(self, msg: Message) -> list[Outbound]:
+        try:
+            return self._dispatch(msg)
+        finally:
+            self.note_sessions()
+
+    def note_sessions(self) -> None:
+        """Tell the runner whether a request holds a lane here: its compile_behind waits while one does."""
+        if len(self.sessions):
+            self.runner.quiet.clear()
+        else:
+            self.runner.quiet.set()
+
+    def _dispatch(self, msg: Message) -> list[Outbound]:
         self.counters["messages"] += 1
         handler = self.handlers.get(msg.kind)
         try:
@@ -467,6 +480,7 @@ class StageWorker:
                "fenced": self.fence.dropped, "unstamped": self.fence.unstamped, **self.memory,
                "rss_bytes": rss_bytes(),
                "warmups_pending": len(self.warm_later), "compiling": self.runner.compiling,   # compile_behind's thread
+               "cold_steps": self.runner.stats.cold_steps, "behind_waits": self.runner.stats.behind_waits,
                **{f"kernel_{k}": v for k, v in self.kernels.items()}}
         if getattr(self.runner, "moe_layers", 0):   # a mixture-of-experts slice: its routing counts
             out.update(moe_layer_passes=self.runner.stats.moe_layer_passes,

@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""A new user's first request: `skippy-zmq up` with empty caches, then one chat request as soon as
+/readyz says 200, the same request again, and again once every stage's idle warm-ups are done.
+
+    .venv/bin/python scripts/first_request.py --out /tmp/first_request.json
+    # the caches you already have (a restart, not a fresh machine):
+    .venv/bin/python scripts/first_request.py --keep-caches
+
+What a fresh clone's `make serve` meets: a temporary, empty JAX compile cache (SKIPPY_JAX_CACHE) and
+kernel cache (SKIPPY_KERNEL_CACHE), the topology (default: topologies/smollm2-2stage.yaml) moved to
+free ports (SKIPPY_PORT_SLICE is honoured) with its own run and key folders, the server as a child
+process, the request sent with the `openai` client (greedy, ignore_eos: the same tokens every time).
+Prints a table and writes JSON: time to READY, every request's wall seconds and the CPU seconds the
+stage and server processes spent in it, first ÷ warm, the load average before and after (the machine
+may be shared: the CPU seconds and the ratio, both measured under the same load, say more than the
+wall seconds alone). Every process it started is stopped before it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from skippy_zmq.devtools.harness import free_base_port  # noqa: E402
+
+# about 40 prompt tokens with SmolLM2's chat template (its default system prompt included)
+PROMPT = "Write three short sentences about the sea, the wind and a small boat."
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def fresh_topology(src: Path, tmp: Path) -> Path:
+    """The topology on free loopback ports, with its CURVE keys in `tmp` (made on launch)."""
+    data = yaml.safe_load(src.read_text())
+    n = len(data["stages"])
+    base = free_base_port(n + 2)
+    data["driver"]["return"] = f"tcp://127.0.0.1:{base}"
+    data["driver"]["http"] = f"127.0.0.1:{base + 1}"
+    for i, stage in enumerate(data["stages"]):
+        stage["listen"] = f"tcp://127.0.0.1:{base + 2 + i}"
+    data["keys_dir"] = str(tmp / "keys")
+    data["model"] = str((ROOT / data["model"]).resolve()) if not Path(data["model"]).is_absolute() else data["model"]
+    out = tmp / src.name
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (every thread), 0 for one that is gone."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / TICK
+    return total
+
+
+def stage_pids(run_dir: Path) -> list[int]:
+    return [int(p.read_text().split()[0]) for p in sorted(run_dir.glob("*.pid"))]
+
+
+def wait_for(check, timeout: float, what: str, server: subprocess.Popen) -> float:
+    """Poll `check` every 50 ms until it is true; seconds waited. Fails if the server dies or time runs out."""
+    t0 = time.perf_counter()
+    while not check():
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited with code {server.returncode} before {what}")
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(f"no {what} within {timeout:g} s")
+        time.sleep(0.05)
+    return time.perf_counter() - t0
+
+
+def ready(http: httpx.Client) -> bool:
+    try:
+        return http.get("/readyz").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def warmed(http: httpx.Client) -> bool:
+    """Every stage reports no idle warm-up compile left (skippy_stage_warmups_pending 0)."""
+    lines = [line for line in http.get("/metrics").text.splitlines() if line.startswith("skippy_stage_warmups_pending")]
+    return bool(lines) and all(float(line.split()[-1]) == 0 for line in lines)
+
+
+def ask(client, model: str, tokens: int, pids: list[int]) -> dict:
+    c0, t0 = cpu_s(pids), time.perf_counter()
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=tokens, temperature=0, extra_body={"ignore_eos": True})
+    wall = time.perf_counter() - t0
+    return {"wall_s": round(wall, 3), "cpu_s": round(cpu_s(pids) - c0, 2),
+            "prompt_tokens": reply.usage.prompt_tokens, "completion_tokens": reply.usage.completion_tokens,
+            "text": reply.choices[0].message.content}
+
+
+def serve(args: argparse.Namespace, tmp: Path) -> dict:
+    from openai import OpenAI
+
+    env = dict(os.environ)
+    if not args.keep_caches:
+        env.update(SKIPPY_JAX_CACHE=str(tmp / "jax"), SKIPPY_KERNEL_CACHE=str(tmp / "kernel"))
+    topology, run_dir = fresh_topology(Path(args.topology), tmp), tmp / "run"
+    http_addr = yaml.safe_load(topology.read_text())["driver"]["http"]
+    cli = Path(sys.executable).parent / "skippy-zmq"
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    server = subprocess.Popen([str(cli), "up", str(topology), "--run-dir", str(run_dir)], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=open(tmp / "up.log", "w"), start_new_session=True)
+    try:
+        with httpx.Client(base_url=f"http://{http_addr}", timeout=10) as http:
+            wait_for(lambda: ready(http), args.timeout, "/readyz 200", server)
+            ready_s = time.perf_counter() - t0
+            pids = stage_pids(run_dir) + [server.pid]
+            client = OpenAI(base_url=f"http://{http_addr}/v1", api_key="none", timeout=args.timeout)
+            model = client.models.list().data[0].id
+            after_ready = [ask(client, model, args.tokens, pids) for _ in range(args.repeat)]
+            try:
+                settle_s = wait_for(lambda: warmed(http), args.timeout, "idle warm-ups done", server)
+            except TimeoutError:   # a loaded machine: the warm figures are then quoted as not settled
+                settle_s = None
+            warm = [ask(client, model, args.tokens, pids) for _ in range(args.repeat)]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)   # the server stops its stages; the group catches any left
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    texts = {r.pop("text") for r in after_ready + warm}
+    warm_s = statistics.median(r["wall_s"] for r in warm)
+    return {"topology": args.topology, "empty_caches": not args.keep_caches, "ready_s": round(ready_s, 2),
+            "after_ready": after_ready, "settle_s": settle_s and round(settle_s, 2), "warm": warm,
+            "first_over_warm": round(after_ready[0]["wall_s"] / warm_s, 2),
+            "first_cpu_over_warm_cpu": round(after_ready[0]["cpu_s"] / max(0.01, statistics.median(
+                r["cpu_s"] for r in warm)), 2),
+            "same_text": len(texts) == 1, "load_before": [round(x, 2) for x in load_before],
+            "load_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(), "logs": str(run_dir)}
+
+
+def table(result: dict) -> str:
+    rows = ["| request | wall s | CPU s (stages + server) | prompt / completion tokens |", "|---|---|---|---|"]
+    for name in ("after_ready", "warm"):
+        for i, r in enumerate(result[name]):
+            rows.append(f"| {name} #{i + 1} | {r['wall_s']:.3f} | {r['cpu_s']:.2f} | "
+                        f"{r['prompt_tokens']} / {r['completion_tokens']} |")
+    return "\n".join(rows + [
+        "", f"READY {result['ready_s']} s after launch; idle warm-ups done {result['settle_s']} s after the "
+        f"{len(result['after_ready'])} requests (None: not within --timeout); first ÷ warm: {result['first_over_warm']} (wall), "
+        f"{result['first_cpu_over_warm_cpu']} (CPU); same text every time: {result['same_text']}; "
+        f"load {result['load_before']} -> {result['load_after']} on {result['cpus']} CPUs"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--topology", default="topologies/smollm2-2stage.yaml")
+    ap.add_argument("--tokens", type=int, default=48, help="completion tokens a request generates")
+    ap.add_argument("--repeat", type=int, default=3, help="requests right after READY, and again once warm")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds allowed for READY and for the warm-ups")
+    ap.add_argument("--keep-caches", action="store_true", help="use your own JAX and kernel caches")
+    ap.add_argument("--keep-logs", action="store_true", help="keep the temporary folder (stage logs)")
+    ap.add_argument("--out", type=Path, help="write the result as JSON here")
+    args = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="first-request-"))
+    try:
+        result = serve(args, tmp)
+    finally:
+        if not args.keep_logs:
+            subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    print(table(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
