@@ -416,6 +416,7 @@ def add_bench_parser(sub: Any) -> None:
                         "(once; about 10-15 minutes)")
     p.add_argument("--grid", type=int, default=3, help="cluster: cut points of the grid splits, this many layers apart")
     p.add_argument("--budget-s", type=float, default=360.0, help="cluster: grid splits start while the run is shorter")
+    p.add_argument("--one-stream", action="store_true", help="cluster: only the 1-stream rows (no 8-stream runs)")
     p.add_argument("--peer-models", default="",
                    help="peers: comma-separated, from smollm2, llama-3.2-1b, llama-3.1-8b, or SHAPE:RECIPE for a "
                         "llama-quantize recipe, e.g. llama-3.2-1b:Q4_K_M (default: the first three; --quick: smollm2)")

@@ -12,6 +12,8 @@ format the stages will run, and times real `SliceRunner` steps on it:
 - a prefill chunk of `CHUNK` tokens, per token per layer;
 - a decode message encoded, sent over ZeroMQ TCP loopback, received and decoded (a stage's
   software per hop), and greedy sampling of the logits (the final stage's);
+- a stage's own software per step besides its compute: a real StageWorker handling real DECODE
+  frames on the one-layer runner, less the compute its trace reports (cluster/software.py);
 - under a CPU quota, the 1-row step through 1 layer once more, each call after an idle gap of a
   few quota periods (`idle_ratio`: its time over the busy loop's). A loop keeps a host busy and
   measures the quota's sustained speed; a pipeline at one stream leaves the host idle between
@@ -32,6 +34,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+
+from skippy_zmq.cluster import software
 
 SCHEMA = "skippy-host-speed/1"
 ROWS = (1, 4, 8)       # decode rows measured (row buckets); the planner interpolates between them
@@ -318,7 +322,8 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
         decode[str(rows)] = {"layer_ms": round(layer, 4), "step_ms": round(max(0.0, one - layer), 4),
                              "head_ms": round(max(0.0, ms[f"head_{rows}"] - one), 4),
                              "sample_ms": round(_sample_ms(last.cfg.vocab_size, rows, repeats), 4),
-                             "message_ms": round(_message_ms(last.cfg.d_model, rows, repeats), 4)}
+                             "message_ms": round(_message_ms(last.cfg.d_model, rows, repeats), 4),
+                             "software_ms": software.handle_ms(last, rows, max(ROWS), repeats)["software_ms"]}
     prefill_layer = max(0.0, (ms["prefill_stack"] - ms["prefill_one"]) / (STACK - 1))
     p_one = ms["prefill_one"]
     facts = host_facts()
