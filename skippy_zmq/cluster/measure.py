@@ -14,8 +14,9 @@ format the stages will run, and times real `SliceRunner` steps on it:
   software per hop), and greedy sampling of the logits (the final stage's);
 - a stage's own software per step besides its compute: a real StageWorker handling real DECODE
   frames on the one-layer runner, less the compute its trace reports (cluster/software.py);
-- under a CPU quota, the 1-row step through 1 layer once more, each call after an idle gap of a
-  few quota periods (`idle_ratio`: its time over the busy loop's). A loop keeps a host busy and
+- under a CPU quota, the 1-row step through the stack once more, each call after an idle gap of a
+  few quota periods (`idle_ratio`: the quota share that gives its time in ops/speed.py's burst
+  model). A loop keeps a host busy and
   measures the quota's sustained speed; a pipeline at one stream leaves the host idle between
   its steps, so a short step runs on the period's full budget (ops/speed.py `throttled_ms`).
 
@@ -84,16 +85,36 @@ def _prefill_call(runner: Any) -> Callable[[], Any]:
 
 
 def idle_ratio(call: Callable[[], Any], busy_ms: float, period_ms: float, samples: int = IDLE_SAMPLES) -> float:
-    """The median time of `call` started after IDLE_PERIODS quiet quota periods, over `busy_ms`
-    (its time in a busy loop), at most 1: what an idle host's step costs under its quota beside
-    what a busy one pays. The gap is a sleep on purpose: it is the idleness being measured."""
+    """The quota share e that ops/speed.py's burst model (`throttled_ms`: e · busy_ms of work at a
+    quota of e cores) needs to give the median time of `call` started after IDLE_PERIODS quiet
+    quota periods; `busy_ms` is its time in a busy loop. The gap is a sleep on purpose: it is the
+    idleness being measured. Timed on a step of several layers and fitted through the model: on a
+    1-layer step waking up cost as much as the step (a 50% host came out at 0.98) and its ratio
+    over-predicted every short step of a quota'd host."""
     times = []
     for _ in range(samples):
         time.sleep(IDLE_PERIODS * period_ms / 1000)
         t0 = time.perf_counter()
         call()
         times.append(1000 * (time.perf_counter() - t0))
-    return min(1.0, statistics.median(times) / busy_ms) if busy_ms > 0 else 1.0
+    return fit_idle_ratio(statistics.median(times), busy_ms, period_ms)
+
+
+def fit_idle_ratio(idle_ms: float, busy_ms: float, period_ms: float) -> float:
+    """e in (0, 1] with throttled_ms(busy_ms · e, e, period_ms) = idle_ms (bisection: the model's
+    time rises with e); 1 when a step started idle is no faster than a busy one."""
+    from skippy_zmq.ops.speed import throttled_ms
+
+    if busy_ms <= 0 or idle_ms >= busy_ms:
+        return 1.0
+    lo, hi = 0.01, 1.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if throttled_ms(busy_ms * mid, mid, period_ms) < idle_ms:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def _message_ms(width: int, rows: int, repeats: int) -> float:
@@ -328,7 +349,7 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
     p_one = ms["prefill_one"]
     facts = host_facts()
     if facts.get("cpu_period_ms"):
-        facts["idle_ratio"] = round(idle_ratio(calls["one_1"], ms["one_1"], facts["cpu_period_ms"]), 4)
+        facts["idle_ratio"] = round(idle_ratio(calls["stack_1"], ms["stack_1"], facts["cpu_period_ms"]), 4)
     return {"schema": SCHEMA, "name": name or os.uname().nodename, "model": str(model_dir), "weights": weights,
             "dtype": dtype, "device": device, "source": source, "layers": last.cfg.n_layers, "decode": decode,
             "prefill": {"chunk": CHUNK, "layer_ms_per_token": round(prefill_layer / CHUNK, 5),

@@ -112,7 +112,31 @@ class Worker:
     # ---------------------------------------------------------------- messages
 
     def send(self, kind: str, header: dict[str, Any]) -> None:
-        self.sock.send_multipart(link.frames(link.Message(kind, header)))
+        """Send within reply_timeout_s: a DEALER whose handshake failed has no peer and would block
+        on send for ever, so wait until it can send, watching for the refusal meanwhile."""
+        frames = link.frames(link.Message(kind, header))
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLOUT)
+        poller.register(self.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + self.opts.reply_timeout_s
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            ready = dict(poller.poll(200))
+            if self.monitor in ready:
+                self._handshake_failed()
+            if ready.get(self.sock, 0) & zmq.POLLOUT:
+                self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                return
+        if self.stop.is_set():
+            raise InterruptedError("stopped")
+        raise TimeoutError(f"could not send {kind} to the driver at {self.opts.token.endpoint} within "
+                           f"{self.opts.reply_timeout_s:g} s")
+
+    def _handshake_failed(self) -> None:
+        """A failed CURVE handshake: Refused, unless it may be a connection broken mid-handshake."""
+        event = recv_monitor_message(self.monitor)
+        self.failed_handshakes += 1
+        if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or self.failed_handshakes >= WRONG_KEY_FAILURES:
+            raise Refused(self._refusal(event))
 
     def recv(self, timeout_s: float) -> link.Message | None:
         """The next message within `timeout_s` (None: none came); Refused when the driver refuses us."""
@@ -123,11 +147,7 @@ class Worker:
         while not self.stop.is_set() and (left := deadline - time.monotonic()) > 0:
             ready = dict(poller.poll(min(left, 0.2) * 1000))
             if self.monitor in ready:
-                event = recv_monitor_message(self.monitor)
-                self.failed_handshakes += 1
-                if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or \
-                        self.failed_handshakes >= WRONG_KEY_FAILURES:
-                    raise Refused(self._refusal(event))
+                self._handshake_failed()
             if self.sock in ready:
                 msg = link.parse(self.sock.recv_multipart(copy=False))
                 if msg.kind == "REFUSED":

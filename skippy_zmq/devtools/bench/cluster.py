@@ -55,7 +55,7 @@ NEW_TOKENS = 24
 PROMPT_TOKENS = 32
 CONTEXT = 256          # few attention buckets: few shapes for a stage to compile at 25% of a core
 LANES = 8
-PORT = 5611            # stage listen port inside each namespace (each has its own port space)
+PORT = 5611            # + stage index: stage listen port inside each namespace (each has its own port space)
 PROBE_PORT = 5620      # + host index: cluster/probe.py's echo server in each host, for its link
 
 
@@ -162,9 +162,9 @@ def write_split_topology(tmp: Path, model: Path, hosts: Hosts, stages: Sequence[
     data["driver"]["http"] = f"127.0.0.1:{base + len(stages) + 1}"
     if hosts.netns:
         data["driver"]["return"] = f"tcp://{hosts.driver_address}:{base}"
-    for stage, st in zip(data["stages"], stages):
+    for k, (stage, st) in enumerate(zip(data["stages"], stages)):
         if hosts.netns:   # `host` stays local: this process spawns it (stage_command would ssh otherwise)
-            stage["listen"] = f"tcp://{hosts.address(index[st.host])}:{PORT}"
+            stage["listen"] = f"tcp://{hosts.address(index[st.host])}:{PORT + k}"
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -331,7 +331,9 @@ def bench_cluster(args: argparse.Namespace, tables: list[str], _prior: dict[str,
         for m, r in zip(measured, link_rows):
             m["link"] = r
         # what a token pays outside the stages, on a one-stage ring on the fastest host
-        ring = measure_ring(hosts, HOSTS[0].name, cfg.n_layers, model, weights, tmp, link_rows[0]["rtt_ms"])
+        ring = measure_ring(lambda stages, name: split_running(
+            write_split_topology(tmp, model, hosts, stages, weights, name), hosts, stages, tmp / f"run-{name}"),
+            HOSTS[0].name, cfg.n_layers, link_rows[0]["rtt_ms"], PROMPT_TOKENS, NEW_TOKENS)
         links = with_ring(links, ring)
         speeds = [HostSpeed.from_measure(m, budget) for m in measured]
         by_name = {h.name: h for h in speeds}
