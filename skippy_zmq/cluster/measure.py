@@ -84,20 +84,23 @@ def _prefill_call(runner: Any) -> Callable[[], Any]:
     return lambda: runner.prefill(0, inputs, 0, output="hidden")
 
 
-def idle_ratio(call: Callable[[], Any], busy_ms: float, period_ms: float, samples: int = IDLE_SAMPLES) -> float:
+def idle_ratio(call: Callable[[], Any], busy_ms: float, period_ms: float, samples: int = IDLE_SAMPLES,
+               floor: float = 0.01) -> float:
     """The quota share e that ops/speed.py's burst model (`throttled_ms`: e · busy_ms of work at a
     quota of e cores) needs to give the median time of `call` started after IDLE_PERIODS quiet
     quota periods; `busy_ms` is its time in a busy loop. The gap is a sleep on purpose: it is the
     idleness being measured. Timed on a step of several layers and fitted through the model: on a
     1-layer step waking up cost as much as the step (a 50% host came out at 0.98) and its ratio
-    over-predicted every short step of a quota'd host."""
+    over-predicted every short step of a quota'd host. `floor`: the quota itself (a step started
+    idle runs at most at full speed; on a crowded machine the busy loop also waits for a core, and
+    the fit alone went below any quota)."""
     times = []
     for _ in range(samples):
         time.sleep(IDLE_PERIODS * period_ms / 1000)
         t0 = time.perf_counter()
         call()
         times.append(1000 * (time.perf_counter() - t0))
-    return fit_idle_ratio(statistics.median(times), busy_ms, period_ms)
+    return max(floor, fit_idle_ratio(statistics.median(times), busy_ms, period_ms))
 
 
 def fit_idle_ratio(idle_ms: float, busy_ms: float, period_ms: float) -> float:
@@ -338,18 +341,23 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
             break
         ms.update(_median_ms({k: calls[k] for r in bad for k in (f"one_{r}", f"stack_{r}")}, repeats))
     decode: dict[str, dict[str, float]] = {}
+    # a stage's software is timed between its steps' compute, where a quota's throttling lands
+    # (its median is the CPU time): at the sustained rate a host at q cores pays it 1/q times over
+    quota = min(1.0, cpu_quota_cores() or 1.0)
     for rows in ROWS:
         one, layer = ms[f"one_{rows}"], max(0.0, (ms[f"stack_{rows}"] - ms[f"one_{rows}"]) / (STACK - 1))
         decode[str(rows)] = {"layer_ms": round(layer, 4), "step_ms": round(max(0.0, one - layer), 4),
                              "head_ms": round(max(0.0, ms[f"head_{rows}"] - one), 4),
                              "sample_ms": round(_sample_ms(last.cfg.vocab_size, rows, repeats), 4),
                              "message_ms": round(_message_ms(last.cfg.d_model, rows, repeats), 4),
-                             "software_ms": software.handle_ms(last, rows, max(ROWS), repeats)["software_ms"]}
+                             "software_ms": round(software.handle_ms(last, rows, max(ROWS), repeats)["software_ms"]
+                                                  / quota, 4)}
     prefill_layer = max(0.0, (ms["prefill_stack"] - ms["prefill_one"]) / (STACK - 1))
     p_one = ms["prefill_one"]
     facts = host_facts()
     if facts.get("cpu_period_ms"):
-        facts["idle_ratio"] = round(idle_ratio(calls["stack_1"], ms["stack_1"], facts["cpu_period_ms"]), 4)
+        facts["idle_ratio"] = round(idle_ratio(calls["stack_1"], ms["stack_1"], facts["cpu_period_ms"],
+                                               floor=min(1.0, facts.get("cpu_quota_cores") or 1.0)), 4)
     return {"schema": SCHEMA, "name": name or os.uname().nodename, "model": str(model_dir), "weights": weights,
             "dtype": dtype, "device": device, "source": source, "layers": last.cfg.n_layers, "decode": decode,
             "prefill": {"chunk": CHUNK, "layer_ms_per_token": round(prefill_layer / CHUNK, 5),

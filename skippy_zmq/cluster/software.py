@@ -9,6 +9,10 @@ predictions came out short by that much a stage. `handle_ms` times the real path
 StageWorker over the measuring runner handles real DECODE frames (wire.decode, worker.handle, the
 outbound's wire.encode); its software is that time less the compute its own trace reports.
 
+The median of (step - compute) is close to the software's CPU time: a quota's throttling lands in
+the much longer compute. measure.py divides it by the host's quota (cores) for the sustained rate
+ops/speed.py expects; a one-stream step's burst then takes it back to about the CPU time.
+
 No sockets here: a message's send and receive over ZeroMQ is measure.py's `message_ms`.
 """
 
