@@ -82,8 +82,8 @@ class ProbeServer:
                     logger.warning("probe: dropped a request: {} ({} dropped so far)", exc, self.dropped)
                     continue
                 reply = link.Message("PONG", {"size": size}, bytes(size) if size else None)
+                self.answered += 1   # before the PONG leaves: whoever got it sees the count
                 self.sock.send_multipart([identity, *link.frames(reply)], flags=zmq.NOBLOCK, copy=False)
-                self.answered += 1
         except zmq.ZMQError as exc:   # the socket closed under us: close() ran
             if not self._stop.is_set():
                 logger.warning("probe: the probe socket failed: {}", exc)
