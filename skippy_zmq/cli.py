@@ -419,6 +419,7 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--only", default="", help="cluster: splits and/or recut, comma-separated (default: both)")
     p.add_argument("--recut-trigger", default="drift", choices=["drift", "command"],
                    help="cluster recut: what asks for the re-cut after the slowdown (drift, or `rebalance`)")
+    p.add_argument("--one-stream", action="store_true", help="cluster: only the 1-stream rows (no 8-stream runs)")
     p.add_argument("--peer-models", default="",
                    help="peers: comma-separated, from smollm2, llama-3.2-1b, llama-3.1-8b, or SHAPE:RECIPE for a "
                         "llama-quantize recipe, e.g. llama-3.2-1b:Q4_K_M (default: the first three; --quick: smollm2)")

@@ -556,6 +556,9 @@ def test_workers_split_by_measured_speed_serve_as_one_process_does(tiny_model, t
         assert server.wait_until(lambda: all(w.started for w in server.workers.values()), 300)
         slow, fast = server.workers["slow"], server.workers["fast"]
         assert slow.measured["source"] == "random" and slow.measured["test_speed_scale"] == 10.0
+        # before planning each measured its link to the other's probe endpoint (cluster/peers.py)
+        assert slow.peer_links["fast"]["rtt_ms"] > 0 and fast.peer_links["slow"]["bytes_per_s"] > 0
+        assert any("measured its links: to fast round trip" in line for line in driver_log)
         span = {w.name: placed.stage(w.stage).end - placed.stage(w.stage).start for w in (slow, fast)}
         assert span == {"slow": 1, "fast": 3}
         assert any("split by measured speed" in line and "ms per token" in line for line in driver_log)

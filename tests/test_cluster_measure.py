@@ -21,14 +21,17 @@ def test_measure_host_on_a_tiny_model(tmp_path, tiny_tree, fmt):
     assert m["schema"] == SCHEMA and m["name"] == "tiny-host" and m["weights"] == fmt and m["layers"] == TINY.n_layers
     assert sorted(m["decode"], key=int) == [str(r) for r in ROWS]
     for row in m["decode"].values():
-        assert set(row) == {"layer_ms", "step_ms", "head_ms", "sample_ms", "message_ms"}
+        assert set(row) == {"layer_ms", "step_ms", "head_ms", "sample_ms", "message_ms", "software_ms"}
         assert all(isinstance(v, float) and v >= 0 for v in row.values())
+        assert row["software_ms"] > 0              # a real StageWorker's receive-to-send besides compute
         assert row["layer_ms"] + row["step_ms"] > 0            # a step takes some time
     assert m["prefill"]["chunk"] == 64 and m["prefill"]["layer_ms_per_token"] >= 0
     assert m["cores"] >= 1 and m["memory_total"] > 0 and m["memory_available"] > 0
     assert set(m["kernels"]) == {"matmul", "decode_attention"}
     host = HostSpeed.from_measure(m, memory=1 << 30)
     assert host.rows == ROWS and host.memory == 1 << 30
+    assert host.software_ms == tuple(m["decode"][str(r)]["software_ms"] for r in ROWS)
+    assert host.stage_ms(2, False) == pytest.approx(host.step_ms[0] + host.software_ms[0] + 2 * host.layer_ms[0])
     p = predict((Stage("tiny-host", 0, TINY.n_layers),), {"tiny-host": host}, TINY.n_layers, Links())
     assert p.ms_per_token_1 > 0 and p.tok_s_n > 0
 

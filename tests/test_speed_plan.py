@@ -63,6 +63,34 @@ def test_plan_split_is_exact_against_brute_force(seed):
                            for s in got.stages)
 
 
+def test_software_per_stage_per_hop_and_the_drivers_are_charged():
+    """A stage's software per step (measured on its host, part of its step, so a quota'd host's
+    burst applies to it too), each hop's fixed software and the driver's time a token."""
+    hosts = {"a": HostSpeed("a", (1,), (1.0,), (0.5,), (2.0,), software_ms=(0.4,)),
+             "b": HostSpeed("b", (1,), (1.0,), (0.5,), (2.0,), software_ms=(0.8,), idle_ratio=0.25, period_ms=10.0)}
+    stages = (Stage("a", 0, 2), Stage("b", 2, 4))
+    bare = predict(stages, hosts, 4, Links(0.25))
+    assert bare.stage_ms_1[0] == pytest.approx(0.5 + 0.4 + 2 * 1.0)
+    assert bare.stage_ms_1[1] == pytest.approx(throttled_ms((0.5 + 0.8 + 2 + 2) * 0.25, 0.25, 10.0))
+    charged = predict(stages, hosts, 4, Links(0.25, driver_ms=1.5, hop_fixed_ms=0.4))
+    assert charged.ms_per_token_1 == pytest.approx(bare.ms_per_token_1 + 1.5 + 3 * 0.4)   # 3 hops, 1 driver
+    assert charged.hop_ms_1 == pytest.approx((0.65, 0.65, 0.65))
+    assert charged.round_ms_n > bare.round_ms_n
+    # more stages pay more hops: with a dear hop the planner keeps the layers together
+    dear = plan_split(list(hosts.values())[:1] + [HostSpeed("c", (1,), (1.0,), (0.5,), (2.0,))], 4,
+                      lambda a, b: 0, Links(0.0, hop_fixed_ms=5.0))
+    assert len(dear.stages) == 1
+
+
+def test_the_idle_ratio_is_fitted_through_the_burst_model():
+    from skippy_zmq.cluster.measure import fit_idle_ratio
+
+    for busy, quota in ((16.0, 0.25), (4.6, 0.25), (30.0, 0.5)):
+        idle = throttled_ms(busy * quota, quota, 10.0)
+        assert fit_idle_ratio(idle, busy, 10.0) == pytest.approx(quota, abs=1e-3)
+    assert fit_idle_ratio(10.0, 10.0, 10.0) == 1.0 and fit_idle_ratio(12.0, 10.0, 10.0) == 1.0
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_plan_split_is_exact_with_hop_costs_and_quota_bursts(seed):
     """Bandwidth on some links (so the host order matters) and hosts under a CPU quota (a 1-stream

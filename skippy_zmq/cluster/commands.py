@@ -32,7 +32,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(WorkerOptions(
         token, cache=Path(args.cache).expanduser(), name=args.name or "", join_timeout_s=args.join_timeout,
         reply_timeout_s=args.reply_timeout, chunk_bytes=args.chunk_bytes, measure=not args.no_measure,
-        report_devices=not args.no_devices, stage_args=("--log-level", args.log_level), memory=args.memory))
+        report_devices=not args.no_devices, stage_args=("--log-level", args.log_level), memory=args.memory,
+        probe_listen=args.probe_listen))
 
 
 def add_worker_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,6 +52,8 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory", type=int, default=0, metavar="BYTES", help="the most memory this worker offers "
                    "a split by measured speed (default: the memory it has available)")
     p.add_argument("--no-devices", action="store_true", help="do not list devices (skips a JAX child process)")
+    p.add_argument("--probe-listen", default="tcp://*:0", help="where the other workers measure their link to this "
+                   "one (CURVE, the driver's token keys only; default: every interface, a free port; '' for none)")
     p.set_defaults(func=cmd_worker)
 
 

@@ -4,10 +4,12 @@ driver's ROUTER (CURVE; the worker holds a join token's key).
     worker -> driver   HELLO {name, report}          FETCH {path, offset, length}     STARTED {stage, pid}
                        MEASURED {speed | error}      (split: measured, the answer to MEASURE)
                        PING {size}                   (a link probe: cluster/probe.py)
+                       PROBED {links}                (its links to the peers PROBE named: cluster/peers.py)
     driver -> worker   MEASURE {model_json, weights, dtype, device}   (split: measured, before ASSIGN)
                        ASSIGN {stage, layers, digest, files, max_chunk_bytes}
                        START {topology, keys}        CHUNK {path, offset} + data      REFUSED {reason}
                        PONG {size} (+ size bytes, at most probe.MAX_PROBE_BYTES)
+                       PROBE {peers: [{name, endpoint, key}], allow}   (split: measured, before planning)
 
 Every header is a JSON object of at most MAX_HEADER_BYTES, checked before it is used; a message
 that breaks a rule is a LinkError naming the rule. No JAX.
@@ -24,7 +26,9 @@ import zmq
 PROTOCOL = 1
 KINDS = {"HELLO", "FETCH", "STARTED", "MEASURED", "MEASURE", "ASSIGN", "START", "CHUNK", "REFUSED", "PING", "PONG",
          # a serving worker's heartbeat, and a re-cut's steps (cluster/rebalance.py)
-         "BEAT", "PREPARE", "PREPARED", "HALT", "HALTED", "REBALANCE", "REBALANCED"}
+         "BEAT", "PREPARE", "PREPARED", "HALT", "HALTED", "REBALANCE", "REBALANCED",
+         # worker-to-worker links (cluster/peers.py)
+         "PROBE", "PROBED"}
 MAX_HEADER_BYTES = 16 << 20     # START carries the topology and keys, ASSIGN a stage's file table
 MAX_WORKER_MESSAGE = 64 << 10   # what the driver accepts from a worker (HELLO with its report is the largest)
 

@@ -6,14 +6,18 @@ final norm and head (the only slice whose items a host needs beyond its layers),
 format the stages will run, and times real `SliceRunner` steps on it:
 
 - decode steps of 1, 4 and 8 rows (one token each) through 1 layer and through a stack of
-  `STACK` copies of that layer: the difference is the time per layer, the rest is what every
+  copies of that layer (`stack_layers`: enough to leave the caches, as a stage's layers do):
+  the difference is the time per layer, the rest is what every
   step pays once (dispatch, padding, copying the activation in and out);
 - the head (final norm + logits over the vocabulary) of the last stage, per row count;
 - a prefill chunk of `CHUNK` tokens, per token per layer;
 - a decode message encoded, sent over ZeroMQ TCP loopback, received and decoded (a stage's
   software per hop), and greedy sampling of the logits (the final stage's);
-- under a CPU quota, the 1-row step through 1 layer once more, each call after an idle gap of a
-  few quota periods (`idle_ratio`: its time over the busy loop's). A loop keeps a host busy and
+- a stage's own software per step besides its compute: a real StageWorker handling real DECODE
+  frames on the one-layer runner, less the compute its trace reports (cluster/software.py);
+- under a CPU quota, the 1-row step through the stack once more, each call after an idle gap of a
+  few quota periods (`idle_ratio`: the quota share that gives its time in ops/speed.py's burst
+  model). A loop keeps a host busy and
   measures the quota's sustained speed; a pipeline at one stream leaves the host idle between
   its steps, so a short step runs on the period's full budget (ops/speed.py `throttled_ms`).
 
@@ -33,9 +37,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from skippy_zmq.cluster import software
+
 SCHEMA = "skippy-host-speed/1"
 ROWS = (1, 4, 8)       # decode rows measured (row buckets); the planner interpolates between them
-STACK = 9              # layers in the stacked runner: (t(STACK) - t(1)) / (STACK - 1) is one layer
+STACK = 9              # layers in the stacked runner at least: (t(k) - t(1)) / (k - 1) is one layer
+STACK_BYTES = 256 << 20   # ... and as many more (up to the model's layers) as make this many bytes
 CHUNK = 64             # prefill chunk measured (a Buckets.prefill_chunks size)
 POSITION = 128         # decode position: inside the first attention bucket, like a short chat
 CAPACITY = 512         # KV positions of the measuring runners (small: nothing here needs more)
@@ -79,17 +86,40 @@ def _prefill_call(runner: Any) -> Callable[[], Any]:
     return lambda: runner.prefill(0, inputs, 0, output="hidden")
 
 
-def idle_ratio(call: Callable[[], Any], busy_ms: float, period_ms: float, samples: int = IDLE_SAMPLES) -> float:
-    """The median time of `call` started after IDLE_PERIODS quiet quota periods, over `busy_ms`
-    (its time in a busy loop), at most 1: what an idle host's step costs under its quota beside
-    what a busy one pays. The gap is a sleep on purpose: it is the idleness being measured."""
+def idle_ratio(call: Callable[[], Any], busy_ms: float, period_ms: float, samples: int = IDLE_SAMPLES,
+               floor: float = 0.01) -> float:
+    """The quota share e that ops/speed.py's burst model (`throttled_ms`: e · busy_ms of work at a
+    quota of e cores) needs to give the median time of `call` started after IDLE_PERIODS quiet
+    quota periods; `busy_ms` is its time in a busy loop. The gap is a sleep on purpose: it is the
+    idleness being measured. Timed on a step of several layers and fitted through the model: on a
+    1-layer step waking up cost as much as the step (a 50% host came out at 0.98) and its ratio
+    over-predicted every short step of a quota'd host. `floor`: the quota itself (a step started
+    idle runs at most at full speed; on a crowded machine the busy loop also waits for a core, and
+    the fit alone went below any quota)."""
     times = []
     for _ in range(samples):
         time.sleep(IDLE_PERIODS * period_ms / 1000)
         t0 = time.perf_counter()
         call()
         times.append(1000 * (time.perf_counter() - t0))
-    return min(1.0, statistics.median(times) / busy_ms) if busy_ms > 0 else 1.0
+    return max(floor, fit_idle_ratio(statistics.median(times), busy_ms, period_ms))
+
+
+def fit_idle_ratio(idle_ms: float, busy_ms: float, period_ms: float) -> float:
+    """e in (0, 1] with throttled_ms(busy_ms · e, e, period_ms) = idle_ms (bisection: the model's
+    time rises with e); 1 when a step started idle is no faster than a busy one."""
+    from skippy_zmq.ops.speed import throttled_ms
+
+    if busy_ms <= 0 or idle_ms >= busy_ms:
+        return 1.0
+    lo, hi = 0.01, 1.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if throttled_ms(busy_ms * mid, mid, period_ms) < idle_ms:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def _message_ms(width: int, rows: int, repeats: int) -> float:
@@ -145,12 +175,28 @@ def _runners(model_dir: Path, weights: str, dtype: str, device: Any, source: str
         raise ValueError(f"measure source must be one of {SOURCES}, got {source!r}")
     kv = KVConfig(lanes=max(ROWS), capacity=min(CAPACITY, cfg.max_seq_len), dtype="float32")
     last = SliceRunner(cfg, {"layers": (layer,), **_random_head(cfg, weights, device)}, n - 1, n, kv, device=device)
-    # the stack sits strictly inside a model of at least STACK + 2 layers: no embedding, no head.
-    # Its layers are copies in memory of their own: one array read STACK times stays in the core's
+    # the stack sits strictly inside a model of at least k + 2 layers: no embedding, no head.
+    # Its layers are copies in memory of their own: one array read k times stays in the core's
     # cache, where a stage's distinct layers stream from memory (half the speed here, 2 MiB L2)
-    inner = dataclasses.replace(cfg, n_layers=max(n, STACK + 2))
-    stack = SliceRunner(inner, {"layers": tuple(_copy(layer) for _ in range(STACK))}, 1, 1 + STACK, kv, device=device)
+    k = stack_layers(n, _nbytes(layer))
+    inner = dataclasses.replace(cfg, n_layers=max(n, k + 2))
+    stack = SliceRunner(inner, {"layers": tuple(_copy(layer) for _ in range(k))}, 1, 1 + k, kv, device=device)
     return last, stack
+
+
+def stack_layers(n_layers: int, layer_bytes: int) -> int:
+    """Copies of the layer the stack holds: STACK, or up to the model's layers while they make
+    fewer than STACK_BYTES. On the 2-core test Xeon nine SmolLM2 q4 layers (20 MB) stayed in its
+    last-level cache where a stage's 28 (60 MB) streamed from memory: stages served their layers
+    1.8x slower than measured (0.55-0.63 ms against 0.31-0.35, bench cluster)."""
+    want = -(-STACK_BYTES // max(1, layer_bytes))
+    return max(STACK, min(n_layers, want))
+
+
+def _nbytes(tree: Any) -> int:
+    import jax
+
+    return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))
 
 
 def _copy(tree: Any) -> Any:
@@ -300,6 +346,7 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
     t_start = time.perf_counter()
     model_dir = Path(model_dir)
     last, stack = _runners(model_dir, weights, dtype, resolve_device(device), source, seed)
+    k = stack.end - stack.start     # the stack's layers (stack_layers)
     load_s = time.perf_counter() - t_start
     calls = {"prefill_one": _prefill_call(last), "prefill_stack": _prefill_call(stack)}
     for rows in ROWS:
@@ -313,17 +360,23 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
             break
         ms.update(_median_ms({k: calls[k] for r in bad for k in (f"one_{r}", f"stack_{r}")}, repeats))
     decode: dict[str, dict[str, float]] = {}
+    # a stage's software is timed between its steps' compute, where a quota's throttling lands
+    # (its median is the CPU time): at the sustained rate a host at q cores pays it 1/q times over
+    quota = min(1.0, cpu_quota_cores() or 1.0)
     for rows in ROWS:
-        one, layer = ms[f"one_{rows}"], max(0.0, (ms[f"stack_{rows}"] - ms[f"one_{rows}"]) / (STACK - 1))
+        one, layer = ms[f"one_{rows}"], max(0.0, (ms[f"stack_{rows}"] - ms[f"one_{rows}"]) / (k - 1))
         decode[str(rows)] = {"layer_ms": round(layer, 4), "step_ms": round(max(0.0, one - layer), 4),
                              "head_ms": round(max(0.0, ms[f"head_{rows}"] - one), 4),
                              "sample_ms": round(_sample_ms(last.cfg.vocab_size, rows, repeats), 4),
-                             "message_ms": round(_message_ms(last.cfg.d_model, rows, repeats), 4)}
-    prefill_layer = max(0.0, (ms["prefill_stack"] - ms["prefill_one"]) / (STACK - 1))
+                             "message_ms": round(_message_ms(last.cfg.d_model, rows, repeats), 4),
+                             "software_ms": round(software.handle_ms(last, rows, max(ROWS), repeats)["software_ms"]
+                                                  / quota, 4)}
+    prefill_layer = max(0.0, (ms["prefill_stack"] - ms["prefill_one"]) / (k - 1))
     p_one = ms["prefill_one"]
     facts = host_facts()
     if facts.get("cpu_period_ms"):
-        facts["idle_ratio"] = round(idle_ratio(calls["one_1"], ms["one_1"], facts["cpu_period_ms"]), 4)
+        facts["idle_ratio"] = round(idle_ratio(calls["stack_1"], ms["stack_1"], facts["cpu_period_ms"],
+                                               floor=min(1.0, facts.get("cpu_quota_cores") or 1.0)), 4)
     return {"schema": SCHEMA, "name": name or os.uname().nodename, "model": str(model_dir), "weights": weights,
             "dtype": dtype, "device": device, "source": source, "layers": last.cfg.n_layers, "decode": decode,
             "prefill": {"chunk": CHUNK, "layer_ms_per_token": round(prefill_layer / CHUNK, 5),

@@ -57,7 +57,7 @@ MEASURE_TIMEOUT_S = 600.0
 # FOR TESTS ONLY: multiplies every time this worker reports measuring (a fast machine posing as a
 # slow host, so a test can check the split follows the measurements). Never set it in production.
 TEST_SPEED_SCALE_ENV = "SKIPPY_TEST_SPEED_SCALE"
-_TIMES = ("layer_ms", "step_ms", "head_ms", "sample_ms", "message_ms")
+_TIMES = ("layer_ms", "step_ms", "head_ms", "sample_ms", "message_ms", "software_ms")
 
 
 def scaled_for_tests(speed: dict[str, Any]) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from loguru import logger
 from zmq.utils.monitor import recv_monitor_message
 
 from skippy_zmq.checkpoint.manifest import item_files, load_manifest, model_digest, stage_item_names
-from skippy_zmq.cluster import link, token
+from skippy_zmq.cluster import link, peers, token
 from skippy_zmq.cluster.assign import placed_topology, stage_key_files
 from skippy_zmq.cluster.probe import MAX_PROBE_BYTES
 from skippy_zmq.config.cluster import SPLITS, ClusterConfig
@@ -78,6 +78,7 @@ class WorkerRecord:
     measured: dict[str, Any] | None = None   # its measure_host result (split: measured)
     last_seen: float = 0.0                   # monotonic time of its last message (a re-cut's liveness)
     next_files: dict[str, Any] | None = None   # a re-cut's next stage's files: it may fetch these too
+    peer_links: dict[str, Any] = dataclasses.field(default_factory=dict)   # PROBED: peer -> its measured link
 
 
 class ClusterServer:
@@ -124,7 +125,11 @@ class ClusterServer:
         self.posted: queue.Queue[Callable[[], None]] = queue.Queue()
         self.handlers: dict[str, Callable[[bytes, link.Message, str], None]] = {
             "HELLO": self._hello, "FETCH": self._fetch, "STARTED": self._started, "MEASURED": self._measured,
-            "PING": self._ping, "BEAT": lambda *_: None}   # a serving worker's heartbeat: _handle notes when it was last seen
+            "PING": self._ping, "PROBED": self._probed,
+            "BEAT": lambda *_: None}   # a serving worker's heartbeat: _handle notes when it was last seen
+        # split: measured: the workers being planned with, while they measure their links to each
+        # other (PROBE/PROBED), with the deadline and the names not yet answered
+        self._probing: tuple[list[WorkerRecord], float, set[str]] | None = None
         self.thread = threading.Thread(target=self._serve, name="cluster-server", daemon=True)
         self.thread.start()
 
@@ -202,6 +207,10 @@ class ClusterServer:
                 if self.router in ready:
                     self._drain()
                 self._run_posted()
+                if self._probing is not None and time.monotonic() > self._probing[1]:
+                    logger.warning("cluster: no link measurement from {} within {:g} s; planning without",
+                                   ", ".join(sorted(self._probing[2])), peers.PROBE_WAIT_S)
+                    self._plan(self._probing[0])
         finally:
             self.router.disable_monitor()
             monitor.close(linger=0)
@@ -296,8 +305,33 @@ class ClusterServer:
             self._send(identity, link.Message("ASSIGN", self._assignment(record)))
             return
         measured = [w for w in self.workers.values() if w.measured is not None]
-        if len(measured) >= len(self.topology.stages):
-            self._plan(measured[:len(self.topology.stages)])
+        if len(measured) >= len(self.topology.stages) and self._probing is None:
+            self._probe_then_plan(measured[:len(self.topology.stages)])
+
+    def _probe_then_plan(self, workers: list[WorkerRecord]) -> None:
+        """Ask the workers to measure their links to each other (cluster/peers.py), then plan once
+        every one answered (or PROBE_WAIT_S passed); at once when fewer than two can be probed."""
+        live = [key for key, expires in self._expires.items() if expires > time.time()]
+        asks = peers.probe_requests({w.name: (w.address, w.report.get("probe")) for w in workers}, live)
+        if not asks:
+            self._plan(workers)
+            return
+        self._probing = (workers, time.monotonic() + peers.PROBE_WAIT_S, set(asks))
+        for name, header in asks.items():
+            self._send(self.workers[name].identity, link.Message("PROBE", header))
+
+    def _probed(self, identity: bytes, msg: link.Message, address: str) -> None:
+        record = self.workers.get(self.by_identity.get(identity, ""))
+        if record is None:
+            raise link.LinkError("PROBED before HELLO")
+        record.peer_links = peers.probed_links(msg)
+        logger.info("cluster: worker {} measured its links: {}", record.name, "; ".join(
+            f"to {peer} {describe_link(found) if 'rtt_ms' in found else found.get('error')}"
+            for peer, found in record.peer_links.items()))
+        if self._probing is not None and record.name in self._probing[2]:
+            self._probing[2].discard(record.name)
+            if not self._probing[2]:
+                self._plan(self._probing[0])
 
     def _plan(self, workers: list[WorkerRecord]) -> None:
         """Split by the workers' measurements (falling back to the topology's split, said why, when
@@ -305,9 +339,11 @@ class ClusterServer:
         from skippy_zmq.cluster.split import links_of, log_plan, plan_measured
         from skippy_zmq.ops.speed import SpeedPlanError
 
+        self._probing = None
         try:
             split = plan_measured(self.topology, {w.name: w.measured for w in workers}, self.config.objective,
-                                  self.config.streams, links_of({w.name: w.report for w in workers}))
+                                  self.config.streams, links_of({w.name: w.report for w in workers},
+                                                                {w.name: w.peer_links for w in workers}))
             log_plan(split, self.config.objective)
             self.topology, order = split.topology, split.workers
         except SpeedPlanError as exc:

@@ -6,8 +6,9 @@ Each worker measures right after it joins, from model.json alone (cluster/measur
 source="random": it holds no weights yet), in the weight format the stages run; the driver plans
 once as many workers as the topology has stages have measured, then assigns the stages. Each
 worker's HELLO carries its measured link to the driver (round trip, bandwidth): hops to and from
-a worker cost its link's, and a hop between two workers the slower of their two links (the
-workers do not measure each other yet).
+a worker cost its link's; before planning, the workers measure their links to each other
+(cluster/peers.py) and a hop between two workers costs that (else the slower of their two links
+to the driver).
 """
 
 from __future__ import annotations
@@ -53,15 +54,21 @@ def host_speed(name: str, measured: Mapping[str, Any]) -> HostSpeed:
     return HostSpeed.from_measure(measured, int(measured.get("memory_available") or 0), name=name)
 
 
-def links_of(reports: Mapping[str, Mapping[str, Any]]) -> Links:
+def links_of(reports: Mapping[str, Mapping[str, Any]],
+             probed: Mapping[str, Mapping[str, Any]] | None = None) -> Links:
     """Hop costs from the workers' HELLO reports (name -> report with links.driver {rtt_ms,
-    bytes_per_s}): ops/speed.Links.from_driver_links."""
+    bytes_per_s}) and their PROBED links to each other (name -> {peer: {rtt_ms, bytes_per_s}}:
+    cluster/peers.py; a pair measured wins over one guessed from the driver links):
+    ops/speed.Links.from_driver_links."""
+    from skippy_zmq.cluster.peers import pair_links
+
     found = {}
     for name, report in reports.items():
         links = report.get("links") if isinstance(report, Mapping) else None
         if isinstance(links, Mapping) and isinstance(links.get("driver"), Mapping):
             found[name] = links["driver"]
-    return Links.from_driver_links(found)
+    pairs = {k: v for k, v in pair_links(probed or {}).items() if k[0] in reports and k[1] in reports}
+    return Links.from_driver_links(found, pairs=pairs)
 
 
 def row_bytes(topology: Topology, d_model: int) -> int:

@@ -27,7 +27,7 @@ from loguru import logger
 from zmq.utils.monitor import recv_monitor_message
 
 from skippy_zmq.checkpoint.manifest import MANIFEST_VERSION, check_manifest
-from skippy_zmq.cluster import link
+from skippy_zmq.cluster import link, peers
 from skippy_zmq.cluster.assign import write_key_files
 from skippy_zmq.cluster.cache import CacheError, ModelCache
 from skippy_zmq.cluster.probe import TRANSFER_BYTES, measure_link
@@ -69,6 +69,7 @@ class WorkerOptions:
     stage_args: tuple[str, ...] = field(default=())   # e.g. ("--log-level", "DEBUG") before `stage`
     memory: int = 0                    # the most memory (bytes) this worker offers a split (0: what it has)
     link_probe_bytes: int = TRANSFER_BYTES   # the timed transfer of the link measurement
+    probe_listen: str = "tcp://*:0"    # where the other workers probe this one's link ("": nowhere)
 
 
 def default_name(cache: Path) -> str:
@@ -96,8 +97,13 @@ class Worker:
                                                         server_key=token.server_key))
         self.monitor = self.sock.get_monitor_socket(_HANDSHAKE_FAILED)
         self.failed_handshakes = 0
+        # where the other workers measure their links to this one (cluster/peers.py); its own
+        # token's key is admitted until the driver names the others
+        self.probe = peers.ProbeServer([token.public], options.probe_listen) if options.probe_listen else None
 
     def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
@@ -106,7 +112,31 @@ class Worker:
     # ---------------------------------------------------------------- messages
 
     def send(self, kind: str, header: dict[str, Any]) -> None:
-        self.sock.send_multipart(link.frames(link.Message(kind, header)))
+        """Send within reply_timeout_s: a DEALER whose handshake failed has no peer and would block
+        on send for ever, so wait until it can send, watching for the refusal meanwhile."""
+        frames = link.frames(link.Message(kind, header))
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLOUT)
+        poller.register(self.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + self.opts.reply_timeout_s
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            ready = dict(poller.poll(200))
+            if self.monitor in ready:
+                self._handshake_failed()
+            if ready.get(self.sock, 0) & zmq.POLLOUT:
+                self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
+                return
+        if self.stop.is_set():
+            raise InterruptedError("stopped")
+        raise TimeoutError(f"could not send {kind} to the driver at {self.opts.token.endpoint} within "
+                           f"{self.opts.reply_timeout_s:g} s")
+
+    def _handshake_failed(self) -> None:
+        """A failed CURVE handshake: Refused, unless it may be a connection broken mid-handshake."""
+        event = recv_monitor_message(self.monitor)
+        self.failed_handshakes += 1
+        if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or self.failed_handshakes >= WRONG_KEY_FAILURES:
+            raise Refused(self._refusal(event))
 
     def recv(self, timeout_s: float) -> link.Message | None:
         """The next message within `timeout_s` (None: none came); Refused when the driver refuses us."""
@@ -117,11 +147,7 @@ class Worker:
         while not self.stop.is_set() and (left := deadline - time.monotonic()) > 0:
             ready = dict(poller.poll(min(left, 0.2) * 1000))
             if self.monitor in ready:
-                event = recv_monitor_message(self.monitor)
-                self.failed_handshakes += 1
-                if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or \
-                        self.failed_handshakes >= WRONG_KEY_FAILURES:
-                    raise Refused(self._refusal(event))
+                self._handshake_failed()
             if self.sock in ready:
                 msg = link.parse(self.sock.recv_multipart(copy=False))
                 if msg.kind == "REFUSED":
@@ -149,6 +175,8 @@ class Worker:
                 return msg
             if msg.kind == "START":
                 self.pending_start = msg
+            elif msg.kind == "PROBE":
+                self.probe_peers(msg)
         if self.stop.is_set():
             raise InterruptedError("stopped")
         raise TimeoutError(f"no {what} from the driver at {self.opts.token.endpoint} within {timeout_s:g} s")
@@ -157,6 +185,8 @@ class Worker:
 
     def join(self) -> link.Message:
         report = host_report(self.opts.cache, devices=self.opts.report_devices)
+        if self.probe is not None:
+            report["probe"] = self.probe.report()
         try:
             report["links"] = {"driver": self.measure_driver_link()}
             self.send("HELLO", {"name": self.name, "protocol": link.PROTOCOL, "report": report})
@@ -183,6 +213,15 @@ class Worker:
         logger.info("worker {}: link to the driver: round trip {:.3f} ms, {:.1f} MB/s", self.name,
                     found["rtt_ms"], found["bytes_per_s"] / 1e6)
         return found
+
+    def probe_peers(self, msg: link.Message) -> None:
+        """PROBE: admit the driver's token keys on this worker's probe, measure the link to each
+        peer it names (cluster/peers.py), answer PROBED with what was found."""
+        if self.probe is not None:
+            self.probe.allow(peers.allow_keys(msg))
+        token = self.opts.token
+        found = peers.measure_peers(msg, token.public, token.secret, self.opts.link_probe_bytes)
+        self.send("PROBED", {"links": found})
 
     def measure_first(self, msg: link.Message) -> None:
         """The driver splits by measured speed: measure from its model.json alone (no weights here

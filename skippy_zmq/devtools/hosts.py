@@ -127,6 +127,7 @@ class Hosts:
         self.subnet = f"10.202.{os.getpid() % 200 + 20}"
         self.groups: list[CpuGroup | None] = []
         self._made_bridge = False
+        self._thin: set[int] = set()   # hosts whose side of a thin pair is shaped (thin_pair)
 
     def __enter__(self) -> Hosts:
         try:
@@ -177,6 +178,25 @@ class Hosts:
                 for dev, where in ((outer, ()), (inner, ("-n", ns))):
                     _run("tc", *where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", spec.rate,
                          "burst", "64kb", "latency", "100ms")
+
+    def thin_pair(self, i: int, j: int, rate: str) -> None:
+        """Shape only the link between hosts i and j (both directions) to `rate` (tc tbf), leaving
+        their links to the bridge (the driver) and to other hosts as they are: on each one's side a
+        prio qdisc whose third band (which ordinary traffic never takes) is the tbf, and a u32
+        filter sending what goes to the other's address there. One thin pair per host."""
+        for a, b in ((i, j), (j, i)):
+            if a in self._thin:
+                raise ValueError(f"host {a} already has a thin pair (one per host)")
+            self._thin.add(a)
+            tc = ("ip", "netns", "exec", self.namespace(a), "tc")
+            dev = f"{self.tag}i{a}"
+            _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+            for cls in ("1:10", "1:20"):
+                _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", cls, "htb", "rate", "10gbit")
+            _run(*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "tbf", "rate", rate,
+                 "burst", "16kb", "latency", "400ms")
+            _run(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                 "match", "ip", "dst", f"{self.address(b)}/32", "flowid", "1:20")
 
     def wrap(self, i: int, argv: Sequence[str]) -> list[str]:
         """argv as host i runs it: in its CPU group, then its namespace (`ip netns exec` execs, and

@@ -75,6 +75,9 @@ class PipelineEngine:
         self.recutting = False
         self.missing: str | None = None
         self.socks: transport.DriverSockets | None = None
+        # the loop's own time (every pass, outside its poll): the driver's software per token, which
+        # ops/speed.py's time model charges (`bench cluster` reads it; seconds, passes)
+        self.loop_busy_s, self.loop_passes = 0.0, 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -237,6 +240,7 @@ class PipelineEngine:
         """One pass: wait for replies or a wake-up, handle them and queued commands, send what is due."""
         busy = bool(self.scheduler.running or self.scheduler.queue)
         events = dict(poller.poll(50 if busy else 200))
+        t0 = time.perf_counter()
         if self._wake_r in events:
             self._drain_wake()
         if socks.router in events:
@@ -245,6 +249,8 @@ class PipelineEngine:
         self._check_liveness()
         for msg in self.scheduler.tick():
             transport.send_message(socks.push, self.view.stamp(msg))
+        self.loop_busy_s += time.perf_counter() - t0
+        self.loop_passes += 1
 
     def _beat(self, router: zmq.Socket) -> None:
         """Driver -> stage heartbeats, so a stage notices a dead driver and frees its lanes."""

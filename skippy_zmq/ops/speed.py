@@ -3,15 +3,24 @@ layers. Pure arithmetic over numbers measured elsewhere (cluster/measure.py); no
 
 The time model, per host h (its measurement, `HostSpeed`) and rows r a step carries:
 
-    stage(h, [a, b), r) = step_h(r) + (b - a) · layer_h(r) + head_h(r) if b == n_layers
+    stage(h, [a, b), r) = step_h(r) + soft_h(r) + (b - a) · layer_h(r) + head_h(r) if b == n_layers
     hop(x, y, n)        = rtt(x, y) / 2 + n / bandwidth(x, y)   (ms; the driver is host DRIVER)
+
+soft_h(r): the stage's own software per step besides its compute (receive, decode, place the rows,
+trace, encode, send), measured on the host inside its CPU quota like the rest, so a host at a
+quarter of a core pays four times as much for it (cluster/software.py).
 
 n is what the hop carries: between stages a step's activation (rows · `row_bytes`, [rows,
 d_model] in the wire dtype), to and from the driver a few bytes (token ids), so the order of
 the hosts matters where links differ. A token of one stream goes driver -> s0 -> ... -> s_last
 -> driver, each stage in turn:
 
-    latency(1)  = Σ burst(h_i, stage(h_i, range_i, 1)) + Σ hop over the ring      (one stream)
+    latency(1)  = Σ burst(h_i, stage(h_i, range_i, 1)) + Σ hop over the ring + driver   (one stream)
+
+driver (`Links.driver_ms`): what the driver's own loop spends on a token (its receive, scheduler,
+hand-off to the request and send), measured on the driver's machine; the same for every split.
+Every hop also pays `Links.hop_fixed_ms` beside its link: the sender's encoding, the receiver's
+wake-up and decoding, measured with the driver's time on a one-stage ring of real processes.
 
 burst(): a host under a CPU quota (a cgroup's q cores every period P) was measured by a loop
 that kept it busy, so its times are the throttled, sustained ones. One stream leaves each host
@@ -69,6 +78,7 @@ class HostSpeed:
     memory: int = 0
     idle_ratio: float = 1.0                  # a short step started idle ÷ busy, under a CPU quota
     period_ms: float = 0.0                   # the quota's period (0: no quota)
+    software_ms: tuple[float, ...] = ()      # the stage's own software per step besides compute (per row count)
 
     def at(self, values: tuple[float, ...], rows: int) -> float:
         if rows <= self.rows[0]:
@@ -81,7 +91,8 @@ class HostSpeed:
     def stage_ms(self, layers: int, last: bool, rows: int = 1, burst: bool = False) -> float:
         """A step's time; burst: starting idle, with its CPU quota's whole budget (module docstring)."""
         head = self.at(self.head_ms, rows) if last else 0.0
-        sustained = self.at(self.step_ms, rows) + layers * self.at(self.layer_ms, rows) + head
+        soft = self.at(self.software_ms, rows) if self.software_ms else 0.0
+        sustained = self.at(self.step_ms, rows) + soft + layers * self.at(self.layer_ms, rows) + head
         if not burst or not 0 < self.idle_ratio < 1 or self.period_ms <= 0:
             return sustained
         return throttled_ms(sustained * self.idle_ratio, self.idle_ratio, self.period_ms)
@@ -99,7 +110,7 @@ class HostSpeed:
             return cls(name or str(m.get("name", "host")), tuple(int(r) for r in rows), pick("layer_ms"),
                        step, head, float(m.get("prefill", {}).get("layer_ms_per_token", 0.0)),
                        int(memory or m.get("memory", 0)), float(m.get("idle_ratio") or 1.0),
-                       float(m.get("cpu_period_ms") or 0.0))
+                       float(m.get("cpu_period_ms") or 0.0), pick("software_ms"))
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise SpeedPlanError(f"host measurement {m.get('name', '?')!r} is not a measure_host result: "
                                  f"{exc!r}") from None
@@ -131,16 +142,22 @@ def throttled_ms(work_ms: float, quota_cores: float, period_ms: float) -> float:
 @dataclass(frozen=True)
 class Links:
     """Hop costs: one-way latency in ms (`pairs[(x, y)]` where measured, else `default_ms`) and
-    bandwidth in bytes per ms (`bandwidth[(x, y)]`, else `default_bytes_per_ms`; 0: unlimited)."""
+    bandwidth in bytes per ms (`bandwidth[(x, y)]`, else `default_bytes_per_ms`; 0: unlimited);
+    every hop's software beside its link (`hop_fixed_ms`: encoding, the receiver's wake-up and
+    decoding, measured on a ring of real processes), and the driver's own time a token
+    (`driver_ms`), charged once a round of the ring."""
 
     default_ms: float = 0.0
     pairs: Mapping[tuple[str, str], float] = field(default_factory=dict)
     default_bytes_per_ms: float = 0.0
     bandwidth: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    driver_ms: float = 0.0
+    hop_fixed_ms: float = 0.0
 
     def ms(self, a: str, b: str, nbytes: int = 0) -> float:
         rate = self.bandwidth.get((a, b), self.default_bytes_per_ms)
-        return self.pairs.get((a, b), self.default_ms) + (nbytes / rate if nbytes and rate > 0 else 0.0)
+        return self.pairs.get((a, b), self.default_ms) + self.hop_fixed_ms + \
+            (nbytes / rate if nbytes and rate > 0 else 0.0)
 
     @classmethod
     def from_rtt(cls, default_rtt_ms: float = 0.0, rtt: Mapping[tuple[str, str], float] | None = None,
@@ -150,15 +167,16 @@ class Links:
         return cls(default_rtt_ms / 2, _symmetric(rtt, 0.5), default_bytes_per_s / 1000,
                    _symmetric(bytes_per_s, 1e-3))
 
-
     @classmethod
     def from_driver_links(cls, found: Mapping[str, Mapping[str, Any]], default_rtt_ms: float = 0.0,
-                          rtt: Mapping[tuple[str, str], float] | None = None) -> Links:
+                          rtt: Mapping[tuple[str, str], float] | None = None,
+                          pairs: Mapping[tuple[str, str], Mapping[str, float]] | None = None) -> Links:
         """From each host's measured link to the driver (name -> {rtt_ms, bytes_per_s}, as a
         worker reports it: cluster/probe.py): the driver's hops as measured; a hop between two
-        hosts the larger round trip and the smaller bandwidth of theirs (hosts do not measure each
-        other yet); `rtt` (round trips given by hand) wins; a host with no usable link costs
-        `default_rtt_ms`."""
+        hosts as measured between them (`pairs[(x, y)]`: {rtt_ms, bytes_per_s} of the hop x -> y,
+        the reverse hop alike unless measured too: cluster/peers.py), else the larger round trip
+        and the smaller bandwidth of their two driver links; `rtt` (round trips given by hand)
+        wins; a host with no usable link costs `default_rtt_ms`."""
         ok = {name: (float(d["rtt_ms"]), float(d["bytes_per_s"])) for name, d in found.items()
               if all(isinstance(d.get(k), (int, float)) and d[k] > 0 for k in ("rtt_ms", "bytes_per_s"))}
         rtts, rates = {}, {}
@@ -167,6 +185,11 @@ class Links:
             for b, (rtt_b, rate_b) in ok.items():
                 if a != b:
                     rtts[(a, b)], rates[(a, b)] = max(rtt_a, rtt_b), min(rate_a, rate_b)
+        measured = dict(pairs or {})
+        for (a, b), d in list(measured.items()):
+            measured.setdefault((b, a), d)
+        for key, d in measured.items():
+            rtts[key], rates[key] = float(d["rtt_ms"]), float(d["bytes_per_s"])
         return cls.from_rtt(default_rtt_ms, {**rtts, **(rtt or {})}, 0.0, rates)
 
 
@@ -225,7 +248,8 @@ def hops_ms(stages: Sequence[Stage], links: Links, rows: int = 1, row_bytes: int
 
 
 def ring_ms(stages: Sequence[Stage], links: Links, rows: int = 1, row_bytes: int = 0) -> float:
-    return sum(hops_ms(stages, links, rows, row_bytes))
+    """A round of the ring besides the stages: its hops and the driver's own time."""
+    return sum(hops_ms(stages, links, rows, row_bytes)) + links.driver_ms
 
 
 def predict(stages: Sequence[Stage], hosts: Mapping[str, HostSpeed], n_layers: int, links: Links,
@@ -237,7 +261,7 @@ def predict(stages: Sequence[Stage], hosts: Mapping[str, HostSpeed], n_layers: i
     one = tuple(hosts[s.host].stage_ms(s.end - s.start, s.end == n_layers, 1, burst=True) for s in stages)
     many = tuple(hosts[s.host].stage_ms(s.end - s.start, s.end == n_layers, rows) for s in stages)
     hops = tuple(hops_ms(stages, links, 1, row_bytes))
-    latency = sum(one) + sum(hops)
+    latency = sum(one) + ring_ms(stages, links, 1, row_bytes)
     round_ms = max(sum(many) + ring_ms(stages, links, rows, row_bytes), m * max(many))
     prefill = max(hosts[s.host].prefill_ms_per_token * (s.end - s.start) for s in stages)
     return Prediction(tuple(stages), latency, 1000 / latency, streams, round_ms, 1000 * streams / round_ms,

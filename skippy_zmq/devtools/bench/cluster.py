@@ -35,6 +35,7 @@ from typing import Any, Iterator, Sequence
 import yaml
 
 from skippy_zmq.config.topology_yaml import load_topology, plan_topology
+from skippy_zmq.devtools.bench.cluster_ring import measure_ring, with_ring
 from skippy_zmq.devtools.bench.common import print_table, synthetic_prompt, write_report
 from skippy_zmq.devtools.bench.pipeline import TraceLog, measure, stream_prompts
 from skippy_zmq.devtools.hosts import SHARES, Hosts, HostSpec, cpu_cgroup_problem, driver_group, netns_problem
@@ -50,7 +51,7 @@ NEW_TOKENS = 24
 PROMPT_TOKENS = 32
 CONTEXT = 256          # few attention buckets: few shapes for a stage to compile at 25% of a core
 LANES = 8
-PORT = 5611            # stage listen port inside each namespace (each has its own port space)
+PORT = 5611            # + stage index: stage listen port inside each namespace (each has its own port space)
 PROBE_PORT = 5620      # + host index: cluster/probe.py's echo server in each host, for its link
 
 
@@ -157,9 +158,9 @@ def write_split_topology(tmp: Path, model: Path, hosts: Hosts, stages: Sequence[
     data["driver"]["http"] = f"127.0.0.1:{base + len(stages) + 1}"
     if hosts.netns:
         data["driver"]["return"] = f"tcp://{hosts.driver_address}:{base}"
-    for stage, st in zip(data["stages"], stages):
+    for k, (stage, st) in enumerate(zip(data["stages"], stages)):
         if hosts.netns:   # `host` stays local: this process spawns it (stage_command would ssh otherwise)
-            stage["listen"] = f"tcp://{hosts.address(index[st.host])}:{PORT}"
+            stage["listen"] = f"tcp://{hosts.address(index[st.host])}:{PORT + k}"
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -204,8 +205,27 @@ def stage_step_ms(traces: list[list[dict[str, Any]]], ids: Sequence[str]) -> lis
     return [statistics.median(v) if v else 0.0 for v in per.values()]
 
 
+def software_ms(traces: list[list[dict[str, Any]]], ids: Sequence[str], ms_per_token: float) -> dict[str, Any]:
+    """Where a 1-stream token's time goes besides the stages' compute, from their telemetry (medians
+    over decode steps): each stage's receive-to-send less its compute (its software per step), the
+    transit between stages (send to the next one's receive: encode, wire, wake-up), and the rest of
+    the token (the driver's loop, its two hops): ms_per_token less all of that and the compute."""
+    steps = [t for t in traces if [h.get("stage") for h in t] == list(ids) and
+             all("recv_ns" in h and "send_ns" in h for h in t)]
+    if not steps:
+        return {}
+    own = [statistics.median((t[i]["send_ns"] - t[i]["recv_ns"]) / 1e6 - float(t[i]["compute_ms"]) for t in steps)
+           for i in range(len(ids))]
+    transit = [statistics.median((t[i + 1]["recv_ns"] - t[i]["send_ns"]) / 1e6 for t in steps)
+               for i in range(len(ids) - 1)]
+    inside = statistics.median(sum((h["send_ns"] - h["recv_ns"]) / 1e6 for h in t) for t in steps)
+    return {"stage_sw_ms_1": " / ".join(f"{v:.2f}" for v in own),
+            "transit_ms_1": " / ".join(f"{v:.2f}" for v in transit),
+            "driver_ms_1": round(ms_per_token - inside - sum(transit), 2)}
+
+
 def run_split(name: str, stages: Sequence[Stage], hosts: Hosts, model: Path, weights: str, tmp: Path,
-              predicted: Any) -> dict[str, Any]:
+              predicted: Any, many_streams: bool = True) -> dict[str, Any]:
     t0 = time.perf_counter()
     slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")    # grid names hold slashes
     path = write_split_topology(tmp, model, hosts, stages, weights, slug)
@@ -215,11 +235,12 @@ def run_split(name: str, stages: Sequence[Stage], hosts: Hosts, model: Path, wei
         engine.on_reply_hooks.append(log)
         base = synthetic_prompt(tokenizer, PROMPT_TOKENS)
         measure(engine, stream_prompts(base, STREAMS, salt=100), 4, strict=False)   # ramps the row buckets
-        t0_one = time.perf_counter()
+        t0_one, busy0 = time.perf_counter(), engine.loop_busy_s
         one = measure(engine, [base], NEW_TOKENS, log, ids)
+        loop_ms = 1000 * (engine.loop_busy_s - busy0) / NEW_TOKENS   # the driver loop's own time a token
         t0_many = time.perf_counter()
         steps_1 = log.window(t0_one, t0_many, steps_only=True)
-        many = measure(engine, stream_prompts(base, STREAMS, salt=1), NEW_TOKENS, log, ids)
+        many = measure(engine, stream_prompts(base, STREAMS, salt=1), NEW_TOKENS, log, ids) if many_streams else {}
         steps = log.window(t0_many, time.perf_counter(), steps_only=True)
     row = {"split": name, "layers": _label(stages),
            "ms_per_token_1": one["itl_p50_ms"], "predicted_ms_1": round(predicted.ms_per_token_1, 2),
@@ -228,7 +249,8 @@ def run_split(name: str, stages: Sequence[Stage], hosts: Hosts, model: Path, wei
            # each stage's own step compute at 1 stream beside the model's (burst) stage times
            "step_ms_1": " / ".join(f"{v:.1f}" for v in stage_step_ms(steps_1, ids)),
            "predicted_step_ms_1": " / ".join(f"{v:.1f}" for v in predicted.stage_ms_1),
-           "tok_s_8": many["agg_tok_s"], "predicted_tok_s_8": round(predicted.tok_s_n, 1),
+           **software_ms(steps_1, ids, one["itl_p50_ms"]), "driver_loop_ms_1": round(loop_ms, 2),
+           "tok_s_8": many.get("agg_tok_s"), "predicted_tok_s_8": round(predicted.tok_s_n, 1),
            "bubble_8": " / ".join(f"{v:.2f}" for v in many.get("bubble", {}).values()),
            # each stage's own step compute at 8 streams (median over its decode steps) beside the model's
            "step_ms_8": " / ".join(f"{v:.1f}" for v in stage_step_ms(steps, ids)),
@@ -253,7 +275,7 @@ def plan_splits(speeds: list[HostSpeed], n_layers: int, need: Any, links: Links,
 def goal_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by = {r["split"]: r for r in rows}
     tok1 = {r["split"]: 1000 / r["ms_per_token_1"] for r in rows}
-    best1, best8 = max(tok1.values()), max(r["tok_s_8"] for r in rows)
+    best1, best8 = max(tok1.values()), max((r["tok_s_8"] or 0.0) for r in rows)
     lat, thr, even = by["planned (latency)"], by["planned (throughput)"], by["even"]
     ratios = [r[k] for r in rows for k in ("pred_over_meas_1", "pred_over_meas_8") if r.get(k)]
     return [
@@ -262,7 +284,7 @@ def goal_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         {"check": "1 stream: planned / best measured split", "goal": ">= 0.95",
          "measured": round(tok1[lat["split"]] / best1, 3)},
         {"check": f"{STREAMS} streams: planned / best measured split", "goal": ">= 0.95",
-         "measured": round(thr["tok_s_8"] / best8, 3)},
+         "measured": round(thr["tok_s_8"] / best8, 3) if best8 else None},
         {"check": "predicted / measured, every row", "goal": "0.85-1.15",
          "measured": f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else None},
     ]
@@ -308,6 +330,11 @@ def bench_splits(args: argparse.Namespace, tables: list[str]) -> dict[str, Any]:
         measured = measure_hosts(hosts, model, weights, tmp)
         for m, r in zip(measured, link_rows):
             m["link"] = r
+        # what a token pays outside the stages, on a one-stage ring on the fastest host
+        ring = measure_ring(lambda stages, name: split_running(
+            write_split_topology(tmp, model, hosts, stages, weights, name), hosts, stages, tmp / f"run-{name}"),
+            HOSTS[0].name, cfg.n_layers, link_rows[0]["rtt_ms"], PROMPT_TOKENS, NEW_TOKENS)
+        links = with_ring(links, ring)
         speeds = [HostSpeed.from_measure(m, budget) for m in measured]
         by_name = {h.name: h for h in speeds}
         splits = plan_splits(speeds, cfg.n_layers, need, links, row_bytes)
@@ -322,8 +349,9 @@ def bench_splits(args: argparse.Namespace, tables: list[str]) -> dict[str, Any]:
                 break
             seen.add(stages)
             rows.append(run_split(name, stages, hosts, model, weights, tmp,
-                                  predict(stages, by_name, cfg.n_layers, links, STREAMS, row_bytes)))
-    return _report(args, tables, rows, measured, checks, netns_why, load, t_start)
+                                  predict(stages, by_name, cfg.n_layers, links, STREAMS, row_bytes),
+                                  not args.one_stream))
+    return _report(args, tables, rows, measured, checks, netns_why, load, t_start, ring)
 
 
 def _stored(model: Path) -> str:
@@ -368,8 +396,8 @@ def _label(stages: Sequence[Stage]) -> str:
 
 
 def _report(args: argparse.Namespace, tables: list[str], rows: list[dict[str, Any]], measured: list[dict[str, Any]],
-            checks: list[dict[str, Any]], netns_why: str | None, load: tuple[float, ...], t_start: float
-            ) -> dict[str, Any]:
+            checks: list[dict[str, Any]], netns_why: str | None, load: tuple[float, ...], t_start: float,
+            ring: dict[str, float]) -> dict[str, Any]:
     where = "cgroups + network namespaces" if netns_why is None else f"cgroups alone (no namespaces: {netns_why})"
     quota = {spec.name: spec.cpu for spec in HOSTS}
     host_rows = [{"host": m["name"], "cpu_quota_cores": m.get("cpu_quota_cores") or quota.get(m["name"]),
@@ -393,7 +421,10 @@ def _report(args: argparse.Namespace, tables: list[str], rows: list[dict[str, An
                               checks))
     goals = goal_rows(rows)
     tables.append(print_table("cluster: goals (issue 40)", goals))
-    result = {"hosts": measured, "splits": rows, "brute_force": checks, "goals": goals, "where": where,
+    tables.append(print_table("cluster: a token outside the stages (one-stage ring on the fastest host)", [ring],
+                              "driver_ms: the driver loop's own time a token; hop_fixed_ms: each hop's software "
+                              "beside its link; both charged by ops/speed.py to every split."))
+    result = {"hosts": measured, "splits": rows, "brute_force": checks, "goals": goals, "where": where, "ring": ring,
               "load_avg": [round(v, 2) for v in load], "load_avg_end": [round(v, 2) for v in os.getloadavg()],
               "elapsed_s": round(time.perf_counter() - t_start, 1)}
     return result
