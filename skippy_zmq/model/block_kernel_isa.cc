@@ -54,7 +54,7 @@ inline v32u8 load32(const uint8_t* p) {
   return v;
 }
 
-inline void store32(int8_t* p, v32u8 v) { memcpy(p, &v, 32); }
+inline void store32(int8_t* p, const v32u8& v) { memcpy(p, &v, 32); }
 
 // 8 bytes (unsigned or signed) -> 8 floats, in registers (GCC's generic convert extracts them one by one).
 template <bool kSigned>
