@@ -4,7 +4,7 @@
 // modest f16 scales. Each figure is the sum over slices of W (32 tasks / 8 panels) of the fastest of 9
 // runs of the slice: a shared machine preempts long runs, short ones mostly run whole. Weights warm in
 // cache after the first run: this measures the loops, not memory. Built and run by kernel_micro.py.
-//   kernel_micro <isa> <M> <N>x<K> [<N>x<K> ...]      one line per (shape, type): JSON
+//   kernel_micro <M> <N>x<K> [<N>x<K> ...]      one line per (shape, type): JSON
 #include "quant_kernel.h"
 
 #include <algorithm>
@@ -13,14 +13,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
-#include <string>
 #include <vector>
 
-#if defined(__x86_64__)
-SKIPPY_DECLARE_ISA(avx512)
-SKIPPY_DECLARE_ISA(avx2)
+// The one instruction set this binary measures, linked with that ISA's loop objects only.
+#ifndef SKIPPY_MICRO_ISA
+#error "compile with -DSKIPPY_MICRO_ISA=<isa>"
 #endif
-SKIPPY_DECLARE_ISA(generic)
+#define SKIPPY_MICRO_CAT2(a, b) a##b
+#define SKIPPY_MICRO_CAT(a, b) SKIPPY_MICRO_CAT2(a, b)
+#define SKIPPY_MICRO_DECLARE(isa) SKIPPY_DECLARE_ISA(isa)   // (expands the name before pasting it)
+SKIPPY_MICRO_DECLARE(SKIPPY_MICRO_ISA)
 
 namespace {
 
@@ -56,17 +58,12 @@ void row(const char* kind, int64_t M, int64_t N, int64_t K, double s, double byt
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 4) return fprintf(stderr, "usage: %s isa M NxK...\n", argv[0]), 2;
-  const std::string isa = argv[1];
-  const int64_t M = atoll(argv[2]);
-  SkippyBlockFn blocks = skippy_blocks_generic;
-  SkippyPanelFn q4 = skippy_q4_panel_generic;
-#if defined(__x86_64__)
-  if (isa == "avx512") blocks = skippy_blocks_avx512, q4 = skippy_q4_panel_avx512;
-  if (isa == "avx2") blocks = skippy_blocks_avx2, q4 = skippy_q4_panel_avx2;
-#endif
+  if (argc < 3) return fprintf(stderr, "usage: %s M NxK...\n", argv[0]), 2;
+  const int64_t M = atoll(argv[1]);
+  const SkippyBlockFn blocks = SKIPPY_MICRO_CAT(skippy_blocks_, SKIPPY_MICRO_ISA);
+  const SkippyPanelFn q4 = SKIPPY_MICRO_CAT(skippy_q4_panel_, SKIPPY_MICRO_ISA);
   std::mt19937 rng(1);
-  for (int a = 3; a < argc; ++a) {
+  for (int a = 2; a < argc; ++a) {
     int64_t N = 0, K = 0;
     if (sscanf(argv[a], "%lldx%lld", (long long*)&N, (long long*)&K) != 2 || N % SKIPPY_PANEL || K % 32 || K <= 0)
       return fprintf(stderr, "shape %s: NxK, N a multiple of 64, K of 32\n", argv[a]), 2;

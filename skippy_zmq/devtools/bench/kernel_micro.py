@@ -26,32 +26,31 @@ SHAPES = "1536x576,576x1536,49152x576,8192x2048,2048x8192"
 TIMEOUT_S = 600
 
 
-def build(out: Path) -> Path:
-    """The micro-bench linked with every ISA's loop objects (the kernel's sources and flags)."""
+def build(out: Path, isa: str) -> Path:
+    """The micro-bench linked with `isa`'s loop objects (the kernel's sources and flags)."""
     cxx = shutil.which(os.environ.get("CXX") or "g++") or "c++"
-    units = {str(out / f"{Path(source).stem}_{isa}.o"): (*ISA_FLAGS[isa], f"-DSKIPPY_ISA={isa}", str(KERNEL_DIR / source))
-             for isa in kernel_isas() for source in ISA_SOURCES}
+    units = {str(out / f"{Path(source).stem}.o"): (*ISA_FLAGS[isa], f"-DSKIPPY_ISA={isa}", str(KERNEL_DIR / source))
+             for source in ISA_SOURCES}
     _compile_all(cxx, units)   # the kernel's own parallel compile
-    objects = list(units)
     binary = out / "kernel_micro"
-    subprocess.run([cxx, *CXX_FLAGS, "-I", str(KERNEL_DIR), str(SOURCE), *objects, "-o", str(binary)], check=True,
-                   timeout=TIMEOUT_S)
+    subprocess.run([cxx, *CXX_FLAGS, f"-DSKIPPY_MICRO_ISA={isa}", "-I", str(KERNEL_DIR), str(SOURCE), *units,
+                    "-o", str(binary)], check=True, timeout=TIMEOUT_S)
     return binary
 
 
 def run(isa: str, rows: int, shapes: str) -> list[dict]:
     """One row per (shape, loops): type, M, N, K, us, gb_s, gweights_s."""
     with tempfile.TemporaryDirectory(prefix="skippy-kernel-micro-") as tmp:
-        binary = build(Path(tmp))
-        out = subprocess.run([str(binary), isa, str(rows), *shapes.split(",")], check=True, capture_output=True,
+        binary = build(Path(tmp), isa)
+        out = subprocess.run([str(binary), str(rows), *shapes.split(",")], check=True, capture_output=True,
                              text=True, timeout=TIMEOUT_S).stdout
     return [json.loads(line) for line in out.splitlines()]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--isa", default=kernel_isas()[1 if len(kernel_isas()) > 1 else 0],
-                        choices=[i for i in kernel_isas() if i != "avx512vnni"])
+    isas = [i for i in kernel_isas() if i != "avx512vnni"]   # (its block loops are avx512's)
+    parser.add_argument("--isa", default=isas[0], choices=isas, help="loops to measure (this CPU must run them)")
     parser.add_argument("--rows", type=int, default=1, help="rows of x (1: a decode step)")
     parser.add_argument("--shapes", default=SHAPES, help="NxK,... (N a multiple of 64, K of 32)")
     args = parser.parse_args()
