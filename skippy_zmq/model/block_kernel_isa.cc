@@ -3,9 +3,11 @@
 // Built per ISA like quant_kernel_isa.cc, linked with the FFI glue (quant_kernel.cc), which splits
 // W's rows over XLA's pool; only the one entry point has external linkage.
 //
-// The float approach, not llama.cpp's int8 activations: a task unpacks its SKIPPY_BLOCK_ROWS rows of W
-// once into int8 levels plus one float scale (and minimum) per 16 inputs, exactly the factors of
-// gguf-py's dequantiser (d * sc, dmin * m), then every row of x takes float dot products with them:
+// The float approach, not llama.cpp's int8 activations: rows of W are unpacked into int8 levels plus
+// one float scale (and minimum) per 16 inputs, exactly the factors of gguf-py's dequantiser (d * sc,
+// dmin * m): a decode call (at most one tile of x) a row at a time, 256 inputs at a time into L1 right
+// before their use; a bigger call a task's SKIPPY_BLOCK_ROWS rows at once, for every tile of x to
+// reuse. Then every row of x takes float dot products with them:
 //   y[m, n] = sum_s scale[n, s] * (x[m, s] . level[n, s]) - sum_s min[n, s] * xsum[m, s]
 // over the 16-input runs s. So a result differs from the f32 product of the dequantised weights only
 // by float rounding (the order of the sums), as the QTensor float loops do; the greedy ids of a
