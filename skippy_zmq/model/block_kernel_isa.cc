@@ -1,11 +1,14 @@
 // GGUF blocks read in place, for one instruction set: y[M, N] = x[M, K] @ W.T with W [N, K] held as
-// the file's own rows of Q4_K, Q5_K, Q6_K, Q5_0 or Q8_0 blocks (layout and arguments: quant_kernel.h).
+// the file's own rows of Q4_K, Q5_K, Q6_K, Q5_0 or Q8_0 blocks, or of the types block_kernel_more_isa.cc
+// unpacks (Q3_K, IQ4_XS, IQ4_NL, Q5_1, Q2_K; layout and arguments: quant_kernel.h).
 // Built per ISA like quant_kernel_isa.cc, linked with the FFI glue (quant_kernel.cc), which splits
 // W's rows over XLA's pool; only the one entry point has external linkage.
 //
-// The float approach, not llama.cpp's int8 activations: a task unpacks its SKIPPY_BLOCK_ROWS rows of W
-// once into int8 levels plus one float scale (and minimum) per 16 inputs, exactly the factors of
-// gguf-py's dequantiser (d * sc, dmin * m), then every row of x takes float dot products with them:
+// The float approach, not llama.cpp's int8 activations: rows of W are unpacked into int8 levels plus
+// one float scale (and minimum) per 16 inputs, exactly the factors of gguf-py's dequantiser (d * sc,
+// dmin * m): a decode call (at most one tile of x) a row at a time, 256 inputs at a time into L1 right
+// before their use; a bigger call a task's SKIPPY_BLOCK_ROWS rows at once, for every tile of x to
+// reuse. Then every row of x takes float dot products with them:
 //   y[m, n] = sum_s scale[n, s] * (x[m, s] . level[n, s]) - sum_s min[n, s] * xsum[m, s]
 // over the 16-input runs s. So a result differs from the f32 product of the dequantised weights only
 // by float rounding (the order of the sums), as the QTensor float loops do; the greedy ids of a
@@ -19,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define SKIPPY_INLINE inline __attribute__((always_inline))
+
 namespace {
 
 constexpr int kRun = 16;                 // inputs per scale (Q6_K's own; Q4_K / Q5_K / Q5_0 scales repeat)
@@ -30,12 +35,49 @@ constexpr int kRows = 4;                 // rows of x sharing each scaled weight
 constexpr int kRows = 2;                 // (16 ymm / xmm registers)
 #endif
 
-typedef uint8_t v16u8 __attribute__((vector_size(16)));   // 16 bytes: SSE2 / NEON on any 64-bit CPU
+// Byte vectors (GCC's vector extensions: SSE2 / NEON pairs on any 64-bit CPU, one ymm with AVX2): the
+// unpackers below work on 32 levels at a time, a few vector operations per 32 weights where scalar
+// loops took one per weight (the unpack was most of a decode step's matrix time, measured).
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef uint8_t v32u8 __attribute__((vector_size(32)));
+typedef float v8f __attribute__((vector_size(32)));
 
 inline float f16_at(const uint8_t* p) {
   uint16_t h;
   memcpy(&h, p, 2);
+#if defined(__F16C__) && defined(__AVX2__)   // (quant_kernel_simd.h includes immintrin.h there)
+  return _cvtsh_ss(h);   // one instruction; exact, as the portable conversion is
+#else
   return half_to_float(h);
+#endif
+}
+
+inline v32u8 load32(const uint8_t* p) {
+  v32u8 v;
+  memcpy(&v, p, 32);
+  return v;
+}
+
+inline void store32(int8_t* p, const v32u8& v) { memcpy(p, &v, 32); }
+
+// 8 bytes (unsigned or signed) -> 8 floats, in registers (GCC's generic convert extracts them one by one).
+template <bool kSigned>
+inline v8f bytes_to_float(const uint8_t* p) {
+#if defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64((const __m128i*)p);
+  return (v8f)_mm256_cvtepi32_ps(kSigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#else
+  v8f out;
+  for (int i = 0; i < 8; ++i) out[i] = kSigned ? (float)(int8_t)p[i] : (float)p[i];
+  return out;
+#endif
+}
+
+// 8 per-32-input factors -> the 16 per-run floats (each run of a sub-block shares its factor).
+inline void spread_pairs(v8f f, float* out) {
+  const v8f lo = __builtin_shufflevector(f, f, 0, 0, 1, 1, 2, 2, 3, 3);
+  const v8f hi = __builtin_shufflevector(f, f, 4, 4, 5, 5, 6, 6, 7, 7);
+  memcpy(out, &lo, 32), memcpy(out + 8, &hi, 32);
 }
 
 // A row of W unpacked: levels [K], scale and minimum per run [K / 16].
@@ -45,51 +87,83 @@ struct Unpacked {
   float* min;
 };
 
-// Q4_K / Q5_K's 6-bit scale and minimum of sub-block j (of 8), packed in 12 bytes.
-inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
-  if (j < 4) {
-    *sc = q[j] & 63, *m = q[j + 4] & 63;
-  } else {
-    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
+// Q4_K / Q5_K's 6-bit scales and minimums of the 8 sub-blocks, packed in 12 bytes: unpacked 4 at a
+// time in 32-bit words (llama.cpp's masks), sc[0..7] then m[0..7].
+inline void scales_mins_k4(const uint8_t* q, uint8_t out[16]) {
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  uint32_t u[4];
+  memcpy(u, q, 12);
+  u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);   // m[4..7]: q[8..11] high, q[4..7] top bits
+  const uint32_t m_lo = u[1] & k6;                          // m[0..3]
+  u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);           // sc[4..7]: q[8..11] low, q[0..3] top bits
+  u[2] = m_lo;
+  u[0] &= k6;                                               // sc[0..3]
+  memcpy(out, u, 16);
 }
 
 // 256 weights: d * sc_j * q - dmin * m_j per 32-input sub-block j; Q5_K adds qh's bit j as q's fifth bit.
 template <bool kFive>
-void unpack_k4(const uint8_t* __restrict b, int8_t* __restrict level, float* scale, float* min) {
+SKIPPY_INLINE void unpack_k4(const uint8_t* __restrict b, int8_t* __restrict level, float* scale, float* min) {
   const float d = f16_at(b), dmin = f16_at(b + 2);
-  const uint8_t *qh = b + 16, *qs = b + (kFive ? 48 : 16);
+  const uint8_t* qs = b + (kFive ? 48 : 16);
+  const v32u8 qh = kFive ? load32(b + 16) : v32u8{};
   for (int j = 0; j < 4; ++j) {
-    for (int l = 0; l < 32; ++l) {
-      const int lo = qs[32 * j + l] & 15, hi = qs[32 * j + l] >> 4;
-      level[64 * j + l] = (int8_t)(kFive ? lo | (((qh[l] >> (2 * j)) & 1) << 4) : lo);
-      level[64 * j + 32 + l] = (int8_t)(kFive ? hi | (((qh[l] >> (2 * j + 1)) & 1) << 4) : hi);
+    const v32u8 q = load32(qs + 32 * j);
+    v32u8 lo = q & 15, hi = q >> 4;
+    if (kFive) {   // a byte compare, not byte shifts (x86 has none: GCC emulates them)
+      lo |= (v32u8)((qh & (uint8_t)(1 << (2 * j))) != 0) & 16;
+      hi |= (v32u8)((qh & (uint8_t)(2 << (2 * j))) != 0) & 16;
     }
+    store32(level + 64 * j, lo), store32(level + 64 * j + 32, hi);
   }
-  for (int j = 0; j < 8; ++j) {
-    int sc, m;
-    scale_min_k4(j, b + 4, &sc, &m);
-    scale[2 * j] = scale[2 * j + 1] = d * (float)sc;
-    min[2 * j] = min[2 * j + 1] = dmin * (float)m;
-  }
+  uint8_t sm[16];
+  scales_mins_k4(b + 4, sm);
+  spread_pairs(bytes_to_float<false>(sm) * d, scale);
+  spread_pairs(bytes_to_float<false>(sm + 8) * dmin, min);
 }
 
 // 256 weights in two halves of 128: d * sc_r * (q - 32), q's low 4 bits in ql, high 2 in qh.
-void unpack_q6_k(const uint8_t* __restrict b, int8_t* __restrict level, float* scale) {
+SKIPPY_INLINE void unpack_q6_k(const uint8_t* __restrict b, int8_t* __restrict level, float* scale) {
   const uint8_t *ql = b, *qh = b + 128;
-  const int8_t* sc = (const int8_t*)(b + 192);
-  const float d = f16_at(b + 208);
   for (int h = 0; h < 2; ++h, ql += 64, qh += 32, level += 128) {
-    for (int l = 0; l < 32; ++l) {
-      level[l] = (int8_t)(((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32);
-      level[l + 32] = (int8_t)(((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
-      level[l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-      level[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
-    }
+    const v32u8 a = load32(ql), c = load32(ql + 32), t = load32(qh);
+    store32(level, ((a & 15) | ((t & 3) << 4)) - 32);   // (wrapping: the int8 levels)
+    store32(level + 32, ((c & 15) | (((t >> 2) & 3) << 4)) - 32);
+    store32(level + 64, ((a >> 4) | (((t >> 4) & 3) << 4)) - 32);
+    store32(level + 96, ((c >> 4) | (((t >> 6) & 3) << 4)) - 32);
   }
-  for (int r = 0; r < 16; ++r) scale[r] = d * (float)sc[r];
+  const float d = f16_at(b + 208);
+  const v8f flo = bytes_to_float<true>(b + 192) * d, fhi = bytes_to_float<true>(b + 200) * d;
+  memcpy(scale, &flo, 32), memcpy(scale + 8, &fhi, 32);
 }
 
+#if defined(__AVX2__)
+// Byte i all ones where bit i of the 32 bits at p is set (llama.cpp's bytes_from_bits_32).
+inline __m256i bytes_from_bits(const uint8_t* p) {
+  uint32_t bits;
+  memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                               0x0101010101010101, 0x0000000000000000));
+  return _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
+}
+
+// 32 weights: d * (q - 16), q's fifth bit i in the u32 qh: q - 16 where the bit is clear, else q's low
+// 4 bits as they are (a mask register with AVX-512, a byte mask with AVX2).
+SKIPPY_INLINE void unpack_q5_0(const uint8_t* __restrict b, int8_t* __restrict level, float* scale) {
+  const __m128i q = _mm_loadu_si128((const __m128i*)(b + 6)), low = _mm_set1_epi8(15);
+  const __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
+  const __m256i sixteen = _mm256_set1_epi8(16);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  uint32_t qh;
+  memcpy(&qh, b + 2, 4);
+  _mm256_storeu_si256((__m256i*)level, _mm256_mask_sub_epi8(v, (__mmask32)~qh, v, sixteen));
+#else
+  _mm256_storeu_si256((__m256i*)level, _mm256_sub_epi8(v, _mm256_andnot_si256(bytes_from_bits(b + 2), sixteen)));
+#endif
+  scale[0] = scale[1] = f16_at(b);
+}
+#else
 // Byte i of kSpread[b] is 16 if bit i of b is set, else 0: a Q5_0 fifth bit, placed, 8 at a time.
 struct Spread {
   uint64_t of[256];
@@ -101,7 +175,7 @@ struct Spread {
 constexpr Spread kSpread;
 
 // 32 weights: d * (q - 16), q's fifth bit i in the u32 qh.
-void unpack_q5_0(const uint8_t* __restrict b, int8_t* __restrict level, float* scale) {
+SKIPPY_INLINE void unpack_q5_0(const uint8_t* __restrict b, int8_t* __restrict level, float* scale) {
   const uint64_t spread[4] = {kSpread.of[b[2]], kSpread.of[b[3]], kSpread.of[b[4]], kSpread.of[b[5]]};
   v16u8 qs, h0, h1;
   memcpy(&qs, b + 6, 16), memcpy(&h0, spread, 16), memcpy(&h1, spread + 2, 16);
@@ -109,50 +183,84 @@ void unpack_q5_0(const uint8_t* __restrict b, int8_t* __restrict level, float* s
   memcpy(level, &lo, 16), memcpy(level + 16, &hi, 16);
   scale[0] = scale[1] = f16_at(b);
 }
+#endif
 
 // 32 weights: d * q, q the block's own int8 levels.
-void unpack_q8_0(const uint8_t* __restrict b, int8_t* __restrict level, float* scale) {
+SKIPPY_INLINE void unpack_q8_0(const uint8_t* __restrict b, int8_t* __restrict level, float* scale) {
   memcpy(level, b + 2, 32);
   scale[0] = scale[1] = f16_at(b);
 }
 
-bool has_min(int32_t type) {
+inline bool has_min(int32_t type) {
   return type == SKIPPY_GGML_Q4_K || type == SKIPPY_GGML_Q5_K || skippy_more_has_min(type);
 }
 
-void unpack_row(const SkippyBlockArgs& a, const uint8_t* row, Unpacked u) {
-  int64_t more_block, more_bytes;
-  if (skippy_more_block(a.type, &more_block, &more_bytes)) return skippy_unpack_more(&a, row, u.level, u.scale, u.min);
-  const int64_t block = a.type == SKIPPY_GGML_Q5_0 || a.type == SKIPPY_GGML_Q8_0 ? 32 : 256;
-  const int64_t bytes = a.row_bytes / (a.K / block);
-  for (int64_t i = 0; i < a.K / block; ++i, row += bytes) {
-    int8_t* level = u.level + i * block;
-    float *scale = u.scale + i * (block / kRun), *min = u.min + i * (block / kRun);
-    switch (a.type) {
-      case SKIPPY_GGML_Q4_K: unpack_k4<false>(row, level, scale, min); break;
-      case SKIPPY_GGML_Q5_K: unpack_k4<true>(row, level, scale, min); break;
-      case SKIPPY_GGML_Q6_K: unpack_q6_k(row, level, scale); break;
-      case SKIPPY_GGML_Q8_0: unpack_q8_0(row, level, scale); break;
-      default: unpack_q5_0(row, level, scale); break;
-    }
+// Inputs per chunk: a row of W is unpacked and used a chunk at a time (one K block, or 8 of 32), so the
+// chain of run s is s % kChains in every chunk (16 runs) and the minimums' vectors are whole.
+constexpr int64_t kChunk = 256;
+
+// Weights [k0, k0 + count) of a row (k0 and count multiples of the type's block), unpacked into u.
+// The bounds are locals: stores through int8_t* may alias anything, so a bound read from the args in
+// the loop was reloaded, and its division redone, per block (40% of a Q8_0 call, measured).
+template <int kBlock, int kBytes, class Unpack>
+SKIPPY_INLINE void unpack_blocks(const uint8_t* row, int64_t k0, int64_t count, Unpacked u, Unpack unpack) {
+  row += k0 / kBlock * kBytes;
+  for (int64_t i = 0; i < count / kBlock; ++i, row += kBytes)
+    unpack(row, u.level + i * kBlock, u.scale + i * (kBlock / kRun), u.min + i * (kBlock / kRun));
+}
+
+SKIPPY_INLINE void unpack_span(int32_t type, const uint8_t* row, int64_t k0, int64_t count, Unpacked u) {
+  int64_t more_block, more_bytes;   // Q3_K, IQ4_XS, IQ4_NL, Q5_1, Q2_K: block_kernel_more_isa.cc
+  if (skippy_more_block(type, &more_block, &more_bytes))
+    return skippy_unpack_more(type, row, k0, count, u.level, u.scale, u.min);
+  switch (type) {
+    case SKIPPY_GGML_Q4_K: return unpack_blocks<256, 144>(row, k0, count, u, unpack_k4<false>);
+    case SKIPPY_GGML_Q5_K: return unpack_blocks<256, 176>(row, k0, count, u, unpack_k4<true>);
+    case SKIPPY_GGML_Q6_K:
+      return unpack_blocks<256, 210>(row, k0, count, u, [](const uint8_t* b, int8_t* l, float* s, float*)
+                                                            __attribute__((always_inline)) { unpack_q6_k(b, l, s); });
+    case SKIPPY_GGML_Q8_0:
+      return unpack_blocks<32, 34>(row, k0, count, u, [](const uint8_t* b, int8_t* l, float* s, float*)
+                                                          __attribute__((always_inline)) { unpack_q8_0(b, l, s); });
+    default:
+      return unpack_blocks<32, 22>(row, k0, count, u, [](const uint8_t* b, int8_t* l, float* s, float*)
+                                                          __attribute__((always_inline)) { unpack_q5_0(b, l, s); });
   }
 }
 
-// y[m0 .. m0 + R, n] for one unpacked row of W: per row of x the same operations whatever R is.
-template <int R>
-void dot_rows(const SkippyBlockArgs& a, int64_t m0, int64_t n, const Unpacked& u) {
-  vf acc[R][kChains][kVecs] = {};
-  const int64_t runs = a.K / kRun;
-  // the chain index c is a constant in the unrolled loop: a run-time index would keep acc in memory
-  for (int64_t s0 = 0; s0 < runs; s0 += kChains) {
-    for (int c = 0; c < kChains && s0 + c < runs; ++c) {
-      const int64_t s = s0 + c;
+void unpack_row(const SkippyBlockArgs& a, const uint8_t* row, Unpacked u) { unpack_span(a.type, row, 0, a.K, u); }
+
+// y[m0 .. m0 + R, n] for one row of W, whose chunks `chunk(k0)` hands over unpacked (from a staged row,
+// or unpacked there and then): per row of x the same operations whatever R is and wherever the
+// chunks come from, so a row's result depends neither on the rows that share its call nor on M.
+template <int R, class Chunk>
+SKIPPY_INLINE void dot_rows(const SkippyBlockArgs& a, int64_t m0, int64_t n, Chunk chunk) {
+  vf acc[R][kChains][kVecs] = {}, mins[R] = {};
+  float tails[R] = {};
+  const int64_t K = a.K, runs_all = K / kRun;
+  const bool with_min = has_min(a.type);
+  const float *x = a.x + m0 * K, *xs = a.xsum + m0 * runs_all;
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const Unpacked u = chunk(k0);
+    const int64_t runs = (K - k0 < kChunk ? K - k0 : kChunk) / kRun, s0 = k0 / kRun;
+    // run j into chain c; c is a constant wherever this is inlined (a run-time index keeps acc in memory)
+    auto step = [&](int64_t j, int c) __attribute__((always_inline)) {
       vf w[kVecs];
-      for (int v = 0; v < kVecs; ++v) w[v] = widen_s8(u.level + s * kRun + v * kLanes) * u.scale[s];
-      for (int r = 0; r < R; ++r) {
-        const float* x = a.x + (m0 + r) * a.K + s * kRun;
-        for (int v = 0; v < kVecs; ++v) acc[r][c][v] += loadf(x + v * kLanes) * w[v];
-      }
+      for (int v = 0; v < kVecs; ++v) w[v] = widen_s8(u.level + j * kRun + v * kLanes) * u.scale[j];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < kVecs; ++v) acc[r][c][v] += loadf(x + r * K + (s0 + j) * kRun + v * kLanes) * w[v];
+    };
+    int64_t j = 0;
+    for (; j + kChains <= runs; j += kChains)
+      for (int c = 0; c < kChains; ++c) step(j + c, c);
+    for (int c = 0; c < kChains; ++c)   // a last chunk of 32-blocks may hold fewer than kChains runs
+      if (j + c < runs) step(j + c, c);
+    if (with_min) {   // whole vectors, then the runs a last chunk of 32-blocks leaves (Q5_1, K = 576)
+      int64_t i = 0;
+      for (; i + kLanes <= runs; i += kLanes)
+        for (int r = 0; r < R; ++r) mins[r] += loadf(u.min + i) * loadf(xs + r * runs_all + s0 + i);
+      for (; i < runs; ++i)
+        for (int r = 0; r < R; ++r) tails[r] += u.min[i] * xs[r * runs_all + s0 + i];
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -160,17 +268,33 @@ void dot_rows(const SkippyBlockArgs& a, int64_t m0, int64_t n, const Unpacked& u
     for (int c = 0; c < kChains; ++c)
       for (int v = 0; v < kVecs; ++v) total += acc[r][c][v];
     float y = hsum(total);
-    if (has_min(a.type)) {   // whole vectors, then the runs left by K of 32-blocks (Q5_1)
-      const float* xs = a.xsum + (m0 + r) * runs;
-      vf mins = {};
-      int64_t s = 0;
-      for (; s + kLanes <= runs; s += kLanes) mins += loadf(u.min + s) * loadf(xs + s);
-      float tail = 0.0f;
-      for (; s < runs; ++s) tail += u.min[s] * xs[s];
-      y -= hsum(mins) + tail;
-    }
+    if (with_min) y -= hsum(mins[r]) + tails[r];
     a.y[(m0 + r) * a.N + n] = y;
   }
+}
+
+// A decode call (one tile of x): each chunk of a row of W unpacked into L1 just before its use, so the
+// loads of W overlap the arithmetic and nothing is staged.
+template <int R>
+void dot_unpacking(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  alignas(64) int8_t level[kChunk];
+  alignas(64) float scale[kChunk / kRun], min[kChunk / kRun];
+  const int32_t type = a.type;
+  const int64_t K = a.K;
+  const uint8_t* row = a.w + n * a.row_bytes;
+  dot_rows<R>(a, m0, n, [&](int64_t k0) __attribute__((always_inline)) {
+    const Unpacked u{level, scale, min};
+    unpack_span(type, row, k0, K - k0 < kChunk ? K - k0 : kChunk, u);
+    return u;
+  });
+}
+
+// The same product from a row unpacked ahead (prefill: its tiles of x all read it).
+template <int R>
+void dot_unpacked(const SkippyBlockArgs& a, int64_t m0, int64_t n, const Unpacked& u) {
+  dot_rows<R>(a, m0, n, [&](int64_t k0) __attribute__((always_inline)) {
+    return Unpacked{u.level + k0, u.scale + k0 / kRun, u.min + k0 / kRun};
+  });
 }
 
 // Scratch for a task's unpacked rows, one per thread, grown as needed and kept for later calls.
@@ -190,8 +314,16 @@ struct Scratch {
 void block_rows(const SkippyBlockArgs& a, int64_t task) {
   const int64_t n0 = task * SKIPPY_BLOCK_ROWS;
   const int64_t rows = a.N - n0 < SKIPPY_BLOCK_ROWS ? a.N - n0 : SKIPPY_BLOCK_ROWS;
-  static thread_local Scratch scratch;
   if (rows <= 0) return;
+  if (a.M <= kRows) {   // decode: one tile of x meets each row of W, unpacked chunk by chunk
+    for (int64_t i = 0; i < rows; ++i) {
+      if (a.M == kRows) dot_unpacking<kRows>(a, 0, n0 + i);
+      else
+        for (int64_t m = 0; m < a.M; ++m) dot_unpacking<1>(a, m, n0 + i);
+    }
+    return;
+  }
+  static thread_local Scratch scratch;
   if (!scratch.fit(SKIPPY_BLOCK_ROWS * a.K)) {   // out of memory: NaN outputs say so, never stale ones
     for (int64_t m = 0; m < a.M; ++m)
       for (int64_t i = 0; i < rows; ++i) a.y[m * a.N + n0 + i] = __builtin_nanf("");
@@ -205,9 +337,9 @@ void block_rows(const SkippyBlockArgs& a, int64_t task) {
   // rows of x outer, W's unpacked rows inner: a tile of x stays in L1 while it meets every row
   int64_t m = 0;
   for (; m + kRows <= a.M; m += kRows)
-    for (int64_t i = 0; i < rows; ++i) dot_rows<kRows>(a, m, n0 + i, u[i]);
+    for (int64_t i = 0; i < rows; ++i) dot_unpacked<kRows>(a, m, n0 + i, u[i]);
   for (; m < a.M; ++m)
-    for (int64_t i = 0; i < rows; ++i) dot_rows<1>(a, m, n0 + i, u[i]);
+    for (int64_t i = 0; i < rows; ++i) dot_unpacked<1>(a, m, n0 + i, u[i]);
 }
 
 }  // namespace

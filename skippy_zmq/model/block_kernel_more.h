@@ -34,11 +34,12 @@ static inline int skippy_more_has_min(int64_t type) {
   return type == SKIPPY_GGML_Q2_K || type == SKIPPY_GGML_Q5_1;
 }
 
-// Unpacks one row of W (a->K weights of a->type, one of this file's types) as above. In a per-ISA object
+// Unpacks weights [k0, k0 + count) of one row of W (a `type` of this file; k0 and count multiples of its
+// block) as above, into level[0 .. count), scale and min[0 .. count / 16). In a per-ISA object
 // (included after quant_kernel_simd.h) the name carries the ISA, skippy_unpack_more_<isa>, so each ISA's
 // block loops call the unpacker built for the same ISA.
 #if defined(SKIPPY_ISA) && defined(SKIPPY_CAT)
 #define skippy_unpack_more SKIPPY_CAT(skippy_unpack_more_, SKIPPY_ISA)
-extern "C" void skippy_unpack_more(const SkippyBlockArgs* a, const uint8_t* row, int8_t* level, float* scale,
-                                   float* min);
+extern "C" void skippy_unpack_more(int32_t type, const uint8_t* row, int64_t k0, int64_t count, int8_t* level,
+                                   float* scale, float* min);
 #endif

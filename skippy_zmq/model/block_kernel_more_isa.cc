@@ -107,21 +107,22 @@ typedef void (*UnpackBlock)(const uint8_t* b, int8_t* level, float* scale, float
 // One row: each block's levels, then its scales (and minimums) per 16 inputs. The type is chosen once
 // per row, so the loop over blocks calls one unpacker (inlined into this template's copy).
 template <int kBlock, int kBytes, UnpackBlock kUnpack>
-void unpack_blocks(int64_t K, const uint8_t* row, int8_t* level, float* scale, float* min) {
-  for (int64_t i = 0; i < K / kBlock; ++i, row += kBytes)
+void unpack_blocks(int64_t k0, int64_t count, const uint8_t* row, int8_t* level, float* scale, float* min) {
+  row += k0 / kBlock * kBytes;
+  for (int64_t i = 0; i < count / kBlock; ++i, row += kBytes)
     kUnpack(row, level + i * kBlock, scale + i * (kBlock / 16), min + i * (kBlock / 16));
 }
 
 }  // namespace
 
-extern "C" void skippy_unpack_more(const SkippyBlockArgs* a, const uint8_t* row, int8_t* level, float* scale,
-                                   float* min) {
-  switch (a->type) {
-    case SKIPPY_GGML_Q3_K: unpack_blocks<256, 110, unpack_q3_k>(a->K, row, level, scale, min); break;
-    case SKIPPY_GGML_IQ4_XS: unpack_blocks<256, 136, unpack_iq4_xs>(a->K, row, level, scale, min); break;
-    case SKIPPY_GGML_IQ4_NL: unpack_blocks<32, 18, unpack_iq4_nl>(a->K, row, level, scale, min); break;
-    case SKIPPY_GGML_Q5_1: unpack_blocks<32, 24, unpack_q5_1>(a->K, row, level, scale, min); break;
-    case SKIPPY_GGML_Q2_K: unpack_blocks<256, 84, unpack_q2_k>(a->K, row, level, scale, min); break;
+extern "C" void skippy_unpack_more(int32_t type, const uint8_t* row, int64_t k0, int64_t count, int8_t* level,
+                                   float* scale, float* min) {
+  switch (type) {
+    case SKIPPY_GGML_Q3_K: unpack_blocks<256, 110, unpack_q3_k>(k0, count, row, level, scale, min); break;
+    case SKIPPY_GGML_IQ4_XS: unpack_blocks<256, 136, unpack_iq4_xs>(k0, count, row, level, scale, min); break;
+    case SKIPPY_GGML_IQ4_NL: unpack_blocks<32, 18, unpack_iq4_nl>(k0, count, row, level, scale, min); break;
+    case SKIPPY_GGML_Q5_1: unpack_blocks<32, 24, unpack_q5_1>(k0, count, row, level, scale, min); break;
+    case SKIPPY_GGML_Q2_K: unpack_blocks<256, 84, unpack_q2_k>(k0, count, row, level, scale, min); break;
     default: break;   // the glue admits only skippy_more_block's types
   }
 }
