@@ -216,11 +216,16 @@ class Worker:
 
     def probe_peers(self, msg: link.Message) -> None:
         """PROBE: admit the driver's token keys on this worker's probe, measure the link to each
-        peer it names (cluster/peers.py), answer PROBED with what was found."""
-        if self.probe is not None:
-            self.probe.allow(peers.allow_keys(msg))
+        peer it names (cluster/peers.py), answer PROBED with what was found. A malformed PROBE is
+        logged and answered with no links (the driver then plans with its guesses): never fatal."""
         token = self.opts.token
-        found = peers.measure_peers(msg, token.public, token.secret, self.opts.link_probe_bytes)
+        try:
+            if self.probe is not None:
+                self.probe.allow(peers.allow_keys(msg))
+            found = peers.measure_peers(msg, token.public, token.secret, self.opts.link_probe_bytes)
+        except link.LinkError as exc:
+            logger.warning("worker {}: ignored a PROBE: {}", self.name, exc)
+            found = {}
         self.send("PROBED", {"links": found})
 
     def measure_first(self, msg: link.Message) -> None:
