@@ -253,7 +253,8 @@ def test_drift_over_the_threshold_for_the_window_asks_for_a_recut_with_scaled_nu
     planned = 2 * (1.0 + 1 / 8)                      # 2 layers at 1 row (s1 adds head + sampling: 0.51)
     for _ in range(40):                              # b's stage takes 2x its plan, a's as planned
         drift.observe([{"stage": "s0", "compute_ms": planned, "rows": 1},
-                       {"stage": "s1", "compute_ms": 2 * (planned + 0.51), "rows": 1}, "junk"])
+                       {"stage": "s1", "compute_ms": 2 * (planned + 0.51), "rows": 1}, "junk",
+                       {"stage": ["s0"]}, {"stage": "s0", "rows": "many"}, {"stage": "s1", "compute_ms": {}}])
     assert drift.check(100.0) is None                # over the threshold, but not for the window yet
     reason = drift.check(111.0)
     assert reason is not None and "stage s1 on worker b runs 2.00x slower" in reason

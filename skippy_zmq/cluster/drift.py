@@ -79,18 +79,15 @@ class DriftMonitor:
             return
         with self.lock:
             for entry in trace:
-                if not isinstance(entry, dict) or entry.get("stage") not in self.plan or entry["stage"] in warming:
+                step = _decode_step(entry)
+                if step is None or step[0] not in self.plan or step[0] in warming:
                     continue
-                rows = max(1, int(entry.get("rows") or 1))
-                if int(entry.get("tokens") or rows) != rows:
-                    continue
-                name, host, layers, last = self.plan[entry["stage"]]
+                stage, rows, measured = step
+                name, host, layers, last = self.plan[stage]
                 planned = layers * host.at(host.layer_ms, rows) + (host.at(host.head_ms, rows) if last else 0.0)
                 planned *= self.scale.get(name, 1.0)
-                measured = float(entry.get("compute_ms") or 0.0)
                 if planned <= 0 or measured <= 0:
                     continue
-                stage = entry["stage"]
                 old = self.ratio.get(stage)
                 self.ratio[stage] = measured / planned if old is None else old + ALPHA * (measured / planned - old)
                 self.samples[stage] = self.samples.get(stage, 0) + 1
@@ -135,3 +132,17 @@ class DriftMonitor:
             self._rescale(ratios)
             return (f"stage {worst} on worker {self.plan[worst][0]} runs {drift:.2f}x slower than planned "
                     f"beside stage {best} (threshold {self.threshold:g}, for {self.window_s:g} s)")
+
+
+def _decode_step(entry: Any) -> tuple[str, int, float] | None:
+    """(stage, rows, compute ms) of a trace entry that is a decode step (one token a row), else None;
+    a malformed entry (a stage's bug) is skipped, never raised on the pipeline thread."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("stage"), str):
+        return None
+    try:
+        rows = max(1, int(entry.get("rows") or 1))
+        tokens = int(entry.get("tokens") or rows)
+        measured = float(entry.get("compute_ms") or 0.0)
+    except (TypeError, ValueError):
+        return None
+    return (entry["stage"], rows, measured) if tokens == rows else None
