@@ -62,6 +62,12 @@ def test_the_probe_drops_what_breaks_its_rules_and_goes_on():
         server.close()
 
 
+def test_a_peer_endpoint_zmq_cannot_dial_is_that_peers_error():
+    public, secret = keypair()
+    found = measure_peer("tcp://no-port-here", public, public, secret, transfer_bytes=1024, timeout_s=0.5)
+    assert found == {"error": "Invalid argument (addr='tcp://no-port-here')"}
+
+
 def test_probe_messages_are_checked_and_capped():
     a, b = "A" * 40, "B" * 40
     asks = probe_requests({"w1": ("10.0.0.2", {"port": 4000, "key": a}), "w2": ("10.0.0.3", {"port": 4001, "key": b}),

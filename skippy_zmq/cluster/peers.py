@@ -83,6 +83,7 @@ class ProbeServer:
                     continue
                 reply = link.Message("PONG", {"size": size}, bytes(size) if size else None)
                 self.answered += 1   # before the PONG leaves: whoever got it sees the count
+                # a ROUTER drops (never blocks on) a message to a prober whose queue is full
                 self.sock.send_multipart([identity, *link.frames(reply)], flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:   # the socket closed under us: close() ran
             if not self._stop.is_set():
@@ -100,8 +101,7 @@ def measure_peer(endpoint: str, server_key: bytes, public: bytes, secret: bytes,
                  transfer_bytes: int = TRANSFER_BYTES, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
     """probe.measure_link to one peer's probe endpoint over CURVE ({"error"} when it fails)."""
     ctx = zmq.Context()
-    sock = make_socket(ctx, zmq.DEALER, endpoint, bind=False, max_message_bytes=MAX_PROBE_BYTES + 4096,
-                       security=SocketSecurity("curve", public, secret, server=False, server_key=server_key))
+    sock = None
 
     def ask(size: int) -> None:
         sock.send_multipart(link.frames(link.Message("PING", {"size": size})))
@@ -112,12 +112,15 @@ def measure_peer(endpoint: str, server_key: bytes, public: bytes, secret: bytes,
         if pong.kind != "PONG" or got != size:
             raise link.LinkError(f"{pong.kind} carried {got} bytes, {size} were asked for")
 
-    try:
+    try:   # an endpoint zmq cannot dial (a bad host name) is this peer's error, not the worker's end
+        sock = make_socket(ctx, zmq.DEALER, endpoint, bind=False, max_message_bytes=MAX_PROBE_BYTES + 4096,
+                           security=SocketSecurity("curve", public, secret, server=False, server_key=server_key))
         return measure_link(ask, transfer_bytes=transfer_bytes)
     except (TimeoutError, link.LinkError, zmq.ZMQError) as exc:
         return {"error": str(exc)[:300]}
     finally:
-        sock.close(linger=0)
+        if sock is not None:
+            sock.close(linger=0)
         ctx.term()
 
 
