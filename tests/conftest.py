@@ -104,7 +104,9 @@ def work_unit(nodeid: str) -> str:
 # own order, most tests first, left the 1-test pipelines of test_curve_pipeline, test_netns and
 # test_launch for the end). Units not listed follow in collection order.
 LONGEST_FIRST = ["shared-pipelines",   # 300 s
-                 "test_llama_server_suite",   # 230 s (llama.cpp's server tests against a pipeline of its own)
+                 # llama.cpp's server tests against a pipeline of its own: 230 s in that run; its pipeline now
+                 # serves 512 positions (2048 before), 250-320 -> 190-250 s alone on the loaded machine
+                 "test_llama_server_suite",
                  # (2026-12-05, docs/development.md) worker processes re-cut twice, ~3.5 min alone; three real
                  # SmolLM2 recipes by llama-quantize (where llama.cpp is built); five recipes and their rows
                  "test_cluster_recut", "test_convert_gguf_types", "test_bench_recipes",

@@ -8,19 +8,18 @@ from __future__ import annotations
 import fcntl
 import os
 import subprocess
-import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
 from loguru import logger
 
+from skippy_zmq.devtools.bench import llama_build
 from skippy_zmq.files.fetch import FetchError
 
 _CHUNK_BYTES = 1 << 20
-_PIP_STDERR_LINES = 10
 
-LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36")
+LLAMA_CPP_SDIST = ("llama-cpp-python", llama_build.SDIST_VERSION)
 _VENDOR_MODELS = "vendor/llama.cpp/models/"
 
 
@@ -49,18 +48,16 @@ def fetch_llama_cpp_models(cache: Path | None = None) -> Path:
 
 
 def _extract_llama_cpp_models(target: Path, package: str, version: str) -> Path:
+    # the sdist the peers build and llama.cpp's server tests read too (one download, cached)
+    logger.info("reading llama.cpp's vocabularies and templates from the {}=={} sdist", package, version)
+    try:
+        archive = llama_build.sdist()
+    except (subprocess.CalledProcessError, OSError) as exc:
+        raise FetchError(f"could not download the {package}=={version} sdist: {exc}") from None
     with tempfile.TemporaryDirectory(prefix="skippy-sdist-", dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               f"{package}=={version}", "-d", tmp]
-        logger.info("downloading the {}=={} sdist (llama.cpp's vocabularies and templates)", package, version)
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        sdists = sorted(Path(tmp).glob("*.tar.gz"))
-        if not sdists:
-            tail = "\n".join(proc.stderr.strip().splitlines()[-_PIP_STDERR_LINES:])
-            raise FetchError(f"could not download the {package}=={version} sdist: {tail}")
         staged = Path(tmp) / "models"
-        with tarfile.open(sdists[0]) as archive:
-            extract_under(archive, _VENDOR_MODELS, staged)
+        with tarfile.open(archive) as sdist:
+            extract_under(sdist, _VENDOR_MODELS, staged)
         (staged / ".complete").write_text(f"{package}=={version}\n")
         if target.exists():
             import shutil

@@ -21,6 +21,7 @@ would die at the first matrix product with SIGILL.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
@@ -182,14 +183,24 @@ def _tool(name: str) -> str:
 
 def sdist(root: Path | None = None) -> Path:
     """The llama-cpp-python sdist under root/sdist, downloaded there (pip, from PyPI) if absent;
-    raises CalledProcessError where pip cannot get it (no network)."""
+    raises CalledProcessError where pip cannot get it (no network). The one copy every user of the
+    sdist reads (the peers build, llama.cpp's server tests, its models/ folder for the suite): the
+    suite's parallel workers ask at once, so one downloads (under a lock, into a staging folder,
+    renamed in whole) while the others wait and find it."""
     download = (root or cache_dir()) / "sdist"
     archive = download / f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
-    if not archive.is_file():
-        download.mkdir(parents=True, exist_ok=True)
+    if archive.is_file():
+        return archive
+    download.mkdir(parents=True, exist_ok=True)
+    with open(download / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if archive.is_file():
+            return archive
         print(f"[peers] downloading the llama-cpp-python {SDIST_VERSION} sdist", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={SDIST_VERSION}", "-d", str(download)], check=True)
+        with tempfile.TemporaryDirectory(dir=download, prefix=".pip-") as staging:
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                            f"llama-cpp-python=={SDIST_VERSION}", "-d", staging], check=True)
+            os.replace(Path(staging) / archive.name, archive)
     return archive
 
 
