@@ -130,3 +130,28 @@ def test_compile_behind_goes_on_after_its_wait_and_the_loop_runs_what_it_compile
         assert r.run_compiled() is False
         r.decode(np.array([0]), random_ids(1, TINY.vocab_size, seed=3), np.array([0]))
     assert compiles == [] and r.stats.layered == set() and r.stats.cold_steps == 0
+
+
+def test_a_busy_stage_runs_a_compiled_decode_shape_whole_slice_without_waiting_to_be_idle(tiny_tree):
+    """A stage that a re-cut restarts under 8 running streams is never idle, so run_compiled never
+    runs: a decode shape compile_behind has compiled is then run whole-slice by the request's own step
+    (its first run), not layer by layer until every stream ends; the same tokens' logits as a plain
+    runner, and the step compiles nothing."""
+    r = make(tiny_tree, stopgap=True)
+    shape = r.warm_shapes()[0]
+    r.quiet.clear()              # requests hold lanes (StageWorker.note_sessions)
+    r.behind_yield_s = 0.01
+    r.compile_behind([shape])
+    r.join_behind()
+    assert r.stats.shapes == {shape} and r.stats.ran == set()
+    x = random_ids(2, TINY.vocab_size, seed=6)
+    with counting_compiles() as compiles:
+        out = r.decode(np.array([0]), x[:1], np.array([0]))
+    assert compiles == [] and r.stats.layered == set() and r.stats.ran == {shape} and r.stats.cold_steps == 0
+    np.testing.assert_allclose(out, make(tiny_tree).decode(np.array([0]), x[:1], np.array([0])), rtol=2e-5, atol=2e-5)
+    r.quiet.set()                # idle: a compiled shape nothing has run waits for run_compiled, as before
+    other = ((2, 1), 128, "logits")
+    r.compile_behind([other])
+    r.join_behind()
+    r.decode(np.array([0, 1]), x[:2], np.array([1, 0]))
+    assert ((2, 1), 128, "logits") in r.stats.layered and other not in r.stats.ran

@@ -109,10 +109,14 @@ class SliceRunner:
     def _fused(self, shape: tuple) -> bool:
         """Whether `_step` runs this (inputs shape, attn_len, output) with the whole-slice step: always,
         unless `stopgap`; then once it is compiled and, when small (`_compile` runs those once: a
-        compiled step's first run is slow), run."""
+        compiled step's first run is slow), run, or while a request holds a lane here (`quiet` clear).
+        The first run on padding happens only while the stage is idle (run_compiled), and a stage
+        that a re-cut restarts under 8 running streams is never idle: its decode steps stayed layer
+        by layer (a dozen small dispatches a layer, each waiting for a core the compile-behind
+        thread holds) until every stream ended; one slow first run costs far less."""
         if not self.stopgap or shape in self.stats.ran:
             return True
-        return shape in self.stats.shapes and not _small(shape[0])
+        return shape in self.stats.shapes and (not _small(shape[0]) or not self.quiet.is_set())
 
     def _step(self, inputs: np.ndarray, positions: np.ndarray, lanes: np.ndarray, attn_len: int,
               output: str) -> jax.Array | None:
