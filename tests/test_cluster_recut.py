@@ -166,8 +166,24 @@ def test_a_rebalance_on_command_while_8_streams_run_fails_none_and_changes_no_to
         assert any("re-cut (asked for" in line and "paused 8 request(s)" in line for line in driver_log), \
             [line for line in driver_log if "re-cut" in line]
         assert all(w.next_files is None for w in server.workers.values())
+        # its cost was measured: begin until every stage of the new split was ready and done compiling
+        assert 0 < outcome["cost_s"] == rebalancer.cost_s < topology.driver.resume_timeout_s
+        assert rebalancer.target.settle(1.0) and not any(s.info["compiling"] for s in engine.stages.values())
+        assert_damped(server, rebalancer, slowed, after)
     finally:
         close_all(server, procs, rebalancer, engine)
+
+
+def assert_damped(server, rebalancer, slowed: str, split: dict) -> None:
+    """A drift re-cut that would not pay back the last one's cost (made huge here) is skipped: the
+    split, the stages' processes and the history stay as they are, and the skip says why."""
+    pids = {w.name: w.started["pid"] for w in server.workers.values()}
+    rebalancer.drift.scale[slowed] = 0.1        # now 10x faster than it measured: a new plan moves layers
+    rebalancer.cost_s = 1e6
+    outcome = rebalancer.recut("drift (a test)", damped=True)
+    assert outcome["ok"] and not outcome["changed"] and "the last re-cut cost 1000000.0 s" in outcome["skipped"]
+    assert split_of(server) == split and {w.name: w.started["pid"] for w in server.workers.values()} == pids
+    assert len(rebalancer.history) == 1 and rebalancer.skipped[0]["reason"] == "drift (a test)"
 
 
 def fake_measure(memory: int) -> dict:

@@ -10,7 +10,9 @@ or when a stage's measured step times drift from the plan (cluster/drift.py). Th
 2. the engine pauses admission and drops in-flight rows (engine/recut.py);
 3. HALT: every worker stops its stage (HALTED), so that no port is held twice;
 4. START: the new split's stages (same ids and ports, new layer ranges, maybe fewer of them);
-   the engine resumes every paused session from its token history once they are READY.
+   the engine resumes every paused session from its token history once they are READY;
+5. the rebalancer waits until the new split is ready and done compiling: that is the re-cut's
+   measured cost, which the next drift re-cut must pay back (cluster/payback.py), else it is skipped.
 
 When no split of the workers left fits their memory, the engine answers every request with a 503
 that names the missing layers and the worker that had them, until a worker joins.
@@ -46,12 +48,14 @@ class RecutTarget(Protocol):
     def begin(self, reason: str) -> None: ...
     def finish(self, topology: Topology) -> None: ...
     def set_missing(self, text: str | None) -> None: ...
+    def settle(self, timeout: float) -> bool: ...
 
 
 @dataclasses.dataclass
 class Recut:
     reason: str
     done: Callable[[dict[str, Any]], None] | None = None   # told the outcome (a REBALANCE's reply)
+    drift: bool = False                                     # on drift: damped (cluster/payback.py)
 
 
 def speed_of(record: WorkerRecord) -> dict[str, Any] | None:
@@ -92,6 +96,8 @@ class Rebalancer:
         self.halted: set[str] = set()
         self.missing: str | None = None
         self.history: list[dict[str, Any]] = []         # one entry per re-cut done: reason, seconds, stages
+        self.skipped: list[dict[str, Any]] = []         # drift re-cuts that would not have paid back
+        self.cost_s: float | None = None                # the last re-cut's measured cost (begin to settled)
         server.handlers.update(PREPARED=self._on_prepared, HALTED=self._on_halted, REBALANCE=self._on_rebalance)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="cluster-rebalance", daemon=True)
@@ -129,7 +135,7 @@ class Rebalancer:
             if job is None:
                 continue
             try:
-                outcome = self.recut(job.reason)
+                outcome = self.recut(job.reason, damped=job.drift)
             except Exception as exc:   # a failed re-cut is said; the next trigger tries again
                 logger.exception("cluster: the re-cut ({}) failed", job.reason)
                 outcome = {"ok": False, "reason": f"the re-cut failed: {exc!r}"[:500]}
@@ -154,19 +160,26 @@ class Rebalancer:
         if joiners:
             return Recut(f"worker(s) {', '.join(joiners)} joined")
         reason = self.drift.check(now) if self.drift is not None else None
-        return Recut(reason) if reason else None
+        return Recut(reason, drift=True) if reason else None
 
     # ---------------------------------------------------------------- one re-cut
 
-    def recut(self, reason: str) -> dict[str, Any]:
-        """Plan, prepare while serving, pause, halt, start the new split; the outcome as JSON."""
+    def recut(self, reason: str, damped: bool = False) -> dict[str, Any]:
+        """Plan, prepare while serving, pause, halt, start the new split, wait until it settled; the
+        outcome as JSON. `damped`: only when the new split pays back the last re-cut's cost."""
         logger.info("cluster: re-cut ({})", reason)
-        split = self._plan()
+        measured: dict[str, dict[str, Any]] = {}
+        split = self._plan(measured)
         if split is None:
             return {"ok": False, "reason": self.missing or "no split fits the workers' memory (see the driver's log)"}
         if self._current() == self._stages(split.topology, split.workers) and self.missing is None:
             logger.info("cluster: re-cut ({}): the split stays as it is", reason)
             return {"ok": True, "changed": False, "stages": self._current()}
+        payback = self._payback(split, measured) if damped else None
+        if payback is not None and not payback.worth_it:
+            logger.info("cluster: re-cut ({}) skipped: {}", reason, payback.text())
+            self.skipped.append({"reason": reason, "why": payback.text()})
+            return {"ok": True, "changed": False, "skipped": payback.text(), "stages": self._current()}
         t0 = time.monotonic()
         if not self._prepare(split):
             return {"ok": False, "reason": "a worker of the new split did not fetch its items in time; split kept"}
@@ -184,10 +197,25 @@ class Rebalancer:
         done = {"ok": True, "changed": True, "reason": reason, "stages": self._current(),
                 "prepare_s": round(fetched, 3), "switch_s": round(time.monotonic() - t0 - fetched, 3),
                 "predicted_ms_per_token": round(split.prediction.ms_per_token_1, 3)}
-        self.history.append(done)
         logger.info("cluster: re-cut ({}) done: {}; the engine resumes once the stages are READY", reason,
                     ", ".join(f"{s[0]} [{s[1]}, {s[2]}) on {s[3]}" for s in done["stages"]))
+        settled = self.target.settle(self.base.driver.resume_timeout_s)
+        self.cost_s = done["cost_s"] = round(time.monotonic() - t0 - fetched, 3)
+        logger.info("cluster: re-cut ({}) {} {:.1f} s after the pause began", reason,
+                    "settled (every stage ready, done compiling)" if settled else "not settled", self.cost_s)
+        self.history.append(done)
         return done
+
+    def _payback(self, split: MeasuredSplit, measured: dict[str, dict[str, Any]]):   # -> payback.Payback | None
+        """Whether `split` pays back the last re-cut's cost, at the speeds it was planned with."""
+        from skippy_zmq.cluster.payback import Payback, current_ms, planned_ms
+
+        now = current_ms(self.server.topology, [s[3] for s in self._current()], measured,
+                         self.config.objective, self.config.streams)
+        if now is None:
+            return None
+        return Payback(now, planned_ms(split.prediction, self.config.objective), self.cost_s,
+                       self.config.recut_payback_s)
 
     @staticmethod
     def _stages(topology: Topology, workers: tuple[str, ...]) -> list[list[Any]]:
@@ -197,9 +225,10 @@ class Rebalancer:
         by_stage = {w.stage: w.name for w in self.server.workers.values() if w.stage is not None}
         return [[s.id, s.start, s.end, by_stage.get(s.id)] for s in self.server.topology.stages]
 
-    def _plan(self) -> MeasuredSplit | None:
+    def _plan(self, measured: dict[str, dict[str, Any]]) -> MeasuredSplit | None:
         """The best split of the live measured workers (as many stages as there are, up to the
-        topology's); None (and the engine's 503 when the model is broken) when none fits."""
+        topology's); None (and the engine's 503 when the model is broken) when none fits. `measured`
+        is filled with the speeds it planned with (name -> measure_host dict, drift-scaled)."""
         from skippy_zmq.ops.speed import SpeedPlanError
 
         workers = [w for w in list(self.server.workers.values()) if w.name not in self.gone and speed_of(w)]
@@ -207,7 +236,7 @@ class Rebalancer:
         if self.drift is not None:   # whatever asked for it, plan at the speeds the replies show now
             logger.info("cluster: re-cut plans with each worker's measurement scaled by {}", self.drift.refresh())
         n = min(len(self.base.stages), len(workers))
-        measured = {w.name: self._speed(w) for w in workers}
+        measured.update({w.name: self._speed(w) for w in workers})
         try:
             if n == 0:
                 raise SpeedPlanError("no worker with a measurement is left")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 from loguru import logger
 
@@ -24,6 +25,7 @@ from skippy_zmq.engine.prefix_index import PrefixIndex
 from skippy_zmq.engine.request import EngineError
 
 STEP_TIMEOUT_S = 10.0   # the pipeline thread answers a command within one pass of its loop
+SETTLE_CHECK_S = 0.5    # how often `settle` looks at the stages' compile state
 
 
 class EngineRecut:
@@ -92,6 +94,24 @@ class EngineRecut:
 
     def wait_ready(self, timeout: float) -> bool:
         return self.engine.wait_ready(timeout)
+
+    def settle(self, timeout: float) -> bool:
+        """Wait until every stage of the new split is ready and done compiling behind serving (its
+        heartbeats say `compiling`), up to `timeout`; False when it was not by then. Where a re-cut's
+        measured cost ends (cluster/payback.py). Looked at every SETTLE_CHECK_S, a heartbeat's pace."""
+        deadline = time.monotonic() + timeout
+        if not self.engine.wait_ready(timeout):
+            return False
+        pause = threading.Event()
+        while True:
+            compiling: list[str] = []
+            self._on_loop(lambda: compiling.extend(
+                sid for sid, state in self.engine.stages.items() if state.info.get("compiling", True)))
+            if not compiling:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            pause.wait(SETTLE_CHECK_S)
 
 
 def attach_rebalancer(server, engine: PipelineEngine):   # (ClusterServer) -> Rebalancer
