@@ -337,3 +337,44 @@ def test_a_bad_recut_setting_is_named(tiny_model, tmp_path, key, value, says):
     with pytest.raises(TopologyError) as err:
         load_topology(path)
     assert f"cluster.{key}" in str(err.value) and says in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_recut_leaves_a_stage_whose_layers_and_next_hop_stay_running(tiny_model, tmp_path, driver_log):
+    """3 stages; a re-cut swaps the workers of s1 and s2 while 8 streams decode: s0 (same worker,
+    layers and next hop) is neither halted nor restarted (same pid and incarnation, no READY again;
+    its KV and compiled steps stay), the other two are; no stream fails, every token equal."""
+    from skippy_zmq.cluster.split import MeasuredSplit, host_speed
+    from skippy_zmq.config.topology_yaml import load_topology
+    from skippy_zmq.ops.speed import Links, Stage, predict
+
+    n = 120
+    expected = expected_tokens(tiny_model, n)
+    topology = load_topology(recut_topology(tmp_path, tiny_model, 3, split="topology"))
+    server, procs = start_cluster(tmp_path, topology, {"a": ["--no-measure"], "b": ["--no-measure"],
+                                                       "c": ["--no-measure"]})
+    engine = rebalancer = None
+    try:
+        engine, rebalancer = serve(server, procs, tmp_path, 3)
+        order = tuple(holder(server, s.id) for s in server.topology.stages)
+        pids = {w.name: w.started["pid"] for w in server.workers.values()}
+        first = engine.stages["s0"].incarnation
+        swapped = (order[0], order[2], order[1])
+        hosts = {name: host_speed(name, fake_measure(8 << 30)) for name in swapped}
+        prediction = predict([Stage(w, s.start, s.end) for w, s in zip(swapped, server.topology.stages)], hosts,
+                             server.topology.stages[-1].end, Links())
+        streams = Streams(engine, n)
+        streams.warm.wait(300)
+        outcome = rebalancer.switch(MeasuredSplit(server.topology, swapped, prediction), "a test's split")
+        streams.join(600)
+        assert outcome["ok"] and outcome["kept"] == ["s0"], outcome
+        assert tuple(holder(server, s.id) for s in server.topology.stages) == swapped
+        now = {w.name: w.started["pid"] for w in server.workers.values()}
+        assert now[order[0]] == pids[order[0]] and engine.stages["s0"].incarnation == first
+        assert now[order[1]] != pids[order[1]] and now[order[2]] != pids[order[2]]
+        assert streams.errors == [] and streams.tokens == expected
+        readies = [line for line in driver_log if "is ready (incarnation" in line]
+        assert not any("stage s0 is ready" in line for line in readies[-2:]), readies
+        assert sorted(line.split("stage ")[1][:2] for line in readies[-2:]) == ["s1", "s2"], readies
+    finally:
+        close_all(server, procs, rebalancer, engine)

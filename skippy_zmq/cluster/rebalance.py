@@ -8,7 +8,8 @@ or when a stage's measured step times drift from the plan (cluster/drift.py). Th
 1. PREPARE: each worker of the new split fetches the items of its next stage that it lacks,
    while the old split goes on serving (PREPARED when it has them all);
 2. the engine pauses admission and drops in-flight rows (engine/recut.py);
-3. HALT: every worker stops its stage (HALTED), so that no port is held twice;
+3. HALT: every worker stops its stage (HALTED), so that no port is held twice, but a stage that
+   runs on as it is (same worker, layers and next hop): it keeps its process, KV and compiled steps;
 4. START: the new split's stages (same ids and ports, new layer ranges, maybe fewer of them);
    the engine resumes every paused session from its token history once they are READY;
 5. the rebalancer waits until the new split is ready and done compiling: that is the re-cut's
@@ -25,7 +26,7 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Collection, Protocol
 
 from loguru import logger
 
@@ -45,8 +46,8 @@ CHECK_S = 0.5               # how often triggers are looked at
 class RecutTarget(Protocol):
     """The engine's side (engine/recut.EngineRecut)."""
 
-    def begin(self, reason: str) -> None: ...
-    def finish(self, topology: Topology) -> None: ...
+    def begin(self, reason: str, kept: Collection[str] = ()) -> None: ...
+    def finish(self, topology: Topology, kept: Collection[str] = ()) -> None: ...
     def set_missing(self, text: str | None) -> None: ...
     def settle(self, timeout: float) -> bool: ...
 
@@ -180,21 +181,27 @@ class Rebalancer:
             logger.info("cluster: re-cut ({}) skipped: {}", reason, payback.text())
             self.skipped.append({"reason": reason, "why": payback.text()})
             return {"ok": True, "changed": False, "skipped": payback.text(), "stages": self._current()}
+        return self.switch(split, reason)
+
+    def switch(self, split: MeasuredSplit, reason: str) -> dict[str, Any]:
+        """Move to `split` (module docstring, steps 1-5); a stage that runs on as it is (`_kept`) is
+        neither prepared, halted nor started: its process, KV and compiled steps stay."""
+        kept = self._kept(split)
         t0 = time.monotonic()
-        if not self._prepare(split):
+        if not self._prepare(split, kept):
             return {"ok": False, "reason": "a worker of the new split did not fetch its items in time; split kept"}
         fetched = time.monotonic() - t0
-        self.target.begin(reason)
+        self.target.begin(reason, kept)
         if self.missing is not None:
             self.missing = None
             self.target.set_missing(None)
-        self._halt(split)
-        self._install(split)
-        self.target.finish(self.server.placed)
+        self._halt(split, kept)
+        self._install(split, kept)
+        self.target.finish(self.server.placed, kept)
         self.gone = dict.fromkeys(self.gone, "")        # planned around: they hold nothing of this split
         if self.drift is not None:
             self.drift.reset(self.server.topology, {w.name: w for w in self.server.workers.values()})
-        done = {"ok": True, "changed": True, "reason": reason, "stages": self._current(),
+        done = {"ok": True, "changed": True, "reason": reason, "stages": self._current(), "kept": sorted(kept),
                 "prepare_s": round(fetched, 3), "switch_s": round(time.monotonic() - t0 - fetched, 3),
                 "predicted_ms_per_token": round(split.prediction.ms_per_token_1, 3)}
         logger.info("cluster: re-cut ({}) done: {}; the engine resumes once the stages are READY", reason,
@@ -216,6 +223,26 @@ class Rebalancer:
             return None
         return Payback(now, planned_ms(split.prediction, self.config.objective), self.cost_s,
                        self.config.recut_payback_s)
+
+    def _kept(self, split: MeasuredSplit) -> frozenset[str]:
+        """The stages of `split` that run on as they are: the same worker, the same stage settings
+        (layers, endpoints), and the stage after it reached at the same endpoint (a stage keeps the
+        topology it started with: it would push to an old address). None while the model is broken."""
+        from skippy_zmq.cluster.assign import placed_topology
+
+        old = self.server.placed
+        if old is None or self.missing is not None or any(self.gone.values()):
+            return frozenset()
+        holder = {w.stage: w.name for w in self.server.workers.values() if w.stage is not None}
+        new = placed_topology(split.topology, {st.id: self.server.workers[name].address
+                                               for st, name in zip(split.topology.stages, split.workers)})
+        old_ids = [st.id for st in old.stages]
+
+        def after(topology: Topology, i: int) -> str | None:
+            return topology.stages[i + 1].connect if i + 1 < len(topology.stages) else None
+        return frozenset(st.id for i, (st, name) in enumerate(zip(new.stages, split.workers))
+                         if holder.get(st.id) == name and st.id in old_ids and old.stage(st.id) == st
+                         and old_ids.index(st.id) == i and after(old, i) == after(new, i))
 
     @staticmethod
     def _stages(topology: Topology, workers: tuple[str, ...]) -> list[list[Any]]:
@@ -265,10 +292,10 @@ class Rebalancer:
         logger.error("cluster: {}", self.missing)
         self.target.set_missing(self.missing)
 
-    def _prepare(self, split: MeasuredSplit) -> bool:
+    def _prepare(self, split: MeasuredSplit, kept: frozenset[str]) -> bool:
         """Each worker of the new split fetches what its next stage lacks while the old one serves."""
         s = self.server
-        wanted = {name: stage for name, stage in zip(split.workers, split.topology.stages)}
+        wanted = {name: stage for name, stage in zip(split.workers, split.topology.stages) if stage.id not in kept}
         self.prepared.clear()
 
         def send() -> None:
@@ -287,11 +314,12 @@ class Rebalancer:
         s.wait_until(settled, PREPARE_TIMEOUT_S)
         return all(self.prepared.get(n) == st.id for n, st in wanted.items())
 
-    def _halt(self, split: MeasuredSplit) -> None:
-        """Every live worker that runs a stage or gets one stops its stage (so no port is held twice)."""
+    def _halt(self, split: MeasuredSplit, kept: frozenset[str]) -> None:
+        """Every live worker that runs a stage or gets one stops its stage (so no port is held twice),
+        but those whose stage is `kept`."""
         s = self.server
         planned = set(split.workers)
-        halting = [w for w in list(s.workers.values()) if w.name not in self.gone
+        halting = [w for w in list(s.workers.values()) if w.name not in self.gone and w.stage not in kept
                    and (w.stage is not None or w.name in planned)]
         self.halted.clear()
 
@@ -303,8 +331,9 @@ class Rebalancer:
             logger.warning("cluster: re-cut: {} did not say HALTED in {:g} s; going on", ", ".join(
                 w.name for w in halting if w.name not in self.halted), HALT_TIMEOUT_S)
 
-    def _install(self, split: MeasuredSplit) -> None:
-        """The new split becomes the server's: stages given, placed, and each worker told to START."""
+    def _install(self, split: MeasuredSplit, kept: frozenset[str]) -> None:
+        """The new split becomes the server's: stages given, placed, and each worker told to START
+        (but those whose stage is `kept`)."""
         s = self.server
         installed = threading.Event()
 
@@ -316,7 +345,7 @@ class Rebalancer:
                     w.stage, w.next_files = None, None
                 for stage, name in zip(split.topology.stages, split.workers):
                     s.workers[name].stage = stage.id
-                s._place()
+                s._place(kept)
             finally:
                 installed.set()
         s.post(install)
