@@ -147,10 +147,10 @@ def test_a_rebalance_on_command_while_8_streams_run_fails_none_and_changes_no_to
         rebalancer.drift.scale[slowed] = 10.0       # fresh numbers: it is now 10x slower than it measured
         running, begin = [], rebalancer.target.begin
 
-        def begin_mid_run(reason: str) -> None:    # the pause comes with all 8 streams mid-run, whatever
+        def begin_mid_run(reason: str, kept=()) -> None:   # the pause comes with all 8 streams mid-run, whatever
             running.append(Streams(engine, n))      # the CLI's start-up took (a loaded machine's seconds)
             running[0].warm.wait(300)
-            begin(reason)
+            begin(reason, kept)
         rebalancer.target.begin = begin_mid_run
         cli = subprocess.run([sys.executable, "-m", "skippy_zmq.cli", "rebalance", "--join", server.token.text(),
                               "--timeout", "600"], capture_output=True, text=True, timeout=700, env=tied_env())

@@ -206,11 +206,11 @@ class Rebalancer:
                 "predicted_ms_per_token": round(split.prediction.ms_per_token_1, 3)}
         logger.info("cluster: re-cut ({}) done: {}; the engine resumes once the stages are READY", reason,
                     ", ".join(f"{s[0]} [{s[1]}, {s[2]}) on {s[3]}" for s in done["stages"]))
+        self.history.append(done)   # (a bench times the switch from here; cost_s is added below)
         settled = self.target.settle(self.base.driver.resume_timeout_s)
         self.cost_s = done["cost_s"] = round(time.monotonic() - t0 - fetched, 3)
         logger.info("cluster: re-cut ({}) {} {:.1f} s after the pause began", reason,
                     "settled (every stage ready, done compiling)" if settled else "not settled", self.cost_s)
-        self.history.append(done)
         return done
 
     def _payback(self, split: MeasuredSplit, measured: dict[str, dict[str, Any]]):   # -> payback.Payback | None
