@@ -166,6 +166,7 @@ def test_a_rebalance_on_command_while_8_streams_run_fails_none_and_changes_no_to
         assert any("re-cut (asked for" in line and "paused 8 request(s)" in line for line in driver_log), \
             [line for line in driver_log if "re-cut" in line]
         assert all(w.next_files is None for w in server.workers.values())
+        assert prepared_starts(tmp_path, procs) == ["s0", "s1"]   # built while the old split served
         # its cost was measured: begin until every stage of the new split was ready and done compiling
         assert 0 < outcome["cost_s"] == rebalancer.cost_s < topology.driver.resume_timeout_s
         assert rebalancer.target.settle(1.0) and not any(s.info["compiling"] for s in engine.stages.values())
@@ -184,6 +185,13 @@ def assert_damped(server, rebalancer, slowed: str, split: dict) -> None:
     assert outcome["ok"] and not outcome["changed"] and "the last re-cut cost 1000000.0 s" in outcome["skipped"]
     assert split_of(server) == split and {w.name: w.started["pid"] for w in server.workers.values()} == pids
     assert len(rebalancer.history) == 1 and rebalancer.skipped[0]["reason"] == "drift (a test)"
+
+
+def prepared_starts(tmp_path, procs) -> list[str]:
+    """The stages the workers started from a held process, built before the switch (cluster/next_stage.py)."""
+    lines = [line for n in procs for line in (tmp_path / f"{n}.log").read_text().splitlines()
+             if "was prepared; it opens its ports" in line]
+    return sorted(line.split(": stage ")[1].split()[0] for line in lines)
 
 
 def fake_measure(memory: int) -> dict:
@@ -373,6 +381,7 @@ def test_a_recut_leaves_a_stage_whose_layers_and_next_hop_stay_running(tiny_mode
         assert now[order[0]] == pids[order[0]] and engine.stages["s0"].incarnation == first
         assert now[order[1]] != pids[order[1]] and now[order[2]] != pids[order[2]]
         assert streams.errors == [] and streams.tokens == expected
+        assert prepared_starts(tmp_path, procs) == ["s1", "s2"]
         readies = [line for line in driver_log if "is ready (incarnation" in line]
         assert not any("stage s0 is ready" in line for line in readies[-2:]), readies
         assert sorted(line.split("stage ")[1][:2] for line in readies[-2:]) == ["s1", "s2"], readies

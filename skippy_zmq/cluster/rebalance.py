@@ -186,9 +186,10 @@ class Rebalancer:
     def switch(self, split: MeasuredSplit, reason: str) -> dict[str, Any]:
         """Move to `split` (module docstring, steps 1-5); a stage that runs on as it is (`_kept`) is
         neither prepared, halted nor started: its process, KV and compiled steps stay."""
-        kept = self._kept(split)
+        placed = self._placed(split)
+        kept = self._kept(split, placed)
         t0 = time.monotonic()
-        if not self._prepare(split, kept):
+        if not self._prepare(split, kept, placed):
             return {"ok": False, "reason": "a worker of the new split did not fetch its items in time; split kept"}
         fetched = time.monotonic() - t0
         self.target.begin(reason, kept)
@@ -224,18 +225,21 @@ class Rebalancer:
         return Payback(now, planned_ms(split.prediction, self.config.objective), self.cost_s,
                        self.config.recut_payback_s)
 
-    def _kept(self, split: MeasuredSplit) -> frozenset[str]:
+    def _placed(self, split: MeasuredSplit) -> Topology:
+        """`split` placed on its workers' addresses (what _install will place)."""
+        from skippy_zmq.cluster.assign import placed_topology
+
+        return placed_topology(split.topology, {st.id: self.server.workers[name].address
+                                                for st, name in zip(split.topology.stages, split.workers)})
+
+    def _kept(self, split: MeasuredSplit, new: Topology) -> frozenset[str]:
         """The stages of `split` that run on as they are: the same worker, the same stage settings
         (layers, endpoints), and the stage after it reached at the same endpoint (a stage keeps the
         topology it started with: it would push to an old address). None while the model is broken."""
-        from skippy_zmq.cluster.assign import placed_topology
-
         old = self.server.placed
         if old is None or self.missing is not None or any(self.gone.values()):
             return frozenset()
         holder = {w.stage: w.name for w in self.server.workers.values() if w.stage is not None}
-        new = placed_topology(split.topology, {st.id: self.server.workers[name].address
-                                               for st, name in zip(split.topology.stages, split.workers)})
         old_ids = [st.id for st in old.stages]
 
         def after(topology: Topology, i: int) -> str | None:
@@ -292,8 +296,11 @@ class Rebalancer:
         logger.error("cluster: {}", self.missing)
         self.target.set_missing(self.missing)
 
-    def _prepare(self, split: MeasuredSplit, kept: frozenset[str]) -> bool:
-        """Each worker of the new split fetches what its next stage lacks while the old one serves."""
+    def _prepare(self, split: MeasuredSplit, kept: frozenset[str], placed: Topology) -> bool:
+        """Each worker of the new split fetches what its next stage lacks and starts it held (restored
+        and compiled, no port open: cluster/next_stage.py) while the old one serves."""
+        from skippy_zmq.cluster.assign import stage_key_files
+
         s = self.server
         wanted = {name: stage for name, stage in zip(split.workers, split.topology.stages) if stage.id not in kept}
         self.prepared.clear()
@@ -304,7 +311,8 @@ class Rebalancer:
                 record.next_files = item_files(s.manifest, stage_item_names(s.model_cfg, stage.start, stage.end))
                 s._send(record.identity, link.Message("PREPARE", {
                     "stage": stage.id, "layers": [stage.start, stage.end], "digest": s.digest,
-                    "files": record.next_files, "max_chunk_bytes": s.config.max_chunk_bytes}))
+                    "files": record.next_files, "max_chunk_bytes": s.config.max_chunk_bytes,
+                    "topology": placed.to_dict(), "keys": stage_key_files(placed, stage.id)}))
         s.post(send)
 
         def settled() -> bool:
