@@ -205,7 +205,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     from skippy_zmq.stage.loop import run_stage
     from skippy_zmq.config.topology_yaml import load_topology
 
-    return run_stage(load_topology(args.topology), args.stage)
+    return run_stage(load_topology(args.topology), args.stage, Path(args.prepared) if args.prepared else None)
 
 
 def cmd_driver(args: argparse.Namespace) -> int:
@@ -326,6 +326,9 @@ def add_stage_parser(sub: Any) -> None:
     p = sub.add_parser("stage", help="run one pipeline stage")
     p.add_argument("--topology", required=True)
     p.add_argument("--stage", required=True)
+    p.add_argument("--prepared", default=None, metavar="FILE",
+                   help="restore and compile, write FILE, then open no port until SIGUSR1 (a re-cut's next "
+                        "stage, prepared while the old split serves)")
     p.set_defaults(func=cmd_stage)
 
 

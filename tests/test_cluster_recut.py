@@ -147,10 +147,10 @@ def test_a_rebalance_on_command_while_8_streams_run_fails_none_and_changes_no_to
         rebalancer.drift.scale[slowed] = 10.0       # fresh numbers: it is now 10x slower than it measured
         running, begin = [], rebalancer.target.begin
 
-        def begin_mid_run(reason: str) -> None:    # the pause comes with all 8 streams mid-run, whatever
+        def begin_mid_run(reason: str, kept=()) -> None:   # the pause comes with all 8 streams mid-run, whatever
             running.append(Streams(engine, n))      # the CLI's start-up took (a loaded machine's seconds)
             running[0].warm.wait(300)
-            begin(reason)
+            begin(reason, kept)
         rebalancer.target.begin = begin_mid_run
         cli = subprocess.run([sys.executable, "-m", "skippy_zmq.cli", "rebalance", "--join", server.token.text(),
                               "--timeout", "600"], capture_output=True, text=True, timeout=700, env=tied_env())
@@ -166,8 +166,32 @@ def test_a_rebalance_on_command_while_8_streams_run_fails_none_and_changes_no_to
         assert any("re-cut (asked for" in line and "paused 8 request(s)" in line for line in driver_log), \
             [line for line in driver_log if "re-cut" in line]
         assert all(w.next_files is None for w in server.workers.values())
+        assert prepared_starts(tmp_path, procs) == ["s0", "s1"]   # built while the old split served
+        # its cost was measured: begin until every stage of the new split was ready and done compiling
+        assert 0 < outcome["cost_s"] == rebalancer.cost_s < topology.driver.resume_timeout_s
+        assert rebalancer.target.settle(1.0) and not any(s.info["compiling"] for s in engine.stages.values())
+        assert_damped(server, rebalancer, slowed, after)
     finally:
         close_all(server, procs, rebalancer, engine)
+
+
+def assert_damped(server, rebalancer, slowed: str, split: dict) -> None:
+    """A drift re-cut that would not pay back the last one's cost (made huge here) is skipped: the
+    split, the stages' processes and the history stay as they are, and the skip says why."""
+    pids = {w.name: w.started["pid"] for w in server.workers.values()}
+    rebalancer.drift.scale[slowed] = 0.1        # now 10x faster than it measured: a new plan moves layers
+    rebalancer.cost_s = 1e6
+    outcome = rebalancer.recut("drift (a test)", damped=True)
+    assert outcome["ok"] and not outcome["changed"] and "the last re-cut cost 1000000.0 s" in outcome["skipped"]
+    assert split_of(server) == split and {w.name: w.started["pid"] for w in server.workers.values()} == pids
+    assert len(rebalancer.history) == 1 and rebalancer.skipped[0]["reason"] == "drift (a test)"
+
+
+def prepared_starts(tmp_path, procs) -> list[str]:
+    """The stages the workers started from a held process, built before the switch (cluster/next_stage.py)."""
+    lines = [line for n in procs for line in (tmp_path / f"{n}.log").read_text().splitlines()
+             if "was prepared; it opens its ports" in line]
+    return sorted(line.split(": stage ")[1].split()[0] for line in lines)
 
 
 def fake_measure(memory: int) -> dict:
@@ -321,3 +345,45 @@ def test_a_bad_recut_setting_is_named(tiny_model, tmp_path, key, value, says):
     with pytest.raises(TopologyError) as err:
         load_topology(path)
     assert f"cluster.{key}" in str(err.value) and says in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_recut_leaves_a_stage_whose_layers_and_next_hop_stay_running(tiny_model, tmp_path, driver_log):
+    """3 stages; a re-cut swaps the workers of s1 and s2 while 8 streams decode: s0 (same worker,
+    layers and next hop) is neither halted nor restarted (same pid and incarnation, no READY again;
+    its KV and compiled steps stay), the other two are; no stream fails, every token equal."""
+    from skippy_zmq.cluster.split import MeasuredSplit, host_speed
+    from skippy_zmq.config.topology_yaml import load_topology
+    from skippy_zmq.ops.speed import Links, Stage, predict
+
+    n = 120
+    expected = expected_tokens(tiny_model, n)
+    topology = load_topology(recut_topology(tmp_path, tiny_model, 3, split="topology"))
+    server, procs = start_cluster(tmp_path, topology, {"a": ["--no-measure"], "b": ["--no-measure"],
+                                                       "c": ["--no-measure"]})
+    engine = rebalancer = None
+    try:
+        engine, rebalancer = serve(server, procs, tmp_path, 3)
+        order = tuple(holder(server, s.id) for s in server.topology.stages)
+        pids = {w.name: w.started["pid"] for w in server.workers.values()}
+        first = engine.stages["s0"].incarnation
+        swapped = (order[0], order[2], order[1])
+        hosts = {name: host_speed(name, fake_measure(8 << 30)) for name in swapped}
+        prediction = predict([Stage(w, s.start, s.end) for w, s in zip(swapped, server.topology.stages)], hosts,
+                             server.topology.stages[-1].end, Links())
+        streams = Streams(engine, n)
+        streams.warm.wait(300)
+        outcome = rebalancer.switch(MeasuredSplit(server.topology, swapped, prediction), "a test's split")
+        streams.join(600)
+        assert outcome["ok"] and outcome["kept"] == ["s0"], outcome
+        assert tuple(holder(server, s.id) for s in server.topology.stages) == swapped
+        now = {w.name: w.started["pid"] for w in server.workers.values()}
+        assert now[order[0]] == pids[order[0]] and engine.stages["s0"].incarnation == first
+        assert now[order[1]] != pids[order[1]] and now[order[2]] != pids[order[2]]
+        assert streams.errors == [] and streams.tokens == expected
+        assert prepared_starts(tmp_path, procs) == ["s1", "s2"]
+        readies = [line for line in driver_log if "is ready (incarnation" in line]
+        assert not any("stage s0 is ready" in line for line in readies[-2:]), readies
+        assert sorted(line.split("stage ")[1][:2] for line in readies[-2:]) == ["s1", "s2"], readies
+    finally:
+        close_all(server, procs, rebalancer, engine)

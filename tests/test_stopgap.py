@@ -130,3 +130,51 @@ def test_compile_behind_goes_on_after_its_wait_and_the_loop_runs_what_it_compile
         assert r.run_compiled() is False
         r.decode(np.array([0]), random_ids(1, TINY.vocab_size, seed=3), np.array([0]))
     assert compiles == [] and r.stats.layered == set() and r.stats.cold_steps == 0
+
+
+def test_a_busy_stage_runs_a_compiled_decode_shape_whole_slice_without_waiting_to_be_idle(tiny_tree):
+    """A stage that a re-cut restarts under 8 running streams is never idle, so run_compiled never
+    runs: a decode shape compile_behind has compiled is then run whole-slice by the request's own step
+    (its first run), not layer by layer until every stream ends; the same tokens' logits as a plain
+    runner, and the step compiles nothing."""
+    r = make(tiny_tree, stopgap=True)
+    shape = r.warm_shapes()[0]
+    r.quiet.clear()              # requests hold lanes (StageWorker.note_sessions)
+    r.behind_yield_s = 0.01
+    r.compile_behind([shape])
+    r.join_behind()
+    assert r.stats.shapes == {shape} and r.stats.ran == set()
+    x = random_ids(2, TINY.vocab_size, seed=6)
+    with counting_compiles() as compiles:
+        out = r.decode(np.array([0]), x[:1], np.array([0]))
+    assert compiles == [] and r.stats.layered == set() and r.stats.ran == {shape} and r.stats.cold_steps == 0
+    np.testing.assert_allclose(out, make(tiny_tree).decode(np.array([0]), x[:1], np.array([0])), rtol=2e-5, atol=2e-5)
+    r.quiet.set()                # idle: a compiled shape nothing has run waits for run_compiled, as before
+    other = ((2, 1), 128, "logits")
+    r.compile_behind([other])
+    r.join_behind()
+    r.decode(np.array([0, 1]), x[:2], np.array([1, 0]))
+    assert ((2, 1), 128, "logits") in r.stats.layered and other not in r.stats.ran
+
+
+def test_a_busy_stage_compiles_behind_a_shape_it_ran_layer_by_layer_then_runs_it_whole_slice(tiny_tree):
+    """Under load, a shape nothing warmed before the idle warm-ups (a 4-row decode: 8 streams over 2
+    stages) runs layer by layer once, is compiled behind at once (no waiting for an idle stage that
+    8 streams never leave), and its next steps run the whole-slice step, compiling nothing, with the
+    plain runner's outputs. Idle (quiet), a layer-by-layer step asks for nothing (as before)."""
+    r, plain = make(tiny_tree, stopgap=True), make(tiny_tree)
+    x = random_ids(16, TINY.vocab_size, seed=8)
+    shape = ((4, 1), 256, "logits")
+    r.quiet.clear()
+    r.decode(np.arange(4), x[:4], np.array([200, 201, 202, 203]))
+    r.join_behind()
+    assert r.stats.layered == {shape} and r.stats.shapes == {shape} and r.stats.behind_waits == 0
+    with counting_compiles() as compiles:
+        out = r.decode(np.arange(4), x[4:8], np.array([204, 205, 206, 207]))
+    assert compiles == [] and r.stats.ran == {shape}
+    plain.decode(np.arange(4), x[:4], np.array([200, 201, 202, 203]))
+    np.testing.assert_allclose(out, plain.decode(np.arange(4), x[4:8], np.array([204, 205, 206, 207])),
+                               rtol=2e-5, atol=2e-5)
+    idle = make(tiny_tree, stopgap=True)
+    idle.decode(np.arange(4), x[:4], np.array([200, 201, 202, 203]))
+    assert not idle.compiling and idle.stats.shapes == set()

@@ -24,7 +24,7 @@ import queue
 import re
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import zmq
 from loguru import logger
@@ -365,13 +365,14 @@ class ClusterServer:
         return {"stage": stage.id, "layers": [stage.start, stage.end], "digest": self.digest,
                 "files": self.stage_files[stage.id], "max_chunk_bytes": self.config.max_chunk_bytes}
 
-    def _place(self) -> None:
+    def _place(self, kept: Collection[str] = ()) -> None:
+        """Place every stage on its worker and START it (not the `kept` ones: a re-cut left them running)."""
         addresses = {w.stage: w.address for w in self.workers.values() if w.stage is not None}
         self.placed = placed_topology(self.topology, addresses)
         logger.info("cluster: every stage has a worker: {}", ", ".join(
             f"{w.stage} on {w.name} ({w.address})" for w in self.workers.values() if w.stage is not None))
         for record in self.workers.values():
-            if record.stage is not None:
+            if record.stage is not None and record.stage not in kept:
                 self._start(record)
         self._placed.set()
 

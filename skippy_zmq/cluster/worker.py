@@ -30,6 +30,7 @@ from skippy_zmq.checkpoint.manifest import MANIFEST_VERSION, check_manifest
 from skippy_zmq.cluster import link, peers
 from skippy_zmq.cluster.assign import write_key_files
 from skippy_zmq.cluster.cache import CacheError, ModelCache
+from skippy_zmq.cluster.next_stage import NextStage
 from skippy_zmq.cluster.probe import TRANSFER_BYTES, measure_link
 from skippy_zmq.cluster.report import host_report, measure_speed
 from skippy_zmq.cluster.token import JoinToken
@@ -90,6 +91,8 @@ class Worker:
         self.cache: ModelCache | None = None
         self.next_stage: str | None = None         # a re-cut's next stage, fetched while this one serves
         self.next_cache: ModelCache | None = None
+        self.next_proc: NextStage | None = None    # ... and its process, built before the switch
+        self.announced: NextStage | None = None     # the held stage already said PREPARED
         self.ctx = zmq.Context()
         token = options.token
         self.sock = make_socket(self.ctx, zmq.DEALER, token.endpoint, bind=False, max_message_bytes=MAX_MESSAGE_BYTES,
@@ -297,10 +300,11 @@ class Worker:
         parse_topology(yaml.safe_load(path.read_text()), str(path))   # validated before a stage reads it
         return path
 
-    def start_stage(self, stage_id: str, topology_path: Path, run_dir: Path) -> subprocess.Popen:
+    def start_stage(self, stage_id: str, topology_path: Path, run_dir: Path,
+                    prepared: Path | None = None) -> subprocess.Popen:
         log = open(run_dir / f"{stage_id}.log", "ab")
         cmd = [sys.executable, "-m", "skippy_zmq.cli", *self.opts.stage_args, "stage", "--topology",
-               str(topology_path), "--stage", stage_id]
+               str(topology_path), "--stage", stage_id, *(["--prepared", str(prepared)] if prepared else [])]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=tied_env())
         log.close()
@@ -326,17 +330,58 @@ class Worker:
         stage_id = link.field(start, "stage", str)
         if stage_id != self.stage_id or self.cache is None:
             raise Refused(f"START names stage {stage_id!r}, but this worker was given {self.stage_id!r}")
-        run_dir = self.opts.cache / "runs" / re.sub(r"[^A-Za-z0-9_.-]", "_", stage_id)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        topology_path = self.stage_topology(start, self.cache, run_dir)
-        stage = parse_topology(yaml.safe_load(topology_path.read_text())).stage(stage_id)
-        speed = self.speed or (measure_speed(self.cache.dir, stage.weights, stage.device, dtype=stage.dtype)
-                               if self.opts.measure else None)
-        self.speed = speed   # a re-cut's START does not measure again
-        proc = self.start_stage(stage_id, topology_path, run_dir)
+        held, self.next_proc = self.next_proc, None
+        if held is not None and held.stage_id == stage_id and held.ready():
+            proc = held.go()   # built while the old split served: it only opens its ports now
+            logger.info("worker {}: stage {} (pid {}) was prepared; it opens its ports", self.name, stage_id, proc.pid)
+        else:
+            if held is not None:
+                held.cancel()
+            run_dir = self.run_dir(stage_id)
+            topology_path = self.stage_topology(start, self.cache, run_dir)
+            stage = parse_topology(yaml.safe_load(topology_path.read_text())).stage(stage_id)
+            self.speed = self.speed or (measure_speed(self.cache.dir, stage.weights, stage.device, dtype=stage.dtype)
+                                        if self.opts.measure else None)   # a re-cut's START does not measure again
+            proc = self.start_stage(stage_id, topology_path, run_dir)
+        speed = self.speed
         self.send("STARTED", {"stage": stage_id, "pid": proc.pid, "fetched_bytes": self.fetched_bytes,
                               **({"speed": speed} if speed else {})})
         return proc
+
+    def run_dir(self, stage_id: str) -> Path:
+        run_dir = self.opts.cache / "runs" / re.sub(r"[^A-Za-z0-9_.-]", "_", stage_id)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir
+
+    def prepare(self, msg: link.Message, stage_id: str) -> None:
+        """PREPARE: fetch what the next stage lacks; when the driver sent its placed topology, start
+        it held (cluster/next_stage.py): PREPARED once it is built (`check_prepared`), else now."""
+        self.next_cache, self.next_stage = self.fetch(msg), stage_id
+        if self.next_proc is not None:
+            self.next_proc.cancel()
+            self.next_proc = None
+        if "topology" not in msg.header:
+            self.send("PREPARED", {"stage": stage_id, "fetched_bytes": self.fetched_bytes})
+            return
+        run_dir = self.run_dir(f"next-{stage_id}")   # beside the serving stage's run folder, never over it
+        prepared = run_dir / "prepared"
+        prepared.unlink(missing_ok=True)
+        proc = self.start_stage(stage_id, self.stage_topology(msg, self.next_cache, run_dir), run_dir, prepared)
+        self.next_proc = NextStage(stage_id, proc, prepared)
+
+    def check_prepared(self) -> None:
+        """The held next stage is built (PREPARED), or died (PREPARED all the same: START runs it anew)."""
+        held = self.next_proc
+        if held is None or held is self.announced:
+            return
+        if held.ready() or held.failed():
+            if held.failed():
+                logger.error("worker {}: prepared stage {} exited with code {}; it will start at the switch",
+                             self.name, held.stage_id, held.proc.returncode)
+                self.next_proc = None
+            self.announced = held
+            self.send("PREPARED", {"stage": held.stage_id, "fetched_bytes": self.fetched_bytes,
+                                   "held": not held.failed()})
 
     def serve(self, proc: subprocess.Popen | None) -> int:
         """Until stopped (SIGTERM / SIGINT) or the stage exits: heartbeats to the driver, and a
@@ -355,7 +400,10 @@ class Worker:
             self.pending_start = None
             if msg is not None:
                 proc = self.on_recut(msg, proc)
+            self.check_prepared()
         self.halt(proc)
+        if self.next_proc is not None:
+            self.next_proc.cancel()
         return 0
 
     def on_recut(self, msg: link.Message, proc: subprocess.Popen | None) -> subprocess.Popen | None:
@@ -363,8 +411,7 @@ class Worker:
             stage_id = link.field(msg, "stage", str)
             logger.info("worker {}: re-cut: fetching what stage {} (layers {}) needs while serving", self.name,
                         stage_id, msg.header.get("layers"))
-            self.next_cache, self.next_stage = self.fetch(msg), stage_id
-            self.send("PREPARED", {"stage": stage_id, "fetched_bytes": self.fetched_bytes})
+            self.prepare(msg, stage_id)
         elif msg.kind == "HALT":
             self.halt(proc)
             proc = None
@@ -372,6 +419,9 @@ class Worker:
                 self.cache, self.stage_id = self.next_cache, self.next_stage
             else:
                 self.stage_id = None
+                if self.next_proc is not None:
+                    self.next_proc.cancel()
+                    self.next_proc = None
             self.send("HALTED", {"stage": msg.header.get("stage")})
         elif msg.kind == "START" and proc is None:
             proc = self.start(msg)

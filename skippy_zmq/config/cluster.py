@@ -16,6 +16,8 @@
       recut_threshold: 1.3           # re-cut when a stage's measured step time ÷ its planned time exceeds
                                      # the others' by this factor (0: never on drift) ...
       recut_window_s: 20             # ... sustained over this long
+      recut_payback_s: 120           # a drift re-cut only when the time it saves over this much serving
+                                     # (predicted from the measured speeds) beats the last re-cut's measured cost
       gone_after_s: 15               # a worker silent this long is gone for good: plan around it
 
 With the section (or `skippy-zmq driver --cluster`) the driver serves the checkpoint's items to
@@ -45,6 +47,7 @@ class ClusterConfig:
     recut: bool = True
     recut_threshold: float = 1.3
     recut_window_s: float = 20.0
+    recut_payback_s: float = 120.0
     gone_after_s: float = 15.0
 
     @property

@@ -61,7 +61,7 @@ _cluster = checks.section(ClusterConfig, {
     "token_ttl_s": checks.seconds, "max_chunk_bytes": _chunk_bytes,
     "split": checks.choice(*SPLITS), "objective": checks.choice(*OBJECTIVES), "streams": checks.integer(1),
     "recut": _flag, "recut_threshold": _recut_threshold, "recut_window_s": checks.seconds,
-    "gone_after_s": checks.seconds,
+    "recut_payback_s": checks.seconds, "gone_after_s": checks.seconds,
 })
 
 

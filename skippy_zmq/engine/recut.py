@@ -6,15 +6,19 @@ rows are dropped and every running session is re-prefilled from its token histor
 stage of the new split said READY, so greedy output is what it would have been without the
 re-cut. Requests that arrive meanwhile queue (`engine.recutting` lets `submit` take them).
 
-A stage of the old split must not count as one of the new: every stage is marked not ready with
-no known incarnation, so only a READY (a new process) makes it ready again; the fence
-(protocol/fencing.py) drops whatever the old processes left in the pipes.
+A stage of the old split must not count as one of the new: every stage that moves is marked not
+ready with no known incarnation, so only a READY (a new process) makes it ready again; the fence
+(protocol/fencing.py) drops whatever the old processes left in the pipes. A stage the re-cut leaves
+as it is (`kept`: same worker, layers and next hop) stays ready with its process, KV and compiled
+steps, as the stages beside a failed one do; the re-prefill rewrites its lanes at the same positions.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import time
+from typing import Collection
 
 from loguru import logger
 
@@ -24,6 +28,7 @@ from skippy_zmq.engine.prefix_index import PrefixIndex
 from skippy_zmq.engine.request import EngineError
 
 STEP_TIMEOUT_S = 10.0   # the pipeline thread answers a command within one pass of its loop
+SETTLE_CHECK_S = 0.5    # how often `settle` looks at the stages' compile state
 
 
 class EngineRecut:
@@ -50,27 +55,32 @@ class EngineRecut:
         if failed:
             raise failed[0]
 
-    def begin(self, reason: str) -> None:
-        """Pause admission and drop in-flight rows; no stage counts as ready until it says READY again."""
+    def begin(self, reason: str, kept: Collection[str] = ()) -> None:
+        """Pause admission and drop in-flight rows; no stage counts as ready until it says READY again,
+        but the `kept` ones: they run on as they are (same process, layers, KV and compiled steps),
+        as the stages beside a failed one do on the resume path."""
         def step() -> None:
             e = self.engine
             e.recutting = True
             e.scheduler.pause(f"re-cut: {reason}")
             for state in e.stages.values():
-                state.ready, state.incarnation = False, 0
+                if state.stage_id not in kept:
+                    state.ready, state.incarnation = False, 0
             e._ready.clear()
             logger.info("re-cut ({}): paused {} request(s); they resume from their token history on the new "
                         "split", reason, len(e.scheduler.running))
         self._on_loop(step)
 
-    def finish(self, topology: Topology) -> None:
+    def finish(self, topology: Topology, kept: Collection[str] = ()) -> None:
         """The new split's topology (same stage ids, new layer ranges; maybe fewer stages): the engine
-        waits for its stages' READY, then resumes (PipelineEngine._update_ready)."""
+        waits for its new stages' READY (the `kept` ones stay as they are), then resumes
+        (PipelineEngine._update_ready)."""
         def step() -> None:
             e = self.engine
             old_first = e.topology.first.connect
             e.topology = topology
-            e.stages = {s.id: StageState(s.id) for s in topology.stages}
+            e.stages = {s.id: e.stages[s.id] if s.id in kept and s.id in e.stages else StageState(s.id)
+                        for s in topology.stages}
             e.scheduler.cfg = dataclasses.replace(e.scheduler.cfg, n_stages=len(topology.stages))
             index = PrefixIndex([s.cache for s in topology.stages])   # the new stages' stores start empty
             e.scheduler.state.index = index if index.enabled else None
@@ -92,6 +102,24 @@ class EngineRecut:
 
     def wait_ready(self, timeout: float) -> bool:
         return self.engine.wait_ready(timeout)
+
+    def settle(self, timeout: float) -> bool:
+        """Wait until every stage of the new split is ready and done compiling behind serving (its
+        heartbeats say `compiling`), up to `timeout`; False when it was not by then. Where a re-cut's
+        measured cost ends (cluster/payback.py). Looked at every SETTLE_CHECK_S, a heartbeat's pace."""
+        deadline = time.monotonic() + timeout
+        if not self.engine.wait_ready(timeout):
+            return False
+        pause = threading.Event()
+        while True:
+            compiling: list[str] = []
+            self._on_loop(lambda: compiling.extend(
+                sid for sid, state in self.engine.stages.items() if state.info.get("compiling", True)))
+            if not compiling:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            pause.wait(SETTLE_CHECK_S)
 
 
 def attach_rebalancer(server, engine: PipelineEngine):   # (ClusterServer) -> Rebalancer

@@ -4,6 +4,7 @@ chunking and device placement. The step itself stays pure and small.
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import threading
@@ -79,6 +80,10 @@ class SliceRunner:
         self.quiet = threading.Event()
         self.quiet.set()
         self.behind_yield_s = BEHIND_YIELD_S
+        # shapes a busy stop-gap stage ran layer by layer that nothing compiles (compile_behind takes
+        # them first, without waiting for quiet): a 4-row decode is only in the idle warm-ups, which a
+        # stage restarted by a re-cut under 8 streams never gets to, so it ran layer by layer for good
+        self._wanted: collections.deque[tuple] = collections.deque()
 
     @property
     def first(self) -> bool:
@@ -109,10 +114,14 @@ class SliceRunner:
     def _fused(self, shape: tuple) -> bool:
         """Whether `_step` runs this (inputs shape, attn_len, output) with the whole-slice step: always,
         unless `stopgap`; then once it is compiled and, when small (`_compile` runs those once: a
-        compiled step's first run is slow), run."""
+        compiled step's first run is slow), run, or while a request holds a lane here (`quiet` clear).
+        The first run on padding happens only while the stage is idle (run_compiled), and a stage
+        that a re-cut restarts under 8 running streams is never idle: its decode steps stayed layer
+        by layer (a dozen small dispatches a layer, each waiting for a core the compile-behind
+        thread holds) until every stream ended; one slow first run costs far less."""
         if not self.stopgap or shape in self.stats.ran:
             return True
-        return shape in self.stats.shapes and not _small(shape[0])
+        return shape in self.stats.shapes and (not _small(shape[0]) or not self.quiet.is_set())
 
     def _step(self, inputs: np.ndarray, positions: np.ndarray, lanes: np.ndarray, attn_len: int,
               output: str) -> jax.Array | None:
@@ -138,7 +147,17 @@ class SliceRunner:
             self.stats.ran.add(shape)
         else:
             self.stats.layered.add(shape)
+            if not self.quiet.is_set() and shape not in self.stats.shapes:
+                self._want(shape)
         return out
+
+    def _want(self, shape: tuple) -> None:
+        """Have compile_behind's thread compile `shape` next (starting one when none runs; each
+        layer-by-layer step of it asks again, so a thread that was just ending misses nothing for long)."""
+        if shape not in self._wanted:
+            self._wanted.append(shape)
+        if not self.compiling:
+            self.compile_behind([])
 
     def _pad_inputs(self, inputs: np.ndarray, rows: int, length: int) -> np.ndarray:
         """Pad [B, T(, D)] inputs to [rows, length(, D)] with zeros."""
@@ -328,10 +347,16 @@ class SliceRunner:
         request's steps made them several times slower (a layer-by-layer step is a dozen small
         dispatches, each waiting for a core the compile holds). A lower OS priority for this thread
         would not help: XLA:CPU compiles on its client's pool threads, made when the client starts."""
+        todo = list(shapes)
+
         def compile_all() -> None:
-            for shape in shapes:
-                if not self.quiet.wait(self.behind_yield_s):
-                    self.stats.behind_waits += 1
+            while self._wanted or todo:
+                if self._wanted:   # in use now, layer by layer: no waiting for quiet
+                    shape = self._wanted.popleft()
+                else:
+                    shape = todo.pop(0)
+                    if not self.quiet.wait(self.behind_yield_s):
+                        self.stats.behind_waits += 1
                 self._compile(*shape, run=False)
                 # its traces live as long as we do: out of the cyclic collector's full passes, which
                 # over them held the GIL for seconds and stalled heartbeats (ops/lifetime.settle_heap)

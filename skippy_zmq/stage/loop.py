@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -32,6 +33,7 @@ from skippy_zmq.stage.worker import DRIVER, StageWorker
 from skippy_zmq.config.topology import StageConfig, Topology
 
 DRAIN_BATCH = 64
+HOLD_TIMEOUT_S = 3600.0   # a prepared stage waits this long for its go (a re-cut's switch), then exits
 IDLE_POLL_MS = 1000   # an idle loop's wake-up; driver loss is detected within dead_after_s + this
 
 
@@ -243,6 +245,26 @@ def idle_warmup(worker: StageWorker) -> bool:
     return True
 
 
+def hold_until_go(stage_id: str, prepared: Path, worker: StageWorker, timeout_s: float = HOLD_TIMEOUT_S) -> bool:
+    """Built while the old split still serves (weights restored, the whole-slice steps compiled:
+    compile_behind's thread joined): say so by writing `prepared`, then run the idle warm-ups (the
+    other decode shapes, a stage under 8 streams never idles for) until SIGUSR1, the worker's go
+    once the old stage freed the ports; only then open a socket. False when no go came within
+    `timeout_s` (the re-cut was given up)."""
+    go = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: go.set())   # before the file: the worker signals after it
+    worker.runner.join_behind()
+    prepared.write_text(f"{os.getpid()}\n")
+    logger.info("stage {} prepared (restored and compiled); its ports open on the worker's go", stage_id)
+    while worker.warm_later and not go.is_set():
+        worker.warm_later[0]()
+        worker.warm_later.pop(0)
+    if not go.wait(timeout_s):
+        logger.error("stage {}: no go within {:g} s of being prepared; exiting", stage_id, timeout_s)
+        return False
+    return True
+
+
 def _own_trace_entry(msg: wire.Message, stage_id: str) -> dict[str, Any] | None:
     """This stage's entry in a message's per-stage trace (forwarded work, tokens, or an ACK's stats)."""
     trace = msg.extras.get("trace")
@@ -267,7 +289,9 @@ def pin_cpus(stage: StageConfig) -> None:
     logger.info("stage {} pinned to CPUs {}", stage.id, list(stage.cpus))
 
 
-def run_stage(topology: Topology, stage_id: str) -> int:
+def run_stage(topology: Topology, stage_id: str, prepared: Path | None = None) -> int:
+    """Run a stage. `prepared` (a re-cut's next stage, started while the old split serves): restore
+    and compile first, write that file, and bind nothing until SIGUSR1 (`hold_until_go`)."""
     watch_parent(f"stage {stage_id}")   # spawned by a local process: die with it
     stage = topology.stage(stage_id)
     pin_cpus(stage)
@@ -276,6 +300,8 @@ def run_stage(topology: Topology, stage_id: str) -> int:
         worker = build_worker(topology, stage)
     except PlacementError as exc:   # one line an operator reads in the stage's log; launch shows it too
         logger.error("stage {} cannot start: {}", stage_id, exc)
+        return 3
+    if prepared is not None and not hold_until_go(stage_id, prepared, worker):
         return 3
     loop = StageLoop(topology, stage, worker, security)
     signal.signal(signal.SIGTERM, loop.request_stop)

@@ -42,7 +42,8 @@ HOSTS = (HostSpec("a", 1.0, shares=SHARES), HostSpec("b", 1.0, shares=SHARES))
 SLOWED, SLOW_TO = 1, 0.25          # host b: 100% -> 25% of a core
 STREAMS = 8
 PROMPT_TOKENS = 32
-CONTEXT = 1024                      # the streams run until stopped: room for a few hundred tokens each
+CONTEXT = 2048                      # the streams run until stopped: room for ~2000 tokens each (a re-cut that
+                                    # prepares its stages before the switch takes minutes on the slowed host)
 MAX_TOKENS = CONTEXT - PROMPT_TOKENS - 8
 WINDOW_S = 10.0                     # each measured window (before the slowdown: half of it)
 SETTLE_S = 3.0                      # after the slowdown / the re-cut's warm-up, before a window opens
