@@ -5,6 +5,8 @@
     .venv/bin/python scripts/first_request.py --out /tmp/first_request.json
     # the caches you already have (a restart, not a fresh machine):
     .venv/bin/python scripts/first_request.py --keep-caches
+    # the steps alone: a repeated prompt is otherwise drafted from its own earlier answer
+    .venv/bin/python scripts/first_request.py --speculative off
 
 What a fresh clone's `make serve` meets: a temporary, empty JAX compile cache (SKIPPY_JAX_CACHE) and
 kernel cache (SKIPPY_KERNEL_CACHE), the topology (default: topologies/smollm2-2stage.yaml) moved to
@@ -42,9 +44,12 @@ PROMPT = "Write three short sentences about the sea, the wind and a small boat."
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def fresh_topology(src: Path, tmp: Path) -> Path:
-    """The topology on free loopback ports, with its CURVE keys in `tmp` (made on launch)."""
+def fresh_topology(src: Path, tmp: Path, speculative: str | None = None) -> Path:
+    """The topology on free loopback ports, with its CURVE keys in `tmp` (made on launch); its
+    drafter's method replaced by `speculative` when given."""
     data = yaml.safe_load(src.read_text())
+    if speculative is not None:
+        data["driver"].setdefault("speculative", {})["method"] = speculative
     n = len(data["stages"])
     base = free_base_port(n + 2)
     data["driver"]["return"] = f"tcp://127.0.0.1:{base}"
@@ -115,7 +120,7 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
     env = dict(os.environ)
     if not args.keep_caches:
         env.update(SKIPPY_JAX_CACHE=str(tmp / "jax"), SKIPPY_KERNEL_CACHE=str(tmp / "kernel"))
-    topology, run_dir = fresh_topology(Path(args.topology), tmp), tmp / "run"
+    topology, run_dir = fresh_topology(Path(args.topology), tmp, args.speculative), tmp / "run"
     http_addr = yaml.safe_load(topology.read_text())["driver"]["http"]
     cli = Path(sys.executable).parent / "skippy-zmq"
     load_before = os.getloadavg()
@@ -144,7 +149,8 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
             server.wait()
     texts = {r.pop("text") for r in after_ready + warm}
     warm_s = statistics.median(r["wall_s"] for r in warm)
-    return {"topology": args.topology, "empty_caches": not args.keep_caches, "ready_s": round(ready_s, 2),
+    return {"topology": args.topology, "speculative": args.speculative, "empty_caches": not args.keep_caches,
+            "ready_s": round(ready_s, 2),
             "after_ready": after_ready, "settle_s": settle_s and round(settle_s, 2), "warm": warm,
             "first_over_warm": round(after_ready[0]["wall_s"] / warm_s, 2),
             "first_cpu_over_warm_cpu": round(after_ready[0]["cpu_s"] / max(0.01, statistics.median(
@@ -174,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds allowed for READY and for the warm-ups")
     ap.add_argument("--keep-caches", action="store_true", help="use your own JAX and kernel caches")
     ap.add_argument("--keep-logs", action="store_true", help="keep the temporary folder (stage logs)")
+    ap.add_argument("--speculative", choices=("off", "ngram", "suffix"),
+                    help="the drafter's method (default: the topology's). A repeat of one prompt is drafted "
+                         "from its earlier answer (ngram), so `off` compares the steps alone")
     ap.add_argument("--out", type=Path, help="write the result as JSON here")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="first-request-"))
