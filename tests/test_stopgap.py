@@ -5,7 +5,16 @@ again and nothing a request brings compiles (no timing here)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import select
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -130,3 +139,87 @@ def test_compile_behind_goes_on_after_its_wait_and_the_loop_runs_what_it_compile
         assert r.run_compiled() is False
         r.decode(np.array([0]), random_ids(1, TINY.vocab_size, seed=3), np.array([0]))
     assert compiles == [] and r.stats.layered == set() and r.stats.cold_steps == 0
+
+
+@contextlib.contextmanager
+def cache_events() -> Iterator[Counter]:
+    """Persistent-cache events in this process inside the block: cache_hits (reads), cache_misses (writes)."""
+    seen: Counter = Counter()
+
+    def listener(name: str, **_: object) -> None:
+        seen[name.rsplit("/", 1)[-1]] += 1
+
+    jax.monitoring.register_event_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+
+
+def children() -> set[int]:
+    """The live child processes of this process (every thread's)."""
+    return {int(pid) for task in Path("/proc/self/task").iterdir()
+            for pid in (task / "children").read_text().split()}
+
+
+def unique(cfg=TINY):
+    """TINY with a rope base no other test uses: its steps' HLO, so their cache keys, are new to the cache."""
+    return dataclasses.replace(cfg, rope_theta=10000.0 + time.time_ns() % 10**9 / 10**3)
+
+
+@pytest.mark.slow
+def test_a_child_process_compiles_behind_and_the_stage_reads_every_shape_from_the_cache(tiny_tree):
+    """The child (model/behind.py) compiles every shape into the persistent cache; the stage's thread
+    then compiles none itself: one cache read per shape, no write. The child is gone afterwards."""
+    r = make(tiny_tree, unique(), stopgap=True)
+    shapes = r.warm_shapes((1, 2), (16, 64), r.attn_buckets(1), windows=(2,))
+    before = children()
+    with cache_events() as events:
+        r.compile_behind(shapes)
+        r.join_behind()
+    assert r.stats.behind_child == len(shapes) == 5 and r.stats.shapes == set(shapes)
+    assert events["cache_hits"] == len(shapes) and events["cache_misses"] == 0   # read, not compiled here
+    assert children() <= before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,child_shapes", [
+    ("raise SystemExit(3)", 0),                                            # fails at once
+    ("print('done 0', flush=True); raise SystemExit(2)", 1),               # one shape, then dies
+    ("print('done 1', flush=True); import time; time.sleep(600)", 0),      # out of order, then hangs
+    ("import time; time.sleep(600)", 0),                                   # hangs: given up after behind_child_s
+], ids=["fails", "dies", "out-of-order", "hangs"])
+def test_a_child_that_fails_or_hangs_leaves_the_rest_to_the_thread(tiny_tree, script, child_shapes):
+    """Whatever the child does, every shape is compiled (the rest in the stage's own thread, as
+    without a child) and the child is killed and reaped."""
+    r = make(tiny_tree, unique(), stopgap=True)
+    r.behind_command = (sys.executable, "-c", script)
+    r.behind_child_s = 1.0
+    shapes = r.warm_shapes((1,), (16,), r.attn_buckets(1))
+    before = children()
+    with cache_events() as events:
+        r.compile_behind(shapes)
+        r.join_behind()
+    assert r.stats.behind_child == child_shapes and r.stats.shapes == set(shapes)
+    assert events["cache_misses"] == len(shapes) and children() <= before   # all compiled (written) here
+
+
+@pytest.mark.slow
+def test_the_child_dies_with_its_stage():
+    """A stage process that exits (here: at once, os._exit) takes its compile child with it: the
+    child, waiting for its job on a pipe, is gone within seconds (liveness deadline, no timing)."""
+    stage = subprocess.run([sys.executable, "-c", (
+        "import os, subprocess, sys\n"
+        "from skippy_zmq.model.behind import CHILD_COMMAND\n"
+        "child = subprocess.Popen([*CHILD_COMMAND, str(os.getpid())], stdin=subprocess.PIPE)\n"
+        "print(child.pid, flush=True)\n"
+        "os._exit(0)\n")], capture_output=True, text=True, timeout=60, check=True)
+    pid = int(stage.stdout.split()[0])
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:   # gone already
+        return
+    try:
+        assert select.select([fd], [], [], 30)[0], f"compile child {pid} outlived its stage by 30 s"
+    finally:
+        os.close(fd)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig
+from skippy_zmq.model import behind
 from skippy_zmq.model.layered import forward_layered
 from skippy_zmq.model.llama import KVCache, forward_jit
 from skippy_zmq.model import quant
@@ -51,6 +52,7 @@ class StepStats:
     reads: set = field(default_factory=set)    # KV spans whose lane read is compiled and run (warm_kv_copies)
     cold_steps: int = 0      # steps that compiled on the spot: a shape neither warmed nor compiled before
     behind_waits: int = 0    # compile_behind shapes started after BEHIND_YIELD_S with the stage still busy
+    behind_child: int = 0    # compile_behind shapes its child process compiled (the stage read them from the cache)
     moe_layer_passes: int = 0     # MoE layers run by counted steps (steps x the slice's MoE layers)
     moe_experts_routed: int = 0   # distinct experts their real tokens chose, summed over those passes
 
@@ -60,10 +62,12 @@ class SliceRunner:
 
     def __init__(self, cfg: ModelConfig, params: dict[str, Any], start: int, end: int,
                  kv_cfg: KVConfig = KVConfig(), buckets: Buckets = Buckets(), device: Any = None):
-        # One committed device (None: JAX's default), so warm-up, KV and every step's inputs share
-        # one placement and so one compiled step per shape.
+        # One committed device (None: JAX's default), so warm-up, KV, weights and every step's inputs
+        # share one placement and so one compiled step per shape (the same one compile_behind's child
+        # lowers from abstract shapes on that device: uncommitted weights lowered to another cache key).
         device = device if device is not None else jax.devices()[0]
-        self.cfg, self.params, self.start, self.end = cfg, for_device(params, device), start, end
+        self.cfg, self.start, self.end = cfg, start, end
+        self.params = _commit(for_device(params, device), device)
         self.kv_cfg, self.buckets, self.device = kv_cfg, buckets, device
         self.kv = KVCache.create(cfg, end - start, kv_cfg.lanes, kv_cfg.capacity,
                                  jnp.dtype(kv_cfg.dtype), device)
@@ -79,6 +83,9 @@ class SliceRunner:
         self.quiet = threading.Event()
         self.quiet.set()
         self.behind_yield_s = BEHIND_YIELD_S
+        # compile_behind's child process (model/behind.py) and how long it may stay silent; None: in-thread only
+        self.behind_command: tuple[str, ...] | None = behind.CHILD_COMMAND
+        self.behind_child_s = behind.CHILD_SHAPE_S
 
     @property
     def first(self) -> bool:
@@ -324,14 +331,16 @@ class SliceRunner:
         layer by layer until their shape is here). XLA's compile releases the GIL; the thread
         only lowers (never runs a step), so it never touches the KV the caller's steps donate.
 
-        Each shape waits for `quiet` (no request at the stage) up to behind_yield_s: a compile beside a
-        request's steps made them several times slower (a layer-by-layer step is a dozen small
-        dispatches, each waiting for a core the compile holds). A lower OS priority for this thread
-        would not help: XLA:CPU compiles on its client's pool threads, made when the client starts."""
+        The XLA compiles run in a SCHED_IDLE child process first (model/behind.py: XLA:CPU compiles
+        on its client's pool threads, so no priority of this thread could keep a compile here off a
+        request's cores); the thread reads each shape it wrote from the persistent cache. What the
+        child did not do (it failed, hung, or there is no cache or CPU device) compiles here.
+        Each shape is read or compiled once `quiet` (no request at the stage), or after waiting
+        behind_yield_s: a compile beside a request's steps made them several times slower (a
+        layer-by-layer step is a dozen small dispatches, each waiting for a core the compile holds)."""
         def compile_all() -> None:
-            for shape in shapes:
-                if not self.quiet.wait(self.behind_yield_s):
-                    self.stats.behind_waits += 1
+            for shape in shapes[self._read_from_child(shapes):]:
+                self._wait_quiet()
                 self._compile(*shape, run=False)
                 # its traces live as long as we do: out of the cyclic collector's full passes, which
                 # over them held the GIL for seconds and stalled heartbeats (ops/lifetime.settle_heap)
@@ -339,6 +348,29 @@ class SliceRunner:
 
         self._behind = threading.Thread(target=compile_all, name="compile-behind", daemon=True)
         self._behind.start()
+
+    def _wait_quiet(self) -> None:
+        if not self.quiet.wait(self.behind_yield_s):
+            self.stats.behind_waits += 1
+
+    def _read_from_child(self, shapes: list[tuple]) -> int:
+        """compile_behind through its child: each shape the child compiled is read from the cache
+        here (once quiet). Returns how many of `shapes`, from the first, are done."""
+        cache_dir = jax.config.jax_compilation_cache_dir
+        if self.behind_command is None or not cache_dir or self.device.platform != "cpu":
+            return 0
+        job = behind.BehindJob(self.cfg, self.start, self.end, behind.abstract(self.params),
+                               behind.abstract(self.kv), self.capacity, tuple(shapes), str(cache_dir))
+        done = 0
+        for i in behind.run_child(job, self.behind_command, self.behind_child_s):
+            if i != done:   # out of order: only a prefix is trusted
+                break
+            self._wait_quiet()
+            self._compile(*shapes[i], run=False)   # a persistent-cache read
+            gc.freeze()
+            done += 1
+            self.stats.behind_child += 1
+        return done
 
     def join_behind(self) -> None:
         """Wait for compile_behind's thread (a tool timing a stage's start; tests)."""
@@ -411,6 +443,13 @@ class SliceRunner:
         span = self._span(k.shape[1])
         pad = [(0, 0), (0, span - k.shape[1]), (0, 0), (0, 0)]
         self.kv = _write_lane(self.kv, np.int32(lane), self._put(np.pad(k, pad)), self._put(np.pad(v, pad)))
+
+
+def _commit(params: Any, device: Any) -> Any:
+    """`params` with each array not yet committed to a device committed to `device` (no copy there);
+    committed ones are kept as they are, the same objects (a tied head and embedding stay one)."""
+    return jax.tree.map(lambda a: a if isinstance(a, jax.Array) and a.committed else jax.device_put(a, device),
+                        params)
 
 
 def _small(shape: tuple[int, ...]) -> bool:
