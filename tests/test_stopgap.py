@@ -5,7 +5,16 @@ again and nothing a request brings compiles (no timing here)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import select
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -178,3 +187,175 @@ def test_a_busy_stage_compiles_behind_a_shape_it_ran_layer_by_layer_then_runs_it
     idle = make(tiny_tree, stopgap=True)
     idle.decode(np.arange(4), x[:4], np.array([200, 201, 202, 203]))
     assert not idle.compiling and idle.stats.shapes == set()
+
+
+@contextlib.contextmanager
+def cache_events() -> Iterator[Counter]:
+    """Persistent-cache events in this process inside the block: cache_hits (reads), cache_misses (writes)."""
+    seen: Counter = Counter()
+
+    def listener(name: str, **_: object) -> None:
+        seen[name.rsplit("/", 1)[-1]] += 1
+
+    jax.monitoring.register_event_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+
+
+def children() -> set[int]:
+    """The live child processes of this process (every thread's)."""
+    return {int(pid) for task in Path("/proc/self/task").iterdir()
+            for pid in (task / "children").read_text().split()}
+
+
+def unique(cfg=TINY):
+    """TINY with a rope base no other test uses: its steps' HLO, so their cache keys, are new to the cache."""
+    return dataclasses.replace(cfg, rope_theta=10000.0 + time.time_ns() % 10**9 / 10**3)
+
+
+@pytest.mark.slow
+def test_a_child_process_compiles_behind_and_the_stage_reads_every_shape_from_the_cache(tiny_tree):
+    """The child (model/behind.py) compiles every shape into the persistent cache; the stage's thread
+    then compiles none itself: one cache read per shape, no write. The child is gone afterwards."""
+    r = make(tiny_tree, unique(), stopgap=True)
+    shapes = r.warm_shapes((1, 2), (16, 64), r.attn_buckets(1), windows=(2,))
+    before = children()
+    with cache_events() as events:
+        r.compile_behind(shapes)
+        r.join_behind()
+    assert r.stats.behind_child == len(shapes) == 5 and r.stats.shapes == set(shapes)
+    assert events["cache_hits"] == len(shapes) and events["cache_misses"] == 0   # read, not compiled here
+    assert children() <= before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,child_shapes", [
+    ("raise SystemExit(3)", 0),                                            # fails at once
+    ("print('done 0', flush=True); raise SystemExit(2)", 1),               # one shape, then dies
+    ("print('done 1', flush=True); import time; time.sleep(600)", 0),      # out of order, then hangs
+    ("import time; time.sleep(600)", 0),                                   # hangs: given up after behind_child_s
+], ids=["fails", "dies", "out-of-order", "hangs"])
+def test_a_child_that_fails_or_hangs_leaves_the_rest_to_the_thread(tiny_tree, script, child_shapes):
+    """Whatever the child does, every shape is compiled (the rest in the stage's own thread, as
+    without a child) and the child is killed and reaped."""
+    r = make(tiny_tree, unique(), stopgap=True)
+    r.behind_command = (sys.executable, "-c", script)
+    r.behind_child_s = 1.0
+    shapes = r.warm_shapes((1,), (16,), r.attn_buckets(1))
+    before = children()
+    with cache_events() as events:
+        r.compile_behind(shapes)
+        r.join_behind()
+    assert r.stats.behind_child == child_shapes and r.stats.shapes == set(shapes)
+    assert events["cache_misses"] == len(shapes) and children() <= before   # all compiled (written) here
+
+
+@pytest.mark.slow
+def test_the_child_dies_with_its_stage():
+    """A stage process that exits (here: at once, os._exit) takes its compile child with it: the
+    child, waiting for its job on a pipe, is gone within seconds (liveness deadline, no timing)."""
+    stage = subprocess.run([sys.executable, "-c", (
+        "import os, subprocess, sys\n"
+        "from skippy_zmq.model.behind import CHILD_COMMAND\n"
+        "child = subprocess.Popen([*CHILD_COMMAND, str(os.getpid())], stdin=subprocess.PIPE)\n"
+        "print(child.pid, flush=True)\n"
+        "os._exit(0)\n")], capture_output=True, text=True, timeout=60, check=True)
+    pid = int(stage.stdout.split()[0])
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:   # gone already
+        return
+    try:
+        assert select.select([fd], [], [], 30)[0], f"compile child {pid} outlived its stage by 30 s"
+    finally:
+        os.close(fd)
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    """Poll `predicate` (a child's state the kernel keeps) until true or `timeout`: a liveness deadline."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def proc_state(pid: int) -> str:
+    """A process's state letter (/proc/PID/stat): 'T' stopped (SIGSTOP), 'S' sleeping, 'R' running."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def new_child(before: set[int]) -> int:
+    """The compile child compile_behind started (the one child of ours not in `before`)."""
+    assert wait_for(lambda: children() - before, 60), "no compile child started"
+    (pid,) = children() - before
+    return pid
+
+
+@pytest.mark.slow
+def test_the_child_is_stopped_while_a_request_holds_a_lane_and_a_wanted_shape_compiles_meanwhile(tiny_tree):
+    """`quiet` clear: the child is stopped (SIGSTOP: state T) and delivers nothing, while a shape the
+    busy stage ran layer by layer compiles in the stage's thread at once, not after the child; quiet
+    again: the child runs on, every shape it compiled is read from the cache, and it is gone."""
+    r = make(tiny_tree, unique(), stopgap=True)
+    r.behind_yield_s = 600.0
+    shapes = r.warm_shapes((1, 2), (16,), r.attn_buckets(1))
+    wanted, x = ((4, 1), 256, "logits"), random_ids(4, TINY.vocab_size, seed=8)
+    before = children()
+    r.quiet.clear()
+    r.compile_behind(shapes)
+    pid = new_child(before)
+    assert wait_for(lambda: proc_state(pid) == "T", 30), f"child {pid} not stopped: {proc_state(pid)}"
+    r.decode(np.arange(4), x, np.array([200, 201, 202, 203]))   # layer by layer, busy: wanted
+    assert wait_for(lambda: wanted in r.stats.shapes, 300), "the wanted shape waited for the child"
+    assert proc_state(pid) == "T" and r.stats.behind_child == 0 and r.compiling
+    with cache_events() as events:
+        r.quiet.set()
+        r.join_behind()
+    assert r.stats.behind_child == len(shapes) and r.stats.shapes == {*shapes, wanted}
+    assert events["cache_hits"] == len(shapes) and events["cache_misses"] == 0   # read, not compiled here
+    assert r.stats.behind_waits == 0 and children() <= before
+
+
+@pytest.mark.slow
+def test_a_child_stopped_for_behind_yield_s_runs_on_and_is_counted(tiny_tree):
+    """Steady traffic (`quiet` never set): the child, stopped behind_yield_s in a row, is continued
+    until its next shape (each time counted in behind_waits), so every shape is still compiled
+    there: the stage reads them all from the cache and compiles none itself."""
+    r = make(tiny_tree, unique(), stopgap=True)
+    r.behind_yield_s = 0.5
+    shapes = r.warm_shapes((1,), (16,), r.attn_buckets(1))
+    before = children()
+    r.quiet.clear()
+    with cache_events() as events:
+        r.compile_behind(shapes)
+        r.join_behind()
+    assert r.stats.shapes == set(shapes) and r.stats.behind_child >= 1 and r.stats.behind_waits >= 1
+    assert events["cache_hits"] == len(shapes) and events["cache_misses"] == 0
+    assert children() <= before
+
+
+@pytest.mark.slow
+def test_a_stopped_child_is_not_given_up_for_its_silence(tiny_tree):
+    """The child's silence deadline (behind_child_s) counts only the time it is let run: stopped for
+    three times it, it is still waited for; let run (quiet), it is given up after it, and every
+    shape compiles in the stage's thread."""
+    r = make(tiny_tree, unique(), stopgap=True)
+    r.behind_command = (sys.executable, "-c", "import time; time.sleep(600)")
+    r.behind_child_s, r.behind_yield_s = 1.0, 600.0
+    shapes = r.warm_shapes((1,), (16,), r.attn_buckets(1))
+    before = children()
+    r.quiet.clear()
+    r.compile_behind(shapes)
+    pid = new_child(before)
+    assert wait_for(lambda: proc_state(pid) == "T", 30), f"child {pid} not stopped: {proc_state(pid)}"
+    r._behind.join(3 * r.behind_child_s)
+    assert r.compiling and proc_state(pid) == "T"
+    with cache_events() as events:
+        r.quiet.set()
+        r.join_behind()
+    assert r.stats.shapes == set(shapes) and r.stats.behind_child == 0
+    assert events["cache_misses"] == len(shapes) and children() <= before

@@ -28,6 +28,7 @@ STAGE_COUNTERS = {"messages": "messages handled", "errors": "error replies sent"
                   "peer_rejected": "messages dropped as sent under a key that is not its upstream's",
                   "cold_steps": "steps that compiled on the spot (a shape no warm-up had reached)",
                   "behind_waits": "shapes its compile thread started, after waiting, while a request held a lane",
+                  "behind_child": "whole-slice shapes its compile child process compiled (read from the cache)",
                   "constraint_mask_seconds": "seconds computing structured-output token masks (final stage; "
                                              "per token: rate of this / rate of constraint_masks)",
                   "constraint_masks": "structured-output token masks computed (final stage)",

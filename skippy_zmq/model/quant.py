@@ -323,6 +323,13 @@ def for_device(params: Any, device: Any = None) -> Any:
                         params, is_leaf=lambda t: isinstance(t, QTensor))
 
 
+def commit(params: Any, device: Any) -> Any:
+    """`params` with each array not yet committed to a device committed to `device` (no copy there);
+    committed ones are kept as they are, the same objects (a tied head and embedding stay one)."""
+    return jax.tree.map(lambda a: a if isinstance(a, jax.Array) and a.committed else jax.device_put(a, device),
+                        params)
+
+
 def _kernel_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array, *, bits: int) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0] * PANEL), jnp.float32)
     return jax.ffi.ffi_call(KERNEL_TARGETS[bits], out)(x, q, s, z)

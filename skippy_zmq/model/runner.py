@@ -5,7 +5,6 @@ chunking and device placement. The step itself stays pure and small.
 from __future__ import annotations
 
 import collections
-import functools
 import gc
 import threading
 import time
@@ -17,10 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig
+from skippy_zmq.model import behind
 from skippy_zmq.model.layered import forward_layered
 from skippy_zmq.model.llama import KVCache, forward_jit
 from skippy_zmq.model import quant
-from skippy_zmq.model.quant import for_device
+from skippy_zmq.model.quant import commit, for_device
+from skippy_zmq.model.lanes import copy_lane, read_lane, write_lane
 
 WARM_RUN_TOKENS = 64   # warm-up runs (not only compiles) shapes of at most this many tokens: SliceRunner._compile
 # compile_behind starts its next shape only while the stage serves no request, or after this long waiting:
@@ -52,6 +53,7 @@ class StepStats:
     reads: set = field(default_factory=set)    # KV spans whose lane read is compiled and run (warm_kv_copies)
     cold_steps: int = 0      # steps that compiled on the spot: a shape neither warmed nor compiled before
     behind_waits: int = 0    # compile_behind shapes started after BEHIND_YIELD_S with the stage still busy
+    behind_child: int = 0    # compile_behind shapes its child process compiled (the stage read them from the cache)
     moe_layer_passes: int = 0     # MoE layers run by counted steps (steps x the slice's MoE layers)
     moe_experts_routed: int = 0   # distinct experts their real tokens chose, summed over those passes
 
@@ -61,10 +63,12 @@ class SliceRunner:
 
     def __init__(self, cfg: ModelConfig, params: dict[str, Any], start: int, end: int,
                  kv_cfg: KVConfig = KVConfig(), buckets: Buckets = Buckets(), device: Any = None):
-        # One committed device (None: JAX's default), so warm-up, KV and every step's inputs share
-        # one placement and so one compiled step per shape.
+        # One committed device (None: JAX's default), so warm-up, KV, weights and every step's inputs
+        # share one placement and so one compiled step per shape (the same one compile_behind's child
+        # lowers from abstract shapes on that device: uncommitted weights lowered to another cache key).
         device = device if device is not None else jax.devices()[0]
-        self.cfg, self.params, self.start, self.end = cfg, for_device(params, device), start, end
+        self.cfg, self.start, self.end = cfg, start, end
+        self.params = commit(for_device(params, device), device)
         self.kv_cfg, self.buckets, self.device = kv_cfg, buckets, device
         self.kv = KVCache.create(cfg, end - start, kv_cfg.lanes, kv_cfg.capacity,
                                  jnp.dtype(kv_cfg.dtype), device)
@@ -84,6 +88,10 @@ class SliceRunner:
         # them first, without waiting for quiet): a 4-row decode is only in the idle warm-ups, which a
         # stage restarted by a re-cut under 8 streams never gets to, so it ran layer by layer for good
         self._wanted: collections.deque[tuple] = collections.deque()
+        # compile_behind's child process (model/behind.py) and how long it may stay silent while it
+        # is let run; None: in-thread only
+        self.behind_command: tuple[str, ...] | None = behind.CHILD_COMMAND
+        self.behind_child_s = behind.CHILD_SHAPE_S
 
     @property
     def first(self) -> bool:
@@ -343,27 +351,65 @@ class SliceRunner:
         layer by layer until their shape is here). XLA's compile releases the GIL; the thread
         only lowers (never runs a step), so it never touches the KV the caller's steps donate.
 
-        Each shape waits for `quiet` (no request at the stage) up to behind_yield_s: a compile beside a
-        request's steps made them several times slower (a layer-by-layer step is a dozen small
-        dispatches, each waiting for a core the compile holds). A lower OS priority for this thread
-        would not help: XLA:CPU compiles on its client's pool threads, made when the client starts."""
-        todo = list(shapes)
-
+        A compile beside a request's steps made them several times slower (a layer-by-layer step is a
+        dozen small dispatches, each waiting for a core the compile holds), and no priority of this
+        thread could help: XLA:CPU compiles on its client's pool threads. So the compiles run in a
+        child process first (model/behind.py), stopped while a request holds a lane (`quiet` clear),
+        and this thread reads each shape it wrote from the persistent cache. What the child did not
+        do (it failed, hung, or there is no cache or CPU device) compiles here, each shape once
+        `quiet` or after waiting behind_yield_s. A `_wanted` shape (in use now, layer by layer)
+        compiles here first and at once, while the child runs too."""
         def compile_all() -> None:
+            todo = list(shapes[self._read_from_child(shapes):])
             while self._wanted or todo:
-                if self._wanted:   # in use now, layer by layer: no waiting for quiet
-                    shape = self._wanted.popleft()
-                else:
-                    shape = todo.pop(0)
-                    if not self.quiet.wait(self.behind_yield_s):
-                        self.stats.behind_waits += 1
-                self._compile(*shape, run=False)
-                # its traces live as long as we do: out of the cyclic collector's full passes, which
-                # over them held the GIL for seconds and stalled heartbeats (ops/lifetime.settle_heap)
-                gc.freeze()
+                self._compile_wanted()
+                if todo:
+                    self._wait_quiet()
+                    self._compile_behind(todo.pop(0))
 
         self._behind = threading.Thread(target=compile_all, name="compile-behind", daemon=True)
         self._behind.start()
+
+    def _compile_behind(self, shape: tuple) -> None:
+        self._compile(*shape, run=False)
+        # its traces live as long as we do: out of the cyclic collector's full passes, which over
+        # them held the GIL for seconds and stalled heartbeats (ops/lifetime.settle_heap)
+        gc.freeze()
+
+    def _compile_wanted(self) -> None:
+        """The `_wanted` shapes, in use now layer by layer: no waiting for quiet (nor for the child)."""
+        while self._wanted:
+            self._compile_behind(self._wanted.popleft())
+
+    def _wait_quiet(self) -> None:
+        if not self.quiet.wait(self.behind_yield_s):
+            self.stats.behind_waits += 1
+
+    def _read_from_child(self, shapes: list[tuple]) -> int:
+        """compile_behind through its child, gated by `quiet` (behind.Child.gate), serving `_wanted`
+        between its reports: each shape it compiled is read from the cache here while quiet (or while
+        it runs on past behind_yield_s). Returns how many of `shapes`, from the first, were read."""
+        cache_dir = jax.config.jax_compilation_cache_dir
+        if self.behind_command is None or not shapes or not cache_dir or self.device.platform != "cpu":
+            return 0
+        job = behind.BehindJob(self.cfg, self.start, self.end, behind.abstract(self.params),
+                               behind.abstract(self.kv), self.capacity, tuple(shapes), str(cache_dir))
+        read = delivered = 0
+        child = behind.start(job, self.behind_command, self.behind_child_s)
+        if child is None:
+            return 0
+        with child:
+            for event in child.reports():   # a shape's index, or None: a tick
+                if event is not None and event != delivered:
+                    break   # out of order: only a prefix is trusted
+                delivered += event is not None
+                while read < delivered and (self.quiet.is_set() or child.forced):   # before gate() ends forced
+                    self._compile_behind(shapes[read])   # a persistent-cache read
+                    read += 1
+                    self.stats.behind_child += 1
+                self.stats.behind_waits += child.gate(self.quiet.is_set(), self.behind_yield_s)
+                self._compile_wanted()   # the child stopped first (gate) when a request holds a lane
+        return read
 
     def join_behind(self) -> None:
         """Wait for compile_behind's thread (a tool timing a stage's start; tests)."""
@@ -401,14 +447,14 @@ class SliceRunner:
         t0 = time.perf_counter()
         lane = np.int32(0)     # as read_kv_device, write_kv and copy_lane pass theirs: one compiled copy each
         if span not in self.stats.reads:
-            jax.block_until_ready(_read_lane(self.kv, lane, span=span))
+            jax.block_until_ready(read_lane(self.kv, lane, span=span))
             self.stats.reads.add(span)
         if not writes:
             return time.perf_counter() - t0
         arena = self.kv.k[0].shape     # [lanes, kvh, positions, hd]
         block = self._put(np.zeros((len(self.kv.k), span, arena[1], arena[3]), jnp.dtype(self.kv.dtype)))
-        _write_lane.lower(self.kv, lane, block, block).compile()
-        _copy_lane.lower(self.kv, lane, lane, span=span).compile()
+        write_lane.lower(self.kv, lane, block, block).compile()
+        copy_lane.lower(self.kv, lane, lane, span=span).compile()
         self.stats.copies.add(span)
         return time.perf_counter() - t0
 
@@ -419,13 +465,13 @@ class SliceRunner:
 
     def read_kv_device(self, lane: int, length: int) -> tuple[jax.Array, jax.Array]:
         """Dispatch a device copy of this lane's K and V, [layers, span >= length, kvh, hd]; returns at once."""
-        return _read_lane(self.kv, np.int32(lane), span=self._span(length))
+        return read_lane(self.kv, np.int32(lane), span=self._span(length))
 
     def copy_lane(self, src: int, dst: int, length: int) -> None:
         """Copy lane src's KV at positions [0, length) into lane dst, on the device (a fork: n
         choices share one prefill). Positions past `length` in dst are beyond its session."""
         if length > 0:
-            self.kv = _copy_lane(self.kv, np.int32(src), np.int32(dst), span=self._span(length))
+            self.kv = copy_lane(self.kv, np.int32(src), np.int32(dst), span=self._span(length))
 
     def write_kv(self, lane: int, k: np.ndarray, v: np.ndarray) -> None:
         """Restore K and V blocks [layers, length, kvh, hd] into positions [0, length) of a lane.
@@ -435,34 +481,9 @@ class SliceRunner:
         """
         span = self._span(k.shape[1])
         pad = [(0, 0), (0, span - k.shape[1]), (0, 0), (0, 0)]
-        self.kv = _write_lane(self.kv, np.int32(lane), self._put(np.pad(k, pad)), self._put(np.pad(v, pad)))
+        self.kv = write_lane(self.kv, np.int32(lane), self._put(np.pad(k, pad)), self._put(np.pad(v, pad)))
 
 
 def _small(shape: tuple[int, ...]) -> bool:
     """Whether a step of this inputs shape is cheap enough for a warm-up to run (WARM_RUN_TOKENS)."""
     return shape[0] * shape[1] <= WARM_RUN_TOKENS
-
-
-# Blocks leave and enter as [layers, span, kvh, hd] in the KV dtype; the arena itself is head-major.
-@functools.partial(jax.jit, static_argnames=("span",))
-def _read_lane(kv: KVCache, lane: jax.Array, span: int) -> tuple[jax.Array, jax.Array]:
-    def take(a: jax.Array) -> jax.Array:
-        block = jax.lax.dynamic_slice(a, (lane, 0, 0, 0), (1, a.shape[1], span, a.shape[3]))
-        return kv.decode(block[0]).swapaxes(0, 1)
-    return jnp.stack([take(a) for a in kv.k]), jnp.stack([take(a) for a in kv.v])
-
-
-@functools.partial(jax.jit, static_argnames=("span",), donate_argnames=("kv",))
-def _copy_lane(kv: KVCache, src: jax.Array, dst: jax.Array, span: int) -> KVCache:
-    def copy(a: jax.Array) -> jax.Array:
-        block = jax.lax.dynamic_slice(a, (src, 0, 0, 0), (1, a.shape[1], span, a.shape[3]))
-        return jax.lax.dynamic_update_slice(a, block, (dst, 0, 0, 0))
-    return KVCache(k=tuple(copy(a) for a in kv.k), v=tuple(copy(a) for a in kv.v), dtype=kv.dtype)
-
-
-@functools.partial(jax.jit, donate_argnames=("kv",))
-def _write_lane(kv: KVCache, lane: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
-    def put(a: jax.Array, block: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_update_slice(a, kv.encode(block).swapaxes(0, 1)[None], (lane, 0, 0, 0))
-    return KVCache(k=tuple(put(a, k[i]) for i, a in enumerate(kv.k)),
-                   v=tuple(put(a, v[i]) for i, a in enumerate(kv.v)), dtype=kv.dtype)

@@ -481,6 +481,7 @@ class StageWorker:
                "rss_bytes": rss_bytes(),
                "warmups_pending": len(self.warm_later), "compiling": self.runner.compiling,   # compile_behind's thread
                "cold_steps": self.runner.stats.cold_steps, "behind_waits": self.runner.stats.behind_waits,
+               "behind_child": self.runner.stats.behind_child,
                **{f"kernel_{k}": v for k, v in self.kernels.items()}}
         if getattr(self.runner, "moe_layers", 0):   # a mixture-of-experts slice: its routing counts
             out.update(moe_layer_passes=self.runner.stats.moe_layer_passes,
