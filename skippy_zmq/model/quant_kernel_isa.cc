@@ -143,6 +143,38 @@ struct Q4 {  // byte i holds column i (low nibble) and column i + 32 (high nibbl
   }
 };
 
+// 5-bit levels (Q5_0's, kept exactly): a panel row is the 32 bytes of Q4's nibbles, then 64 bits, bit c
+// the fifth bit of column c. Q5_0 blocks read as rows took ~2x these loops' time (Q4's plus a bit),
+// measured: the panel applies a scale per 32 inputs, the rows per 16 (model/ggml.py, PANEL_TYPES).
+struct Q5 {
+  static constexpr int64_t kRowBytes = kPanel / 2 + kPanel / 8;
+  static inline vf block(const uint8_t* row, int j) {
+    uint64_t bits;
+    __builtin_memcpy(&bits, row + kPanel / 2, 8);
+    bits >>= kLanes * j;
+#if defined(__AVX512F__)
+    __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + (kLanes * j) % (kPanel / 2))));
+    a = kLanes * j >= kPanel / 2 ? _mm512_srli_epi32(a, 4) : _mm512_and_si512(a, _mm512_set1_epi32(15));
+    a = _mm512_mask_add_epi32(a, (__mmask16)bits, a, _mm512_set1_epi32(16));
+    return (vf)_mm512_cvtepi32_ps(a);
+#elif defined(__AVX2__)
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(row + (kLanes * j) % (kPanel / 2))));
+    a = kLanes * j >= kPanel / 2 ? _mm256_srli_epi32(a, 4) : _mm256_and_si256(a, _mm256_set1_epi32(15));
+    const __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)(bits & 0xff)),
+                                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                         _mm256_set1_epi32(1));
+    return (vf)_mm256_cvtepi32_ps(_mm256_or_si256(a, _mm256_slli_epi32(bit, 4)));
+#else
+    vf out;
+    for (int i = 0; i < kLanes; ++i) {
+      const uint8_t b = row[(kLanes * j + i) % (kPanel / 2)];
+      out[i] = (kLanes * j + i >= kPanel / 2 ? b >> 4 : b & 15) | ((bits >> i) & 1) << 4;
+    }
+    return out;
+#endif
+  }
+};
+
 // R rows x the kVecs column blocks of pass h, over the whole K. Each weight
 // vector is scaled once in registers (one FMA) and shared by the R rows.
 template <class F, int R>
@@ -371,4 +403,7 @@ extern "C" void SKIPPY_CAT(skippy_q4_panel_, SKIPPY_ISA)(const SkippyDenseArgs* 
   if (a->xq) return vpanel_rows<VQ4>(a, p);
 #endif
   panel_rows<Q4>(a, p);
+}
+extern "C" void SKIPPY_CAT(skippy_q5_panel_, SKIPPY_ISA)(const SkippyDenseArgs* a, int64_t p) {
+  panel_rows<Q5>(a, p);   // (float activations on every ISA: Dense quantises none for it)
 }
