@@ -344,6 +344,27 @@ def moe_ffn(x: jax.Array, chosen: jax.Array, weights: jax.Array, experts: dict[s
     return y.astype(x.dtype)
 
 
+def matrix_paths(params: Any) -> dict[str, int]:
+    """How a stage's matrix products run, counted by path: "kernel q4 panels", "kernel Q4_K blocks",
+    "xla float32"... (its layers' matrices and experts, and the head; a lookup table is no product)."""
+    counts: dict[str, int] = {}
+    mats = [w for layer in params.get("layers", ()) for key, w in layer.items() if key != "experts"]
+    mats += [w for layer in params.get("layers", ()) for w in layer.get("experts", {}).values()]
+    mats += [params["head"]] if "head" in params else []
+    for w in mats:
+        if isinstance(w, QTensor):
+            name = f"{'kernel' if w.impl == 'kernel' and kernel_available() else 'xla'} q{w.bits} panels"
+        elif isinstance(w, ggml.BlockTensor):
+            fits = w.impl == "kernel" and w.blocks.ndim == 2 and kernel_available()
+            name = f"{'kernel' if fits else 'xla'} {w.kind} blocks"
+        elif getattr(w, "ndim", 0) >= 2:
+            name = f"xla {w.dtype}"
+        else:
+            continue     # a bias or a norm
+        counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def for_device(params: Any, device: Any = None) -> Any:
     """`params` with each QTensor that asks for the kernel set to the XLA path when `device`
     (None: JAX's default) is not a CPU; no array moves. SliceRunner applies it to its weights."""
