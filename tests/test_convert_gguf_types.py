@@ -331,7 +331,8 @@ def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_pat
         ours = runners(tmp_path / "gguf", "auto", cuts, cfg.n_layers)     # every layer of the real model
         in_place = {w.kind for r in ours for layer in r.params["layers"] for w in layer.values()
                     if isinstance(w, ggml.BlockTensor) and w.impl == "kernel"}
-        assert in_place == stored & set(ggml.kernel_block_types("cpu")) - set(ggml.KERNEL_TYPES), in_place
+        assert in_place == stored & set(ggml.kernel_block_types("cpu")) - set(ggml.KERNEL_TYPES) - set(ggml.PANEL_TYPES)
+        assert [r.kernels()["matrices"] for r in ours] == ["kernel"] * len(ours)   # every product in the kernel
         nbytes = sum(a.nbytes for a in {id(a): a for r in ours for a in jax.tree.leaves(r.params)}.values())
         assert cuts or nbytes / source_json["gguf_tensor_bytes"] <= 1.05, (nbytes, source_json["gguf_tensor_bytes"])
         for seed, ids in enumerate(prompts):

@@ -5,7 +5,7 @@
 - on every instruction set this CPU runs, x @ W.T equals the float64 product of gguf-py's dequantised W
   within float32 rounding, for decode rows, row tiles and widths that are not a multiple of 64 or 256;
   the XLA path (any other device) gives the same within rounding;
-- a scale whose -16 d overflows float16 keeps the matrix as blocks (read in place, as before);
+- the panels store no offsets (-16 d, made from d), so they hold Q5_0's 5.5 bits a weight;
 - a stage of a GGUF holding Q5_0 matrices and a tied Q8_0 embedding runs every matrix in the kernel,
   greedy ids equal to f32's on the dequantised weights, its bytes what placement counts."""
 
@@ -52,10 +52,15 @@ def test_q5_panels_hold_gguf_values_exactly():
         assert np.array_equal(np.asarray(quant.qtensor_rows(t, jnp.asarray(ids))), want[ids])
 
 
-def test_q5_panels_keep_blocks_where_the_offset_overflows():
-    raw = random_blocks(np.random.default_rng(2), "Q5_0", 4, 64)
-    raw[2, :2] = np.array([0x7BFF], "<u2").view(np.uint8)        # d = 65504: -16 d is no float16
-    assert panel_qtensor({"blocks": raw}) is None
+def test_q5_panels_take_the_extreme_scales_and_store_no_offsets():
+    """-16 d is made from d in float32 (the largest float16 d too, whose -16 d float16 cannot hold); the
+    panels hold 5 bits a weight and an f16 d per 32, Q5_0's own 5.5 bits."""
+    raw = random_blocks(np.random.default_rng(2), "Q5_0", 64, 64)
+    for row, value in enumerate((0x7BFF, 0xFBFF, 0x0001, 0x8001, 0x0000)):
+        raw[row, :2] = np.array([value], "<u2").view(np.uint8)
+    t = panel_qtensor({"blocks": raw})
+    assert np.array_equal(np.asarray(quant.dequantize(t)).T, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0))
+    assert t.z.size == 0 and t.nbytes * 8 == 64 * 64 * 5.5
 
 
 def check_q5_products() -> float:

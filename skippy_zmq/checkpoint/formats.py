@@ -235,7 +235,8 @@ def runtime_nbytes(shape: tuple[int, int], fmt: str, key: str = "", stored: str 
 def _qtensor_nbytes(out: int, n: int, bits: int) -> int:
     groups = n // GROUP if n % GROUP == 0 else 1
     padded = -(-out // quant.PANEL) * quant.PANEL
-    return padded * n * bits // 8 + 2 * 2 * padded * groups      # levels + f16 s and z
+    scales = 1 if bits == 5 else 2                                 # (bits 5: z = -16 s, none stored)
+    return padded * n * bits // 8 + 2 * scales * padded * groups   # levels + f16 s and z
 
 
 def kept_nbytes(shape: tuple[int, int], kind: str, key: str = "", at_load: bool = False,

@@ -138,8 +138,8 @@ class _Put:
             kind = stored_type(stored)
             if kind in ggml.KERNEL_TYPES:   # the same levels, packed
                 return self.tree(runtime_qtensor(stored, ggml.KERNEL_TYPES[kind]))
-            if kind in ggml.PANEL_TYPES and kind in self.in_place and (t := panel_qtensor(stored)) is not None:
-                return self.tree(t)            # the same levels, repacked into the kernel's panels
+            if kind in ggml.PANEL_TYPES and kind in self.in_place:   # the same levels, in the kernel's panels
+                return self.tree(panel_qtensor(stored))
             if kind in self.in_place:          # the file's blocks, read in place by the kernel
                 return self.tree(ggml.BlockTensor(np.asarray(stored["blocks"]), kind, impl="kernel"))
             if self.at_load:
@@ -193,15 +193,11 @@ def runtime_qtensor(stored: dict[str, np.ndarray], bits: int) -> quant.QTensor:
     return quant.pack_rows(e.q, e.d, e.m, bits=bits)
 
 
-def panel_qtensor(stored: dict[str, np.ndarray]) -> quant.QTensor | None:
-    """A stored Q5_0 matrix -> the kernel's 5-bit panels (ggml.PANEL_TYPES): s = d, z = -16 d, exact
-    float16 values (None, so the blocks stay, where -16 d would overflow float16)."""
+def panel_qtensor(stored: dict[str, np.ndarray]) -> quant.QTensor:
+    """A stored Q5_0 matrix -> the kernel's 5-bit panels (ggml.PANEL_TYPES): levels 0..31, s = d (the
+    offset -16 d is made from s, exactly, by the loops and quant.offsets)."""
     levels, d = ggml.q5_0_levels(np.asarray(stored["blocks"]))
-    with np.errstate(over="ignore"):
-        z = d * np.float16(-16)
-    if not np.isfinite(z).all():
-        return None
-    return quant.pack_rows(levels, d, z, bits=ggml.PANEL_TYPES["Q5_0"])
+    return quant.pack_rows(levels, d, None, bits=ggml.PANEL_TYPES["Q5_0"])
 
 
 def load_stage(model_dir: Path, cfg: ModelConfig, start: int, end: int, asked: str, dtype: Any,

@@ -34,7 +34,8 @@ Weights are packed for the kernel as 64-column panels (Np = out rounded up to
 [Np / 64, K, 32] with column j in the low nibble of byte j and column j + 32
 in the high nibble; s and z float16 [Np / 64, groups, 64]. Bits 5 (GGUF Q5_0's
 levels 0..31, repacked at load: pack_rows) is q4's 32 bytes then 8 more, bit j
-of those 64 the fifth bit of column j: uint8 [Np / 64, K, 40].
+of those 64 the fifth bit of column j: uint8 [Np / 64, K, 40]; its offset is
+always -16 s (Q5_0's w = d * (level - 16)), so z is empty [Np / 64, 0, 64].
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class QTensor:
 
     q: Any   # int8 [Np / 64, in, 64] (bits 8), uint8 [Np / 64, in, 32] (bits 4) or [.., 40] (bits 5)
     s: Any   # float16 [Np / 64, groups, 64]
-    z: Any   # float16 [Np / 64, groups, 64]
+    z: Any   # float16 [Np / 64, groups, 64] ([Np / 64, 0, 64] for bits 5: `offsets`)
     n: int = dataclasses.field(metadata=dict(static=True))
     impl: str = dataclasses.field(default="kernel", metadata=dict(static=True))
     bits: int = dataclasses.field(default=8, metadata=dict(static=True))   # 8, 4 or 5
@@ -122,7 +123,7 @@ def qtensor_rows(t: QTensor, ids: jax.Array) -> jax.Array:
         q = (t.q[p, :, c % (PANEL // 2)] >> (4 * (c >= PANEL // 2)).astype(jnp.uint8)[..., None]) & 15
         if t.bits == 5:   # bit c % 8 of byte 32 + c // 8: the fifth bit
             q = q | (((t.q[p, :, PANEL // 2 + c // 8] >> (c % 8).astype(jnp.uint8)[..., None]) & 1) << 4)
-    s, z = t.s[p, :, c].astype(jnp.float32), t.z[p, :, c].astype(jnp.float32)   # [..., groups]
+    s, z = t.s[p, :, c].astype(jnp.float32), offsets(t.s, t.z, t.bits)[p, :, c]   # [..., groups]
     q = q.astype(jnp.float32).reshape(*ids.shape, groups, -1)
     return (q * s[..., None] + z[..., None]).reshape(*ids.shape, -1)
 
@@ -236,7 +237,7 @@ def pack(q: np.ndarray, s: np.ndarray, z: np.ndarray | None = None, impl: str = 
     return QTensor(q=np.ascontiguousarray(panels), s=pack_scales(s), z=pack_scales(z), n=n, impl=impl, bits=bits)
 
 
-def pack_rows(q: np.ndarray, s: np.ndarray, z: np.ndarray, impl: str = "kernel", bits: int = 8) -> QTensor:
+def pack_rows(q: np.ndarray, s: np.ndarray, z: np.ndarray | None, impl: str = "kernel", bits: int = 8) -> QTensor:
     """pack() from [out, in] levels and [out, groups] scales and offsets (a checkpoint's
     order): each 64-row block of outputs becomes a panel with one transpose, nibbles
     paired before it, so loading a stage moves each byte about twice instead of four times."""
@@ -256,8 +257,9 @@ def pack_rows(q: np.ndarray, s: np.ndarray, z: np.ndarray, impl: str = "kernel",
 
     def panels(a: np.ndarray) -> np.ndarray:   # [out, g] -> [Np / 64, g, 64]
         a = np.pad(np.asarray(a, np.float16), ((0, np_ - n), (0, 0)))
-        return np.ascontiguousarray(a.reshape(np_ // PANEL, PANEL, -1).transpose(0, 2, 1))
+        return np.ascontiguousarray(a.reshape(np_ // PANEL, PANEL, a.shape[1]).transpose(0, 2, 1))
 
+    z = np.zeros((n, 0), np.float16) if bits == 5 else z    # (bits 5: z = -16 s, none stored)
     return QTensor(q=np.ascontiguousarray(rows.transpose(0, 2, 1)), s=panels(s), z=panels(z), n=n, impl=impl,
                    bits=bits)
 
@@ -276,7 +278,13 @@ def levels(t: QTensor) -> np.ndarray:
 
 def dequantize(t: QTensor) -> jax.Array:
     """float32 [in, out]: what the quantised weight stands for."""
-    return _dequantize_panels(_panel_levels(jnp.asarray(t.q), t.bits), jnp.asarray(t.s), jnp.asarray(t.z))[:, :t.n]
+    s = jnp.asarray(t.s)
+    return _dequantize_panels(_panel_levels(jnp.asarray(t.q), t.bits), s, offsets(s, jnp.asarray(t.z), t.bits))[:, :t.n]
+
+
+def offsets(s: Any, z: Any, bits: int) -> jax.Array:
+    """The offsets z as float32: the stored ones, or for bits 5 (Q5_0) -16 s (exact in float32)."""
+    return jnp.asarray(s).astype(jnp.float32) * -16.0 if bits == 5 else jnp.asarray(z).astype(jnp.float32)
 
 
 def _panel_levels(q: jax.Array, bits: int) -> jax.Array:
@@ -376,12 +384,13 @@ def for_device(params: Any, device: Any = None) -> Any:
 
 def _kernel_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array, *, bits: int) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0] * PANEL), jnp.float32)
-    return jax.ffi.ffi_call(KERNEL_TARGETS[bits], out)(x, q, s, z)
+    # bits 5's loops make z from s (-16 s) and read no z: s stands in for the empty array the handler checks
+    return jax.ffi.ffi_call(KERNEL_TARGETS[bits], out)(x, q, s, s if bits == 5 else z)
 
 
 def _xla_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array, *, bits: int) -> jax.Array:
     # Fallback: XLA materialises the f32 weight here (see the module docstring).
-    return x @ _dequantize_panels(_panel_levels(q, bits), s, z)
+    return x @ _dequantize_panels(_panel_levels(q, bits), s, offsets(s, z, bits))
 
 
 def decode_attention_fits(heads: int, kv_heads: int, head_dim: int) -> bool:

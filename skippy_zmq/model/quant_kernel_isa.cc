@@ -134,20 +134,24 @@ void attend(const SkippyAttendArgs& a, int64_t task) {
 // Column block j (columns j * kLanes onwards) of one packed panel row, as float levels.
 struct Int8 {
   static constexpr int64_t kRowBytes = kPanel;
+  static constexpr bool kOffsetOfScale = false;   // z read from its array (Q5: z = -16 s, no array)
   static inline vf block(const uint8_t* row, int j) { return widen_s8((const int8_t*)row + kLanes * j); }
 };
 struct Q4 {  // byte i holds column i (low nibble) and column i + 32 (high nibble)
   static constexpr int64_t kRowBytes = kPanel / 2;
+  static constexpr bool kOffsetOfScale = false;
   static inline vf block(const uint8_t* row, int j) {
     return widen_u4(row + (kLanes * j) % (kPanel / 2), kLanes * j >= kPanel / 2);
   }
 };
 
 // 5-bit levels (Q5_0's, kept exactly): a panel row is the 32 bytes of Q4's nibbles, then 64 bits, bit c
-// the fifth bit of column c. Q5_0 blocks read as rows took ~2x these loops' time (Q4's plus a bit),
-// measured: the panel applies a scale per 32 inputs, the rows per 16 (model/ggml.py, PANEL_TYPES).
+// the fifth bit of column c; w = s * level + z with z = -16 s (exact in float), so no z is stored and the
+// panels hold Q5_0's own 5.5 bits a weight. Q5_0 blocks read as rows took ~2x these loops' time, measured:
+// the panel applies a scale per 32 inputs shared by 64 columns, the rows one per 16 (ggml.PANEL_TYPES).
 struct Q5 {
   static constexpr int64_t kRowBytes = kPanel / 2 + kPanel / 8;
+  static constexpr bool kOffsetOfScale = true;
   static inline vf block(const uint8_t* row, int j) {
     uint64_t bits;
     __builtin_memcpy(&bits, row + kPanel / 2, 8);
@@ -185,7 +189,8 @@ void tile_rows(const SkippyDenseArgs& a, const uint8_t* panel, const uint16_t* s
   for (int64_t g0 = 0; g0 < a.K; g0 += a.group) {
     const int64_t at = (g0 / a.group) * kPanel + kLanes * kVecs * h;
     vf sc[kVecs], zc[kVecs];
-    for (int c = 0; c < kVecs; ++c) sc[c] = loadh(s + at + kLanes * c), zc[c] = loadh(z + at + kLanes * c);
+    for (int c = 0; c < kVecs; ++c)
+      sc[c] = loadh(s + at + kLanes * c), zc[c] = F::kOffsetOfScale ? sc[c] * -16.0f : loadh(z + at + kLanes * c);
     for (int64_t k = g0; k < g0 + a.group; ++k, row += F::kRowBytes) {
       vf w[kVecs];
       for (int c = 0; c < kVecs; ++c) w[c] = F::block(row, h * kVecs + c) * sc[c] + zc[c];
@@ -217,7 +222,10 @@ void tile_one(const SkippyDenseArgs& a, const uint8_t* panel, const uint16_t* s,
       for (int c = 0; c < kVecs; ++c) part[c] += xv * F::block(row, h * kVecs + c);
     }
     const int64_t at = (g0 / a.group) * kPanel + kLanes * kVecs * h;
-    for (int c = 0; c < kVecs; ++c) acc[c] += part[c] * loadh(s + at + kLanes * c) + xsum * loadh(z + at + kLanes * c);
+    for (int c = 0; c < kVecs; ++c) {
+      const vf sc = loadh(s + at + kLanes * c);
+      acc[c] += part[c] * sc + xsum * (F::kOffsetOfScale ? sc * -16.0f : loadh(z + at + kLanes * c));
+    }
   }
   for (int c = 0; c < kVecs; ++c) __builtin_memcpy(a.y + m * a.Np + n0 + kLanes * (h * kVecs + c), &acc[c], sizeof(vf));
 }
