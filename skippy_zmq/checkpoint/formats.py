@@ -232,10 +232,10 @@ def runtime_nbytes(shape: tuple[int, int], fmt: str, key: str = "", stored: str 
     return _qtensor_nbytes(out, n, 4 if fmt == "q4" and key != "head" else 8)
 
 
-def _qtensor_nbytes(out: int, n: int, bits: int) -> int:
+def _qtensor_nbytes(out: int, n: int, bits: int, offsets: bool = True) -> int:
     groups = n // GROUP if n % GROUP == 0 else 1
     padded = -(-out // quant.PANEL) * quant.PANEL
-    scales = 1 if bits == 5 else 2                                 # (bits 5: z = -16 s, none stored)
+    scales = 2 if offsets and bits != 5 else 1                     # (none stored: quant.offsets)
     return padded * n * bits // 8 + 2 * scales * padded * groups   # levels + f16 s and z
 
 
@@ -248,7 +248,7 @@ def kept_nbytes(shape: tuple[int, int], kind: str, key: str = "", at_load: bool 
     type's matrix is float32, dequantised once at load."""
     out, n = shape
     if kind in ggml.KERNEL_TYPES and key != "embed":
-        return _qtensor_nbytes(out, n, ggml.KERNEL_TYPES[kind])
+        return _qtensor_nbytes(out, n, ggml.KERNEL_TYPES[kind], kind != "Q8_0")
     if packed and kind in ggml.PANEL_TYPES and key != "embed":
         return _qtensor_nbytes(out, n, ggml.PANEL_TYPES[kind])
     if at_load and key != "embed":

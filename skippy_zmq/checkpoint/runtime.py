@@ -190,7 +190,9 @@ def runtime_qtensor(stored: dict[str, np.ndarray], bits: int) -> quant.QTensor:
         e = Encoded("int8", e.q.astype(np.int8), e.d, e.m)        # 0..15 are int8 levels: exact
     if (e.fmt == "q4") != (bits == 4):
         return quant.to_qtensor(np.ascontiguousarray(dequantize_grid(e).T), bits=bits)
-    return quant.pack_rows(e.q, e.d, e.m, bits=bits)
+    # GGUF Q8_0's offsets are all 0: none stored, so its panels hold its own 8.5 bits a weight
+    q8_0 = "blocks" in stored and stored_type(stored) == "Q8_0"
+    return quant.pack_rows(e.q, e.d, None if q8_0 and bits == 8 else e.m, bits=bits)
 
 
 def panel_qtensor(stored: dict[str, np.ndarray]) -> quant.QTensor:

@@ -71,7 +71,7 @@ class QTensor:
 
     q: Any   # int8 [Np / 64, in, 64] (bits 8), uint8 [Np / 64, in, 32] (bits 4) or [.., 40] (bits 5)
     s: Any   # float16 [Np / 64, groups, 64]
-    z: Any   # float16 [Np / 64, groups, 64] ([Np / 64, 0, 64] for bits 5: `offsets`)
+    z: Any   # float16 [Np / 64, groups, 64], or [Np / 64, 0, 64]: none stored (bits 5, GGUF Q8_0: `offsets`)
     n: int = dataclasses.field(metadata=dict(static=True))
     impl: str = dataclasses.field(default="kernel", metadata=dict(static=True))
     bits: int = dataclasses.field(default=8, metadata=dict(static=True))   # 8, 4 or 5
@@ -259,7 +259,7 @@ def pack_rows(q: np.ndarray, s: np.ndarray, z: np.ndarray | None, impl: str = "k
         a = np.pad(np.asarray(a, np.float16), ((0, np_ - n), (0, 0)))
         return np.ascontiguousarray(a.reshape(np_ // PANEL, PANEL, a.shape[1]).transpose(0, 2, 1))
 
-    z = np.zeros((n, 0), np.float16) if bits == 5 else z    # (bits 5: z = -16 s, none stored)
+    z = np.zeros((n, 0), np.float16) if z is None or bits == 5 else z    # none stored: `offsets`
     return QTensor(q=np.ascontiguousarray(rows.transpose(0, 2, 1)), s=panels(s), z=panels(z), n=n, impl=impl,
                    bits=bits)
 
@@ -283,8 +283,12 @@ def dequantize(t: QTensor) -> jax.Array:
 
 
 def offsets(s: Any, z: Any, bits: int) -> jax.Array:
-    """The offsets z as float32: the stored ones, or for bits 5 (Q5_0) -16 s (exact in float32)."""
-    return jnp.asarray(s).astype(jnp.float32) * -16.0 if bits == 5 else jnp.asarray(z).astype(jnp.float32)
+    """The offsets z as float32: the stored ones; where none are stored (an empty z), -16 s for bits 5
+    (Q5_0; exact in float32), else 0 (GGUF Q8_0: its panels hold its own 8.5 bits a weight)."""
+    s = jnp.asarray(s).astype(jnp.float32)
+    if bits == 5:
+        return s * -16.0
+    return jnp.zeros_like(s) if z.size == 0 else jnp.asarray(z).astype(jnp.float32)
 
 
 def _panel_levels(q: jax.Array, bits: int) -> jax.Array:
@@ -337,7 +341,7 @@ def moe_fits(experts: dict[str, Any]) -> bool:
     """Whether the kernel runs these stacked experts in one call (`moe_ffn`): QTensors of one bit width
     asking for the kernel, on a process that has it built."""
     ws = [experts[k] for k in ("w_gate", "w_up", "w_down")]
-    return (all(isinstance(w, QTensor) and w.impl == "kernel" and w.bits in MOE_TARGETS for w in ws)
+    return (all(isinstance(w, QTensor) and w.impl == "kernel" and w.bits in MOE_TARGETS and w.z.size for w in ws)
             and len({w.bits for w in ws}) == 1 and kernel_available())
 
 
@@ -384,8 +388,7 @@ def for_device(params: Any, device: Any = None) -> Any:
 
 def _kernel_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array, *, bits: int) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0] * PANEL), jnp.float32)
-    # bits 5's loops make z from s (-16 s) and read no z: s stands in for the empty array the handler checks
-    return jax.ffi.ffi_call(KERNEL_TARGETS[bits], out)(x, q, s, s if bits == 5 else z)
+    return jax.ffi.ffi_call(KERNEL_TARGETS[bits], out)(x, q, s, z)   # (an empty z: `offsets`)
 
 
 def _xla_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array, *, bits: int) -> jax.Array:

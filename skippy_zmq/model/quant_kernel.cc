@@ -122,11 +122,12 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const void* q, f
   const int64_t panels = qd[0], K = qd[1];
   auto sd = s.dimensions();
   if (sd.size() != 3 || sd[0] != panels || sd[1] <= 0 || K % sd[1] || sd[2] != SKIPPY_PANEL ||
-      z.element_count() != s.element_count()) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "s and z must be [Np/64, groups dividing K, 64]");
+      (z.element_count() != s.element_count() && z.element_count() != 0)) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "s and z must be [Np/64, groups dividing K, 64] (z or empty)");
   }
+  const bool offsets = z.element_count() != 0;   // none: every offset 0 (GGUF Q8_0), or -16 s (5-bit panels)
   SkippyDenseArgs args{x.typed_data(), q, reinterpret_cast<const uint16_t*>(s.untyped_data()),
-                       reinterpret_cast<const uint16_t*>(z.untyped_data()), y->typed_data(),
+                       offsets ? reinterpret_cast<const uint16_t*>(z.untyped_data()) : nullptr, y->typed_data(),
                        K ? static_cast<int64_t>(x.element_count()) / K : 0, K, panels * SKIPPY_PANEL, K / sd[1],
                        nullptr, nullptr, nullptr};
   const Isa* isa = g_isa.load(std::memory_order_relaxed);
@@ -136,7 +137,7 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const void* q, f
   // all finish before this function returns.
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd, xs;
-  if (isa->quantize && bits != 5 && K % SKIPPY_XBLOCK == 0 && args.group % SKIPPY_XBLOCK == 0 && args.M > 0) {
+  if (isa->quantize && offsets && bits != 5 && K % SKIPPY_XBLOCK == 0 && args.group % SKIPPY_XBLOCK == 0 && args.M > 0) {
     const int64_t blocks = args.M * (K / SKIPPY_XBLOCK);
     xq.resize(args.M * K), xd.resize(blocks), xs.resize(blocks);
     isa->quantize(args.x, args.M, K, xq.data(), xd.data(), xs.data());

@@ -134,7 +134,7 @@ void attend(const SkippyAttendArgs& a, int64_t task) {
 // Column block j (columns j * kLanes onwards) of one packed panel row, as float levels.
 struct Int8 {
   static constexpr int64_t kRowBytes = kPanel;
-  static constexpr bool kOffsetOfScale = false;   // z read from its array (Q5: z = -16 s, no array)
+  static constexpr bool kOffsetOfScale = false;   // z read from its array, or 0 where none (Q5: z = -16 s)
   static inline vf block(const uint8_t* row, int j) { return widen_s8((const int8_t*)row + kLanes * j); }
 };
 struct Q4 {  // byte i holds column i (low nibble) and column i + 32 (high nibble)
@@ -190,7 +190,7 @@ void tile_rows(const SkippyDenseArgs& a, const uint8_t* panel, const uint16_t* s
     const int64_t at = (g0 / a.group) * kPanel + kLanes * kVecs * h;
     vf sc[kVecs], zc[kVecs];
     for (int c = 0; c < kVecs; ++c)
-      sc[c] = loadh(s + at + kLanes * c), zc[c] = F::kOffsetOfScale ? sc[c] * -16.0f : loadh(z + at + kLanes * c);
+      sc[c] = loadh(s + at + kLanes * c), zc[c] = F::kOffsetOfScale ? sc[c] * -16.0f : z ? loadh(z + at + kLanes * c) : vf{};
     for (int64_t k = g0; k < g0 + a.group; ++k, row += F::kRowBytes) {
       vf w[kVecs];
       for (int c = 0; c < kVecs; ++c) w[c] = F::block(row, h * kVecs + c) * sc[c] + zc[c];
@@ -224,7 +224,7 @@ void tile_one(const SkippyDenseArgs& a, const uint8_t* panel, const uint16_t* s,
     const int64_t at = (g0 / a.group) * kPanel + kLanes * kVecs * h;
     for (int c = 0; c < kVecs; ++c) {
       const vf sc = loadh(s + at + kLanes * c);
-      acc[c] += part[c] * sc + xsum * (F::kOffsetOfScale ? sc * -16.0f : loadh(z + at + kLanes * c));
+      acc[c] += part[c] * sc + xsum * (F::kOffsetOfScale ? sc * -16.0f : z ? loadh(z + at + kLanes * c) : vf{});
     }
   }
   for (int c = 0; c < kVecs; ++c) __builtin_memcpy(a.y + m * a.Np + n0 + kLanes * (h * kVecs + c), &acc[c], sizeof(vf));
@@ -235,7 +235,7 @@ template <class F>
 void panel_rows(const SkippyDenseArgs* a, int64_t p) {
   const uint8_t* panel = (const uint8_t*)a->q + p * a->K * F::kRowBytes;
   const int64_t at = p * (a->K / a->group) * kPanel, n0 = p * kPanel;
-  const uint16_t *s = a->s + at, *z = a->z + at;
+  const uint16_t *s = a->s + at, *z = a->z ? a->z + at : nullptr;   // no z: offsets 0 (Q8_0) or of s (Q5)
   for (int h = 0; h < kPasses; ++h) {
     int64_t m = 0;
     for (; m + kRows <= a->M; m += kRows) tile_rows<F, kRows>(*a, panel, s, z, m, n0, h);
