@@ -425,7 +425,8 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--one-stream", action="store_true", help="cluster: only the 1-stream rows (no 8-stream runs)")
     p.add_argument("--peer-models", default="",
                    help="peers: comma-separated, from smollm2, llama-3.2-1b, llama-3.1-8b, or SHAPE:RECIPE for a "
-                        "llama-quantize recipe, e.g. llama-3.2-1b:Q4_K_M (default: the first three; --quick: smollm2)")
+                        "llama-quantize recipe, e.g. llama-3.2-1b:Q4_K_M or smollm2:Q4_K_M (SmolLM2's GGUF "
+                        "requantised: llama-server serves it too) (default: the first three; --quick: smollm2)")
     p.set_defaults(func=cmd_bench)
 
 

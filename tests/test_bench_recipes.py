@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from skippy_zmq.devtools.bench import llama_build
-from skippy_zmq.devtools.bench.recipes import RECIPES, RecipeModel, ensure_recipe, file_types, parse_recipes, recipe_case
+from skippy_zmq.devtools.bench.recipes import (RECIPES, FileRecipe, RecipeError, RecipeModel, ensure_recipe, file_types,
+                                               parse_recipes, recipe_case)
 from skippy_zmq.devtools.bench.scale import ScaleCase
 from skippy_zmq.devtools.random_model import RandomModelError, RandomSpec, write_random_model
 
@@ -51,6 +52,19 @@ def test_gguf_only_needs_a_gguf_and_recipes_are_named(tmp_path):
     assert (m.f16, m.gguf, m.ours) == (tmp_path / "llama-3.2-1b-L2-s0-f16" / "model.gguf",
                                        tmp_path / "llama-3.2-1b-L2-s0-f16" / "model-IQ4_XS.gguf",
                                        tmp_path / "llama-3.2-1b-L2-s0-f16" / "IQ4_XS")
+
+
+def test_a_file_recipe_is_named_beside_its_source_and_needs_it(tmp_path):
+    """`bench peers --peer-models smollm2:Q4_K_M`: SmolLM2's own GGUF requantised, under recipes/ beside it;
+    a missing source is an error that names it, before llama-quantize runs."""
+    m = FileRecipe(tmp_path / "Smol.Q4_1.gguf", "Q4_K_M")
+    assert (m.gguf, m.ours, m.f16) == (tmp_path / "recipes" / "Smol.Q4_1-Q4_K_M.gguf",
+                                       tmp_path / "recipes" / "Smol.Q4_1-Q4_K_M", tmp_path / "Smol.Q4_1.gguf")
+    with pytest.raises(ValueError, match="unknown recipe 'Q4_K_S'"):
+        FileRecipe(tmp_path / "Smol.Q4_1.gguf", "Q4_K_S")
+    with pytest.raises(RecipeError, match=r"Smol.Q4_1.gguf: no such GGUF to make Q4_K_M from"):
+        ensure_recipe(m, "/nonexistent/llama-quantize")
+    assert not m.dir.exists()
 
 
 # ---------------------------------------------------------------- real llama-quantize

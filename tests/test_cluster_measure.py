@@ -27,7 +27,10 @@ def test_measure_host_on_a_tiny_model(tmp_path, tiny_tree, fmt):
         assert row["layer_ms"] + row["step_ms"] > 0            # a step takes some time
     assert m["prefill"]["chunk"] == 64 and m["prefill"]["layer_ms_per_token"] >= 0
     assert m["cores"] >= 1 and m["memory_total"] > 0 and m["memory_available"] > 0
-    assert set(m["kernels"]) == {"matmul", "decode_attention"}
+    assert set(m["kernels"]) == {"matmul", "decode_attention", "matrices"}
+    matrices, n = m["kernels"]["matrices"], m["kernels"]["matrices"].split()[0]
+    assert matrices == ("kernel" if fmt == "q4" else f"{n} of {n} through XLA"), matrices   # f32: every one
+    assert fmt == "q4" or int(n) >= 7                        # (a layer's seven matrices at least)
     host = HostSpeed.from_measure(m, memory=1 << 30)
     assert host.rows == ROWS and host.memory == 1 << 30
     assert host.software_ms == tuple(m["decode"][str(r)]["software_ms"] for r in ROWS)

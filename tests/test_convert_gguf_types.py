@@ -20,7 +20,7 @@ from skippy_zmq.checkpoint import checkpoint, loader
 from skippy_zmq.checkpoint.convert import LAYER_NAMES, ConvertError, convert_gguf, unpermute_rows
 from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig
 from skippy_zmq.files.gguf_layout import read_gguf_layout
-from skippy_zmq.model import ggml
+from skippy_zmq.model import ggml, quant
 from skippy_zmq.model.runner import SliceRunner
 from skippy_zmq.ops import placement, planner
 from test_families_gguf import write_metadata
@@ -210,8 +210,8 @@ def test_dequantising_at_load_gives_the_in_step_ids_and_placement_counts_it(kept
 @pytest.mark.parametrize("where", ["step", "load", "auto"])
 def test_a_tied_head_is_the_embeddings_blocks(tmp_path, embed, where, monkeypatch):
     """No output.weight: the head is the embedding's blocks (Q6_K: the same BlockTensor serves the lookup,
-    or dequantised at load a float32 head beside the blocks; Q8_0: the kernel's int8 levels beside the
-    blocks; on a CPU by default, either type's blocks read in place by the kernel), counted once each."""
+    or dequantised at load a float32 head beside the blocks; on a CPU by default, blocks read in place by
+    the kernel; Q8_0: the kernel's int8 levels, packed once, whose columns serve the lookup), counted once each."""
     monkeypatch.setenv(ggml.DEQUANTISE_ENV, where)
     write_kept_gguf(tmp_path / "m.gguf", TYPES, {"embed": embed}, seed=2)
     convert_gguf(tmp_path / "m.gguf", tmp_path / "gguf")
@@ -230,7 +230,8 @@ def test_a_tied_head_is_the_embeddings_blocks(tmp_path, embed, where, monkeypatc
     assert (rs[1].params["head"] is rs[0].params["embed"]) is False
     one = runners(tmp_path / "gguf", "auto")[0].params
     in_place = where == "auto" and embed in ggml.kernel_block_types("cpu")
-    assert (one["head"] is one["embed"]) == (embed == "Q6_K" and where == "step" or in_place)
+    assert (one["head"] is one["embed"]) == (embed == "Q8_0" or where == "step" or in_place)
+    assert isinstance(one["head"], quant.QTensor) == (embed == "Q8_0")
 
 
 def test_plan_counts_what_the_gguf_checkpoint_stores(kept):
@@ -330,7 +331,8 @@ def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_pat
         ours = runners(tmp_path / "gguf", "auto", cuts, cfg.n_layers)     # every layer of the real model
         in_place = {w.kind for r in ours for layer in r.params["layers"] for w in layer.values()
                     if isinstance(w, ggml.BlockTensor) and w.impl == "kernel"}
-        assert in_place == stored & set(ggml.kernel_block_types("cpu")) - set(ggml.KERNEL_TYPES), in_place
+        assert in_place == stored & set(ggml.kernel_block_types("cpu")) - set(ggml.KERNEL_TYPES) - set(ggml.PANEL_TYPES)
+        assert [r.kernels()["matrices"] for r in ours] == ["kernel"] * len(ours)   # every product in the kernel
         nbytes = sum(a.nbytes for a in {id(a): a for r in ours for a in jax.tree.leaves(r.params)}.values())
         assert cuts or nbytes / source_json["gguf_tensor_bytes"] <= 1.05, (nbytes, source_json["gguf_tensor_bytes"])
         for seed, ids in enumerate(prompts):

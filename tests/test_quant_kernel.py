@@ -140,7 +140,7 @@ def test_fresh_build_lands_in_the_cache_dir_never_the_source_tree(tmp_path):
 
 
 @pytest.mark.parametrize("source, exported", [
-    ("quant_kernel_isa.cc", ["skippy_attend_avx2", "skippy_int8_panel_avx2", "skippy_q4_panel_avx2"]),
+    ("quant_kernel_isa.cc", ["skippy_attend_avx2", "skippy_int8_panel_avx2", "skippy_q4_panel_avx2", "skippy_q5_panel_avx2"]),
     ("block_kernel_isa.cc", ["skippy_blocks_avx2"]),
     ("block_kernel_more_isa.cc", ["skippy_unpack_more_avx2"])])
 def test_avx2_loops_hold_no_avx512_instruction_and_share_no_symbol(tmp_path, source, exported):

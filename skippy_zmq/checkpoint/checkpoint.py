@@ -75,6 +75,10 @@ class KeptTypes:
         """Whether a matrix of `kind` is float32 at runtime (dequantised once at load)."""
         return self.at_load and kind not in self.in_place
 
+    def packed(self, kind: str) -> bool:
+        """Whether a matrix of `kind` is repacked into the kernel's panels at load (ggml.PANEL_TYPES)."""
+        return kind in ggml.PANEL_TYPES and kind in self.in_place
+
 
 def stage_nbytes(cfg: ModelConfig, start: int, end: int, fmt: str, stored: str | None = None,
                  dtype: str = "float32", types: KeptTypes | None = None) -> int:
@@ -112,7 +116,8 @@ def kept_layer_nbytes(cfg: ModelConfig, i: int, types: KeptTypes, dtype: str = "
         if key in weights.ROUTER_KEYS:
             total += 4 * s[0] * s[1]
         else:
-            total += (kept_nbytes(s[::-1], kinds[key], key, types.dequantised(kinds[key])) if len(s) == 2
+            kind = kinds.get(key, "")
+            total += (kept_nbytes(s[::-1], kind, key, types.dequantised(kind), types.packed(kind)) if len(s) == 2
                       else np.dtype(dtype).itemsize * s[0])
     return total
 
@@ -124,15 +129,17 @@ def _kept_stage_nbytes(cfg: ModelConfig, start: int, end: int, dtype: str, types
     item = np.dtype(dtype).itemsize
     total = sum(kept_layer_nbytes(cfg, i, types, dtype) for i in range(start, end))
     vd = (cfg.vocab_size, cfg.d_model)
-    if start == 0:
+    packed = (cfg.tied_embeddings and end == cfg.n_layers
+              and (types.embed in ggml.KERNEL_TYPES or types.packed(types.embed)))
+    if start == 0 and not packed:     # (a tied head packed: its columns serve the lookup, one copy)
         total += kept_nbytes(vd, types.embed, "embed")
     if end == cfg.n_layers:
         total += item * cfg.d_model
         if not cfg.tied_embeddings:
-            total += kept_nbytes(vd, types.head or "", "head", types.dequantised(types.head or ""))
-        elif ((types.embed in ggml.KERNEL_TYPES and types.embed not in types.in_place)   # a tied head: the
-              or types.dequantised(types.embed)):                                    # embedding's levels packed,
-            total += kept_nbytes(vd, types.embed, "head", True)                     # or dequantised at load
+            head = types.head or ""
+            total += kept_nbytes(vd, head, "head", types.dequantised(head), types.packed(head))
+        elif packed or types.dequantised(types.embed):    # a tied head: the embedding's levels packed
+            total += kept_nbytes(vd, types.embed, "head", True, types.packed(types.embed))   # or dequantised
         elif start != 0:                                # else the embedding's own blocks
             total += kept_nbytes(vd, types.embed, "embed")
     return total

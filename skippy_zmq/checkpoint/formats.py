@@ -232,20 +232,25 @@ def runtime_nbytes(shape: tuple[int, int], fmt: str, key: str = "", stored: str 
     return _qtensor_nbytes(out, n, 4 if fmt == "q4" and key != "head" else 8)
 
 
-def _qtensor_nbytes(out: int, n: int, bits: int) -> int:
+def _qtensor_nbytes(out: int, n: int, bits: int, offsets: bool = True) -> int:
     groups = n // GROUP if n % GROUP == 0 else 1
     padded = -(-out // quant.PANEL) * quant.PANEL
-    return padded * n * bits // 8 + 2 * 2 * padded * groups      # levels + f16 s and z
+    scales = 2 if offsets and bits != 5 else 1                     # (none stored: quant.offsets)
+    return padded * n * bits // 8 + 2 * scales * padded * groups   # levels + f16 s and z
 
 
-def kept_nbytes(shape: tuple[int, int], kind: str, key: str = "", at_load: bool = False) -> int:
+def kept_nbytes(shape: tuple[int, int], kind: str, key: str = "", at_load: bool = False,
+                packed: bool = False) -> int:
     """Exact bytes an [out, in] matrix of GGUF type `kind` takes in a stage running "gguf": its blocks
     (model/ggml.BlockTensor), or for Q4_0 / Q4_1 / Q8_0 matrices the CPU kernel's packed levels
-    (QTensor; the embedding stays blocks, gathered per row); `at_load` (ggml.dequantise_at_load):
-    any other type's matrix is float32, dequantised once at load."""
+    (QTensor; the embedding stays blocks, gathered per row); `packed` (a CPU stage: KeptTypes.packed):
+    a ggml.PANEL_TYPES matrix repacked into panels; `at_load` (ggml.dequantise_at_load): any other
+    type's matrix is float32, dequantised once at load."""
     out, n = shape
     if kind in ggml.KERNEL_TYPES and key != "embed":
-        return _qtensor_nbytes(out, n, ggml.KERNEL_TYPES[kind])
+        return _qtensor_nbytes(out, n, ggml.KERNEL_TYPES[kind], kind != "Q8_0")
+    if packed and kind in ggml.PANEL_TYPES and key != "embed":
+        return _qtensor_nbytes(out, n, ggml.PANEL_TYPES[kind])
     if at_load and key != "embed":
         ggml.row_bytes(kind, n)       # the same check on the row's width
         return 4 * out * n

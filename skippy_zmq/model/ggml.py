@@ -216,9 +216,13 @@ TYPES = {t.name: t for t in (
     BlockType("Q6_K", QK_K, 210, _q6_k), BlockType("IQ4_NL", 32, 18, _iq4_nl), BlockType("IQ4_XS", QK_K, 136, _iq4_xs))}
 KERNEL_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}   # types the CPU kernel runs as QTensors (bits), levels exact
 # Types the CPU kernel reads in place as the file's blocks (block_kernel_isa.cc; the last five unpacked by
-# block_kernel_more_isa.cc). Q8_0 matrices stay QTensors (KERNEL_TYPES); its blocks serve a tied head,
-# which then needs no int8 copy of the embedding.
+# block_kernel_more_isa.cc). Q8_0 matrices run as QTensors (KERNEL_TYPES), a tied head too (the lookup gathers
+# its columns: one copy); the kernel reads Q8_0 blocks where something keeps them as blocks.
 BLOCK_KERNEL_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0", "Q3_K", "IQ4_XS", "IQ4_NL", "Q5_1", "Q2_K")
+# Types a CPU stage repacks at load, losslessly, into the kernel's column panels (quant.QTensor of these bits),
+# where the kernel would otherwise read them as blocks: Q5_0's rows took ~2x the panel loops' time a weight
+# (a scale per 16 inputs against one per 32 shared by 64 columns), the bulk of SmolLM2 Q4_K_M's decode step.
+PANEL_TYPES = {"Q5_0": 5}
 # Where a matrix of any other type is dequantised (docs/models.md): "load" once, to float32, when the stage
 # loads; "step" inside every jitted step; "auto" (unset): on a CPU the kernel reads BLOCK_KERNEL_TYPES in
 # place and the rest are dequantised at load (the in-step dequantiser made SmolLM2 Q4_K_M decode 9x slower
@@ -270,6 +274,16 @@ def dequantize(blocks: Any, name: str, xp: Any = np) -> Any:
     lead, nbytes = blocks.shape[:-1], blocks.shape[-1]
     flat = blocks.reshape(-1, t.nbytes)
     return t.dequantize(xp, flat).reshape(*lead, nbytes // t.nbytes * t.block)
+
+
+def q5_0_levels(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of Q5_0 blocks [rows, bytes] -> levels uint8 0..31 [rows, weights] and d float16 [rows, blocks]:
+    w = d * (level - 16), gguf-py's values exactly (_q5_0 is d times those levels less 16)."""
+    rows = blocks.shape[0]
+    b = np.asarray(blocks, np.uint8).reshape(rows, -1, 22)
+    d = np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0]
+    levels = _q5(np, b.reshape(-1, 22), 2)
+    return levels.reshape(rows, -1), d
 
 
 # ---------------------------------------------------------------- runtime

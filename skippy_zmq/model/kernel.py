@@ -24,7 +24,7 @@ from loguru import logger
 
 from skippy_zmq.files.private_dirs import private_cache_dir, unsafe_reason
 
-KERNEL_TARGETS = {8: "skippy_int8_dense", 4: "skippy_q4_dense"}   # bits -> FFI target
+KERNEL_TARGETS = {8: "skippy_int8_dense", 4: "skippy_q4_dense", 5: "skippy_q5_dense"}   # bits -> FFI target
 MOE_TARGETS = {8: "skippy_int8_moe_ffn", 4: "skippy_q4_moe_ffn"}   # an MoE layer's routed experts in one call
 ATTEND_TARGET = "skippy_decode_attention"   # one query token per row over f32 KV (quant_kernel.h)
 BLOCK_TARGET = "skippy_block_dense"         # GGUF blocks read in place (ggml.BLOCK_KERNEL_TYPES)

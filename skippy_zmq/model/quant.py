@@ -32,7 +32,10 @@ multiple) are float16 values already and come through unchanged.
 Weights are packed for the kernel as 64-column panels (Np = out rounded up to
 64, padding columns are zero): q int8 [Np / 64, K, 64] or, for q4, uint8
 [Np / 64, K, 32] with column j in the low nibble of byte j and column j + 32
-in the high nibble; s and z float16 [Np / 64, groups, 64].
+in the high nibble; s and z float16 [Np / 64, groups, 64]. Bits 5 (GGUF Q5_0's
+levels 0..31, repacked at load: pack_rows) is q4's 32 bytes then 8 more, bit j
+of those 64 the fifth bit of column j: uint8 [Np / 64, K, 40]; its offset is
+always -16 s (Q5_0's w = d * (level - 16)), so z is empty [Np / 64, 0, 64].
 """
 
 from __future__ import annotations
@@ -66,12 +69,12 @@ class QTensor:
     are static, so they are part of the jit cache key, never traced.
     """
 
-    q: Any   # int8 [Np / 64, in, 64] (bits 8) or uint8 [Np / 64, in, 32] (bits 4, two levels a byte)
+    q: Any   # int8 [Np / 64, in, 64] (bits 8), uint8 [Np / 64, in, 32] (bits 4) or [.., 40] (bits 5)
     s: Any   # float16 [Np / 64, groups, 64]
-    z: Any   # float16 [Np / 64, groups, 64]
+    z: Any   # float16 [Np / 64, groups, 64], or [Np / 64, 0, 64]: none stored (bits 5, GGUF Q8_0: `offsets`)
     n: int = dataclasses.field(metadata=dict(static=True))
     impl: str = dataclasses.field(default="kernel", metadata=dict(static=True))
-    bits: int = dataclasses.field(default=8, metadata=dict(static=True))
+    bits: int = dataclasses.field(default=8, metadata=dict(static=True))   # 8, 4 or 5
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -95,14 +98,33 @@ class QRows:
 
 
 def embed_rows(table: Any, ids: jax.Array) -> jax.Array:
-    """table[ids] as float32 rows, for a plain [V, D] array, a QRows or GGUF blocks (ggml.BlockTensor)."""
+    """table[ids] as float32 rows, for a plain [V, D] array, a QRows, GGUF blocks (ggml.BlockTensor) or
+    a tied head's QTensor [D, V] (its columns: one packed copy serves the head and the lookup)."""
     if isinstance(table, ggml.BlockTensor):
         return ggml.block_rows(table, ids)
+    if isinstance(table, QTensor):
+        return qtensor_rows(table, ids)
     if not isinstance(table, QRows):
         return table[ids]
     groups = table.s.shape[-1]
     q = table.q[ids].astype(jnp.float32).reshape(*ids.shape, groups, -1)
     s, z = table.s[ids].astype(jnp.float32), table.z[ids].astype(jnp.float32)
+    return (q * s[..., None] + z[..., None]).reshape(*ids.shape, -1)
+
+
+def qtensor_rows(t: QTensor, ids: jax.Array) -> jax.Array:
+    """Columns `ids` of a QTensor [in, out] as float32 rows [..., in]: q * s + z per weight, the values
+    `dequantize` gives (a tied head's lookup reads only the panels' columns it gathers)."""
+    p, c = ids // PANEL, ids % PANEL
+    groups = t.s.shape[1]
+    if t.bits == 8:
+        q = t.q[p, :, c]                                                   # [..., in]
+    else:    # byte c % 32 of a q4 panel row holds column c (low nibble) or c + 32 (high)
+        q = (t.q[p, :, c % (PANEL // 2)] >> (4 * (c >= PANEL // 2)).astype(jnp.uint8)[..., None]) & 15
+        if t.bits == 5:   # bit c % 8 of byte 32 + c // 8: the fifth bit
+            q = q | (((t.q[p, :, PANEL // 2 + c // 8] >> (c % 8).astype(jnp.uint8)[..., None]) & 1) << 4)
+    s, z = t.s[p, :, c].astype(jnp.float32), offsets(t.s, t.z, t.bits)[p, :, c]   # [..., groups]
+    q = q.astype(jnp.float32).reshape(*ids.shape, groups, -1)
     return (q * s[..., None] + z[..., None]).reshape(*ids.shape, -1)
 
 
@@ -215,26 +237,29 @@ def pack(q: np.ndarray, s: np.ndarray, z: np.ndarray | None = None, impl: str = 
     return QTensor(q=np.ascontiguousarray(panels), s=pack_scales(s), z=pack_scales(z), n=n, impl=impl, bits=bits)
 
 
-def pack_rows(q: np.ndarray, s: np.ndarray, z: np.ndarray, impl: str = "kernel", bits: int = 8) -> QTensor:
+def pack_rows(q: np.ndarray, s: np.ndarray, z: np.ndarray | None, impl: str = "kernel", bits: int = 8) -> QTensor:
     """pack() from [out, in] levels and [out, groups] scales and offsets (a checkpoint's
     order): each 64-row block of outputs becomes a panel with one transpose, nibbles
     paired before it, so loading a stage moves each byte about twice instead of four times."""
     n, k = q.shape
     np_ = -(-n // PANEL) * PANEL
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 8 or 4, got {bits}")
+    if bits not in (4, 5, 8):
+        raise ValueError(f"bits must be 8, 4 or 5, got {bits}")
     rows = np.zeros((np_, k), np.int8 if bits == 8 else np.uint8)
     rows[:n] = q
     rows = rows.reshape(np_ // PANEL, PANEL, k)
-    if bits == 4:
-        if rows.max(initial=0) > 15:
-            raise ValueError("4-bit levels must lie in 0..15")
-        rows = rows[:, :PANEL // 2] | (rows[:, PANEL // 2:] << 4)
+    if bits != 8:
+        if rows.max(initial=0) >= 1 << bits:
+            raise ValueError(f"{bits}-bit levels must lie in 0..{(1 << bits) - 1}")
+        low = rows & 15
+        fifth = [np.packbits(rows >> 4, axis=1, bitorder="little")] if bits == 5 else []   # [P, 8, k]
+        rows = np.concatenate([low[:, :PANEL // 2] | (low[:, PANEL // 2:] << 4), *fifth], axis=1)
 
     def panels(a: np.ndarray) -> np.ndarray:   # [out, g] -> [Np / 64, g, 64]
         a = np.pad(np.asarray(a, np.float16), ((0, np_ - n), (0, 0)))
-        return np.ascontiguousarray(a.reshape(np_ // PANEL, PANEL, -1).transpose(0, 2, 1))
+        return np.ascontiguousarray(a.reshape(np_ // PANEL, PANEL, a.shape[1]).transpose(0, 2, 1))
 
+    z = np.zeros((n, 0), np.float16) if z is None or bits == 5 else z    # none stored: `offsets`
     return QTensor(q=np.ascontiguousarray(rows.transpose(0, 2, 1)), s=panels(s), z=panels(z), n=n, impl=impl,
                    bits=bits)
 
@@ -253,12 +278,29 @@ def levels(t: QTensor) -> np.ndarray:
 
 def dequantize(t: QTensor) -> jax.Array:
     """float32 [in, out]: what the quantised weight stands for."""
-    return _dequantize_panels(_panel_levels(jnp.asarray(t.q), t.bits), jnp.asarray(t.s), jnp.asarray(t.z))[:, :t.n]
+    s = jnp.asarray(t.s)
+    return _dequantize_panels(_panel_levels(jnp.asarray(t.q), t.bits), s, offsets(s, jnp.asarray(t.z), t.bits))[:, :t.n]
+
+
+def offsets(s: Any, z: Any, bits: int) -> jax.Array:
+    """The offsets z as float32: the stored ones; where none are stored (an empty z), -16 s for bits 5
+    (Q5_0; exact in float32), else 0 (GGUF Q8_0: its panels hold its own 8.5 bits a weight)."""
+    s = jnp.asarray(s).astype(jnp.float32)
+    if bits == 5:
+        return s * -16.0
+    return jnp.zeros_like(s) if z.size == 0 else jnp.asarray(z).astype(jnp.float32)
 
 
 def _panel_levels(q: jax.Array, bits: int) -> jax.Array:
-    """Packed panels -> [Np / 64, K, 64] levels (unpacks q4 nibbles)."""
-    return q if bits == 8 else jnp.concatenate([q & 15, q >> 4], axis=-1)
+    """Packed panels -> [Np / 64, K, 64] levels (unpacks q4 nibbles, and bits 5's fifth bits)."""
+    if bits == 8:
+        return q
+    half = q[..., :PANEL // 2]
+    low = jnp.concatenate([half & 15, half >> 4], axis=-1)
+    if bits == 4:
+        return low
+    fifth = (q[..., PANEL // 2:, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1      # [..., 8 bytes, 8 bits]
+    return low | (fifth.reshape(*q.shape[:-1], PANEL) << 4)
 
 
 def _dequantize_panels(q: jax.Array, s: jax.Array, z: jax.Array) -> jax.Array:
@@ -299,8 +341,8 @@ def moe_fits(experts: dict[str, Any]) -> bool:
     """Whether the kernel runs these stacked experts in one call (`moe_ffn`): QTensors of one bit width
     asking for the kernel, on a process that has it built."""
     ws = [experts[k] for k in ("w_gate", "w_up", "w_down")]
-    return (all(isinstance(w, QTensor) and w.impl == "kernel" for w in ws) and len({w.bits for w in ws}) == 1
-            and kernel_available())
+    return (all(isinstance(w, QTensor) and w.impl == "kernel" and w.bits in MOE_TARGETS and w.z.size for w in ws)
+            and len({w.bits for w in ws}) == 1 and kernel_available())
 
 
 def moe_ffn(x: jax.Array, chosen: jax.Array, weights: jax.Array, experts: dict[str, Any]) -> jax.Array:
@@ -312,6 +354,27 @@ def moe_ffn(x: jax.Array, chosen: jax.Array, weights: jax.Array, experts: dict[s
         x.astype(jnp.float32), chosen.astype(jnp.int32), weights.astype(jnp.float32),
         g.q, g.s, g.z, u.q, u.s, u.z, d.q, d.s, d.z, ffn=np.int64(g.n))
     return y.astype(x.dtype)
+
+
+def matrix_paths(params: Any) -> dict[str, int]:
+    """How a stage's matrix products run, counted by path: "kernel q4 panels", "kernel Q4_K blocks",
+    "xla float32"... (its layers' matrices and experts, and the head; a lookup table is no product)."""
+    counts: dict[str, int] = {}
+    mats = [w for layer in params.get("layers", ()) for key, w in layer.items() if key != "experts"]
+    mats += [w for layer in params.get("layers", ()) for w in layer.get("experts", {}).values()]
+    mats += [params["head"]] if "head" in params else []
+    for w in mats:
+        if isinstance(w, QTensor):
+            name = f"{'kernel' if w.impl == 'kernel' and kernel_available() else 'xla'} q{w.bits} panels"
+        elif isinstance(w, ggml.BlockTensor):
+            fits = w.impl == "kernel" and w.blocks.ndim == 2 and kernel_available()
+            name = f"{'kernel' if fits else 'xla'} {w.kind} blocks"
+        elif getattr(w, "ndim", 0) >= 2:
+            name = f"xla {w.dtype}"
+        else:
+            continue     # a bias or a norm
+        counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def for_device(params: Any, device: Any = None) -> Any:
@@ -332,12 +395,12 @@ def commit(params: Any, device: Any) -> Any:
 
 def _kernel_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array, *, bits: int) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0] * PANEL), jnp.float32)
-    return jax.ffi.ffi_call(KERNEL_TARGETS[bits], out)(x, q, s, z)
+    return jax.ffi.ffi_call(KERNEL_TARGETS[bits], out)(x, q, s, z)   # (an empty z: `offsets`)
 
 
 def _xla_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array, *, bits: int) -> jax.Array:
     # Fallback: XLA materialises the f32 weight here (see the module docstring).
-    return x @ _dequantize_panels(_panel_levels(q, bits), s, z)
+    return x @ _dequantize_panels(_panel_levels(q, bits), s, offsets(s, z, bits))
 
 
 def decode_attention_fits(heads: int, kv_heads: int, head_dim: int) -> bool:

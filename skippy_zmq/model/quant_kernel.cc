@@ -48,7 +48,7 @@ namespace {
 
 struct Isa {
   const char* name;
-  SkippyPanelFn int8, q4;
+  SkippyPanelFn int8, q4, q5;
   bool (*supported)();
   SkippyQuantizeFn quantize;  // int8 activations (null: float loops only)
   SkippyAttendFn attend;
@@ -72,14 +72,15 @@ bool has_avx512vnni() {
 
 const Isa kIsas[] = {  // best first
 #if defined(__x86_64__)
-    {"avx512vnni", skippy_int8_panel_avx512vnni, skippy_q4_panel_avx512vnni, has_avx512vnni,
-     skippy_quantize_x_avx512vnni, skippy_attend_avx512vnni, skippy_blocks_avx512vnni},
-    {"avx512", skippy_int8_panel_avx512, skippy_q4_panel_avx512, has_avx512, nullptr, skippy_attend_avx512,
-     skippy_blocks_avx512},
-    {"avx2", skippy_int8_panel_avx2, skippy_q4_panel_avx2, has_avx2, nullptr, skippy_attend_avx2, skippy_blocks_avx2},
+    {"avx512vnni", skippy_int8_panel_avx512vnni, skippy_q4_panel_avx512vnni, skippy_q5_panel_avx512vnni,
+     has_avx512vnni, skippy_quantize_x_avx512vnni, skippy_attend_avx512vnni, skippy_blocks_avx512vnni},
+    {"avx512", skippy_int8_panel_avx512, skippy_q4_panel_avx512, skippy_q5_panel_avx512, has_avx512, nullptr,
+     skippy_attend_avx512, skippy_blocks_avx512},
+    {"avx2", skippy_int8_panel_avx2, skippy_q4_panel_avx2, skippy_q5_panel_avx2, has_avx2, nullptr,
+     skippy_attend_avx2, skippy_blocks_avx2},
 #endif
-    {"generic", skippy_int8_panel_generic, skippy_q4_panel_generic, always, nullptr, skippy_attend_generic,
-     skippy_blocks_generic},
+    {"generic", skippy_int8_panel_generic, skippy_q4_panel_generic, skippy_q5_panel_generic, always, nullptr,
+     skippy_attend_generic, skippy_blocks_generic},
 };
 constexpr int kNumIsas = sizeof(kIsas) / sizeof(kIsas[0]);
 
@@ -111,31 +112,32 @@ void RunTasks(ffi::ThreadPool& pool, int64_t n, int64_t work, Task task) {
   while (progress->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
-// Shared by both formats; `row_bytes` is 64 (int8) or 32 (4-bit) per panel row.
+// Shared by the formats (bits 8, 4, 5); `row_bytes` is 64 (int8), 32 (4-bit) or 40 (5-bit) per panel row.
 ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const void* q, ffi::Span<const int64_t> qd,
                  int64_t row_bytes, ffi::Buffer<ffi::F16> s, ffi::Buffer<ffi::F16> z,
-                 ffi::ResultBuffer<ffi::F32> y, bool q4) {
+                 ffi::ResultBuffer<ffi::F32> y, int bits) {
   if (qd.size() != 3 || qd[2] != row_bytes) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "q must be packed as [Np/64, K, 64 or 32 bytes]");
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "q must be packed as [Np/64, K, 64, 32 or 40 bytes]");
   }
   const int64_t panels = qd[0], K = qd[1];
   auto sd = s.dimensions();
   if (sd.size() != 3 || sd[0] != panels || sd[1] <= 0 || K % sd[1] || sd[2] != SKIPPY_PANEL ||
-      z.element_count() != s.element_count()) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "s and z must be [Np/64, groups dividing K, 64]");
+      (z.element_count() != s.element_count() && z.element_count() != 0)) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "s and z must be [Np/64, groups dividing K, 64] (z or empty)");
   }
+  const bool offsets = z.element_count() != 0;   // none: every offset 0 (GGUF Q8_0), or -16 s (5-bit panels)
   SkippyDenseArgs args{x.typed_data(), q, reinterpret_cast<const uint16_t*>(s.untyped_data()),
-                       reinterpret_cast<const uint16_t*>(z.untyped_data()), y->typed_data(),
+                       offsets ? reinterpret_cast<const uint16_t*>(z.untyped_data()) : nullptr, y->typed_data(),
                        K ? static_cast<int64_t>(x.element_count()) / K : 0, K, panels * SKIPPY_PANEL, K / sd[1],
                        nullptr, nullptr, nullptr};
   const Isa* isa = g_isa.load(std::memory_order_relaxed);
-  const SkippyPanelFn fn = q4 ? isa->q4 : isa->int8;
+  const SkippyPanelFn fn = bits == 4 ? isa->q4 : bits == 5 ? isa->q5 : isa->int8;
   // int8 activations: x quantised once per call, read by every panel. Buffers are per
   // thread (XLA may run two dense calls at once) and outlive the call's panels, which
   // all finish before this function returns.
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd, xs;
-  if (isa->quantize && K % SKIPPY_XBLOCK == 0 && args.group % SKIPPY_XBLOCK == 0 && args.M > 0) {
+  if (isa->quantize && offsets && bits != 5 && K % SKIPPY_XBLOCK == 0 && args.group % SKIPPY_XBLOCK == 0 && args.M > 0) {
     const int64_t blocks = args.M * (K / SKIPPY_XBLOCK);
     xq.resize(args.M * K), xd.resize(blocks), xs.resize(blocks);
     isa->quantize(args.x, args.M, K, xq.data(), xd.data(), xs.data());
@@ -183,12 +185,17 @@ ffi::Error BlockDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
 ffi::Error Int8Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                      ffi::Buffer<ffi::F16> s, ffi::Buffer<ffi::F16> z, ffi::ResultBuffer<ffi::F32> y) {
-  return Dense(pool, x, q.typed_data(), q.dimensions(), SKIPPY_PANEL, s, z, y, false);
+  return Dense(pool, x, q.typed_data(), q.dimensions(), SKIPPY_PANEL, s, z, y, 8);
 }
 
 ffi::Error Q4Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
                    ffi::Buffer<ffi::F16> s, ffi::Buffer<ffi::F16> z, ffi::ResultBuffer<ffi::F32> y) {
-  return Dense(pool, x, q.typed_data(), q.dimensions(), SKIPPY_PANEL / 2, s, z, y, true);
+  return Dense(pool, x, q.typed_data(), q.dimensions(), SKIPPY_PANEL / 2, s, z, y, 4);
+}
+
+ffi::Error Q5Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
+                   ffi::Buffer<ffi::F16> s, ffi::Buffer<ffi::F16> z, ffi::ResultBuffer<ffi::F32> y) {
+  return Dense(pool, x, q.typed_data(), q.dimensions(), SKIPPY_PANEL / 2 + SKIPPY_PANEL / 8, s, z, y, 5);
 }
 
 // A weight stacked over experts: q [E, Np/64, K, row_bytes], s and z [E, Np/64, groups, 64].
@@ -366,6 +373,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_block_dense, BlockDense,
                                   .Attr<int64_t>("type"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_int8_dense, Int8Dense, SKIPPY_BIND(ffi::S8));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_q4_dense, Q4Dense, SKIPPY_BIND(ffi::U8));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(skippy_q5_dense, Q5Dense, SKIPPY_BIND(ffi::U8));
 
 // x, the experts chosen per row and their weights, then gate, up and down: levels, scales, offsets
 #define SKIPPY_BIND_MOE(T)                                                            \

@@ -80,6 +80,7 @@ typedef void (*SkippyPanelFn)(const SkippyDenseArgs* args, int64_t p);
 #define SKIPPY_DECLARE_ISA(isa)                                                 \
   extern "C" void skippy_int8_panel_##isa(const SkippyDenseArgs* args, int64_t p); \
   extern "C" void skippy_q4_panel_##isa(const SkippyDenseArgs* args, int64_t p);        \
+  extern "C" void skippy_q5_panel_##isa(const SkippyDenseArgs* args, int64_t p);        \
   extern "C" void skippy_attend_##isa(const SkippyAttendArgs* args, int64_t task); \
   extern "C" void skippy_blocks_##isa(const SkippyBlockArgs* args, int64_t task);
 #define SKIPPY_DECLARE_QUANTIZE(isa) \

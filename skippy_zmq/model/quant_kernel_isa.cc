@@ -134,12 +134,48 @@ void attend(const SkippyAttendArgs& a, int64_t task) {
 // Column block j (columns j * kLanes onwards) of one packed panel row, as float levels.
 struct Int8 {
   static constexpr int64_t kRowBytes = kPanel;
+  static constexpr bool kOffsetOfScale = false;   // z read from its array, or 0 where none (Q5: z = -16 s)
   static inline vf block(const uint8_t* row, int j) { return widen_s8((const int8_t*)row + kLanes * j); }
 };
 struct Q4 {  // byte i holds column i (low nibble) and column i + 32 (high nibble)
   static constexpr int64_t kRowBytes = kPanel / 2;
+  static constexpr bool kOffsetOfScale = false;
   static inline vf block(const uint8_t* row, int j) {
     return widen_u4(row + (kLanes * j) % (kPanel / 2), kLanes * j >= kPanel / 2);
+  }
+};
+
+// 5-bit levels (Q5_0's, kept exactly): a panel row is the 32 bytes of Q4's nibbles, then 64 bits, bit c
+// the fifth bit of column c; w = s * level + z with z = -16 s (exact in float), so no z is stored and the
+// panels hold Q5_0's own 5.5 bits a weight. Q5_0 blocks read as rows took ~2x these loops' time, measured:
+// the panel applies a scale per 32 inputs shared by 64 columns, the rows one per 16 (ggml.PANEL_TYPES).
+struct Q5 {
+  static constexpr int64_t kRowBytes = kPanel / 2 + kPanel / 8;
+  static constexpr bool kOffsetOfScale = true;
+  static inline vf block(const uint8_t* row, int j) {
+    uint64_t bits;
+    __builtin_memcpy(&bits, row + kPanel / 2, 8);
+    bits >>= kLanes * j;
+#if defined(__AVX512F__)
+    __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + (kLanes * j) % (kPanel / 2))));
+    a = kLanes * j >= kPanel / 2 ? _mm512_srli_epi32(a, 4) : _mm512_and_si512(a, _mm512_set1_epi32(15));
+    a = _mm512_mask_add_epi32(a, (__mmask16)bits, a, _mm512_set1_epi32(16));
+    return (vf)_mm512_cvtepi32_ps(a);
+#elif defined(__AVX2__)
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(row + (kLanes * j) % (kPanel / 2))));
+    a = kLanes * j >= kPanel / 2 ? _mm256_srli_epi32(a, 4) : _mm256_and_si256(a, _mm256_set1_epi32(15));
+    const __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)(bits & 0xff)),
+                                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                         _mm256_set1_epi32(1));
+    return (vf)_mm256_cvtepi32_ps(_mm256_or_si256(a, _mm256_slli_epi32(bit, 4)));
+#else
+    vf out;
+    for (int i = 0; i < kLanes; ++i) {
+      const uint8_t b = row[(kLanes * j + i) % (kPanel / 2)];
+      out[i] = (kLanes * j + i >= kPanel / 2 ? b >> 4 : b & 15) | ((bits >> i) & 1) << 4;
+    }
+    return out;
+#endif
   }
 };
 
@@ -153,7 +189,8 @@ void tile_rows(const SkippyDenseArgs& a, const uint8_t* panel, const uint16_t* s
   for (int64_t g0 = 0; g0 < a.K; g0 += a.group) {
     const int64_t at = (g0 / a.group) * kPanel + kLanes * kVecs * h;
     vf sc[kVecs], zc[kVecs];
-    for (int c = 0; c < kVecs; ++c) sc[c] = loadh(s + at + kLanes * c), zc[c] = loadh(z + at + kLanes * c);
+    for (int c = 0; c < kVecs; ++c)
+      sc[c] = loadh(s + at + kLanes * c), zc[c] = F::kOffsetOfScale ? sc[c] * -16.0f : z ? loadh(z + at + kLanes * c) : vf{};
     for (int64_t k = g0; k < g0 + a.group; ++k, row += F::kRowBytes) {
       vf w[kVecs];
       for (int c = 0; c < kVecs; ++c) w[c] = F::block(row, h * kVecs + c) * sc[c] + zc[c];
@@ -185,7 +222,10 @@ void tile_one(const SkippyDenseArgs& a, const uint8_t* panel, const uint16_t* s,
       for (int c = 0; c < kVecs; ++c) part[c] += xv * F::block(row, h * kVecs + c);
     }
     const int64_t at = (g0 / a.group) * kPanel + kLanes * kVecs * h;
-    for (int c = 0; c < kVecs; ++c) acc[c] += part[c] * loadh(s + at + kLanes * c) + xsum * loadh(z + at + kLanes * c);
+    for (int c = 0; c < kVecs; ++c) {
+      const vf sc = loadh(s + at + kLanes * c);
+      acc[c] += part[c] * sc + xsum * (F::kOffsetOfScale ? sc * -16.0f : z ? loadh(z + at + kLanes * c) : vf{});
+    }
   }
   for (int c = 0; c < kVecs; ++c) __builtin_memcpy(a.y + m * a.Np + n0 + kLanes * (h * kVecs + c), &acc[c], sizeof(vf));
 }
@@ -195,7 +235,7 @@ template <class F>
 void panel_rows(const SkippyDenseArgs* a, int64_t p) {
   const uint8_t* panel = (const uint8_t*)a->q + p * a->K * F::kRowBytes;
   const int64_t at = p * (a->K / a->group) * kPanel, n0 = p * kPanel;
-  const uint16_t *s = a->s + at, *z = a->z + at;
+  const uint16_t *s = a->s + at, *z = a->z ? a->z + at : nullptr;   // no z: offsets 0 (Q8_0) or of s (Q5)
   for (int h = 0; h < kPasses; ++h) {
     int64_t m = 0;
     for (; m + kRows <= a->M; m += kRows) tile_rows<F, kRows>(*a, panel, s, z, m, n0, h);
@@ -371,4 +411,7 @@ extern "C" void SKIPPY_CAT(skippy_q4_panel_, SKIPPY_ISA)(const SkippyDenseArgs* 
   if (a->xq) return vpanel_rows<VQ4>(a, p);
 #endif
   panel_rows<Q4>(a, p);
+}
+extern "C" void SKIPPY_CAT(skippy_q5_panel_, SKIPPY_ISA)(const SkippyDenseArgs* a, int64_t p) {
+  panel_rows<Q5>(a, p);   // (float activations on every ISA: Dense quantises none for it)
 }

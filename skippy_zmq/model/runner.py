@@ -107,14 +107,17 @@ class SliceRunner:
 
     def kernels(self) -> dict[str, str]:
         """Which native CPU kernels this runner's steps use: "matmul" (the quantised-matmul loops'
-        instruction set, "xla" when none) and "decode_attention" ("kernel" or "xla")."""
+        instruction set, "xla" when none), "decode_attention" ("kernel" or "xla") and "matrices"
+        ("kernel" when every matrix product runs in the kernel; else how many go through XLA:
+        quant.matrix_paths counts them by path)."""
         on_cpu = (self.device or jax.devices()[0]).platform == "cpu"
-        quantised = any(isinstance(t, quant.QTensor) and t.impl == "kernel" for t in
-                        jax.tree.leaves(self.params, is_leaf=lambda t: isinstance(t, quant.QTensor)))
-        isa = quant.kernel_isa() if on_cpu and quantised else None
+        paths = quant.matrix_paths(self.params)   # (QTensor panels or GGUF blocks the kernel reads)
+        isa = quant.kernel_isa() if on_cpu and any(p.startswith("kernel") for p in paths) else None
         fits = quant.decode_attention_fits(self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim)
         attention = "kernel" if on_cpu and fits and self.kv.dtype == "float32" else "xla"
-        return {"matmul": isa or "xla", "decode_attention": attention}
+        through_xla = sum(n for path, n in paths.items() if path.startswith("xla"))
+        return {"matmul": isa or "xla", "decode_attention": attention,
+                "matrices": f"{through_xla} of {sum(paths.values())} through XLA" if through_xla else "kernel"}
 
     def _put(self, a: np.ndarray) -> jax.Array:
         return jax.device_put(a, self.device)

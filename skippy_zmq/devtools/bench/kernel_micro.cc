@@ -1,7 +1,7 @@
 // Micro-bench of the native kernel's matrix loops, one thread, no XLA: the GGUF block loops
 // (skippy_blocks_<isa>, block_kernel_isa.cc) per type beside the q4 panel loops that run Q4_0 / Q4_1
-// (skippy_q4_panel_<isa>, quant_kernel_isa.cc) on the same [N, K] and M rows of x. Random blocks with
-// modest f16 scales. Each figure is the sum over slices of W (32 tasks / 8 panels) of the fastest of 9
+// (skippy_q4_panel_<isa>, quant_kernel_isa.cc) and the q5 ones Q5_0 is repacked into at load, on the
+// same [N, K] and M rows of x. Random blocks with modest f16 scales. Each figure is the sum over slices of W (32 tasks / 8 panels) of the fastest of 9
 // runs of the slice: a shared machine preempts long runs, short ones mostly run whole. Weights warm in
 // cache after the first run: this measures the loops, not memory. Built and run by kernel_micro.py.
 //   kernel_micro <M> <N>x<K> [<N>x<K> ...]      one line per (shape, type): JSON
@@ -62,6 +62,7 @@ int main(int argc, char** argv) {
   const int64_t M = atoll(argv[1]);
   const SkippyBlockFn blocks = SKIPPY_MICRO_CAT(skippy_blocks_, SKIPPY_MICRO_ISA);
   const SkippyPanelFn q4 = SKIPPY_MICRO_CAT(skippy_q4_panel_, SKIPPY_MICRO_ISA);
+  const SkippyPanelFn q5 = SKIPPY_MICRO_CAT(skippy_q5_panel_, SKIPPY_MICRO_ISA);
   std::mt19937 rng(1);
   for (int a = 2; a < argc; ++a) {
     int64_t N = 0, K = 0;
@@ -76,6 +77,12 @@ int main(int argc, char** argv) {
     row("q4 panels (Q4_0 / Q4_1)", M, N, K, best_of(N / SKIPPY_PANEL, 8, [&](int64_t i, int64_t e) {
           for (; i < e; ++i) q4(&d, i);
         }), q.size() + 4.0 * s.size());
+    std::vector<uint8_t> q5b(N * K * 5 / 8);   // 5-bit panels: Q5_0 repacked at load (offsets -16 s: no z)
+    for (uint8_t& b : q5b) b = (uint8_t)rng();
+    const SkippyDenseArgs d5{x.data(), q5b.data(), s.data(), nullptr, y.data(), M, K, N, 32, nullptr, nullptr, nullptr};
+    row("q5 panels (Q5_0 at load)", M, N, K, best_of(N / SKIPPY_PANEL, 8, [&](int64_t i, int64_t e) {
+          for (; i < e; ++i) q5(&d5, i);
+        }), q5b.size() + 2.0 * s.size());
     for (const Type& t : kTypes) {
       if (K % t.block) continue;   // (K-quants need K a multiple of 256)
       const int64_t row_bytes = K / t.block * t.bytes;

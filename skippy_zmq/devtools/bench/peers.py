@@ -9,7 +9,9 @@ llama.cpp). Every prompt is used once per engine, so neither engine's prompt cac
   first ÷ the time they took), SmolLM2 and the random 1B / 8B shapes (their GGUFs carry no
   vocabulary, on which llama-server aborts detokenizing: llama.cpp's rows come from llama-bench),
   and llama-quantize's recipes of them (`--peer-models llama-3.2-1b:Q4_K_M`: ours runs the file's
-  own blocks; bench/recipes.py);
+  own blocks; bench/recipes.py), SmolLM2's too (`smollm2:Q4_K_M`: its GGUF requantised, vocabulary and
+  all, so llama-server serves the same file); where llama-server serves the model, both engines are up
+  at once and take turns prompt by prompt (a shared machine's load falls on both alike);
 - speculation: copy and chat workloads, ours on vs off, `llama-server --spec-type T` for every
   n-gram type it has vs plain, tokens over request time; greedy text compared with plain for both;
 - concurrency: 1, 8, 16, 32 streams at once, plain decoding, ours on 1/2/3 stages vs
@@ -25,12 +27,14 @@ Without a build (`make peers`, or `bench peers --build`) the llama.cpp side says
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from skippy_zmq.devtools.bench.common import find_gguf, print_table, synthetic_prompt, write_report
-from skippy_zmq.devtools.bench.peers_client import concurrent, run_together, single_stream, stream_completion
+from skippy_zmq.devtools.bench.peers_client import (concurrent, interleaved_streams, run_together, single_stream,
+                                                    stream_completion)
 from skippy_zmq.devtools.bench.peers_engines import THREADS, free_port, llama_bench, llama_rpc, llama_server, our_server
 
 NOT_BUILT = "not built (make peers)"
@@ -53,6 +57,7 @@ class PeerModel:
     gguf: Path
     vocab_ids: Any       # callable(n, seed) -> prompt ids
     weights: str = "q4"  # what our stages run ("gguf" for a recipe's checkpoint)
+    server: bool = False  # llama-server can serve the GGUF (it has a vocabulary); else llama-bench
 
 
 def peer_models(args: argparse.Namespace, names: list[str]) -> list[PeerModel]:
@@ -61,16 +66,22 @@ def peer_models(args: argparse.Namespace, names: list[str]) -> list[PeerModel]:
 
     out = []
     for name in names:
-        if name == "smollm2":
+        if name == "smollm2" or name.startswith("smollm2:"):
             model = Path(args.model)
             gguf = find_gguf(model)
             if gguf is None:
                 print(f"[peers] no GGUF found for {model}; SmolLM2 skipped", flush=True)
                 continue
-            tok = TextTokenizer.load(model)
-            filler = synthetic_prompt(tok, 4096)
-            out.append(PeerModel(name, q4_model(model, gguf), gguf,
-                                 lambda n, seed, f=filler: [f[(seed * 37) % 512]] + f[1 + seed:n + seed]))
+            filler = synthetic_prompt(TextTokenizer.load(model), 4096)
+
+            def ids(n: int, seed: int, f: list[int] = filler) -> list[int]:
+                return [f[(seed * 37) % 512]] + f[1 + seed:n + seed]
+
+            if name == "smollm2":
+                out.append(PeerModel(name, q4_model(model, gguf), gguf, ids, server=True))
+            else:
+                made = smollm2_recipe(gguf, name.split(":", 1)[1])
+                out.append(PeerModel(name, made.ours, made.gguf, ids, "gguf", server=True))
         elif ":" in name:
             out.append(recipe_peer(name))
         else:
@@ -81,6 +92,24 @@ def peer_models(args: argparse.Namespace, names: list[str]) -> list[PeerModel]:
             out.append(PeerModel(name, model, model / "model.gguf",
                                  lambda n, seed, v=vocab: prompt_ids(v, n, seed=seed + 10)))
     return out
+
+
+def smollm2_recipe(gguf: Path, recipe: str) -> Any:
+    """SmolLM2's GGUF requantised into `recipe` by llama-quantize, and our checkpoint of it (recipes.FileRecipe),
+    made unless there."""
+    from skippy_zmq.devtools.bench import llama_build
+    from skippy_zmq.devtools.bench.recipes import FileRecipe, ensure_recipe
+
+    try:
+        made = FileRecipe(gguf, recipe)
+    except ValueError as exc:
+        raise SystemExit(f"--peer-models smollm2:{recipe}: {exc}") from None
+    if not made.gguf.is_file() or not (made.ours / "model.json").is_file():
+        record = llama_build.built()
+        if record is None:
+            raise SystemExit(f"--peer-models smollm2:{recipe}: llama-quantize is {NOT_BUILT}")
+        ensure_recipe(made, record["binaries"]["llama-quantize"])
+    return made
 
 
 def recipe_peer(name: str) -> PeerModel:
@@ -110,15 +139,18 @@ def single_rows(m: PeerModel, binaries: dict[str, str] | None, args: argparse.Na
     warm = m.vocab_ids(args.prompt_tokens, 99)
     context = args.prompt_tokens + args.new_tokens + 64
     rows = []
-    with our_server(m.ours, 1, tmp / f"ours-{m.name}", 1, context, weights=m.weights) as base:
-        stream_completion(base, warm, 8)
-        ours = single_stream(base, prompts, args.new_tokens, {"speculative": False})
+    with contextlib.ExitStack() as up:
+        engines = [(up.enter_context(our_server(m.ours, 1, tmp / f"ours-{m.name}", 1, context, weights=m.weights)),
+                    {"speculative": False})]
+        if binaries and m.server:
+            engines.append((up.enter_context(llama_server(binaries["llama-server"], m.gguf, free_port(),
+                                                          tmp / f"llama-{m.name}", 1, context)), None))
+        for base, extra in engines:
+            stream_completion(base, warm, 8, extra)
+        ours, *theirs_run = interleaved_streams(engines, prompts, args.new_tokens)
     rows.append({"model": m.name, "engine": f"skippy_zmq {m.weights}, 1 stage", **_speeds(ours)})
-    if binaries and m.name == "smollm2":
-        with llama_server(binaries["llama-server"], m.gguf, free_port(), tmp / f"llama-{m.name}", 1, context) as base:
-            stream_completion(base, warm, 8)
-            theirs = single_stream(base, prompts, args.new_tokens)
-        engine = "llama-server"
+    if theirs_run:
+        theirs, engine = theirs_run[0], "llama-server"   # (up beside ours, turns prompt by prompt)
     elif binaries:   # a random model's GGUF has no vocabulary: llama-server aborts detokenizing its output
         theirs = llama_bench(binaries["llama-bench"], m.gguf, args.prompt_tokens, args.new_tokens, args.repeats)
         engine = "llama-bench (in process; no vocabulary for llama-server)"

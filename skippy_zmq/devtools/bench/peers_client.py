@@ -88,7 +88,22 @@ def _check(results: list[Streamed], what: str) -> None:
 def single_stream(base: str, prompts: list[list[int]], new_tokens: int, extra: dict[str, Any] | None = None
                   ) -> dict[str, Any]:
     """Each prompt alone, one after another: medians of prefill and decode tok/s, and the texts."""
-    runs = [stream_completion(base, p, new_tokens, extra) for p in prompts]
+    return _summary(prompts, [stream_completion(base, p, new_tokens, extra) for p in prompts])
+
+
+def interleaved_streams(engines: list[tuple[str, dict[str, Any] | None]], prompts: list[list[int]],
+                        new_tokens: int) -> list[dict[str, Any]]:
+    """single_stream for each of `engines` ((base URL, extra request fields); all serving at once), taking
+    turns prompt by prompt: every engine meets the same stretches of a shared machine's load, as far as
+    one stream at a time can. One summary per engine, in order."""
+    runs: list[list[Streamed]] = [[] for _ in engines]
+    for prompt in prompts:
+        for (base, extra), got in zip(engines, runs):
+            got.append(stream_completion(base, prompt, new_tokens, extra))
+    return [_summary(prompts, got) for got in runs]
+
+
+def _summary(prompts: list[list[int]], runs: list[Streamed]) -> dict[str, Any]:
     _check(runs, "single stream")
     return {"prefill_tok_s": round(statistics.median(len(p) / (r.first - r.start) for p, r in zip(prompts, runs)), 1),
             "decode_tok_s": round(statistics.median(r.decode_tok_s or 0.0 for r in runs), 2),

@@ -14,6 +14,9 @@ once a case's recipes are made (an 8B one is 16 GB). A random model's GGUF has n
 (prompts are ids), so llama.cpp's figures come from llama-bench, which needs none. Cases: the
 scale case's shape and depth on 1 and 2 stages (those of its stage counts up to 2), 256 tokens of
 context at most and 32 new (`recipe_scale_case`), one stream.
+
+`bench peers --peer-models smollm2:Q4_K_M`: SmolLM2's own GGUF requantised into the recipe (FileRecipe);
+its vocabulary comes along, so llama-server serves the very file ours runs, side by side.
 """
 
 from __future__ import annotations
@@ -75,6 +78,41 @@ class RecipeModel:
         return self.shape + (f" (first {self.layers} layers)" if self.layers else "")
 
 
+@dataclass(frozen=True)
+class FileRecipe:
+    """A real model's GGUF (SmolLM2's Q4_1, vocabulary and all) requantised by llama-quantize
+    (`--allow-requantize`) into `recipe`, as users' files are made: ensure_recipe makes the file and
+    our checkpoint of it under <the GGUF's folder>/recipes/ (gitignored with models/)."""
+
+    source: Path
+    recipe: str
+    requantize = True     # the source is itself quantised (llama-quantize refuses that unless asked)
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"unknown recipe {self.recipe!r} (known: {', '.join(RECIPES)})")
+
+    @property
+    def dir(self) -> Path:
+        return self.source.parent / "recipes"
+
+    @property
+    def f16(self) -> Path:     # what ensure_recipe quantises (named as RecipeModel's F16 source)
+        return self.source
+
+    @property
+    def gguf(self) -> Path:
+        return self.dir / f"{self.source.stem}-{self.recipe}.gguf"
+
+    @property
+    def ours(self) -> Path:
+        return self.dir / f"{self.source.stem}-{self.recipe}"
+
+    @property
+    def label(self) -> str:
+        return self.source.stem
+
+
 def parse_recipes(text: str) -> tuple[str, ...]:
     """'Q4_K_M,q4_1' -> ('Q4_K_M', 'q4_1'); an unknown name is an error that lists them."""
     names = tuple(n.strip() for n in text.split(",") if n.strip())
@@ -94,7 +132,7 @@ def file_types(gguf: Path) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def _step(model: RecipeModel, step: str, got: dict[str, Any], log: Path, path: Path | None) -> dict[str, Any]:
+def _step(model: RecipeModel | FileRecipe, step: str, got: dict[str, Any], log: Path, path: Path | None) -> dict[str, Any]:
     if got["rc"] != 0:
         raise RecipeError(f"{step} for {model.label} {model.recipe} failed (exit {got['rc']}); see {log}")
     size = path.stat().st_size if path is not None and path.is_file() else None
@@ -102,10 +140,12 @@ def _step(model: RecipeModel, step: str, got: dict[str, Any], log: Path, path: P
             "wall_s": got["wall_s"], "peak_rss_gib": _gib(got["peak_rss"]), "logged_peak_gib": logged_peak_gib(log)}
 
 
-def ensure_f16(model: RecipeModel) -> list[dict[str, Any]]:
+def ensure_f16(model: RecipeModel | FileRecipe) -> list[dict[str, Any]]:
     """The shape's F16 GGUF, made (in a subprocess, measured) unless there; its step row if made."""
     if model.f16.is_file():
         return []
+    if isinstance(model, FileRecipe):
+        raise RecipeError(f"{model.source}: no such GGUF to make {model.recipe} from")
     model.dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "skippy_zmq.cli", "random-model", "--shape", model.shape, "--seed", str(SEED),
            "--gguf", "f16", "--gguf-only", "--out", str(model.dir)]
@@ -119,14 +159,16 @@ def ensure_f16(model: RecipeModel) -> list[dict[str, Any]]:
     return [_step(model, "random-model --gguf f16", got, log, model.f16)]
 
 
-def ensure_recipe(model: RecipeModel, quantize: str) -> list[dict[str, Any]]:
+def ensure_recipe(model: RecipeModel | FileRecipe, quantize: str) -> list[dict[str, Any]]:
     """The recipe's GGUF (llama-quantize from the F16 file) and our checkpoint of it (convert --gguf,
     the file's types kept), each made unless there; the step rows of what was made."""
     steps: list[dict[str, Any]] = []
     if not model.gguf.is_file():
         steps += ensure_f16(model)
+        model.dir.mkdir(parents=True, exist_ok=True)
         log, part = model.dir / f"quantize-{model.recipe}.log", model.gguf.with_suffix(".part")
-        got = run_measured([quantize, str(model.f16), str(part), model.recipe, str(os.cpu_count() or 1)], log)
+        again = ["--allow-requantize"] if getattr(model, "requantize", False) else []
+        got = run_measured([quantize, *again, str(model.f16), str(part), model.recipe, str(os.cpu_count() or 1)], log)
         if got["rc"] != 0:
             part.unlink(missing_ok=True)
         steps.append(_step(model, f"llama-quantize {model.recipe}", got, log, part))
