@@ -206,8 +206,11 @@ def cache_events() -> Iterator[Counter]:
 
 def children() -> set[int]:
     """The live child processes of this process (every thread's)."""
-    return {int(pid) for task in Path("/proc/self/task").iterdir()
-            for pid in (task / "children").read_text().split()}
+    pids: set[int] = set()
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):   # a thread that just ended
+            pids.update(int(pid) for pid in (task / "children").read_text().split())
+    return pids
 
 
 def unique(cfg=TINY):
