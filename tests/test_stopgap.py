@@ -168,13 +168,14 @@ def test_a_busy_stage_runs_a_compiled_decode_shape_whole_slice_without_waiting_t
 
 def test_a_busy_stage_compiles_behind_a_shape_it_ran_layer_by_layer_then_runs_it_whole_slice(tiny_tree):
     """Under load, a shape nothing warmed before the idle warm-ups (a 4-row decode: 8 streams over 2
-    stages) runs layer by layer once, is compiled behind at once (no waiting for an idle stage that
-    8 streams never leave), and its next steps run the whole-slice step, compiling nothing, with the
-    plain runner's outputs. Idle (quiet), a layer-by-layer step asks for nothing (as before)."""
+    stages) runs layer by layer once, is compiled behind after wanted_yield_s (no waiting for an idle
+    stage that 8 streams never leave), and its next steps run the whole-slice step, compiling nothing,
+    with the plain runner's outputs. Idle (quiet), a layer-by-layer step asks for nothing (as before)."""
     r, plain = make(tiny_tree, stopgap=True), make(tiny_tree)
     x = random_ids(16, TINY.vocab_size, seed=8)
     shape = ((4, 1), 256, "logits")
     r.quiet.clear()
+    r.wanted_yield_s = 0.2
     r.decode(np.arange(4), x[:4], np.array([200, 201, 202, 203]))
     r.join_behind()
     assert r.stats.layered == {shape} and r.stats.shapes == {shape} and r.stats.behind_waits == 0
@@ -187,6 +188,20 @@ def test_a_busy_stage_compiles_behind_a_shape_it_ran_layer_by_layer_then_runs_it
     idle = make(tiny_tree, stopgap=True)
     idle.decode(np.arange(4), x[:4], np.array([200, 201, 202, 203]))
     assert not idle.compiling and idle.stats.shapes == set()
+
+
+def test_a_shape_a_short_request_runs_layer_by_layer_waits_for_quiet_to_compile(tiny_tree):
+    """A first request's steps are not met by the compile of their own shape: while busy for less
+    than wanted_yield_s nothing compiles; once quiet, the wanted shape compiles (no wait counted)."""
+    r = make(tiny_tree, stopgap=True)
+    r.wanted_yield_s = 600.0
+    x, shape = random_ids(4, TINY.vocab_size, seed=8), ((4, 1), 256, "logits")
+    r.quiet.clear()
+    r.decode(np.arange(4), x, np.array([200, 201, 202, 203]))
+    assert r.compiling and not r.quiet.wait(0.5) and r.stats.shapes == set()
+    r.quiet.set()
+    r.join_behind()
+    assert r.stats.shapes == {shape} and r.stats.behind_waits == 0
 
 
 @contextlib.contextmanager
@@ -304,7 +319,7 @@ def test_the_child_is_stopped_while_a_request_holds_a_lane_and_a_wanted_shape_co
     busy stage ran layer by layer compiles in the stage's thread at once, not after the child; quiet
     again: the child runs on, every shape it compiled is read from the cache, and it is gone."""
     r = make(tiny_tree, unique(), stopgap=True)
-    r.behind_yield_s = 600.0
+    r.behind_yield_s, r.wanted_yield_s = 600.0, 0.2
     shapes = r.warm_shapes((1, 2), (16,), r.attn_buckets(1))
     wanted, x = ((4, 1), 256, "logits"), random_ids(4, TINY.vocab_size, seed=8)
     before = children()

@@ -27,6 +27,7 @@ WARM_RUN_TOKENS = 64   # warm-up runs (not only compiles) shapes of at most this
 # compile_behind starts its next shape only while the stage serves no request, or after this long waiting:
 # progress under traffic that never stops, yet a request's steps rarely share the cores with an XLA compile
 BEHIND_YIELD_S = 5.0
+WANTED_YIELD_S = 2.0   # a `_wanted` shape waits this long for quiet: a first request's 48 tokens take ~1.5 s
 
 
 def resolve_device(spec: str = "cpu") -> Any:
@@ -84,10 +85,11 @@ class SliceRunner:
         self.quiet = threading.Event()
         self.quiet.set()
         self.behind_yield_s = BEHIND_YIELD_S
-        # shapes a busy stop-gap stage ran layer by layer that nothing compiles (compile_behind takes
-        # them first, without waiting for quiet): a 4-row decode is only in the idle warm-ups, which a
-        # stage restarted by a re-cut under 8 streams never gets to, so it ran layer by layer for good
+        # shapes a busy stop-gap stage ran layer by layer that nothing compiles: compile_behind takes
+        # them first, once quiet or after wanted_yield_s (a 4-row decode is only in the idle warm-ups,
+        # which a stage restarted by a re-cut under 8 streams never reaches: layer by layer for good)
         self._wanted: collections.deque[tuple] = collections.deque()
+        self.wanted_yield_s, self._wanted_at = WANTED_YIELD_S, 0.0
         # compile_behind's child process (model/behind.py) and how long it may stay silent while it
         # is let run; None: in-thread only
         self.behind_command: tuple[str, ...] | None = behind.CHILD_COMMAND
@@ -163,9 +165,9 @@ class SliceRunner:
         return out
 
     def _want(self, shape: tuple) -> None:
-        """Have compile_behind's thread compile `shape` next (starting one when none runs; each
-        layer-by-layer step of it asks again, so a thread that was just ending misses nothing for long)."""
+        """Have compile_behind's thread compile `shape` next (starting one when none runs; each step asks)."""
         if shape not in self._wanted:
+            self._wanted_at = self._wanted_at if self._wanted else time.monotonic()
             self._wanted.append(shape)
         if not self.compiling:
             self.compile_behind([])
@@ -360,14 +362,14 @@ class SliceRunner:
         child process first (model/behind.py), stopped while a request holds a lane (`quiet` clear),
         and this thread reads each shape it wrote from the persistent cache. What the child did not
         do (it failed, hung, or there is no cache or CPU device) compiles here, each shape once
-        `quiet` or after waiting behind_yield_s. A `_wanted` shape (in use now, layer by layer)
-        compiles here first and at once, while the child runs too."""
+        `quiet` or after waiting behind_yield_s; `_wanted` shapes first (`_compile_wanted`)."""
         def compile_all() -> None:
             todo = list(shapes[self._read_from_child(shapes):])
             while self._wanted or todo:
-                self._compile_wanted()
+                self._compile_wanted(wait=not todo)
                 if todo:
                     self._wait_quiet()
+                    self._compile_wanted()
                     self._compile_behind(todo.pop(0))
 
         self._behind = threading.Thread(target=compile_all, name="compile-behind", daemon=True)
@@ -375,14 +377,20 @@ class SliceRunner:
 
     def _compile_behind(self, shape: tuple) -> None:
         self._compile(*shape, run=False)
-        # its traces live as long as we do: out of the cyclic collector's full passes, which over
-        # them held the GIL for seconds and stalled heartbeats (ops/lifetime.settle_heap)
+        # its traces live as long as we do: out of the GC's full passes (ops/lifetime.settle_heap)
         gc.freeze()
 
-    def _compile_wanted(self) -> None:
-        """The `_wanted` shapes, in use now layer by layer: no waiting for quiet (nor for the child)."""
+    def _compile_wanted(self, wait: bool = False) -> None:
+        """The `_wanted` shapes, not after the child's: once quiet or once the oldest waited
+        wanted_yield_s (a first request's steps would meet the compile); `wait`: block till then."""
         while self._wanted:
+            left = self._wanted_at + self.wanted_yield_s - time.monotonic()
+            if not self.quiet.is_set() and left > 0:
+                if not wait:
+                    return
+                self.quiet.wait(left)
             self._compile_behind(self._wanted.popleft())
+            self._wanted_at = time.monotonic()
 
     def _wait_quiet(self) -> None:
         if not self.quiet.wait(self.behind_yield_s):
