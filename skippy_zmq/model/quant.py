@@ -388,9 +388,23 @@ def for_device(params: Any, device: Any = None) -> Any:
 
 def commit(params: Any, device: Any) -> Any:
     """`params` with each array not yet committed to a device committed to `device` (no copy there);
-    committed ones are kept as they are, the same objects (a tied head and embedding stay one)."""
-    return jax.tree.map(lambda a: a if isinstance(a, jax.Array) and a.committed else jax.device_put(a, device),
-                        params)
+    committed ones are kept as they are, the same objects, and whatever the tree holds twice (a
+    tied head whose columns serve the embedding lookup: one QTensor) stays one object, one buffer."""
+    done: dict[int, Any] = {}   # id -> its committed self (every node lives as long as this call)
+
+    def one(node: Any) -> Any:
+        if id(node) not in done:
+            if isinstance(node, jax.Array) and node.committed:
+                done[id(node)] = node
+            elif isinstance(node, (jax.Array, np.ndarray)):
+                done[id(node)] = jax.device_put(node, device)
+            else:   # a container (dict, QTensor, ...): its children, one level down; another leaf stays
+                children, tree = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+                leaf = len(children) == 1 and children[0] is node
+                done[id(node)] = node if leaf else tree.unflatten([one(c) for c in children])
+        return done[id(node)]
+
+    return one(params)
 
 
 def _kernel_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array, *, bits: int) -> jax.Array:
