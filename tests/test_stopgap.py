@@ -23,7 +23,7 @@ import pytest
 
 from conftest import TINY, counting_compiles, random_ids
 from skippy_zmq.config.model import Buckets, KVConfig, decode_shapes
-from skippy_zmq.model import weights
+from skippy_zmq.model import behind, weights
 from skippy_zmq.model.runner import SliceRunner
 from skippy_zmq.stage.factory import idle_warmups, warm_before_ready
 
@@ -291,6 +291,16 @@ def test_the_child_dies_with_its_stage():
         os.close(fd)
 
 
+def test_a_child_is_not_stopped_before_it_said_ready():
+    """Until the child says `ready` (its death signal armed, its stdin watched) a busy stage does not
+    stop it: a child stopped earlier outlived a stage that died, stopped for good."""
+    job = behind.BehindJob(None, 0, 1, None, None, 0, (((1, 1), 256, "logits"),), "/tmp")
+    with behind.Child(job, (sys.executable, "-c", "import time; time.sleep(60)")) as child:
+        assert not child.gate(False, 600.0) and not child.ready and child.stopped_at is None
+        assert proc_state(child.proc.pid) != "T"
+    assert child.proc.poll() is not None
+
+
 def wait_for(predicate, timeout: float) -> bool:
     """Poll `predicate` (a child's state the kernel keeps) until true or `timeout`: a liveness deadline."""
     deadline = time.monotonic() + timeout
@@ -362,7 +372,7 @@ def test_a_stopped_child_is_not_given_up_for_its_silence(tiny_tree):
     three times it, it is still waited for; let run (quiet), it is given up after it, and every
     shape compiles in the stage's thread."""
     r = make(tiny_tree, unique(), stopgap=True)
-    r.behind_command = (sys.executable, "-c", "import time; time.sleep(600)")
+    r.behind_command = (sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(600)")
     r.behind_child_s, r.behind_yield_s = 1.0, 600.0
     shapes = r.warm_shapes((1,), (16,), r.attn_buckets(1))
     before = children()

@@ -94,6 +94,9 @@ class Child:
         self.forced = False   # continued while busy (stopped yield_s): it runs until its next shape
         self.done = self.forced_at = 0   # shapes it reported; how many when it was forced on
         self.total = len(job.shapes)
+        # said once its death signal is armed and its stdin watched: a child stopped before that
+        # outlived a stage that died (found stopped, an orphan, after a test run)
+        self.ready = False
         try:
             self.proc.stdin.write(pickle.dumps(job))
             self.proc.stdin.flush()   # stdin stays open: its EOF tells the child that we are gone
@@ -123,7 +126,7 @@ class Child:
         """Stop the child while the stage is busy (not `quiet`), continue it once quiet, or once
         stopped for `yield_s` in a row (then it runs until its next shape, `forced`): True then."""
         self.forced = self.forced and self.done == self.forced_at
-        if quiet or self.forced or self.done >= self.total:   # (all done: it is only exiting)
+        if quiet or self.forced or not self.ready or self.done >= self.total:   # (all done: it is only exiting)
             if self.stopped_at is not None:
                 self._signal(signal.SIGCONT)
                 self.stopped_at = None
@@ -172,6 +175,7 @@ class Child:
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
                 self.done += line.startswith(b"done ")
+                self.ready = self.ready or line == b"ready"
                 yield line
         logger.warning("compile-behind child {} silent for {:g} s while let run: given up", self.proc.pid, self.shape_s)
 
@@ -218,6 +222,8 @@ def child_main(parent: int) -> int:
     die_with_parent(parent)
     job = pickle.load(sys.stdin.buffer)
     threading.Thread(target=_exit_on_eof, name="parent-eof", daemon=True).start()
+    sys.stdout.buffer.write(b"ready\n")   # only now may the stage stop us (Child.gate)
+    sys.stdout.buffer.flush()
     import jax
 
     jax.config.update("jax_compilation_cache_dir", job.cache_dir)
