@@ -137,7 +137,7 @@ class _Put:
         if self.asked == KEEP:
             kind = stored_type(stored)
             if kind in ggml.KERNEL_TYPES:   # the same levels, packed
-                return self.tree(runtime_qtensor(stored, ggml.KERNEL_TYPES[kind]))
+                return self.tree(runtime_qtensor(stored, ggml.KERNEL_TYPES[kind], keep=True))
             if kind in ggml.PANEL_TYPES and kind in self.in_place:   # the same levels, in the kernel's panels
                 return self.tree(panel_qtensor(stored))
             if kind in self.in_place:          # the file's blocks, read in place by the kernel
@@ -177,7 +177,7 @@ class _Put:
         return out
 
 
-def runtime_qtensor(stored: dict[str, np.ndarray], bits: int) -> quant.QTensor:
+def runtime_qtensor(stored: dict[str, np.ndarray], bits: int, keep: bool = False) -> quant.QTensor:
     """A stored [out, in] matrix -> the kernel's packed [in, out] QTensor of `bits` (Q4_0 / Q4_1 / Q8_0
     blocks keep their levels when `bits` holds them)."""
     if "blocks" in stored and (kind := stored_type(stored)) in ggml.KERNEL_TYPES:
@@ -190,8 +190,9 @@ def runtime_qtensor(stored: dict[str, np.ndarray], bits: int) -> quant.QTensor:
         e = Encoded("int8", e.q.astype(np.int8), e.d, e.m)        # 0..15 are int8 levels: exact
     if (e.fmt == "q4") != (bits == 4):
         return quant.to_qtensor(np.ascontiguousarray(dequantize_grid(e).T), bits=bits)
-    # GGUF Q8_0's offsets are all 0: none stored, so its panels hold its own 8.5 bits a weight
-    q8_0 = "blocks" in stored and stored_type(stored) == "Q8_0"
+    # GGUF Q8_0's offsets are all 0: none stored, so its panels hold its own 8.5 bits a weight (a
+    # stage running gguf, `keep`; int8 / q4 stages keep the offsets formats.runtime_nbytes counts)
+    q8_0 = keep and "blocks" in stored and stored_type(stored) == "Q8_0"
     return quant.pack_rows(e.q, e.d, None if q8_0 and bits == 8 else e.m, bits=bits)
 
 
