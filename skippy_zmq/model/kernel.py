@@ -108,6 +108,18 @@ def _select_isa(lib: ctypes.CDLL, want: str) -> str:
     return got.decode()
 
 
+def set_min_parallel(work: int) -> int:
+    """Set the multiply-adds from which one kernel call shares its tasks with XLA's pool threads
+    (quant_kernel.cc's g_min_parallel; 0: every call of two tasks or more); returns the old value.
+    A benchmark's or a test's switch: which thread runs a task changes no result."""
+    kernel = _load_kernel()
+    if kernel is None:
+        raise RuntimeError("the quantised-matmul CPU kernel is not available")
+    setter = kernel.lib.skippy_kernel_set_min_parallel
+    setter.restype, setter.argtypes = ctypes.c_int64, [ctypes.c_int64]
+    return int(setter(work))
+
+
 def supported_isas() -> list[str]:
     """The kernel's instruction sets this CPU can run, best first (auto picks the first with float
     activations; avx512vnni, int8 activations, only by name): empty without the kernel."""
