@@ -120,6 +120,17 @@ def set_min_parallel(work: int) -> int:
     return int(setter(work))
 
 
+def helper_stats() -> dict[str, int]:
+    """Since the kernel loaded: calls shared with pool threads, tasks those helpers ran, and backoffs
+    (a call kept waiting for a helper that lost its core; the next calls then ran alone)."""
+    kernel = _load_kernel()
+    if kernel is None:
+        return {"shared_calls": 0, "helper_tasks": 0, "backoffs": 0}
+    out = (ctypes.c_int64 * 3)()
+    kernel.lib.skippy_kernel_helper_stats(out)
+    return {"shared_calls": out[0], "helper_tasks": out[1], "backoffs": out[2]}
+
+
 def supported_isas() -> list[str]:
     """The kernel's instruction sets this CPU can run, best first (auto picks the first with float
     activations; avx512vnni, int8 activations, only by name): empty without the kernel."""

@@ -96,7 +96,15 @@ std::atomic<const Isa*> g_isa{&kIsas[kNumIsas - 1]};
 std::atomic<int64_t> g_min_parallel{1 << 16};
 // How long a helper waits, spinning, for the next call's tasks before it goes back to the pool: a
 // decode step's projections are a few small XLA ops apart, its steps (Python, sampling) much further.
-constexpr auto kHelperSpin = std::chrono::microseconds(200);
+constexpr auto kHelperSpin = std::chrono::microseconds(100);
+// A caller kept waiting this long for a helper's tasks means the helper lost its core (a loaded machine:
+// other processes, or other stages on these cores); the next kBackoffCalls calls (a few decode steps)
+// then run on their callers alone, where hot helpers measured 1.5x slower than none under load.
+constexpr auto kLateHelper = std::chrono::microseconds(100);
+constexpr int64_t kBackoffCalls = 2048;
+std::atomic<int64_t> g_backoff{0};   // calls left to run alone
+// Counters for benchmarks (skippy_kernel_helper_stats): calls shared, tasks helpers ran, backoffs.
+std::atomic<int64_t> g_shared_calls{0}, g_helper_tasks{0}, g_backoffs{0};
 
 // One call's tasks, claimed from a shared counter by the caller and any helper.
 struct Job {
@@ -104,11 +112,13 @@ struct Job {
   int64_t n = 0;
   virtual ~Job() = default;
   virtual void Run(int64_t task) = 0;
-  void Help() {
-    for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+  int64_t Help() {   // returns how many tasks this thread ran
+    int64_t ran = 0;
+    for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < n; ++ran) {
       Run(p);
       done.fetch_add(1, std::memory_order_release);
     }
+    return ran;
   }
 };
 template <class Task>
@@ -140,7 +150,7 @@ inline void CpuRelax() {
 // kHelperSpin of finishing the last, so the calls of one decode step keep it without a wake-up.
 void HelperLoop(std::shared_ptr<Job> job, uint64_t epoch) {
   while (job) {
-    job->Help();
+    g_helper_tasks.fetch_add(job->Help(), std::memory_order_relaxed);
     job.reset();
     g_spinning.fetch_add(1, std::memory_order_acq_rel);
     const auto until = std::chrono::steady_clock::now() + kHelperSpin;
@@ -167,8 +177,13 @@ void HelperLoop(std::shared_ptr<Job> job, uint64_t epoch) {
 template <class Task>
 void RunTasks(ffi::ThreadPool& pool, int64_t n, int64_t work, Task task) {
   auto job = std::make_shared<TaskJob<Task>>(n, std::move(task));
-  const int64_t helpers = work < g_min_parallel.load(std::memory_order_relaxed) ? 0 : std::min<int64_t>(pool.num_threads() - 1, n - 1);
+  int64_t helpers = work < g_min_parallel.load(std::memory_order_relaxed) ? 0 : std::min<int64_t>(pool.num_threads() - 1, n - 1);
+  if (helpers > 0 && g_backoff.load(std::memory_order_relaxed) > 0) {
+    g_backoff.fetch_sub(1, std::memory_order_relaxed);
+    helpers = 0;
+  }
   if (helpers > 0) {
+    g_shared_calls.fetch_add(1, std::memory_order_relaxed);
     uint64_t epoch;
     {
       std::lock_guard<std::mutex> lock(g_slot.mu);
@@ -180,7 +195,14 @@ void RunTasks(ffi::ThreadPool& pool, int64_t n, int64_t work, Task task) {
       pool.Schedule([job, epoch] { HelperLoop(job, epoch); });
   }
   job->Help();
-  while (job->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  if (job->done.load(std::memory_order_acquire) < n) {
+    const auto since = std::chrono::steady_clock::now();
+    while (job->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+    if (std::chrono::steady_clock::now() - since > kLateHelper) {
+      g_backoff.store(kBackoffCalls, std::memory_order_relaxed);
+      g_backoffs.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
   if (helpers > 0) {
     std::lock_guard<std::mutex> lock(g_slot.mu);
     if (g_slot.job == job) g_slot.job.reset();
@@ -420,8 +442,17 @@ extern "C" const char* skippy_kernel_select(const char* want) {
 
 // Whether loops named `name` are built into this library and this CPU can run them (1) or
 // not (0). Changes nothing: the loops later calls run stay those skippy_kernel_select chose.
+// out[0..2] = calls shared with helpers, tasks the helpers ran, backoffs (a caller kept waiting).
+extern "C" void skippy_kernel_helper_stats(int64_t* out) {
+  out[0] = g_shared_calls.load(), out[1] = g_helper_tasks.load(), out[2] = g_backoffs.load();
+}
+
 // Sets the multiply-adds from which a call spreads its tasks over XLA's pool; returns the old value.
-extern "C" int64_t skippy_kernel_set_min_parallel(int64_t work) { return g_min_parallel.exchange(work); }
+// A new setting starts without a backoff.
+extern "C" int64_t skippy_kernel_set_min_parallel(int64_t work) {
+  g_backoff.store(0);
+  return g_min_parallel.exchange(work);
+}
 
 extern "C" int skippy_kernel_supports(const char* name) {
   for (const Isa& isa : kIsas) {
