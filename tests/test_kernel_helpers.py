@@ -59,3 +59,17 @@ def test_set_min_parallel_returns_the_old_value():
     with min_parallel(123):
         assert kernel.set_min_parallel(456) == 123
         kernel.set_min_parallel(123)
+
+
+def test_the_share_threshold_comes_from_the_environment(tmp_path):
+    """SKIPPY_KERNEL_SHARE_FROM sets the threshold at load; a bad value names the variable."""
+    import subprocess
+    import sys
+
+    code = "from skippy_zmq.model import kernel; print(kernel.set_min_parallel(0))"
+    env = {**os.environ, kernel.SHARE_ENV: "4194304"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "4194304", out.stderr[-2000:]
+    env[kernel.SHARE_ENV] = "lots"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "SKIPPY_KERNEL_SHARE_FROM must be a whole number" in out.stderr

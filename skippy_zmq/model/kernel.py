@@ -40,6 +40,9 @@ ISA_FLAGS = {"avx512vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vn
              "generic": ()}
 # auto (default: the best float-activation loops) | avx512vnni (int8 activations, opt-in) | avx512 | avx2 | generic
 ISA_ENV = "SKIPPY_KERNEL_ISA"
+# multiply-adds from which a kernel call shares its tasks with pool threads (set_min_parallel; default
+# 65536): 4194304 keeps a decode step's projections on their caller (the head and prefill chunks shared)
+SHARE_ENV = "SKIPPY_KERNEL_SHARE_FROM"
 CACHE_ENV = "SKIPPY_KERNEL_CACHE"    # where built kernels go; default $XDG_CACHE_HOME/skippy_zmq
 CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-ffp-contract=fast", "-w")
 CXX_TIMEOUT_S = 300
@@ -90,6 +93,8 @@ def _load_kernel_once() -> _Kernel | None:
         logger.warning("quantised-matmul CPU kernel unavailable, using the slow XLA fallback: {}", exc)
         return None
     kernel = _Kernel(lib, _select_isa(lib, os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"))
+    if os.environ.get(SHARE_ENV, "").strip():
+        _set_min_parallel(lib, _share_from(os.environ[SHARE_ENV]))
     for target in (*KERNEL_TARGETS.values(), *MOE_TARGETS.values(), ATTEND_TARGET, BLOCK_TARGET):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     logger.debug("quantised-matmul CPU kernel: {} loops", kernel.isa)
@@ -110,14 +115,28 @@ def _select_isa(lib: ctypes.CDLL, want: str) -> str:
 
 def set_min_parallel(work: int) -> int:
     """Set the multiply-adds from which one kernel call shares its tasks with XLA's pool threads
-    (quant_kernel.cc's g_min_parallel; 0: every call of two tasks or more); returns the old value.
-    A benchmark's or a test's switch: which thread runs a task changes no result."""
+    (quant_kernel.cc's g_min_parallel, default 65536; 0: every call of two tasks or more; $SKIPPY_KERNEL_SHARE_FROM
+    sets it at load); returns the old value. Which thread runs a task changes no result."""
     kernel = _load_kernel()
     if kernel is None:
         raise RuntimeError("the quantised-matmul CPU kernel is not available")
-    setter = kernel.lib.skippy_kernel_set_min_parallel
+    return _set_min_parallel(kernel.lib, work)
+
+
+def _set_min_parallel(lib: ctypes.CDLL, work: int) -> int:
+    setter = lib.skippy_kernel_set_min_parallel
     setter.restype, setter.argtypes = ctypes.c_int64, [ctypes.c_int64]
     return int(setter(work))
+
+
+def _share_from(text: str) -> int:
+    try:
+        work = int(text)
+    except ValueError:
+        work = -1
+    if work < 0:
+        raise ValueError(f"{SHARE_ENV} must be a whole number of multiply-adds >= 0, got {text!r}")
+    return work
 
 
 def helper_stats() -> dict[str, int]:

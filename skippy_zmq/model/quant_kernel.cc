@@ -138,13 +138,9 @@ Slot& g_slot = *new Slot;
 std::atomic<uint64_t> g_epoch{0};
 std::atomic<int> g_spinning{0};
 
-inline void CpuRelax() {
-#if defined(__x86_64__)
-  __builtin_ia32_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
+// A spinning helper yields its core to anything waiting for it (on a loaded machine that is often
+// this very call's caller, queued behind the spinner); with nothing waiting, yield returns at once.
+inline void CpuRelax() { std::this_thread::yield(); }
 
 // A pool thread's turn as a helper: helps `job`, then takes each newer job announced within
 // kHelperSpin of finishing the last, so the calls of one decode step keep it without a wake-up.
