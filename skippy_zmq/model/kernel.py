@@ -41,7 +41,8 @@ ISA_FLAGS = {"avx512vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vn
 # auto (default: the best float-activation loops) | avx512vnni (int8 activations, opt-in) | avx512 | avx2 | generic
 ISA_ENV = "SKIPPY_KERNEL_ISA"
 # multiply-adds from which a kernel call shares its tasks with pool threads (set_min_parallel; default
-# 65536): 4194304 keeps a decode step's projections on their caller (the head and prefill chunks shared)
+# 4194304: a decode step's projections stay on their caller, the head and prefill chunks are shared;
+# 65536 shares every decode projection too, as llama.cpp runs them: quant_kernel.cc says when it paid)
 SHARE_ENV = "SKIPPY_KERNEL_SHARE_FROM"
 CACHE_ENV = "SKIPPY_KERNEL_CACHE"    # where built kernels go; default $XDG_CACHE_HOME/skippy_zmq
 CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-ffp-contract=fast", "-w")
@@ -115,7 +116,7 @@ def _select_isa(lib: ctypes.CDLL, want: str) -> str:
 
 def set_min_parallel(work: int) -> int:
     """Set the multiply-adds from which one kernel call shares its tasks with XLA's pool threads
-    (quant_kernel.cc's g_min_parallel, default 65536; 0: every call of two tasks or more; $SKIPPY_KERNEL_SHARE_FROM
+    (quant_kernel.cc's g_min_parallel, default 4194304; 0: every call of two tasks or more; $SKIPPY_KERNEL_SHARE_FROM
     sets it at load); returns the old value. Which thread runs a task changes no result."""
     kernel = _load_kernel()
     if kernel is None:
