@@ -137,25 +137,36 @@ def throttled_ms(work_ms: float, quota_cores: float, period_ms: float, first_ms:
     """Wall time of `work_ms` of one thread's CPU work under a quota of quota_cores · period_ms
     every period_ms, starting idle at an even spread of phases: CFS runs it until the budget is
     spent, then holds it until the next period refills the budget. `first_ms` (when larger than
-    the budget): what a step started idle runs before its first stall, the budget and a one-time
-    overrun (the group's runtime left on each core while idle, the tick that notices the overrun),
-    a debt the next periods' budgets pay: a short step runs flat out, a long one at the quota."""
-    budget, total = quota_cores * period_ms, 0.0
-    for k in range(PHASES):
-        extra, debt = max(0.0, first_ms - budget), 0.0
-        left, wall, until, used = work_ms, 0.0, period_ms * (1 - k / PHASES), 0.0
-        while left > 1e-12:
-            allowed = max(0.0, budget - debt)
-            ran = min(left, allowed + extra - used, until)
-            left, wall, until, used = left - ran, wall + ran, until - ran, used + ran
-            if left <= 1e-12:
-                break
-            if until > 1e-12:          # the budget ran out first: held until the period ends
-                wall += until
-            over = max(0.0, used - allowed)
-            extra, debt, until, used = extra - over, max(0.0, debt - budget) + over, period_ms, 0.0
-        total += wall
-    return total / PHASES
+    the budget): what a step started idle runs at most before its first stall, the budget and a
+    one-time overrun (the runtime the kernel leaves on a core of an idle group), a debt the next
+    periods' budgets pay: a short step runs flat out, a long one at the quota. The overrun is
+    averaged over an even spread from none to all of it (how much the core kept varies): a step
+    that ends just inside it is not counted on to."""
+    budget = quota_cores * period_ms
+    spread = max(0.0, first_ms - budget)
+    extras = [spread * j / (SLACKS - 1) for j in range(SLACKS)] if spread > 0 else [0.0]
+    walls = [_throttled_at(work_ms, budget, period_ms, period_ms * (1 - k / PHASES), extra)
+             for k in range(PHASES) for extra in extras]
+    return sum(walls) / len(walls)
+
+
+SLACKS = 4     # how much of the overrun a core kept: this many points from none to all
+
+
+def _throttled_at(work_ms: float, budget: float, period_ms: float, until: float, extra: float) -> float:
+    """throttled_ms from one phase (`until` the period ends) and one overrun (`extra`)."""
+    left, wall, used, debt = work_ms, 0.0, 0.0, 0.0
+    while left > 1e-12:
+        allowed = max(0.0, budget - debt)
+        ran = min(left, allowed + extra - used, until)
+        left, wall, until, used = left - ran, wall + ran, until - ran, used + ran
+        if left <= 1e-12:
+            break
+        if until > 1e-12:          # the budget ran out first: held until the period ends
+            wall += until
+        over = max(0.0, used - allowed)
+        extra, debt, until, used = extra - over, max(0.0, debt - budget) + over, period_ms, 0.0
+    return wall
 
 
 @dataclass(frozen=True)
