@@ -27,7 +27,8 @@ that kept it busy, so its times are the throttled, sustained ones. One stream le
 idle while the others compute (a token takes longer than P), so a step starts with the period's
 whole budget: e = idle ÷ busy time (`HostSpeed.idle_ratio`: q, a step being one thread's work,
 cluster/measure.quota_burst). A step of sustained time t then takes e·t when it ends within
-`burst_ms` (the budget and the runtime the kernel leaves on a core of an idle group), and about
+`burst_ms` (the budget and the runtime the kernel leaves on a core of an idle group, averaged
+from none to all of it), and about
 t when it is many periods long (`throttled_ms`: e·t of work at a quota of e, averaged over
 where in the period it starts, the first period's overrun paid by the next ones).
 
