@@ -75,20 +75,12 @@ def test_software_per_stage_per_hop_and_the_drivers_are_charged():
     charged = predict(stages, hosts, 4, Links(0.25, driver_ms=1.5, hop_fixed_ms=0.4))
     assert charged.ms_per_token_1 == pytest.approx(bare.ms_per_token_1 + 1.5 + 3 * 0.4)   # 3 hops, 1 driver
     assert charged.hop_ms_1 == pytest.approx((0.65, 0.65, 0.65))
-    assert charged.round_ms_n > bare.round_ms_n
+    # at 8 streams b (25% of a core, 2 layers and the head) bounds the round: M x its sustained step
+    assert charged.round_ms_n == bare.round_ms_n == pytest.approx(2 * (0.5 + 0.8 + 2 + 2))
     # more stages pay more hops: with a dear hop the planner keeps the layers together
     dear = plan_split(list(hosts.values())[:1] + [HostSpeed("c", (1,), (1.0,), (0.5,), (2.0,))], 4,
                       lambda a, b: 0, Links(0.0, hop_fixed_ms=5.0))
     assert len(dear.stages) == 1
-
-
-def test_the_idle_ratio_is_fitted_through_the_burst_model():
-    from skippy_zmq.cluster.measure import fit_idle_ratio
-
-    for busy, quota in ((16.0, 0.25), (4.6, 0.25), (30.0, 0.5)):
-        idle = throttled_ms(busy * quota, quota, 10.0)
-        assert fit_idle_ratio(idle, busy, 10.0) == pytest.approx(quota, abs=1e-3)
-    assert fit_idle_ratio(10.0, 10.0, 10.0) == 1.0 and fit_idle_ratio(12.0, 10.0, 10.0) == 1.0
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -98,7 +90,8 @@ def test_plan_split_is_exact_with_hop_costs_and_quota_bursts(seed):
     rng = random.Random(100 + seed)
     n_layers = rng.randint(2, 8)
     hosts = [HostSpeed(f"h{i}", (1, 8), (rng.uniform(0.1, 2), rng.uniform(0.3, 6)), (rng.uniform(0, 1), 1.0),
-                       (rng.uniform(0, 3), 5.0), 0.0, 0, rng.choice([1.0, 0.25, 0.5]), rng.choice([0.0, 10.0]))
+                       (rng.uniform(0, 3), 5.0), 0.0, 0, rng.choice([1.0, 0.25, 0.5]), rng.choice([0.0, 10.0]),
+                       burst_ms=rng.choice([0.0, 3.5, 6.0]))
              for i in range(rng.randint(2, 3))]
     need = lambda a, b: b - a   # noqa: E731
     links = Links.from_rtt(rng.uniform(0, 1), {("h0", "h1"): 2.0}, 0.0,

@@ -15,11 +15,9 @@ format the stages will run, and times real `SliceRunner` steps on it:
   software per hop), and greedy sampling of the logits (the final stage's);
 - a stage's own software per step besides its compute: a real StageWorker handling real DECODE
   frames on the one-layer runner, less the compute its trace reports (cluster/software.py);
-- under a CPU quota, the 1-row step through the stack once more, each call after an idle gap of a
-  few quota periods (`idle_ratio`: the quota share that gives its time in ops/speed.py's burst
-  model). A loop keeps a host busy and
-  measures the quota's sustained speed; a pipeline at one stream leaves the host idle between
-  its steps, so a short step runs on the period's full budget (ops/speed.py `throttled_ms`).
+- under a CPU quota, what ops/speed.py's burst model needs (`quota_burst`): a loop keeps a host
+  busy and measures the quota's sustained speed; a pipeline leaves a host idle between its
+  steps, so a short step runs flat out on the period's budget (ops/speed.py `throttled_ms`).
 
 Medians of `repeats` timed calls after one warm-up call (compiles happen there). Plus the
 host's cores (and a cgroup CPU quota when one caps this process), memory total and available.
@@ -49,8 +47,7 @@ CAPACITY = 512         # KV positions of the measuring runners (small: nothing h
 RETRIES = 2            # re-measurements of a row count whose layer time came out <= 0
 SOURCES = ("checkpoint", "random")   # where the measured layer's weights come from (measure_host)
 SAMPLE_S = 0.1         # one timing sample: a loop of the step this long (ten 10 ms quota periods)
-IDLE_PERIODS = 3       # the idle gap before an idle-start call, in quota periods
-IDLE_SAMPLES = 9
+CFS_KEEP_MS = 1.0      # runtime a core keeps for a throttled group gone idle (kernel/sched/fair.c min_cfs_rq_runtime)
 
 
 def _median_ms(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
@@ -86,40 +83,21 @@ def _prefill_call(runner: Any) -> Callable[[], Any]:
     return lambda: runner.prefill(0, inputs, 0, output="hidden")
 
 
-def idle_ratio(call: Callable[[], Any], busy_ms: float, period_ms: float, samples: int = IDLE_SAMPLES,
-               floor: float = 0.01) -> float:
-    """The quota share e that ops/speed.py's burst model (`throttled_ms`: e · busy_ms of work at a
-    quota of e cores) needs to give the median time of `call` started after IDLE_PERIODS quiet
-    quota periods; `busy_ms` is its time in a busy loop. The gap is a sleep on purpose: it is the
-    idleness being measured. Timed on a step of several layers and fitted through the model: on a
-    1-layer step waking up cost as much as the step (a 50% host came out at 0.98) and its ratio
-    over-predicted every short step of a quota'd host. `floor`: the quota itself (a step started
-    idle runs at most at full speed; on a crowded machine the busy loop also waits for a core, and
-    the fit alone went below any quota)."""
-    times = []
-    for _ in range(samples):
-        time.sleep(IDLE_PERIODS * period_ms / 1000)
-        t0 = time.perf_counter()
-        call()
-        times.append(1000 * (time.perf_counter() - t0))
-    return max(floor, fit_idle_ratio(statistics.median(times), busy_ms, period_ms))
+def quota_burst(quota_cores: float, period_ms: float) -> dict[str, float]:
+    """What ops/speed.py's burst model needs of a host under a CPU quota of quota_cores every
+    period_ms: `idle_ratio`, a step started idle ÷ the same step in a busy loop, is the quota
+    itself (a decode step is one thread's work: idle, it runs flat out; busy, at the quota's
+    rate), and `burst_ms`, what it runs before its first stall: the period's budget and the
+    CFS_KEEP_MS of runtime the kernel leaves on a core of an idle group.
 
-
-def fit_idle_ratio(idle_ms: float, busy_ms: float, period_ms: float) -> float:
-    """e in (0, 1] with throttled_ms(busy_ms · e, e, period_ms) = idle_ms (bisection: the model's
-    time rises with e); 1 when a step started idle is no faster than a busy one."""
-    from skippy_zmq.ops.speed import throttled_ms
-
-    if busy_ms <= 0 or idle_ms >= busy_ms:
-        return 1.0
-    lo, hi = 0.01, 1.0
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        if throttled_ms(busy_ms * mid, mid, period_ms) < idle_ms:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
+    Not timed: an idle-started call fitted through the model (an earlier version) measured the
+    quota only where the call ended within about one budget: on the model-deep stack (stack_layers,
+    30 layers, about 49 ms busy at 25% of a core) the budget saved 2.5 ms, inside the noise of nine
+    samples, and a 25% host came out at 1.0, its short steps predicted 4x slow; on one layer the
+    wake-up cost as much as the step (a 50% host at 0.98)."""
+    if quota_cores <= 0 or period_ms <= 0 or quota_cores >= 1:
+        return {"idle_ratio": 1.0, "burst_ms": 0.0}
+    return {"idle_ratio": round(quota_cores, 4), "burst_ms": round(quota_cores * period_ms + CFS_KEEP_MS, 4)}
 
 
 def _message_ms(width: int, rows: int, repeats: int) -> float:
@@ -375,8 +353,7 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
     p_one = ms["prefill_one"]
     facts = host_facts()
     if facts.get("cpu_period_ms"):
-        facts["idle_ratio"] = round(idle_ratio(calls["stack_1"], ms["stack_1"], facts["cpu_period_ms"],
-                                               floor=min(1.0, facts.get("cpu_quota_cores") or 1.0)), 4)
+        facts.update(quota_burst(facts.get("cpu_quota_cores") or 1.0, facts["cpu_period_ms"]))
     return {"schema": SCHEMA, "name": name or os.uname().nodename, "model": str(model_dir), "weights": weights,
             "dtype": dtype, "device": device, "source": source, "layers": last.cfg.n_layers, "decode": decode,
             "prefill": {"chunk": CHUNK, "layer_ms_per_token": round(prefill_layer / CHUNK, 5),

@@ -25,25 +25,33 @@ wake-up and decoding, measured with the driver's time on a one-stage ring of rea
 burst(): a host under a CPU quota (a cgroup's q cores every period P) was measured by a loop
 that kept it busy, so its times are the throttled, sustained ones. One stream leaves each host
 idle while the others compute (a token takes longer than P), so a step starts with the period's
-whole budget. measure.py times a short step started idle too: e = idle ÷ busy time
-(`HostSpeed.idle_ratio`; q itself when the step runs one thread and nothing else eats the
-budget). A step of sustained time t then takes e·t when it ends within the budget, and about t
-when it is many periods long (`throttled_ms`: e·t of work at a quota of e, averaged over where
-in the period it starts). Many streams keep the hosts busy: their steps take the measured time.
+whole budget: e = idle ÷ busy time (`HostSpeed.idle_ratio`: q, a step being one thread's work,
+cluster/measure.quota_burst). A step of sustained time t then takes e·t when it ends within
+`burst_ms` (the budget and the runtime the kernel leaves on a core of an idle group, averaged
+from none to all of it), and about
+t when it is many periods long (`throttled_ms`: e·t of work at a quota of e, averaged over
+where in the period it starts, the first period's overrun paid by the next ones).
 
 N streams run as M = n_stages micro-batches of ceil(N / M) rows (engine/scheduler.py), each a
 step of r rows (that count padded to its row bucket, as the runner pads it) and a round of the
-ring; a stage serves the M micro-batches one after another, so a round takes
+ring; a stage serves the M micro-batches one after another. A host busy all round long runs at
+its sustained speed; one that idles part of each round bursts like a 1-stream step (the quiet
+bench cluster run's non-bottleneck hosts ran their steps at e·t, idle 72-94% of the round), so
+with burst(h, x) the step started idle and stage(h, x) the sustained one:
 
-    round(N)    = max(Σ stage(h_i, range_i, r) + Σ hop,  M · max_i stage(h_i, range_i, r))
+    round(N)    = max(Σ burst(h_i, range_i, r) + Σ hop,  M · max_i stage(h_i, range_i, r))
     tok/s(N)    = N / round(N)
+
+(the second term: the bottleneck's CPU a round at its quota; a host without a quota bursts to
+its sustained time, so for it this is the plain pipeline bound).
 
 `plan_split` finds, exactly, the split minimising latency(1) (objective "latency") or round(N)
 (objective "throughput") over every ordered choice of hosts and every set of cut points, each
 stage within its host's memory budget (`need(a, b)` bytes, ops/placement.py's byte-exact
 prediction). Dynamic programming over (hosts used, last host, layers covered): the cost of a
-chain is a sum (latency) or, for a fixed bottleneck bound B, a sum whose every stage must stay
-<= B; round(N) = max(sum, M·B) is minimised by a search over the finite set of stage times.
+chain is a sum (latency) or, for a fixed bottleneck bound B, a sum of burst times whose every
+stage's sustained time must stay <= B; round(N) = max(sum, M·B) is minimised by a search over
+the finite set of sustained stage times.
 """
 
 from __future__ import annotations
@@ -79,6 +87,7 @@ class HostSpeed:
     idle_ratio: float = 1.0                  # a short step started idle ÷ busy, under a CPU quota
     period_ms: float = 0.0                   # the quota's period (0: no quota)
     software_ms: tuple[float, ...] = ()      # the stage's own software per step besides compute (per row count)
+    burst_ms: float = 0.0                    # work a step started idle runs before its first stall (0: idle_ratio · period)
 
     def at(self, values: tuple[float, ...], rows: int) -> float:
         if rows <= self.rows[0]:
@@ -88,14 +97,19 @@ class HostSpeed:
                 return v0 + (rows - r0) / (r1 - r0) * (v1 - v0)
         return values[-1]
 
+    @property
+    def bursts(self) -> bool:
+        """Under a CPU quota whose idle start runs faster than its busy loop (module docstring)."""
+        return 0 < self.idle_ratio < 1 and self.period_ms > 0
+
     def stage_ms(self, layers: int, last: bool, rows: int = 1, burst: bool = False) -> float:
         """A step's time; burst: starting idle, with its CPU quota's whole budget (module docstring)."""
         head = self.at(self.head_ms, rows) if last else 0.0
         soft = self.at(self.software_ms, rows) if self.software_ms else 0.0
         sustained = self.at(self.step_ms, rows) + soft + layers * self.at(self.layer_ms, rows) + head
-        if not burst or not 0 < self.idle_ratio < 1 or self.period_ms <= 0:
+        if not burst or not self.bursts:
             return sustained
-        return throttled_ms(sustained * self.idle_ratio, self.idle_ratio, self.period_ms)
+        return throttled_ms(sustained * self.idle_ratio, self.idle_ratio, self.period_ms, self.burst_ms)
 
     @classmethod
     def from_measure(cls, m: Mapping[str, Any], memory: int = 0, name: str | None = None) -> HostSpeed:
@@ -110,7 +124,7 @@ class HostSpeed:
             return cls(name or str(m.get("name", "host")), tuple(int(r) for r in rows), pick("layer_ms"),
                        step, head, float(m.get("prefill", {}).get("layer_ms_per_token", 0.0)),
                        int(memory or m.get("memory", 0)), float(m.get("idle_ratio") or 1.0),
-                       float(m.get("cpu_period_ms") or 0.0), pick("software_ms"))
+                       float(m.get("cpu_period_ms") or 0.0), pick("software_ms"), float(m.get("burst_ms") or 0.0))
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise SpeedPlanError(f"host measurement {m.get('name', '?')!r} is not a measure_host result: "
                                  f"{exc!r}") from None
@@ -120,23 +134,40 @@ PHASES = 16    # where in its quota period a burst starts: this many points, eve
 
 
 @functools.lru_cache(maxsize=4096)
-def throttled_ms(work_ms: float, quota_cores: float, period_ms: float) -> float:
+def throttled_ms(work_ms: float, quota_cores: float, period_ms: float, first_ms: float = 0.0) -> float:
     """Wall time of `work_ms` of one thread's CPU work under a quota of quota_cores · period_ms
-    every period_ms, starting with the period's whole budget at an even spread of phases: CFS
-    runs it until the budget is spent, then holds it until the next period refills the budget."""
-    budget, total = quota_cores * period_ms, 0.0
-    for k in range(PHASES):
-        left, wall, free, until = work_ms, 0.0, budget, period_ms * (1 - k / PHASES)
-        while left > 1e-12:
-            ran = min(left, free, until)
-            left, wall, free, until = left - ran, wall + ran, free - ran, until - ran
-            if left <= 1e-12:
-                break
-            if until > 1e-12:          # the budget ran out first: held until the period ends
-                wall += until
-            free, until = budget, period_ms
-        total += wall
-    return total / PHASES
+    every period_ms, starting idle at an even spread of phases: CFS runs it until the budget is
+    spent, then holds it until the next period refills the budget. `first_ms` (when larger than
+    the budget): what a step started idle runs at most before its first stall, the budget and a
+    one-time overrun (the runtime the kernel leaves on a core of an idle group), a debt the next
+    periods' budgets pay: a short step runs flat out, a long one at the quota. The overrun is
+    averaged over an even spread from none to all of it (how much the core kept varies): a step
+    that ends just inside it is not counted on to."""
+    budget = quota_cores * period_ms
+    spread = max(0.0, first_ms - budget)
+    extras = [spread * j / (SLACKS - 1) for j in range(SLACKS)] if spread > 0 else [0.0]
+    walls = [_throttled_at(work_ms, budget, period_ms, period_ms * (1 - k / PHASES), extra)
+             for k in range(PHASES) for extra in extras]
+    return sum(walls) / len(walls)
+
+
+SLACKS = 4     # how much of the overrun a core kept: this many points from none to all
+
+
+def _throttled_at(work_ms: float, budget: float, period_ms: float, until: float, extra: float) -> float:
+    """throttled_ms from one phase (`until` the period ends) and one overrun (`extra`)."""
+    left, wall, used, debt = work_ms, 0.0, 0.0, 0.0
+    while left > 1e-12:
+        allowed = max(0.0, budget - debt)
+        ran = min(left, allowed + extra - used, until)
+        left, wall, until, used = left - ran, wall + ran, until - ran, used + ran
+        if left <= 1e-12:
+            break
+        if until > 1e-12:          # the budget ran out first: held until the period ends
+            wall += until
+        over = max(0.0, used - allowed)
+        extra, debt, until, used = extra - over, max(0.0, debt - budget) + over, period_ms, 0.0
+    return wall
 
 
 @dataclass(frozen=True)
@@ -259,10 +290,13 @@ def predict(stages: Sequence[Stage], hosts: Mapping[str, HostSpeed], n_layers: i
     m = len(stages)
     rows = micro_rows(streams, m)
     one = tuple(hosts[s.host].stage_ms(s.end - s.start, s.end == n_layers, 1, burst=True) for s in stages)
-    many = tuple(hosts[s.host].stage_ms(s.end - s.start, s.end == n_layers, rows) for s in stages)
+    steady = tuple(hosts[s.host].stage_ms(s.end - s.start, s.end == n_layers, rows) for s in stages)
+    quick = tuple(hosts[s.host].stage_ms(s.end - s.start, s.end == n_layers, rows, burst=True) for s in stages)
     hops = tuple(hops_ms(stages, links, 1, row_bytes))
     latency = sum(one) + ring_ms(stages, links, 1, row_bytes)
-    round_ms = max(sum(many) + ring_ms(stages, links, rows, row_bytes), m * max(many))
+    round_ms = max(sum(quick) + ring_ms(stages, links, rows, row_bytes), m * max(steady))
+    # the host that bounds the round is busy all along (its sustained time), the others burst
+    many = tuple(t if m * t >= round_ms - 1e-9 else q for t, q in zip(steady, quick))
     prefill = max(hosts[s.host].prefill_ms_per_token * (s.end - s.start) for s in stages)
     return Prediction(tuple(stages), latency, 1000 / latency, streams, round_ms, 1000 * streams / round_ms,
                       one, many, prefill, hops)
@@ -307,20 +341,22 @@ def _best_chains(hosts: Sequence[HostSpeed], n_layers: int, need: Callable[[int,
     latency = objective == "latency"
     rows = 1 if latency else micro_rows(streams, m)
     fits = functools.lru_cache(maxsize=None)(lambda h, a, b: not hosts[h].memory or need(a, b) <= hosts[h].memory)
-    cost = functools.lru_cache(maxsize=None)(lambda h, a, b: hosts[h].stage_ms(b - a, b == n_layers, rows, latency))
+    # a stage's time in the ring's sum: started idle (a quota'd host bursts); its bound: sustained
+    cost = functools.lru_cache(maxsize=None)(lambda h, a, b: hosts[h].stage_ms(b - a, b == n_layers, rows, True))
+    limit = functools.lru_cache(maxsize=None)(lambda h, a, b: hosts[h].stage_ms(b - a, b == n_layers, rows))
     hop = functools.lru_cache(maxsize=None)(   # what a hop carries: ring_ms's sizes
         lambda a, b: links.ms(a, b, rows * (TOKEN_BYTES if DRIVER in (a, b) else row_bytes)))
     if latency:
-        chain = _min_sum_chain(hosts, n_layers, fits, cost, hop, m, math.inf)
+        chain = _min_sum_chain(hosts, n_layers, fits, cost, hop, m, math.inf, limit)
         return [chain] if chain else []
-    bounds = sorted({cost(h, a, b) for h in range(len(hosts)) for a in range(n_layers)
+    bounds = sorted({limit(h, a, b) for h in range(len(hosts)) for a in range(n_layers)
                      for b in range(a + 1, n_layers + 1)})
     # round = max(sum(B), m·B): sum(B) (the least sum with every stage <= B) falls as B rises and
     # m·B rises, so the best B is where they cross: the first B with sum(B) <= m·B, or the one before.
     lo, hi, found = 0, len(bounds) - 1, []
     while lo <= hi:
         mid = (lo + hi) // 2
-        chain = _min_sum_chain(hosts, n_layers, fits, cost, hop, m, bounds[mid])
+        chain = _min_sum_chain(hosts, n_layers, fits, cost, hop, m, bounds[mid], limit)
         if chain:
             found.append(chain)
         total = math.inf if chain is None else sum(cost(_index(hosts, s.host), s.start, s.end) for s in chain) + \
@@ -331,7 +367,7 @@ def _best_chains(hosts: Sequence[HostSpeed], n_layers: int, need: Callable[[int,
             lo = mid + 1
     for k in (lo - 1, lo):    # the crossing's neighbours, in case the search stepped over one
         if 0 <= k < len(bounds):
-            chain = _min_sum_chain(hosts, n_layers, fits, cost, hop, m, bounds[k])
+            chain = _min_sum_chain(hosts, n_layers, fits, cost, hop, m, bounds[k], limit)
             if chain:
                 found.append(chain)
     return found
@@ -343,16 +379,17 @@ def _index(hosts: Sequence[HostSpeed], name: str) -> int:
 
 def _min_sum_chain(hosts: Sequence[HostSpeed], n_layers: int, fits: Callable[[int, int, int], bool],
                    cost: Callable[[int, int, int], float], hop: Callable[[str, str], float], m: int,
-                   bound: float) -> tuple[Stage, ...] | None:
+                   bound: float, limit: Callable[[int, int, int], float]) -> tuple[Stage, ...] | None:
     """Least Σ stage cost + hops over chains of m distinct hosts covering [0, n_layers), every
-    stage fitting its host's memory and costing <= bound. DP state: (hosts used, last host, end)."""
+    stage fitting its host's memory and its `limit` (sustained time) <= bound. DP state: (hosts
+    used, last host, end)."""
     names = [h.name for h in hosts]
     # best[(mask, last, end)] = (cost so far, previous state)
     layer: dict[tuple[int, int, int], tuple[float, tuple[int, int, int] | None]] = {}
     for h in range(len(hosts)):
         for b in range(1, n_layers - (m - 1) + 1):
             c = cost(h, 0, b)
-            if c <= bound and fits(h, 0, b):
+            if limit(h, 0, b) <= bound and fits(h, 0, b):
                 layer[(1 << h, h, b)] = (hop(DRIVER, names[h]) + c, None)
     states = [layer]
     for k in range(1, m):
@@ -364,7 +401,7 @@ def _min_sum_chain(hosts: Sequence[HostSpeed], n_layers: int, fits: Callable[[in
                 link = hop(names[last], names[h])
                 for b in range(a + 1, n_layers - (m - 1 - k) + 1):
                     c = cost(h, a, b)
-                    if c > bound or not fits(h, a, b):
+                    if limit(h, a, b) > bound or not fits(h, a, b):
                         continue
                     key, total = (mask | 1 << h, h, b), so_far + link + c
                     if key not in nxt or total < nxt[key][0]:

@@ -60,7 +60,6 @@ def probe_links(hosts: Hosts) -> tuple[Any, list[dict[str, Any]]]:
     server in the host's group and namespace, so the round trip includes a throttled host waking
     up; a link between two hosts is taken as the mean of theirs (both sit on one bridge)."""
     from skippy_zmq.cluster.probe import echo_client, measure_link
-    from skippy_zmq.ops.speed import DRIVER
 
     rows = []
     for i, spec in enumerate(hosts.specs):
@@ -78,10 +77,17 @@ def probe_links(hosts: Hosts) -> tuple[Any, list[dict[str, Any]]]:
             proc.kill()
             proc.wait()
     print(f"[bench cluster] links to the driver: {rows}", flush=True)
+    return driver_links(rows), rows
+
+
+def driver_links(rows: list[dict[str, Any]]) -> Links:
+    """Links from each host's measured link to the driver ({host, rtt_ms, bytes_per_s}); a link
+    between two hosts the mean of theirs."""
+    from skippy_zmq.ops.speed import DRIVER
+
     rtt = {(DRIVER, r["host"]): r["rtt_ms"] for r in rows}
     rate = {(DRIVER, r["host"]): r["bytes_per_s"] for r in rows}
-    links = Links.from_rtt(statistics.mean(rtt.values()), rtt, statistics.mean(rate.values()), rate)
-    return links, rows
+    return Links.from_rtt(statistics.mean(rtt.values()), rtt, statistics.mean(rate.values()), rate)
 
 
 def even_ranges(n_layers: int, n: int) -> list[tuple[int, int]]:
@@ -98,17 +104,35 @@ def grid_splits(order: Sequence[str], n_layers: int, step: int) -> list[tuple[St
 
 def measure_hosts(hosts: Hosts, model: Path, weights: str, tmp: Path) -> list[dict[str, Any]]:
     """`skippy-zmq plan --measure` inside each host (its group and namespace): one after another
-    (1 stream: one stage computes at a time), then all at once, whose many-row figures replace the
-    lone ones: N streams keep every host busy together, and hosts on one machine share its cores
-    (on separate machines both ways give the same numbers). The lone figures stay as decode_alone."""
+    (1 stream: one stage computes at a time), then all at once; the many-row figures the planner
+    takes lie between the two (`many_rows`). The lone figures stay as decode_alone, the others'
+    as decode_together."""
     alone = [_measure(hosts, [i], model, weights, tmp, "alone")[0] for i in range(len(hosts.specs))]
     together = _measure(hosts, list(range(len(hosts.specs))), model, weights, tmp, "together")
     for m, t in zip(alone, together):
-        m["decode_alone"] = {r: dict(v) for r, v in m["decode"].items()}
-        m["decode"].update({r: v for r, v in t["decode"].items() if r != "1"})
+        many_rows(m, t)
         print(f"[bench cluster] {m['name']}: layer ms at 4 / 8 rows alone "
               f"{m['decode_alone']['4']['layer_ms']} / {m['decode_alone']['8']['layer_ms']}, with every host busy "
               f"{t['decode']['4']['layer_ms']} / {t['decode']['8']['layer_ms']}", flush=True)
+    return alone
+
+
+TOGETHER = 0.5   # the weight of the all-busy figures in a host's many-row step (many_rows)
+
+
+def many_rows(alone: dict[str, Any], together: dict[str, Any]) -> dict[str, Any]:
+    """`alone`'s many-row decode figures (4, 8 rows) made the mean of its lone and all-busy ones, in
+    place: N streams keep the hosts busy together only part of a round (the quiet run's bubbles
+    were 0.04-0.94), and hosts on one machine share its cores, so a step is slower than alone and
+    faster than with every host measuring at once (all-busy figures alone predicted a bottleneck
+    host 1.3x slow where the others idled 90% of the round; lone ones 1.14x fast where every host
+    was busy). On separate machines the two agree and so does their mean."""
+    alone["decode_alone"] = {r: dict(v) for r, v in alone["decode"].items()}
+    alone["decode_together"] = {r: dict(v) for r, v in together["decode"].items()}
+    for r, v in together["decode"].items():
+        if r != "1" and r in alone["decode"]:
+            lone = alone["decode"][r]
+            alone["decode"][r] = {k: round((1 - TOGETHER) * lone.get(k, x) + TOGETHER * x, 4) for k, x in v.items()}
     return alone
 
 
@@ -403,7 +427,7 @@ def _report(args: argparse.Namespace, tables: list[str], rows: list[dict[str, An
     host_rows = [{"host": m["name"], "cpu_quota_cores": m.get("cpu_quota_cores") or quota.get(m["name"]),
                   **{f"{k}_{r}": m["decode"][r][k] for r in ("1", "4", "8") for k in ("layer_ms", "step_ms", "head_ms")},
                   "layer_ms_8_alone": m.get("decode_alone", {}).get("8", {}).get("layer_ms"),
-                  "idle_ratio": m.get("idle_ratio"), "rtt_ms": m.get("link", {}).get("rtt_ms"),
+                  "idle_ratio": m.get("idle_ratio"), "burst_ms": m.get("burst_ms"), "rtt_ms": m.get("link", {}).get("rtt_ms"),
                   "link_MB_s": round(m.get("link", {}).get("bytes_per_s", 0) / 1e6, 1),
                   "prefill_layer_ms_per_token": m["prefill"]["layer_ms_per_token"], "measure_s": m["measure_s"]}
                  for m in measured]
@@ -411,8 +435,9 @@ def _report(args: argparse.Namespace, tables: list[str], rows: list[dict[str, An
     tables.append(print_table(f"cluster: hosts as measured ({cpu}, {measured[0].get('cores')} cores; {where}; "
                               f"load average {load[0]:.1f} at the start)", host_rows,
                               "cluster/measure.py inside each host's cgroup: per decoder layer, per step, the head "
-                              "(last stage), at 1 row with the host alone, at 4 and 8 rows with every host measuring at "
-                              "once (alone: layer_ms_8_alone); medians of round-robin samples."))
+                              "(last stage), at 1 row with the host alone, at 4 and 8 rows the mean of alone and with "
+                              "every host measuring at once (alone: layer_ms_8_alone); medians of round-robin samples; "
+                              "idle_ratio, burst_ms: the quota's burst (measure.quota_burst)."))
     tables.append(print_table(f"cluster: splits, 1 stream and {STREAMS} streams, predicted beside measured "
                               f"({NEW_TOKENS} new tokens, {PROMPT_TOKENS}-token prompts)", rows,
                               "ms_per_token_1: median inter-token ms at 1 stream; tok_s_8: steady aggregate tok/s "
