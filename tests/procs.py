@@ -17,8 +17,12 @@ TEST_CONTEXT = 512
 
 def write_topology(tmp: Path, model_dir: Path | str, n_stages: int, name: str = "topo",
                    n_layers: int | None = None, **overrides) -> Path:
-    """harness.write_topology with the suite's context (TEST_CONTEXT) unless `driver__max_context` is given."""
+    """harness.write_topology with the suite's context (TEST_CONTEXT) unless `driver__max_context` is
+    given, and no idle warm-ups unless `idle_warmups=True` is: after READY a stage compiles (and runs
+    once) every shape a request could reach at every attention length, CPU that a test whose speed
+    nothing measures takes from the other worker's tests; the few shapes a test reaches compile on use."""
     overrides.setdefault("driver__max_context", TEST_CONTEXT)
+    overrides.setdefault("idle_warmups", False)
     return harness.write_topology(tmp, model_dir, n_stages, name, n_layers, **overrides)
 
 
@@ -90,9 +94,10 @@ def serving(topology_path: Path, run_dir: Path) -> Iterator[Served]:
 
 # The configuration of the shared pipelines (conftest.shared_pipelines): 8 lanes and sessions for
 # concurrency tests, speculation on as in the shipped topologies (requests opt out per call).
+# Idle warm-ups on: test_soak and test_fuzz measure the stages once warm (a shared start, paid once).
 # Heartbeats every 0.2 s (0.5 by default): after each test, conftest.shared_lanes_are_freed waits for
 # the stages' next report of their lanes.
 # weights f32: the shared pipelines' tests count f32 bytes and compare with f32 engines, whatever the
 # checkpoint stores (a fresh `make model` keeps the GGUF's Q4_1 blocks; weights: auto would run those).
-SHARED = dict(kv_lanes=8, weights="f32", driver__max_sessions=8, driver__speculative={"method": "ngram", "max_draft": 8},
+SHARED = dict(kv_lanes=8, weights="f32", idle_warmups=True, driver__max_sessions=8, driver__speculative={"method": "ngram", "max_draft": 8},
               driver__heartbeat_s=0.2)

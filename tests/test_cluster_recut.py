@@ -226,7 +226,7 @@ def test_a_worker_gone_for_good_is_planned_around_or_named_in_a_503(tiny_model, 
     n = 150
     expected = expected_tokens(tiny_model, n)
     topology = load_topology(recut_topology(tmp_path, tiny_model, 2, split="topology",
-                                             gone_after_s=20))   # a loaded machine starves a worker for seconds
+                                             gone_after_s=10))   # 10 missed beats: a loaded machine starves a worker for seconds
     needs = stage_needs(topology)
     half = max(needs[(0, 2)], needs[(2, 4)])
     assert half < needs[(0, 4)]

@@ -305,10 +305,17 @@ def test_step_shapes_count_what_a_stage_compiles(tiny_model, tmp_path):
     idle warm-up is done, with speculation on and off."""
     for spec in ({"method": "ngram", "max_draft": 7}, {"method": "off"}):
         path = write_topology(tmp_path, tiny_model, 1, name="shapes", kv_lanes=4, driver__max_sessions=4,
-                              driver__max_context=384, driver__speculative=spec)
+                              driver__max_context=384, driver__speculative=spec, idle_warmups=True)
         topo = load_topology(path)
         worker = build_worker(topo, topo.stages[0])
         for warm in worker.warm_later:
             warm()
         cfg = ModelConfig.load(tiny_model / "model.json")
         assert len(worker.runner.stats.shapes) == factory.stage_settings(topo, topo.stages[0]).step_shapes(cfg)
+    # idle_warmups: false (the suite's own pipelines): after READY only the compiles started before it
+    topo = load_topology(write_topology(tmp_path, tiny_model, 1, name="cold", kv_lanes=4, driver__max_sessions=4,
+                                        driver__max_context=384, driver__speculative={"method": "off"}))
+    assert topo.stages[0].idle_warmups is False
+    worker = build_worker(topo, topo.stages[0])
+    assert worker.warm_later == [worker.runner.join_behind]
+    worker.runner.join_behind()   # the compiles begun before READY end here (a child process)

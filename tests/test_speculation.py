@@ -237,14 +237,22 @@ def test_sampler_window_equals_step_by_step_on_the_model():
     assert again == steps
 
 
+@pytest.fixture(scope="module")
+def real_engine(model_dir):
+    """One single-process engine of the real model for this module's tests (a load and its compiles
+    each, when each made its own)."""
+    from skippy_zmq.engine.generate import LocalEngine
+
+    return LocalEngine(model_dir)
+
+
 @pytest.mark.slow
-def test_local_engine_speculation_on_the_real_model(model_dir, parity):
+def test_local_engine_speculation_on_the_real_model(real_engine, parity):
     """`generate --speculative ngram|suffix` (single process): identical greedy tokens, windows
     reported; the last prompt is bench spec's code rewrite (a long copy with changed lines)."""
     from skippy_zmq.devtools.bench.spec_workloads import copy_messages
-    from skippy_zmq.engine.generate import LocalEngine
 
-    engine = LocalEngine(model_dir)
+    engine = real_engine
     copy = engine.tokenizer.encode_chat([{"role": "user", "content": (
         "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank.")}])
     code = engine.tokenizer.encode_chat([{"role": "user", "content": copy_messages()[2]}])
@@ -273,10 +281,10 @@ def test_judge_window_tells_the_policy_of_plain_steps_so_a_stopped_session_probe
 
 
 @pytest.mark.slow
-def test_single_process_generation_uses_the_schedulers_accept_step(model_dir, monkeypatch):
+def test_single_process_generation_uses_the_schedulers_accept_step(real_engine, monkeypatch):
     """Single-process generation accepts through judge_window (one implementation), so its
     draft policy hears of plain steps; the tokens equal plain decoding's."""
-    from skippy_zmq.engine import generate, speculative
+    from skippy_zmq.engine import speculative
     from skippy_zmq.engine.speculative import judge_window
 
     calls = []
@@ -284,7 +292,7 @@ def test_single_process_generation_uses_the_schedulers_accept_step(model_dir, mo
     def spy(policy, drafts, targets):
         calls.append(len(drafts))
         return judge_window(policy, drafts, targets)
-    engine = generate.LocalEngine(model_dir, capacity=256)
+    engine = real_engine
     prompt = engine.tokenizer.encode("one two three four one two three four one two three four")
     plain = engine.generate(prompt, max_tokens=24, ignore_eos=True)
     monkeypatch.setattr(speculative, "judge_window", spy)

@@ -158,6 +158,15 @@ def test_advertised_endpoints_are_what_peers_dial_and_round_trip(tmp_path):
     assert "advertise" not in topo.to_dict()["stages"][0]
 
 
+def test_idle_warmups_default_on_can_be_turned_off_and_round_trip(tmp_path):
+    topo = load_mutated(tmp_path, lambda d: d["stages"][1].update(idle_warmups=False))
+    assert [s.idle_warmups for s in topo.stages] == [True, False]
+    assert parse_topology(yaml.safe_load(dump_topology(topo))) == topo
+    assert "idle_warmups" not in topo.to_dict()["stages"][0] and topo.to_dict()["stages"][1]["idle_warmups"] is False
+    expect_error(tmp_path, lambda d: d["stages"][0].update(idle_warmups="no"),
+                 "stages[0].idle_warmups: must be true or false, got 'no'")
+
+
 @pytest.mark.parametrize("where, fragment", [
     (lambda d: d["stages"][0].update(advertise="tcp://*:7601"), "stages[0].advertise: a peer cannot dial the wildcard"),
     (lambda d: d["driver"].update(return_advertise="tcp://0.0.0.0:7600"), "driver.return_advertise: a peer cannot"),
@@ -188,7 +197,7 @@ def test_ipc_and_inproc_endpoints_and_curve():
         (lambda d: d.update(wire={"hwn": 1}), ["wire.hwn: unknown key (allowed: activation_dtype, hwm,"]),
         (
             lambda d: d["stages"][1].update(layrs=[15, 30]),
-            ["stages[1].layrs: unknown key (allowed: advertise, cache, cpus, device, dtype, host, id, kv_dtype, kv_lanes, "
+            ["stages[1].layrs: unknown key (allowed: advertise, cache, cpus, device, dtype, host, id, idle_warmups, kv_dtype, kv_lanes, "
              "layers, listen, memory, weights)"],
         ),
         (lambda d: d["stages"][0]["cache"].update(strid=64), ["stages[0].cache.strid: unknown key", "stride"]),

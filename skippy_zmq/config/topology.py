@@ -63,6 +63,8 @@ is optional; defaults shown)::
         cpus: [0]                    # pin the stage to these CPUs (its XLA pool sizes to them); default: all
         memory: 6GiB                 # the stage's byte budget (an integer or KB/MB/GB, KiB/MiB/GiB units):
                                      # it refuses to start when placement.py predicts more; default: none
+        idle_warmups: true           # compile, while idle after READY, every shape a request can reach;
+                                     # false: such a shape compiles on first use (tests; default: true)
         cache:                       # prefix store
           mode: lookup-record        # disabled | record | lookup-record
           max_bytes: 268435456
@@ -122,6 +124,9 @@ class StageConfig:
     cpus: tuple[int, ...] = ()         # CPU affinity of the stage process; () = leave it unpinned
     memory: int | None = None          # byte budget of the stage process (placement.py); None = unbounded
     advertise: str | None = None       # the endpoint peers dial, when it is not `listen`
+    # false: after READY the stage compiles no shape the warm-up before READY left out (a shape it has
+    # not compiled compiles on first use): for processes whose speed nothing measures (the test suite)
+    idle_warmups: bool = True
 
     @property
     def is_first(self) -> bool:
@@ -236,7 +241,8 @@ class Topology:
              "dtype": s.dtype, "weights": s.weights, "kv_lanes": s.kv_lanes, "kv_dtype": s.kv_dtype,
              "cache": dataclasses.asdict(s.cache),
              **({"cpus": list(s.cpus)} if s.cpus else {}), **({"memory": s.memory} if s.memory else {}),
-             **({"advertise": s.advertise} if s.advertise else {})}
+             **({"advertise": s.advertise} if s.advertise else {}),
+             **({} if s.idle_warmups else {"idle_warmups": False})}
             for s in self.stages
         ]
         return out

@@ -99,7 +99,7 @@ _STAGE_CHECKS: dict[str, checks.Check] = {
     "device": checks.device, "dtype": checks.choice("float32", "bfloat16"),
     "weights": checks.choice("auto", "gguf", "f32", "bf16", "int8", "q4"), "kv_lanes": checks.integer(1),
     "kv_dtype": checks.choice("f32", "bf16"), "cache": _cache, "cpus": checks.cpus, "memory": checks.memory,
-    "advertise": checks.dial,
+    "advertise": checks.dial, "idle_warmups": _flag,
 }
 
 

@@ -47,6 +47,10 @@ CPU_FLAGS = {"avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "a
              "avx512": {"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"},
              "avx2": {"avx2", "fma", "f16c"},
              "generic": set()}
+# multiply-adds from which a kernel call shares its tasks with pool threads (set_min_parallel; default
+# 4194304: a decode step's projections stay on their caller, the head and prefill chunks are shared;
+# 65536 shares every decode projection too, as llama.cpp runs them: quant_kernel.cc says when it paid)
+SHARE_ENV = "SKIPPY_KERNEL_SHARE_FROM"
 CACHE_ENV = "SKIPPY_KERNEL_CACHE"    # where built kernels go; default $XDG_CACHE_HOME/skippy_zmq
 CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-ffp-contract=fast", "-w")
 CXX_TIMEOUT_S = 300
@@ -97,6 +101,8 @@ def _load_kernel_once() -> _Kernel | None:
         logger.warning("quantised-matmul CPU kernel unavailable, using the slow XLA fallback: {}", exc)
         return None
     kernel = _Kernel(lib, _select_isa(lib, os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"))
+    if os.environ.get(SHARE_ENV, "").strip():
+        _set_min_parallel(lib, _share_from(os.environ[SHARE_ENV]))
     for target in (*KERNEL_TARGETS.values(), *MOE_TARGETS.values(), ATTEND_TARGET, BLOCK_TARGET):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     logger.debug("quantised-matmul CPU kernel: {} loops", kernel.isa)
@@ -113,6 +119,43 @@ def _select_isa(lib: ctypes.CDLL, want: str) -> str:
         logger.warning("{}={} is unknown or not supported by this CPU (choices: auto, {}); using {}",
                        ISA_ENV, want, ", ".join(ISA_FLAGS), got.decode())
     return got.decode()
+
+
+def set_min_parallel(work: int) -> int:
+    """Set the multiply-adds from which one kernel call shares its tasks with XLA's pool threads
+    (quant_kernel.cc's g_min_parallel, default 4194304; 0: every call of two tasks or more; $SKIPPY_KERNEL_SHARE_FROM
+    sets it at load); returns the old value. Which thread runs a task changes no result."""
+    kernel = _load_kernel()
+    if kernel is None:
+        raise RuntimeError("the quantised-matmul CPU kernel is not available")
+    return _set_min_parallel(kernel.lib, work)
+
+
+def _set_min_parallel(lib: ctypes.CDLL, work: int) -> int:
+    setter = lib.skippy_kernel_set_min_parallel
+    setter.restype, setter.argtypes = ctypes.c_int64, [ctypes.c_int64]
+    return int(setter(work))
+
+
+def _share_from(text: str) -> int:
+    try:
+        work = int(text)
+    except ValueError:
+        work = -1
+    if work < 0:
+        raise ValueError(f"{SHARE_ENV} must be a whole number of multiply-adds >= 0, got {text!r}")
+    return work
+
+
+def helper_stats() -> dict[str, int]:
+    """Since the kernel loaded: calls shared with pool threads, tasks those helpers ran, and backoffs
+    (a call kept waiting for a helper that lost its core; the next calls then ran alone)."""
+    kernel = _load_kernel()
+    if kernel is None:
+        return {"shared_calls": 0, "helper_tasks": 0, "backoffs": 0}
+    out = (ctypes.c_int64 * 3)()
+    kernel.lib.skippy_kernel_helper_stats(out)
+    return {"shared_calls": out[0], "helper_tasks": out[1], "backoffs": out[2]}
 
 
 def supported_isas() -> list[str]:

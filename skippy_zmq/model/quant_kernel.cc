@@ -24,9 +24,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -98,30 +100,124 @@ constexpr int kNumIsas = sizeof(kIsas) / sizeof(kIsas[0]);
 
 std::atomic<const Isa*> g_isa{&kIsas[kNumIsas - 1]};
 
-constexpr int64_t kMinParallel = 4 << 20;  // multiply-adds below which the caller does it all
+// Multiply-adds from which a call shares its tasks with pool threads (skippy_kernel_set_min_parallel,
+// $SKIPPY_KERNEL_SHARE_FROM change it). The default keeps a decode step's projections on their caller:
+// on the 2-core AVX-512 Xeon one core read SmolLM2's 5-bit panels at ~5 GB/s, and with the second core
+// free, 65536 (every decode projection shared) cut a step's matrix time from ~15 to ~10 ms (one traced
+// run); but on that machine loaded by other work (load 8-20) it was no faster and its median step up
+// to 1.25x slower, so it stays opt-in until measured on a quiet machine. Sharing a call of decode size
+// is only worth it because helpers stay hot between calls (HelperLoop): a parked pool thread takes
+// ~25-50 us to wake, as long as a whole decode projection.
+std::atomic<int64_t> g_min_parallel{4 << 20};
+// How long a helper waits, spinning, for the next call's tasks before it goes back to the pool: a
+// decode step's projections are a few small XLA ops apart, its steps (Python, sampling) much further.
+constexpr auto kHelperSpin = std::chrono::microseconds(100);
+// A caller kept waiting this long for a helper's tasks means the helper lost its core (a loaded machine:
+// other processes, or other stages on these cores); the next kBackoffCalls calls (a few decode steps)
+// then run on their callers alone, where hot helpers measured 1.5x slower than none under load.
+constexpr auto kLateHelper = std::chrono::microseconds(100);
+constexpr int64_t kBackoffCalls = 2048;
+std::atomic<int64_t> g_backoff{0};   // calls left to run alone
+// Counters for benchmarks (skippy_kernel_helper_stats): calls shared, tasks helpers ran, backoffs.
+std::atomic<int64_t> g_shared_calls{0}, g_helper_tasks{0}, g_backoffs{0};
 
-struct Progress {
+// One call's tasks, claimed from a shared counter by the caller and any helper.
+struct Job {
   std::atomic<int64_t> next{0}, done{0};
+  int64_t n = 0;
+  virtual ~Job() = default;
+  virtual void Run(int64_t task) = 0;
+  int64_t Help() {   // returns how many tasks this thread ran
+    int64_t ran = 0;
+    for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < n; ++ran) {
+      Run(p);
+      done.fetch_add(1, std::memory_order_release);
+    }
+    return ran;
+  }
+};
+template <class Task>
+struct TaskJob final : Job {
+  Task task;
+  TaskJob(int64_t count, Task t) : task(std::move(t)) { n = count; }
+  void Run(int64_t p) override { task(p); }
 };
 
-// Runs task(0..n-1) on the caller, helped by the pool when `work` (multiply-adds) is
-// worth waking it. Tasks are claimed from a shared counter; the caller works too and
-// takes whatever the pool has not started, so a pool busy with other thunks slows
-// this call down but can never deadlock it. Late helpers find nothing left; the
-// shared_ptr keeps the counters (and the task's captures) alive for them.
+// The latest call's job, where spinning helpers look for work (bumping g_epoch announces a new one).
+// Never destroyed: a helper may still spin in it while the process exits.
+struct Slot {
+  std::mutex mu;
+  std::shared_ptr<Job> job;
+};
+Slot& g_slot = *new Slot;
+std::atomic<uint64_t> g_epoch{0};
+std::atomic<int> g_spinning{0};
+
+// A spinning helper yields its core to anything waiting for it (on a loaded machine that is often
+// this very call's caller, queued behind the spinner); with nothing waiting, yield returns at once.
+inline void CpuRelax() { std::this_thread::yield(); }
+
+// A pool thread's turn as a helper: helps `job`, then takes each newer job announced within
+// kHelperSpin of finishing the last, so the calls of one decode step keep it without a wake-up.
+void HelperLoop(std::shared_ptr<Job> job, uint64_t epoch) {
+  while (job) {
+    g_helper_tasks.fetch_add(job->Help(), std::memory_order_relaxed);
+    job.reset();
+    g_spinning.fetch_add(1, std::memory_order_acq_rel);
+    const auto until = std::chrono::steady_clock::now() + kHelperSpin;
+    for (int i = 0; !job; ++i) {
+      const uint64_t now = g_epoch.load(std::memory_order_acquire);
+      if (now != epoch) {
+        std::lock_guard<std::mutex> lock(g_slot.mu);
+        job = g_slot.job, epoch = now;
+      } else if (i % 64 == 0 && std::chrono::steady_clock::now() > until) {
+        break;
+      }
+      CpuRelax();
+    }
+    g_spinning.fetch_sub(1, std::memory_order_acq_rel);
+  }
+}
+
+// Runs task(0..n-1) on the caller, helped by pool threads when `work` (multiply-adds) is
+// worth it. Tasks are claimed from a shared counter; the caller works too and takes
+// whatever the helpers have not started, so a pool busy with other thunks slows this
+// call down but can never deadlock it; the caller waits at most for tasks a helper is
+// running. Late helpers find nothing left; the shared_ptr keeps the job (and the
+// task's captures) alive for them. Which thread runs a task changes no result.
 template <class Task>
 void RunTasks(ffi::ThreadPool& pool, int64_t n, int64_t work, Task task) {
-  auto progress = std::make_shared<Progress>();
-  auto run = [=]() {
-    for (int64_t p; (p = progress->next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-      task(p);
-      progress->done.fetch_add(1, std::memory_order_release);
+  auto job = std::make_shared<TaskJob<Task>>(n, std::move(task));
+  int64_t helpers = work < g_min_parallel.load(std::memory_order_relaxed) ? 0 : std::min<int64_t>(pool.num_threads() - 1, n - 1);
+  if (helpers > 0 && g_backoff.load(std::memory_order_relaxed) > 0) {
+    g_backoff.fetch_sub(1, std::memory_order_relaxed);
+    helpers = 0;
+  }
+  if (helpers > 0) {
+    g_shared_calls.fetch_add(1, std::memory_order_relaxed);
+    uint64_t epoch;
+    {
+      std::lock_guard<std::mutex> lock(g_slot.mu);
+      g_slot.job = job;
+      epoch = g_epoch.fetch_add(1, std::memory_order_acq_rel) + 1;
     }
-  };
-  const int64_t helpers = work < kMinParallel ? 0 : std::min<int64_t>(pool.num_threads() - 1, n - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([run] { run(); });
-  run();
-  while (progress->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+    // hot helpers take the job by themselves; wake pool threads only for the rest
+    for (int64_t i = g_spinning.load(std::memory_order_acquire); i < helpers; ++i)
+      pool.Schedule([job, epoch] { HelperLoop(job, epoch); });
+  }
+  job->Help();
+  if (job->done.load(std::memory_order_acquire) < n) {
+    const auto since = std::chrono::steady_clock::now();
+    while (job->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+    if (std::chrono::steady_clock::now() - since > kLateHelper) {
+      g_backoff.store(kBackoffCalls, std::memory_order_relaxed);
+      g_backoffs.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  if (helpers > 0) {
+    std::lock_guard<std::mutex> lock(g_slot.mu);
+    if (g_slot.job == job) g_slot.job.reset();
+  }
 }
 
 // Shared by the formats (bits 8, 4, 5); `row_bytes` is 64 (int8), 32 (4-bit) or 40 (5-bit) per panel row.
@@ -155,10 +251,7 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const void* q, f
     isa->quantize(args.x, args.M, K, xq.data(), xd.data(), xs.data());
     args.xq = xq.data(), args.xd = xd.data(), args.xs = xs.data();
   }
-  // A sleeping pool thread takes ~25-50 us to wake (measured), as long as a
-  // whole decode-step projection on one core, and one core nearly saturates
-  // memory here (33 vs 38 GB/s for two). So decode projections stay on the
-  // caller; the head and prefill chunks (compute-bound) use the pool.
+  // Panels are spread over the caller and the hot helpers (RunTasks), decode projections included.
   RunTasks(pool, panels, args.M * K * args.Np, [fn, args](int64_t p) { fn(&args, p); });
   return ffi::Error::Success();
 }
@@ -360,6 +453,18 @@ extern "C" const char* skippy_kernel_select(const char* want) {
 
 // Whether loops named `name` are built into this library and this CPU can run them (1) or
 // not (0). Changes nothing: the loops later calls run stay those skippy_kernel_select chose.
+// out[0..2] = calls shared with helpers, tasks the helpers ran, backoffs (a caller kept waiting).
+extern "C" void skippy_kernel_helper_stats(int64_t* out) {
+  out[0] = g_shared_calls.load(), out[1] = g_helper_tasks.load(), out[2] = g_backoffs.load();
+}
+
+// Sets the multiply-adds from which a call spreads its tasks over XLA's pool; returns the old value.
+// A new setting starts without a backoff.
+extern "C" int64_t skippy_kernel_set_min_parallel(int64_t work) {
+  g_backoff.store(0);
+  return g_min_parallel.exchange(work);
+}
+
 extern "C" int skippy_kernel_supports(const char* name) {
   for (const Isa& isa : kIsas) {
     if (std::strcmp(name, isa.name) == 0) return isa.supported() ? 1 : 0;

@@ -189,7 +189,8 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     worker = StageWorker(info, runner, SessionTable(stage.kv_lanes), make_store(topology, stage))
     worker.memory.update(memory_report(worker, need, where.memory))
     # first, compile_behind's end (the loop reaches it once that thread is done: a wait of nothing)
-    worker.warm_later = [runner.join_behind] + idle_warmups(runner, reachable_shapes(topology, buckets))
+    worker.warm_later = [runner.join_behind] + (
+        idle_warmups(runner, reachable_shapes(topology, buckets)) if stage.idle_warmups else [])
     if info.last:
         worker.tokenizer_source = (topology.model_path, cfg.vocab_size)
         prepare_constraints(worker)

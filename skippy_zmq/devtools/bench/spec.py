@@ -29,7 +29,8 @@ same GGUF, found beside the model or converted once into models/<name>-q4), so o
 compute from the same weights; `--weights` names another format (that one runs off the model
 directory as given). `--quick`: 1 prompt per workload, 32 tokens, one pipeline (2 stages at 20 ms
 per hop: both workloads one stream at a time, and the concurrent row as 2 streams), 512 positions
-a session, no warm-up requests (a test of the paths, not of the speed).
+a session, no warm-up requests and no idle warm-ups in the stages (a test of the paths, not of the
+speed: the pipeline's start does not wait for every reachable shape to compile).
 
 Phase timings go to stderr ("[spec] ..."), so a long run can be followed.
 """
@@ -342,6 +343,7 @@ def bench_spec(args: argparse.Namespace, tables: list[str], _prior: dict[str, An
     on = {**stage_overrides(args), "weights": weights}
     if quick:   # its prompts and 32 tokens fit 512 positions: one attention length fewer to compile
         on["driver__max_context"] = QUICK_CONTEXT
+        on["idle_warmups"] = False   # running_pipeline(warm=True) would wait for every shape's compile
     work = workloads(TextTokenizer.load(model), QUICK_PROMPTS if quick else None)
     mixed = work["copy"][:STREAMS // 2] + work["chat"][:STREAMS // 2]
     tmp = Path(tempfile.mkdtemp(prefix="skippy-spec-"))
