@@ -145,14 +145,11 @@ def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
     it on the loop thread, in front of the next request."""
     rows, first = runner.buckets.decode_rows[:2], runner.attn_buckets(1)
     small = tuple(c for c in runner.buckets.prefill_chunks if c <= WARM_RUN_TOKENS)
-    # a first chat's decode steps whole-slice, compiled and run once: layer by layer they were the
-    # most of what a first request paid over a warm one (SmolLM2, 48 tokens: ~6 ms a step)
-    spent = runner.warmup(rows=rows[:1], chunks=(), attn_lens=first, pairs=set())
-    spent += runner.warmup(rows=rows[1:], chunks=small, attn_lens=first, windows=windows, layered=True)
+    spent = runner.warmup(rows=rows, chunks=small, attn_lens=first, windows=windows, layered=True)
     spent += runner.warm_kv_copies(runner.kv_spans()[0], writes=False)
     chunks, rest = runner.buckets.prefill_chunks, runner.attn_buckets()[len(first):]
-    runner.compile_behind([shape for shape in runner.warm_shapes(rows, chunks, first, windows=windows)
-                           + runner.warm_shapes(rows, chunks, rest) if shape not in runner.stats.shapes])
+    runner.compile_behind(runner.warm_shapes(rows, chunks, first, windows=windows)
+                          + runner.warm_shapes(rows, chunks, rest))
     return spent
 
 
