@@ -80,6 +80,9 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 # process and the stages it spawns, every compile written: on a machine that ran the suite before,
 # test_warmup + test_families took 31 s instead of 98 s (the XLA compiles are reads).
 os.environ.setdefault(CACHE_MIN_S_ENV, "0")
+# The native kernel with every instruction set's loops (a stage builds only this CPU's): the kernel
+# tests switch between them in one process.
+os.environ.setdefault("SKIPPY_KERNEL_BUILD", "all")
 configure_jax()
 # CURVE is the default: every pipeline the suite launches makes its keys on first launch. They go to a
 # private folder of this run (inherited by xdist workers and the stages), not to ~/.local/state.

@@ -43,7 +43,9 @@ from loguru import logger
 
 CHILD_COMMAND = (sys.executable, "-m", "skippy_zmq.model.behind")
 CHILD_SHAPE_S = 180.0   # a child that reports no shape in this long of running is given up: killed, the rest in-thread
-TICK_S = 0.2   # how often the stage gates the child and serves its own wanted shapes between the child's reports
+# how often the stage gates the child and serves its own wanted shapes between the child's reports: also
+# how long a request that just took a lane may share the cores with the child's compile (was 0.2 s)
+TICK_S = 0.05
 PR_SET_PDEATHSIG = 1
 
 

@@ -40,6 +40,13 @@ ISA_FLAGS = {"avx512vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vn
              "generic": ()}
 # auto (default: the best float-activation loops) | avx512vnni (int8 activations, opt-in) | avx512 | avx2 | generic
 ISA_ENV = "SKIPPY_KERNEL_ISA"
+# here (default: only the loops this CPU runs, kernel_isas) | all (every instruction set: the tests switch between them)
+BUILD_ENV = "SKIPPY_KERNEL_BUILD"
+# the CPU flags (/proc/cpuinfo's names) each instruction set's loops need: quant_kernel.cc's has_* checks
+CPU_FLAGS = {"avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "avx2", "fma", "f16c"},
+             "avx512": {"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"},
+             "avx2": {"avx2", "fma", "f16c"},
+             "generic": set()}
 # multiply-adds from which a kernel call shares its tasks with pool threads (set_min_parallel; default
 # 4194304: a decode step's projections stay on their caller, the head and prefill chunks are shared;
 # 65536 shares every decode projection too, as llama.cpp runs them: quant_kernel.cc says when it paid)
@@ -163,8 +170,32 @@ def supported_isas() -> list[str]:
 
 
 def kernel_isas() -> tuple[str, ...]:
-    """The instruction sets the kernel library is built with on this machine, best first."""
-    return tuple(ISA_FLAGS) if platform.machine().lower() in ("x86_64", "amd64") else ("generic",)
+    """The instruction sets the kernel library is built with on this machine, best first: on x86-64
+    the one SKIPPY_KERNEL_ISA picks on this CPU (auto: the best with float activations) and generic,
+    the fallback. A fresh machine's stage waits for this build: all four sets were 13 compiler runs,
+    12-14 CPU s (8 s of a cold start on 2 cores). Every set with SKIPPY_KERNEL_BUILD=all, or where
+    the CPU's flags cannot be read."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ("generic",)
+    flags = _cpu_flags()
+    if flags is None or os.environ.get(BUILD_ENV, "").strip().lower() == "all":
+        return tuple(ISA_FLAGS)
+    runs = [isa for isa in ISA_FLAGS if CPU_FLAGS[isa] <= flags]
+    want = os.environ.get(ISA_ENV, "auto").strip().lower()
+    auto = next(isa for isa in runs if isa != "avx512vnni")   # (generic always runs)
+    return tuple(isa for isa in runs if isa in (want, auto, "generic"))
+
+
+def _cpu_flags() -> set[str] | None:
+    """This CPU's feature flags as Linux lists them (/proc/cpuinfo), or None where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return None
 
 
 def kernel_cache_dir() -> Path:
@@ -184,18 +215,18 @@ def _build_kernel() -> Path:
         raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (set CXX)")
     version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60, check=True).stdout
     include = jax.ffi.include_dir()
+    ident = [path, version.splitlines()[0] if version else "", *CXX_FLAGS, include, jax.__version__]
     isas = kernel_isas()
-    ident = [path, version.splitlines()[0] if version else "", *CXX_FLAGS, include, jax.__version__,
-             *(f"{isa}:{' '.join(ISA_FLAGS[isa])}" for isa in isas)]
-    key = hashlib.sha256(b"".join((KERNEL_DIR / f).read_bytes() for f in KERNEL_SOURCES)
-                         + "\n".join(ident).encode()).hexdigest()[:16]
-    target = _kernel_path(f"quant_kernel-{platform.machine()}-{'+'.join(isas)}-{key}.so")
+    if isas != tuple(ISA_FLAGS) and (every := _kernel_target(ident, tuple(ISA_FLAGS))).is_file():
+        return every   # built with every set before (another SKIPPY_KERNEL_BUILD): it serves this CPU too
+    target = _kernel_target(ident, isas)
     if target.is_file():
         return target
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:   # build aside, publish atomically
         units = {f"{tmp}/{Path(source).stem}_{isa}.o": (*ISA_FLAGS[isa], f"-DSKIPPY_ISA={isa}", str(KERNEL_DIR / source))
                  for isa in isas for source in ISA_SOURCES}
-        units[f"{tmp}/glue.o"] = ("-I", include, str(KERNEL_DIR / "quant_kernel.cc"))
+        left_out = tuple(f"-DSKIPPY_NO_{isa}" for isa in ISA_FLAGS if isa not in isas and isa != "generic")
+        units[f"{tmp}/glue.o"] = (*left_out, "-I", include, str(KERNEL_DIR / "quant_kernel.cc"))
         _compile_all(path, units)
         out = Path(tmp) / target.name
         subprocess.run([path, *CXX_FLAGS, "-shared", *units, "-o", str(out)], check=True, capture_output=True,
@@ -203,6 +234,15 @@ def _build_kernel() -> Path:
         os.chmod(out, 0o755)      # whatever the umask: a group-writable .so would be refused next time
         os.replace(out, target)
     return target
+
+
+def _kernel_target(ident: list[str], isas: tuple[str, ...]) -> Path:
+    """Where the library of these instruction sets is cached: named by a key of the sources, the
+    compiler's `ident` (path, version, flags, JAX's FFI headers) and the sets with their flags."""
+    ident = [*ident, *(f"{isa}:{' '.join(ISA_FLAGS[isa])}" for isa in isas)]
+    key = hashlib.sha256(b"".join((KERNEL_DIR / f).read_bytes() for f in KERNEL_SOURCES)
+                         + "\n".join(ident).encode()).hexdigest()[:16]
+    return _kernel_path(f"quant_kernel-{platform.machine()}-{'+'.join(isas)}-{key}.so")
 
 
 def _compile_all(cxx: str, units: dict[str, tuple[str, ...]]) -> None:

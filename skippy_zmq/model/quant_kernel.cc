@@ -38,10 +38,18 @@
 
 namespace ffi = xla::ffi;
 
-SKIPPY_DECLARE_ISA(generic)
+// kernel.py may build only the loops this CPU runs (and generic): -DSKIPPY_NO_<isa> leaves one out
 #if defined(__x86_64__)
+#define SKIPPY_X86 1
+#endif
+SKIPPY_DECLARE_ISA(generic)
+#if SKIPPY_X86 && !defined(SKIPPY_NO_avx2)
 SKIPPY_DECLARE_ISA(avx2)
+#endif
+#if SKIPPY_X86 && !defined(SKIPPY_NO_avx512)
 SKIPPY_DECLARE_ISA(avx512)
+#endif
+#if SKIPPY_X86 && !defined(SKIPPY_NO_avx512vnni)
 SKIPPY_DECLARE_ISA(avx512vnni)
 SKIPPY_DECLARE_QUANTIZE(avx512vnni)
 #endif
@@ -73,11 +81,15 @@ bool has_avx512vnni() {
 #endif
 
 const Isa kIsas[] = {  // best first
-#if defined(__x86_64__)
+#if SKIPPY_X86 && !defined(SKIPPY_NO_avx512vnni)
     {"avx512vnni", skippy_int8_panel_avx512vnni, skippy_q4_panel_avx512vnni, skippy_q5_panel_avx512vnni,
      has_avx512vnni, skippy_quantize_x_avx512vnni, skippy_attend_avx512vnni, skippy_blocks_avx512vnni},
+#endif
+#if SKIPPY_X86 && !defined(SKIPPY_NO_avx512)
     {"avx512", skippy_int8_panel_avx512, skippy_q4_panel_avx512, skippy_q5_panel_avx512, has_avx512, nullptr,
      skippy_attend_avx512, skippy_blocks_avx512},
+#endif
+#if SKIPPY_X86 && !defined(SKIPPY_NO_avx2)
     {"avx2", skippy_int8_panel_avx2, skippy_q4_panel_avx2, skippy_q5_panel_avx2, has_avx2, nullptr,
      skippy_attend_avx2, skippy_blocks_avx2},
 #endif
