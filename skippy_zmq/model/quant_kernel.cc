@@ -251,7 +251,7 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const void* q, f
     isa->quantize(args.x, args.M, K, xq.data(), xd.data(), xs.data());
     args.xq = xq.data(), args.xd = xd.data(), args.xs = xs.data();
   }
-  // Panels are spread over the caller and the hot helpers (RunTasks), decode projections included.
+  // Panels are spread over the caller and the hot helpers (RunTasks) from g_min_parallel multiply-adds.
   RunTasks(pool, panels, args.M * K * args.Np, [fn, args](int64_t p) { fn(&args, p); });
   return ffi::Error::Success();
 }
@@ -451,8 +451,6 @@ extern "C" const char* skippy_kernel_select(const char* want) {
   return nullptr;
 }
 
-// Whether loops named `name` are built into this library and this CPU can run them (1) or
-// not (0). Changes nothing: the loops later calls run stay those skippy_kernel_select chose.
 // out[0..2] = calls shared with helpers, tasks the helpers ran, backoffs (a caller kept waiting).
 extern "C" void skippy_kernel_helper_stats(int64_t* out) {
   out[0] = g_shared_calls.load(), out[1] = g_helper_tasks.load(), out[2] = g_backoffs.load();
@@ -465,6 +463,8 @@ extern "C" int64_t skippy_kernel_set_min_parallel(int64_t work) {
   return g_min_parallel.exchange(work);
 }
 
+// Whether loops named `name` are built into this library and this CPU can run them (1) or
+// not (0). Changes nothing: the loops later calls run stay those skippy_kernel_select chose.
 extern "C" int skippy_kernel_supports(const char* name) {
   for (const Isa& isa : kIsas) {
     if (std::strcmp(name, isa.name) == 0) return isa.supported() ? 1 : 0;
