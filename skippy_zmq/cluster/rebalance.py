@@ -10,8 +10,9 @@ or when a stage's measured step times drift from the plan (cluster/drift.py). Th
 2. the engine pauses admission and drops in-flight rows (engine/recut.py);
 3. HALT: every worker stops its stage (HALTED), so that no port is held twice, but a stage that
    runs on as it is (same worker, layers and next hop): it keeps its process, KV and compiled steps;
-4. START: the new split's stages (same ids and ports, new layer ranges, maybe fewer of them);
-   the engine resumes every paused session from its token history once they are READY;
+4. the engine takes the new split's stage table, then START: the new split's stages (same ids and
+   ports, new layer ranges, maybe fewer of them); the engine resumes every paused session from its
+   token history once they are READY;
 5. the rebalancer waits until the new split is ready and done compiling: that is the re-cut's
    measured cost, which the next drift re-cut must pay back (cluster/payback.py), else it is skipped.
 
@@ -197,8 +198,11 @@ class Rebalancer:
             self.missing = None
             self.target.set_missing(None)
         self._halt(split, kept)
+        # the engine takes the new split's stage table before any new stage can say READY: a READY that
+        # landed in the old table (a held stage opens its ports at once) was lost with it, and that stage
+        # never counted as ready, or an old table all ready resumed on the old split
+        self.target.finish(placed, kept)
         self._install(split, kept)
-        self.target.finish(self.server.placed, kept)
         self.gone = dict.fromkeys(self.gone, "")        # planned around: they hold nothing of this split
         if self.drift is not None:
             self.drift.reset(self.server.topology, {w.name: w for w in self.server.workers.values()})
