@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from skippy_zmq.config.cpus import JAX_THREADS_ENV, cpu_quota, cpu_threads, jax_threads, size_jax_threads, \
+from skippy_zmq.config.cpus import JAX_THREADS_ENV, THREADS_ENV, cpu_quota, cpu_threads, jax_threads, size_jax_threads, \
     threads_here, usable_cpus
 
 
@@ -90,6 +90,10 @@ def test_size_jax_threads_sets_the_pool_only_to_cap_it():
     assert size_jax_threads(env, threads=4) == 1 and env[JAX_THREADS_ENV] == "1"     # an operator's smaller one stays
     env = {}
     assert size_jax_threads(env, threads=usable_cpus()) == usable_cpus() and env == {}   # nothing to cap
+    env = {THREADS_ENV: "2", JAX_THREADS_ENV: "1"}
+    assert size_jax_threads(env, threads=1) == 2 and env[JAX_THREADS_ENV] == "2"     # the operator's choice wins
+    with pytest.raises(ValueError, match="SKIPPY_CPU_THREADS must be a whole number of threads >= 1, got '0'"):
+        size_jax_threads({THREADS_ENV: "0"})
     assert jax_threads({JAX_THREADS_ENV: "3"}) == 3
     assert jax_threads({JAX_THREADS_ENV: "lots"}) == jax_threads({}) == usable_cpus()
 

@@ -88,8 +88,9 @@ def quota_burst(quota_cores: float, period_ms: float) -> dict[str, float]:
     """What ops/speed.py's burst model needs of a host under a CPU quota of quota_cores every
     period_ms: `idle_ratio`, a step started idle ÷ the same step in a busy loop, is the quota
     itself (a decode step is one thread's work: idle, it runs flat out; busy, at the quota's
-    rate), and `burst_ms`, what it runs before its first stall: the period's budget and the
-    CFS_KEEP_MS of runtime the kernel leaves on a core of an idle group.
+    rate: a process under a quota below a core runs one thread, config/cpus.py), and `burst_ms`,
+    what it runs before its first stall: the period's budget and the CFS_KEEP_MS of runtime the
+    kernel leaves on a core of an idle group.
 
     Not timed: an idle-started call fitted through the model (an earlier version) measured the
     quota only where the call ended within about one budget: on the model-deep stack (stack_layers,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Mapping, MutableMapping
 
 JAX_THREADS_ENV = "PJRT_NPROC"     # XLA's CPU client: its intra-op pool's size (read when JAX starts it)
+THREADS_ENV = "SKIPPY_CPU_THREADS"   # an operator's pool size, quota or not (e.g. 2 under a 1-core quota)
 PROC_CGROUP = Path("/proc/self/cgroup")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_DIRS = ("cpu", "cpu,cpuacct")   # where a v1 `cpu` controller is mounted under CGROUP_ROOT
@@ -113,9 +114,15 @@ def jax_threads(environ: Mapping[str, str] = os.environ) -> int:
 
 def size_jax_threads(environ: MutableMapping[str, str] = os.environ, threads: int | None = None) -> int:
     """Set PJRT_NPROC in `environ` to `threads` (default threads_here()) where that is fewer than
-    the usable CPUs or than a PJRT_NPROC already set (an operator's smaller pool stays); returns
-    the pool size JAX will start. Call it before JAX starts its CPU client, and again after the
+    the usable CPUs or than a PJRT_NPROC already set (an operator's smaller pool stays), or to
+    SKIPPY_CPU_THREADS where that is set (it wins); returns the pool size JAX will start. Call it before JAX starts its CPU client, and again after the
     process's affinity shrinks (stage/loop.pin_cpus)."""
+    chosen = environ.get(THREADS_ENV, "").strip()
+    if chosen:
+        if not chosen.isdigit() or int(chosen) < 1:
+            raise ValueError(f"{THREADS_ENV} must be a whole number of threads >= 1, got {chosen!r}")
+        environ[JAX_THREADS_ENV] = chosen
+        return int(chosen)
     want = threads_here() if threads is None else max(1, threads)
     given = environ.get(JAX_THREADS_ENV, "").strip()
     if given.isdigit() and int(given) > 0:
