@@ -140,3 +140,14 @@ def test_a_process_in_a_quarter_core_group_runs_one_thread():
         assert json.loads(out.stdout.strip().splitlines()[-1])["nproc"] == "1"
     finally:
         group.remove()
+
+
+def test_a_stage_pinned_to_one_cpu_shrinks_its_pool():
+    """stage/loop.pin_cpus after cli.configure_jax sized the pool for more CPUs: one CPU, one thread."""
+    code = ("import os, types; os.environ['PJRT_NPROC'] = '2'\n"
+            "from skippy_zmq.stage.loop import pin_cpus\n"
+            "pin_cpus(types.SimpleNamespace(id='s0', cpus=(min(os.sched_getaffinity(0)),)))\n"
+            "print(os.environ['PJRT_NPROC'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != THREADS_ENV})
+    assert out.returncode == 0 and out.stdout.split()[-1] == "1", out.stderr[-2000:]
