@@ -325,15 +325,16 @@ def plan_split(hosts: Sequence[HostSpeed], n_layers: int, need: Callable[[int, i
                row_bytes: int = 0, tie: float = TIE) -> Prediction:
     """The best split (module docstring). `n_stages`: use exactly that many hosts (default: any
     number, 1 to len(hosts)); row_bytes: one activation row on the wire (hops cost its transfer).
-    A tie (the other objective's best split within `tie` of this one's on this objective) goes to
-    the split better on the other objective: a 1-stream tie to the split that serves many streams
-    faster, and the other way round; tie=0: the exact optimum. Raises SpeedPlanError when no split
+    A tie (the other objective's best split of as many stages within `tie` of this one on this
+    objective) goes to the split better on the other objective: a 1-stream tie to the split that
+    serves many streams faster, and the other way round; tie=0: the exact optimum. Raises SpeedPlanError when no split
     fits the memory budgets."""
     best = _plan_exact(hosts, n_layers, need, links, objective, streams, n_stages, row_bytes)
     if tie <= 0:
         return best
     other = OBJECTIVES[1 - OBJECTIVES.index(objective)]
-    alt = _plan_exact(hosts, n_layers, need, links, other, streams, n_stages, row_bytes)
+    # the other objective's best with as many stages (one search, not one per stage count)
+    alt = _plan_exact(hosts, n_layers, need, links, other, streams, len(best.stages), row_bytes)
     by_name = {h.name: h for h in hosts}
     cost = lambda p, obj: objective_ms(p.stages, by_name, n_layers, links, obj, streams, row_bytes)   # noqa: E731
     if cost(alt, objective) <= (1 + tie) * cost(best, objective) and cost(alt, other) < cost(best, other) - 1e-9:
