@@ -427,6 +427,7 @@ def _report(args: argparse.Namespace, tables: list[str], rows: list[dict[str, An
     where = "cgroups + network namespaces" if netns_why is None else f"cgroups alone (no namespaces: {netns_why})"
     quota = {spec.name: spec.cpu for spec in HOSTS}
     host_rows = [{"host": m["name"], "cpu_quota_cores": m.get("cpu_quota_cores") or quota.get(m["name"]),
+                  "cpu_threads": m.get("cpu_threads"),   # its JAX pool (config/cpus.py: ceil(quota))
                   **{f"{k}_{r}": m["decode"][r][k] for r in ("1", "4", "8") for k in ("layer_ms", "step_ms", "head_ms")},
                   "layer_ms_8_alone": m.get("decode_alone", {}).get("8", {}).get("layer_ms"),
                   "idle_ratio": m.get("idle_ratio"), "burst_ms": m.get("burst_ms"), "rtt_ms": m.get("link", {}).get("rtt_ms"),
