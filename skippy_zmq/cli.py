@@ -36,10 +36,17 @@ def configure_jax(cache_dir: str | None = None) -> None:
     CPU async dispatch: `JAX_CPU_ENABLE_ASYNC_DISPATCH=true|false` (JAX 0.10 reads no environment
     variable for this flag, so it is applied here, before JAX creates its CPU client; stage processes
     inherit the variable). Unset: JAX's default.
+
+    CPU threads: XLA's pool (and the native kernel's helpers in it) sized by this process's CPU
+    quota, ceil(quota) threads, not one per CPU (config/cpus.py; PJRT_NPROC set before JAX starts
+    its CPU client, inherited by the processes this one spawns in its group).
     """
     import jax
 
+    from skippy_zmq.config.cpus import size_jax_threads
     from skippy_zmq.files.private_dirs import private_cache_dir
+
+    size_jax_threads()
 
     flag = os.environ.get("JAX_CPU_ENABLE_ASYNC_DISPATCH", "").strip().lower()
     if flag:

@@ -27,6 +27,7 @@ def test_measure_host_on_a_tiny_model(tmp_path, tiny_tree, fmt):
         assert row["layer_ms"] + row["step_ms"] > 0            # a step takes some time
     assert m["prefill"]["chunk"] == 64 and m["prefill"]["layer_ms_per_token"] >= 0
     assert m["cores"] >= 1 and m["memory_total"] > 0 and m["memory_available"] > 0
+    assert 1 <= m["cpu_threads"] <= m["cores_usable"]          # the JAX pool it ran (config/cpus.py)
     assert set(m["kernels"]) == {"matmul", "decode_attention", "matrices"}
     matrices, n = m["kernels"]["matrices"], m["kernels"]["matrices"].split()[0]
     assert matrices == ("kernel" if fmt == "q4" else f"{n} of {n} through XLA"), matrices   # f32: every one

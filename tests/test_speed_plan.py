@@ -4,6 +4,7 @@ a topology the loader accepts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -14,7 +15,7 @@ import yaml
 from conftest import REPO
 
 from skippy_zmq.config.topology_yaml import load_topology
-from skippy_zmq.ops.speed import (DRIVER, OBJECTIVES, HostSpeed, Links, SpeedPlanError, Stage, brute_force,
+from skippy_zmq.ops.speed import (DRIVER, OBJECTIVES, TIE, HostSpeed, Links, SpeedPlanError, Stage, brute_force,
                                   micro_rows, objective_ms, plan_split, predict, throttled_ms)
 
 
@@ -56,7 +57,10 @@ def test_plan_split_is_exact_against_brute_force(seed):
                     with pytest.raises(SpeedPlanError, match="fits their memory"):
                         plan_split(hosts, n_layers, need, links, objective, streams, n_stages)
                     continue
-                got = plan_split(hosts, n_layers, need, links, objective, streams, n_stages)
+                got = plan_split(hosts, n_layers, need, links, objective, streams, n_stages, tie=0)
+                tied = plan_split(hosts, n_layers, need, links, objective, streams, n_stages)
+                assert objective_ms(tied.stages, by_name, n_layers, links, objective, streams) <= (1 + TIE) * \
+                    objective_ms(want.stages, by_name, n_layers, links, objective, streams) + 1e-9
                 assert objective_ms(got.stages, by_name, n_layers, links, objective, streams) == pytest.approx(
                     objective_ms(want.stages, by_name, n_layers, links, objective, streams))
                 assert all(not by_name[s.host].memory or need(s.start, s.end) <= by_name[s.host].memory
@@ -99,9 +103,29 @@ def test_plan_split_is_exact_with_hop_costs_and_quota_bursts(seed):
     by_name = {h.name: h for h in hosts}
     for objective in OBJECTIVES:
         want = brute_force(hosts, n_layers, need, links, objective, 8, None, row_bytes=2304)
-        got = plan_split(hosts, n_layers, need, links, objective, 8, None, row_bytes=2304)
+        got = plan_split(hosts, n_layers, need, links, objective, 8, None, row_bytes=2304, tie=0)
         assert objective_ms(got.stages, by_name, n_layers, links, objective, 8, 2304) == pytest.approx(
             objective_ms(want.stages, by_name, n_layers, links, objective, 8, 2304))
+
+
+def test_a_tie_goes_to_the_split_better_on_the_other_objective():
+    """Two splits the model cannot order at 1 stream (within TIE) but far apart at 8 streams: the
+    latency plan keeps the one that serves 8 streams faster; beyond TIE the 1-stream optimum
+    stays; tie=0 is the exact optimum."""
+    fast = HostSpeed("fast", (1, 4), (1.0, 1.2), (0.2, 0.2), (2.0, 2.4))
+    slow = HostSpeed("slow", (1, 4), (1.02, 3.0), (0.2, 0.2), (2.0, 6.0))
+    hosts, need = [fast, slow], lambda a, b: 0   # noqa: E731
+    exact = plan_split(hosts, 10, need, Links(), "latency", 8, 1, tie=0)
+    tied = plan_split(hosts, 10, need, Links(), "latency", 8, 1)
+    assert [s.host for s in exact.stages] == ["fast"] and [s.host for s in tied.stages] == ["fast"]
+    # slow at 1 row within 2% of fast, 2.5x slower at 4 rows: fast was the latency optimum anyway;
+    # make slow the 1-stream optimum by a hair and the tie hands the plan to fast, 8 streams' best
+    slow = dataclasses.replace(slow, layer_ms=(0.995, 3.0))
+    hosts = [fast, slow]
+    assert [s.host for s in plan_split(hosts, 10, need, Links(), "latency", 8, 1, tie=0).stages] == ["slow"]
+    assert [s.host for s in plan_split(hosts, 10, need, Links(), "latency", 8, 1).stages] == ["fast"]
+    slow = dataclasses.replace(slow, layer_ms=(0.9, 3.0))     # 8% ahead at 1 stream: no tie
+    assert [s.host for s in plan_split([fast, slow], 10, need, Links(), "latency", 8, 1).stages] == ["slow"]
 
 
 def test_a_slow_link_keeps_the_layers_on_one_host():

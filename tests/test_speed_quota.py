@@ -19,12 +19,15 @@ from skippy_zmq.ops.speed import (HostSpeed, Links, Stage, brute_force, objectiv
                                   throttled_ms)
 
 RUN = Path(__file__).parent / "fixtures" / "cluster_quiet_run.json"
+# the later quiet run (docs/cluster.md "Figures", 8433568): its latency and throughput plans
+# predicted 16.80 / 16.81 ms at 1 stream and measured 18.23 / 15.66
+FINAL_RUN = Path(__file__).parent / "fixtures" / "cluster_final_run.json"
 
 
-def quiet_run() -> tuple[dict, dict[str, HostSpeed], Links]:
+def quiet_run(path: Path | None = None) -> tuple[dict, dict[str, HostSpeed], Links]:
     """The recorded run's hosts as bench cluster builds them now (its many-row mean, the quota's
     burst from measure.quota_burst) and its links with the ring's driver and hop software."""
-    run = json.loads(RUN.read_text())
+    run = json.loads((path or RUN).read_text())
     hosts = {}
     for name, h in run["hosts"].items():
         m = many_rows(copy.deepcopy(h["alone"]), h["together"])
@@ -60,10 +63,26 @@ def test_the_quiet_runs_plan_is_brute_forces():
     run, hosts, links = quiet_run()
     need = lambda a, b: 0   # noqa: E731  (memory: every host holds the model)
     for objective in ("latency", "throughput"):
-        got = plan_split(list(hosts.values()), run["n_layers"], need, links, objective, 8, 3, run["row_bytes"])
+        got = plan_split(list(hosts.values()), run["n_layers"], need, links, objective, 8, 3, run["row_bytes"], tie=0)
         want = brute_force(list(hosts.values()), run["n_layers"], need, links, objective, 8, 3, run["row_bytes"])
         assert objective_ms(got.stages, hosts, run["n_layers"], links, objective, 8, run["row_bytes"]) == \
             pytest.approx(objective_ms(want.stages, hosts, run["n_layers"], links, objective, 8, run["row_bytes"]))
+
+
+@pytest.mark.parametrize("path", [RUN, FINAL_RUN], ids=["quiet", "final"])
+def test_the_1_stream_plan_is_within_5_percent_of_the_best_measured_split(path):
+    """Issue 40's planned ÷ best measured >= 0.95 at 1 stream, on both recorded runs: the final
+    run's latency and throughput plans predict 0.06% apart (a tie: TIE) and the throughput plan,
+    8 streams' best, measured best at 1 stream too; the quiet run's latency plan is 4.5% ahead
+    of its throughput plan by prediction, past a tie, and stays (it measured best)."""
+    run, hosts, links = quiet_run(path)
+    need = lambda a, b: 0   # noqa: E731
+    plan = plan_split(list(hosts.values()), run["n_layers"], need, links, "latency", 8, 3, run["row_bytes"])
+    measured = {row["layers"]: row["ms_per_token_1"] for row in run["splits"]}
+    label = " / ".join(f"{s.host}:{s.end - s.start}" for s in plan.stages)
+    assert min(measured.values()) / measured[label] >= 0.95, (label, measured)
+    exact = plan_split(list(hosts.values()), run["n_layers"], need, links, "latency", 8, 3, run["row_bytes"], tie=0)
+    assert (exact.stages != plan.stages) == (path == FINAL_RUN)   # the tie-break decided only the final run
 
 
 def test_the_quota_burst_of_a_host():

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 from skippy_zmq.cluster import software
+from skippy_zmq.config import cpus
 
 SCHEMA = "skippy-host-speed/1"
 ROWS = (1, 4, 8)       # decode rows measured (row buckets); the planner interpolates between them
@@ -87,8 +88,9 @@ def quota_burst(quota_cores: float, period_ms: float) -> dict[str, float]:
     """What ops/speed.py's burst model needs of a host under a CPU quota of quota_cores every
     period_ms: `idle_ratio`, a step started idle ÷ the same step in a busy loop, is the quota
     itself (a decode step is one thread's work: idle, it runs flat out; busy, at the quota's
-    rate), and `burst_ms`, what it runs before its first stall: the period's budget and the
-    CFS_KEEP_MS of runtime the kernel leaves on a core of an idle group.
+    rate: a process under a quota below a core runs one thread, config/cpus.py), and `burst_ms`,
+    what it runs before its first stall: the period's budget and the CFS_KEEP_MS of runtime the
+    kernel leaves on a core of an idle group.
 
     Not timed: an idle-started call fitted through the model (an earlier version) measured the
     quota only where the call ended within about one budget: on the model-deep stack (stack_layers,
@@ -243,7 +245,10 @@ def host_facts() -> dict[str, Any]:
         facts["cores_usable"] = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         facts["cores_usable"] = facts["cores"]
-    quota = cpu_quota()
+    quota = cpus.cpu_quota()
+    # the threads this process's JAX pool runs (config/cpus.py: ceil(quota), its CPUs at most): one
+    # under a quota below a core, so a step is one thread's work, as ops/speed.py counts it
+    facts["cpu_threads"] = cpus.jax_threads()
     if quota is not None:
         facts["cpu_quota_cores"] = round(quota[0], 3)
         facts["cpu_period_ms"] = round(quota[1], 3)
@@ -278,40 +283,11 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def cpu_quota_cores(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> float | None:
+def cpu_quota_cores(proc_cgroup: Path = cpus.PROC_CGROUP, root: Path = cpus.CGROUP_ROOT) -> float | None:
     """The CPU quota over this process's cgroup, in cores (None when uncapped or unreadable):
-    cgroup v1 `cpu` (cfs_quota_us / cfs_period_us) or v2 `cpu.max`."""
-    quota = cpu_quota(proc_cgroup, root)
+    config/cpus.cpu_quota's."""
+    quota = cpus.cpu_quota(proc_cgroup, root)
     return None if quota is None else quota[0]
-
-
-def cpu_quota(proc_cgroup: Path = Path("/proc/self/cgroup"),
-              root: Path = Path("/sys/fs/cgroup")) -> tuple[float, float] | None:
-    """(cores, period in ms) of the CPU quota over this process's cgroup (cpu_quota_cores)."""
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        candidates = []
-        if "cpu" in controllers.split(","):
-            candidates.append((root / "cpu" / path.lstrip("/"), "v1"))
-        if controllers == "":
-            candidates.append((root / path.lstrip("/"), "v2"))
-        for directory, kind in candidates:
-            try:
-                if kind == "v1":
-                    quota = int((directory / "cpu.cfs_quota_us").read_text())
-                    period = int((directory / "cpu.cfs_period_us").read_text())
-                else:
-                    text = (directory / "cpu.max").read_text().split()
-                    quota, period = (-1 if text[0] == "max" else int(text[0])), int(text[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if quota > 0 and period > 0:
-                return quota / period, period / 1000
-    return None
 
 
 def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float32", device: str = "cpu",

@@ -17,6 +17,8 @@ from typing import Any
 
 from loguru import logger
 
+from skippy_zmq.config.cpus import size_jax_threads
+
 DEVICE_PROBE_TIMEOUT_S = 60.0
 _PROBE = ("import json, jax; print(json.dumps([{'platform': d.platform, 'kind': d.device_kind} "
           "for d in jax.devices()]))")
@@ -84,8 +86,11 @@ def measure_speed(model_dir: Path, weights: str, device: str, source: str = "che
             "print(json.dumps(measure_host(sys.argv[1], weights=sys.argv[2], device=sys.argv[3], "
             "source=sys.argv[4], dtype=sys.argv[5])))")
     try:
+        env = dict(os.environ)
+        size_jax_threads(env)   # the child's JAX pool sized as the stages' are (cli.configure_jax)
         out = subprocess.run([sys.executable, "-c", code, str(model_dir), weights, device, source, dtype],
-                             capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+                             capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S, stdin=subprocess.DEVNULL,
+                             env=env)
         if out.returncode == 0:
             return scaled_for_tests(json.loads(out.stdout.strip().splitlines()[-1]))
         logger.warning("measuring this host's speed failed: {}", out.stderr.strip()[-500:])

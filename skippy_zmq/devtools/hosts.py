@@ -23,6 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from skippy_zmq.config.cpus import JAX_THREADS_ENV, THREADS_ENV, cpu_threads, usable_cpus
+
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 # cpu.shares: on a shared machine (a load average of 10-40 on 2 cores while this was written) a
 # group weighted like one task gets a sliver of a core and its quota never binds, so every "host"
@@ -101,8 +103,12 @@ class CpuGroup:
         (self.path / "cgroup.procs").write_text(f"{pid}\n")
 
     def wrap(self, argv: Sequence[str]) -> list[str]:
-        """argv run inside this group: the shell moves itself in, then execs argv (same pid)."""
-        return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(self.path), *argv]
+        """argv run inside this group: the shell moves itself in, then execs argv (same pid), its
+        JAX pool sized by the group's quota (config/cpus.py): a process that argv puts in a network
+        namespace (`ip netns exec`) sees no cgroup folders to read its quota from."""
+        cores = self.quota_cores()
+        env = [] if cores is None or os.environ.get(THREADS_ENV) else ["env", f"{JAX_THREADS_ENV}={cpu_threads(cores, usable_cpus())}"]
+        return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(self.path), *env, *argv]
 
     def remove(self) -> None:
         """Move whatever is still inside back to the root group, then remove the group."""

@@ -30,6 +30,7 @@ from skippy_zmq.protocol.security import security_for
 from skippy_zmq.stage.factory import build_worker
 from skippy_zmq.stage.faults import FaultInjector
 from skippy_zmq.stage.worker import DRIVER, StageWorker
+from skippy_zmq.config.cpus import size_jax_threads
 from skippy_zmq.config.topology import StageConfig, Topology
 
 DRAIN_BATCH = 64
@@ -286,6 +287,7 @@ def pin_cpus(stage: StageConfig) -> None:
         raise RuntimeError(f"stage {stage.id}: cpus {missing} are not available here (this process may use "
                            f"{sorted(available)})")
     os.sched_setaffinity(0, stage.cpus)
+    size_jax_threads()   # fewer CPUs: a pool sized before the pinning (cli.configure_jax) shrinks with them
     logger.info("stage {} pinned to CPUs {}", stage.id, list(stage.cpus))
 
 

@@ -365,16 +365,17 @@ def bench_splits(args: argparse.Namespace, tables: list[str]) -> dict[str, Any]:
         fit = placement.fit_layers(cfg, [budget] * len(speeds), [settings] * len(speeds))
         splits["memory-only"] = tuple(Stage(h.name, n.start, n.end) for h, n in zip(speeds, fit))
         checks = _brute_checks(speeds, cfg.n_layers, need, links, splits, row_bytes)
-        rows, seen = [], set()
+        rows, ran = [], {}
         for name, stages in list(splits.items()) + _grid(splits, by_name, cfg.n_layers, links, args, row_bytes):
-            if stages in seen:
+            if stages in ran:   # run once; a named split that is another's (a tie-break's plan) shares its row
+                rows += [] if name.startswith("grid") else [{**ran[stages], "split": name}]
                 continue
             if name.startswith("grid") and time.perf_counter() - t_start > args.budget_s:
                 break
-            seen.add(stages)
-            rows.append(run_split(name, stages, hosts, model, weights, tmp,
-                                  predict(stages, by_name, cfg.n_layers, links, STREAMS, row_bytes),
-                                  not args.one_stream))
+            ran[stages] = run_split(name, stages, hosts, model, weights, tmp,
+                                    predict(stages, by_name, cfg.n_layers, links, STREAMS, row_bytes),
+                                    not args.one_stream)
+            rows.append(ran[stages])
     return _report(args, tables, rows, measured, checks, netns_why, load, t_start, ring)
 
 
@@ -398,7 +399,8 @@ def _grid(splits: dict[str, tuple[Stage, ...]], by_name: dict[str, HostSpeed], n
 
 def _brute_checks(speeds: list[HostSpeed], n_layers: int, need: Any, links: Links,
                   splits: dict[str, tuple[Stage, ...]], row_bytes: int = 0) -> list[dict[str, Any]]:
-    """The planner against brute force over every order and cut of three stages, in prediction."""
+    """The planner against brute force over every order and cut of three stages, in prediction
+    (the plan may trail it by up to speed.TIE where a tie went to the other objective's split)."""
     from skippy_zmq.ops.speed import objective_ms
 
     by_name = {h.name: h for h in speeds}
@@ -425,6 +427,7 @@ def _report(args: argparse.Namespace, tables: list[str], rows: list[dict[str, An
     where = "cgroups + network namespaces" if netns_why is None else f"cgroups alone (no namespaces: {netns_why})"
     quota = {spec.name: spec.cpu for spec in HOSTS}
     host_rows = [{"host": m["name"], "cpu_quota_cores": m.get("cpu_quota_cores") or quota.get(m["name"]),
+                  "cpu_threads": m.get("cpu_threads"),   # its JAX pool (config/cpus.py: ceil(quota))
                   **{f"{k}_{r}": m["decode"][r][k] for r in ("1", "4", "8") for k in ("layer_ms", "step_ms", "head_ms")},
                   "layer_ms_8_alone": m.get("decode_alone", {}).get("8", {}).get("layer_ms"),
                   "idle_ratio": m.get("idle_ratio"), "burst_ms": m.get("burst_ms"), "rtt_ms": m.get("link", {}).get("rtt_ms"),
