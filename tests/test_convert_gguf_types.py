@@ -317,14 +317,12 @@ def test_an_moe_gguf_keeps_its_expert_blocks(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- real recipes (llama.cpp's llama-quantize)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["Q4_K_M", "Q6_K", "IQ4_XS", "Q3_K_M"])
-def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_path):
-    """SmolLM2's GGUF requantised by llama.cpp's own llama-quantize (built by `bench peers --build`) into
-    a real mixed recipe: the default convert keeps every tensor's type at about the file's size, and the
-    gguf stage's greedy ids (the CPU kernel reading every block type of the file in place: Q4_K / Q5_K /
-    Q6_K / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS) equal f32's on the dequantised weights, 1 process and 2 stages;
-    the stages hold about the file's bytes (nothing dequantised at load)."""
+def recipe_file(recipe: str) -> Path:
+    """SmolLM2's GGUF requantised into `recipe` by llama-quantize, made once beside the llama.cpp build
+    that made it (its cache folder, named by llama.cpp's version) and reused: the same input on every
+    run (IQ4_XS took llama-quantize 20 s of CPU); what is under test, the conversion and the stages,
+    runs afresh."""
+    import os
     import subprocess
 
     from conftest import REPO
@@ -334,9 +332,25 @@ def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_pat
     source = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not quantize.is_file() or not source.is_file():
         pytest.skip(f"needs {quantize} (`skippy-zmq bench peers --build`) and {source}")
-    made = tmp_path / f"smol.{recipe}.gguf"
-    subprocess.run([str(quantize), "--allow-requantize", str(source), str(made), recipe], check=True,
-                   capture_output=True, timeout=600)
+    made = cache_dir() / "recipes" / f"{source.stem}-{recipe}.gguf"
+    if not made.is_file():
+        made.parent.mkdir(exist_ok=True)
+        part = made.with_name(f"{made.name}.{os.getpid()}.part")    # only a finished file has the name
+        subprocess.run([str(quantize), "--allow-requantize", str(source), str(part), recipe], check=True,
+                       capture_output=True, timeout=600)
+        part.rename(made)
+    return made
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["Q4_K_M", "Q6_K", "IQ4_XS", "Q3_K_M"])
+def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_path):
+    """SmolLM2's GGUF requantised by llama.cpp's own llama-quantize (built by `bench peers --build`) into
+    a real mixed recipe: the default convert keeps every tensor's type at about the file's size, and the
+    gguf stage's greedy ids (the CPU kernel reading every block type of the file in place: Q4_K / Q5_K /
+    Q6_K / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS) equal f32's on the dequantised weights, 1 process and 2 stages;
+    the stages hold about the file's bytes (nothing dequantised at load)."""
+    made = recipe_file(recipe)
     convert_gguf(made, tmp_path / "gguf")
     held = read_gguf_layout(made).tensors    # the header only (gguf-py's reader parses the vocabulary: ~2 s)
     manifest = json.loads((tmp_path / "gguf" / "params" / "format.json").read_text())
