@@ -110,11 +110,14 @@ LONGEST_FIRST = ["shared-pipelines",   # 300 s
                  # llama.cpp's server tests against a pipeline of its own: 230 s in that run; its pipeline now
                  # serves 512 positions (2048 before), 250-320 -> 190-250 s alone on the loaded machine
                  "test_llama_server_suite",
-                 # (2026-12-05, docs/development.md) worker processes re-cut twice, ~3.5 min alone; three real
-                 # SmolLM2 recipes by llama-quantize (where llama.cpp is built); five recipes and their rows
-                 "test_cluster_recut", "test_convert_gguf_types", "test_bench_recipes",
+                 # (2026-12-05, docs/development.md) worker processes re-cut twice, ~3.5 min alone (100 s in
+                 # the warm run alone); bench peers beside llama-server (88 s there) and bench spec / scale quick
+                 # (97 s there); four real SmolLM2 recipes by llama-quantize (where llama.cpp is built: 157 s
+                 # there, ~80 s since their f32 reference is made in memory); five recipes and their rows
+                 "test_cluster_recut", "test_peers_llama_server", "test_bench", "test_convert_gguf_types",
+                 "test_bench_recipes",
                  "test_cluster",              # ~150 s (worker processes, a driver, stages) on a busy machine
-                 "test_chaos", "test_bench", "test_quant_kernel", "test_quant", "test_resume",   # 78-52 s
+                 "test_chaos", "test_quant_kernel", "test_quant", "test_resume",   # 78-52 s
                  "test_launch", "test_checkpoint", "test_placement", "test_orphans",            # 40-27 s
                  "test_speculation", "test_families", "test_curve_pipeline", "test_real_vocab_serving",
                  "test_wire_dtypes", "test_random_model", "test_netns", "test_vocab_vectors"]   # 22-16 s

@@ -231,6 +231,38 @@ def gguf_checkpoint(tmp_path: Path, tree: dict, qtypes: dict, fmt: str) -> tuple
 Q = gguf.GGMLQuantizationType
 
 
+def test_a_gguf_files_layout_reads_as_gguf_py_reads_it(tmp_path):
+    """convert --gguf reads fields and tensors through sources.GGUFFile (the checked layout), not
+    gguf.GGUFReader: every value, shape, type, offset and byte as the reader gives them."""
+    from skippy_zmq.files.gguf_layout import read_gguf_layout
+
+    w = gguf.GGUFWriter(str(tmp_path / "f.gguf"), "llama")
+    w.add_uint32("llama.block_count", 2)
+    w.add_float32("llama.rope.freq_base", 10000.5)
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.add_string("tokenizer.chat_template", "{{ messages }}")
+    w.add_token_list(["a", "b\u00e9", "<|x|>"])
+    w.add_token_types([1, 1, 3])
+    w.add_array("tokenizer.ggml.scores", [0.5, -1.0, 2.0])
+    rng = np.random.default_rng(0)
+    w.add_tensor("norm.weight", rng.standard_normal(64).astype(np.float32))
+    q8 = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), Q.Q8_0)
+    w.add_tensor("blk.0.w", q8, raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = sources.GGUFFile(read_gguf_layout(tmp_path / "f.gguf")), gguf.GGUFReader(tmp_path / "f.gguf")
+    # the reader adds the header as fields GGUF.version / tensor_count / kv_count (nothing reads them)
+    assert {k: f.contents() for k, f in ours.fields.items()} == \
+        {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert len(ours.tensors) == len(theirs.tensors) == 2
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type, list(a.shape), a.data_offset, a.n_bytes) == \
+            (b.name, b.tensor_type, list(b.shape), b.data_offset, b.n_bytes)
+        assert a.data.tobytes() == np.asarray(b.data).tobytes()
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
 def test_gguf_blocks_come_through_exactly(tmp_path, tiny_tree, qtype):
     fmt = "int8" if qtype == Q.Q8_0 else "q4"

@@ -7,16 +7,18 @@ one process and in two stages; a type we do not keep is refused by name before a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import gguf
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from skippy_zmq.checkpoint import checkpoint, loader
+from skippy_zmq.checkpoint import checkpoint, loader, runtime
 from skippy_zmq.checkpoint.convert import LAYER_NAMES, ConvertError, convert_gguf, unpermute_rows
 from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig
 from skippy_zmq.files.gguf_layout import read_gguf_layout
@@ -112,6 +114,16 @@ def runners(model: Path, fmt: str, cuts: tuple[int, ...] = (), n_layers: int = C
     return out
 
 
+def dequantised(model: Path, n_layers: int = CFG.n_layers) -> list[SliceRunner]:
+    """One runner of f32 on a gguf checkpoint's dequantised weights, made in memory from its stored
+    blocks by the same ggml.dequantize that `convert --weights f32` writes with (the tiny model's
+    test_an_in_memory_f32_reference_is_the_f32_checkpoint: equal arrays): a real model's f32
+    checkpoint written and restored cost ~10 s CPU per recipe."""
+    cfg = dataclasses.replace(loader.read_model_json(model / "model.json"), dtype="float32")
+    params = runtime.to_runtime(checkpoint.stage_items(model, cfg, 0, n_layers), "f32", jnp.float32)
+    return [SliceRunner(cfg, params, 0, n_layers, KV, BUCKETS)]
+
+
 def greedy(rs: list[SliceRunner], ids: np.ndarray, n: int) -> list[int]:
     x = ids[:-1]
     for r in rs:
@@ -148,6 +160,16 @@ def test_every_kept_type_is_stored_as_the_files_blocks(kept):
     source = json.loads((path / "source.json").read_text())
     assert source["weights"] == "gguf" and source["requantised"] == {} and source["requantised_tensors"] == []
     assert source["checkpoint_bytes"] / source["gguf_tensor_bytes"] <= 1.05
+
+
+def test_an_in_memory_f32_reference_is_the_f32_checkpoint(kept):
+    """The real recipes' f32 reference (`dequantised`) holds exactly the arrays an f32 conversion of
+    the same file restores, every kept type's blocks among them."""
+    path, f32, _ = kept
+    ours, want = dequantised(path)[0].params, runners(f32, "f32")[0].params
+    assert jax.tree.structure(ours) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype == np.float32 and np.array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("where", ["step", "load"])
@@ -295,14 +317,12 @@ def test_an_moe_gguf_keeps_its_expert_blocks(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- real recipes (llama.cpp's llama-quantize)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["Q4_K_M", "Q6_K", "IQ4_XS", "Q3_K_M"])
-def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_path):
-    """SmolLM2's GGUF requantised by llama.cpp's own llama-quantize (built by `bench peers --build`) into
-    a real mixed recipe: the default convert keeps every tensor's type at about the file's size, and the
-    gguf stage's greedy ids (the CPU kernel reading every block type of the file in place: Q4_K / Q5_K /
-    Q6_K / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS) equal f32's on the dequantised weights, 1 process and 2 stages;
-    the stages hold about the file's bytes (nothing dequantised at load)."""
+def recipe_file(recipe: str) -> Path:
+    """SmolLM2's GGUF requantised into `recipe` by llama-quantize, made once beside the llama.cpp build
+    that made it (its cache folder, named by llama.cpp's version) and reused: the same input on every
+    run (IQ4_XS took llama-quantize 20 s of CPU); what is under test, the conversion and the stages,
+    runs afresh."""
+    import os
     import subprocess
 
     from conftest import REPO
@@ -312,11 +332,26 @@ def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_pat
     source = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not quantize.is_file() or not source.is_file():
         pytest.skip(f"needs {quantize} (`skippy-zmq bench peers --build`) and {source}")
-    made = tmp_path / f"smol.{recipe}.gguf"
-    subprocess.run([str(quantize), "--allow-requantize", str(source), str(made), recipe], check=True,
-                   capture_output=True, timeout=600)
+    made = cache_dir() / "recipes" / f"{source.stem}-{recipe}.gguf"
+    if not made.is_file():
+        made.parent.mkdir(exist_ok=True)
+        part = made.with_name(f"{made.name}.{os.getpid()}.part")    # only a finished file has the name
+        subprocess.run([str(quantize), "--allow-requantize", str(source), str(part), recipe], check=True,
+                       capture_output=True, timeout=600)
+        part.rename(made)
+    return made
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["Q4_K_M", "Q6_K", "IQ4_XS", "Q3_K_M"])
+def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_path):
+    """SmolLM2's GGUF requantised by llama.cpp's own llama-quantize (built by `bench peers --build`) into
+    a real mixed recipe: the default convert keeps every tensor's type at about the file's size, and the
+    gguf stage's greedy ids (the CPU kernel reading every block type of the file in place: Q4_K / Q5_K /
+    Q6_K / Q5_0 / Q5_1 / IQ4_NL / IQ4_XS) equal f32's on the dequantised weights, 1 process and 2 stages;
+    the stages hold about the file's bytes (nothing dequantised at load)."""
+    made = recipe_file(recipe)
     convert_gguf(made, tmp_path / "gguf")
-    convert_gguf(made, tmp_path / "f32", "f32")
     held = read_gguf_layout(made).tensors    # the header only (gguf-py's reader parses the vocabulary: ~2 s)
     manifest = json.loads((tmp_path / "gguf" / "params" / "format.json").read_text())
     stored = {manifest["types"]["embed"], *(k for layer in manifest["types"]["layers"] for k in layer.values())}
@@ -324,7 +359,7 @@ def test_real_recipes_of_smollm2_keep_their_types_and_greedy_ids(recipe, tmp_pat
     source_json = json.loads((tmp_path / "gguf" / "source.json").read_text())
     assert source_json["bytes_ratio"] <= 1.05 and source_json["requantised"] == {}
     cfg = ModelConfig.load(tmp_path / "gguf" / "model.json")
-    ref = runners(tmp_path / "f32", "f32", n_layers=cfg.n_layers)
+    ref = dequantised(tmp_path / "gguf", cfg.n_layers)    # = an f32 conversion's (test above), in memory
     prompts = [np.random.default_rng(seed).integers(10, cfg.vocab_size, 10) for seed in range(2)]
     want = [greedy(ref, ids, 16) for ids in prompts]      # the f32 ids, once per prompt for both cuts
     for cuts in ((), (cfg.n_layers // 2,)):

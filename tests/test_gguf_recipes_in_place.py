@@ -20,7 +20,7 @@ from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.devtools import random_model
 from skippy_zmq.devtools.bench.recipes import file_types
 from skippy_zmq.model import ggml
-from test_convert_gguf_types import greedy, runners
+from test_convert_gguf_types import dequantised, greedy, runners
 
 # every row a multiple of 256 (K blocks fit everywhere), small enough for seconds
 SMALL = {**random_model.SHAPES["llama-3.2-1b"], "hidden_size": 512, "num_hidden_layers": 2,
@@ -52,11 +52,12 @@ def test_k_recipes_run_in_place_with_the_dequantised_ids(f16_gguf, recipe, kinds
     types = file_types(made)
     assert kinds <= set(types), types
     convert_gguf(made, tmp_path / "gguf")
-    convert_gguf(made, tmp_path / "f32", "f32")
     source = json.loads((tmp_path / "gguf" / "source.json").read_text())
     assert source["bytes_ratio"] <= 1.05 and source["requantised"] == {}
     cfg = ModelConfig.load(tmp_path / "gguf" / "model.json")
-    ref = runners(tmp_path / "f32", "f32", n_layers=cfg.n_layers)
+    ref = dequantised(tmp_path / "gguf", cfg.n_layers)    # = an f32 conversion's (test_convert_gguf_types)
+    prompts = [np.random.default_rng(seed).integers(10, cfg.vocab_size, 10) for seed in range(2)]
+    want = [greedy(ref, ids, 16) for ids in prompts]      # the f32 ids, once per prompt for both cuts
     matrices = set(types) - {"F32"}
     for cuts in ((), (1,)):
         ours = runners(tmp_path / "gguf", "auto", cuts, cfg.n_layers)
@@ -65,6 +66,5 @@ def test_k_recipes_run_in_place_with_the_dequantised_ids(f16_gguf, recipe, kinds
         assert kinds <= in_place and in_place <= matrices, (in_place, types)
         held = sum(a.nbytes for r in ours for a in {id(a): a for a in jax.tree.leaves(r.params)}.values())
         assert held / source["gguf_tensor_bytes"] <= 1.05, (held, source["gguf_tensor_bytes"])
-        for seed in range(2):
-            ids = np.random.default_rng(seed).integers(10, cfg.vocab_size, 10)
-            assert greedy(ours, ids, 16) == greedy(ref, ids, 16), (recipe, cuts, seed)
+        for seed, ids in enumerate(prompts):
+            assert greedy(ours, ids, 16) == want[seed], (recipe, cuts, seed)

@@ -213,7 +213,7 @@ def gguf_model_config(reader: Any, name: str = "") -> ModelConfig:
     d_model, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
     head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", d_model // n_heads))
     extra = _gguf_family_fields(reader, arch, head_dim, d_model, n_heads, int(need("block_count")))
-    vocab = gguf_field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = gguf_field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].contents())
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     experts = int(gguf_field(reader, f"{arch}.expert_count", 0) or 0)
     if experts:   # llama.cpp routes every layer; it renormalises the top k of qwen3moe and llama (Mixtral),
