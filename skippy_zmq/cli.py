@@ -449,6 +449,7 @@ SUBCOMMAND_PARSERS = (
 
 def build_parser() -> argparse.ArgumentParser:
     from skippy_zmq.cluster.commands import add_manifest_parser, add_rebalance_parser, add_worker_parser
+    from skippy_zmq.model.kernel_install import add_build_kernel_parser
     from skippy_zmq.protocol.security import add_keys_parser
 
     parser = argparse.ArgumentParser(prog="skippy-zmq", description=__doc__)
@@ -457,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMAND_PARSERS:
         add(sub)
-    for add in (add_keys_parser, add_worker_parser, add_manifest_parser, add_rebalance_parser):
+    for add in (add_keys_parser, add_worker_parser, add_manifest_parser, add_rebalance_parser, add_build_kernel_parser):
         add(sub)
     return parser
 
@@ -467,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_json)
     if args.command not in ("stage", "driver"):   # those tie themselves, under their own names
         watch_parent(args.command)   # a no-op from a shell; spawned tied by a local process: die with it
-    if args.command not in ("fetch-model", "plan", "keys", "worker", "manifest"):   # (a worker's stages do)
+    if args.command not in ("fetch-model", "plan", "keys", "worker", "manifest", "build-kernel"):   # (a worker's stages do)
         configure_jax()
     return int(args.func(args) or 0)
 
