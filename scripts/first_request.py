@@ -9,7 +9,8 @@
     .venv/bin/python scripts/first_request.py --speculative off
 
 What a fresh clone's `make serve` meets: a temporary, empty JAX compile cache (SKIPPY_JAX_CACHE) and
-kernel cache (SKIPPY_KERNEL_CACHE), the topology (default: topologies/smollm2-2stage.yaml) moved to
+kernel cache (SKIPPY_KERNEL_CACHE; the kernel `make install` built stays in use, unless
+--no-installed-kernel), the topology (default: topologies/smollm2-2stage.yaml) moved to
 free ports (SKIPPY_PORT_SLICE is honoured) with its own run and key folders, the server as a child
 process, the request sent with the `openai` client (greedy, ignore_eos: the same tokens every time).
 Prints a table and writes JSON: time to READY, every request's wall seconds and the CPU seconds the
@@ -120,6 +121,8 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
     env = dict(os.environ)
     if not args.keep_caches:
         env.update(SKIPPY_JAX_CACHE=str(tmp / "jax"), SKIPPY_KERNEL_CACHE=str(tmp / "kernel"))
+    if args.no_installed_kernel:   # as without `make install`'s build-kernel: the stages build it
+        env.update(SKIPPY_KERNEL_INSTALL_DIR=str(tmp / "no-kernel-installed"))
     topology, run_dir = fresh_topology(Path(args.topology), tmp, args.speculative), tmp / "run"
     http_addr = yaml.safe_load(topology.read_text())["driver"]["http"]
     cli = Path(sys.executable).parent / "skippy-zmq"
@@ -132,6 +135,7 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
             wait_for(lambda: ready(http), args.timeout, "/readyz 200", server)
             ready_s = time.perf_counter() - t0
             pids = stage_pids(run_dir) + [server.pid]
+            ready_cpu_s = cpu_s(pids)   # the stages' and the server's start (their children apart)
             client = OpenAI(base_url=f"http://{http_addr}/v1", api_key="none", timeout=args.timeout)
             model = client.models.list().data[0].id
             after_ready = [ask(client, model, args.tokens, pids) for _ in range(args.repeat)]
@@ -150,7 +154,7 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
     texts = {r.pop("text") for r in after_ready + warm}
     warm_s = statistics.median(r["wall_s"] for r in warm)
     return {"topology": args.topology, "speculative": args.speculative, "empty_caches": not args.keep_caches,
-            "ready_s": round(ready_s, 2),
+            "ready_s": round(ready_s, 2), "ready_cpu_s": round(ready_cpu_s, 2),
             "after_ready": after_ready, "settle_s": settle_s and round(settle_s, 2), "warm": warm,
             "first_over_warm": round(after_ready[0]["wall_s"] / warm_s, 2),
             "first_cpu_over_warm_cpu": round(after_ready[0]["cpu_s"] / max(0.01, statistics.median(
@@ -166,7 +170,7 @@ def table(result: dict) -> str:
             rows.append(f"| {name} #{i + 1} | {r['wall_s']:.3f} | {r['cpu_s']:.2f} | "
                         f"{r['prompt_tokens']} / {r['completion_tokens']} |")
     return "\n".join(rows + [
-        "", f"READY {result['ready_s']} s after launch; idle warm-ups done {result['settle_s']} s after the "
+        "", f"READY {result['ready_s']} s after launch ({result['ready_cpu_s']} CPU s); idle warm-ups done {result['settle_s']} s after the "
         f"{len(result['after_ready'])} requests (None: not within --timeout); first ÷ warm: {result['first_over_warm']} (wall), "
         f"{result['first_cpu_over_warm_cpu']} (CPU); same text every time: {result['same_text']}; "
         f"load {result['load_before']} -> {result['load_after']} on {result['cpus']} CPUs"])
@@ -179,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="requests right after READY, and again once warm")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds allowed for READY and for the warm-ups")
     ap.add_argument("--keep-caches", action="store_true", help="use your own JAX and kernel caches")
+    ap.add_argument("--no-installed-kernel", action="store_true",
+                    help="ignore the kernel `make install` built (skippy-zmq build-kernel): each stage builds it")
     ap.add_argument("--keep-logs", action="store_true", help="keep the temporary folder (stage logs)")
     ap.add_argument("--speculative", choices=("off", "ngram", "suffix"),
                     help="the drafter's method (default: the topology's). A repeat of one prompt is drafted "

@@ -91,6 +91,15 @@ def spec_windows(topology: Topology, buckets: Buckets) -> tuple[int, ...]:
     return buckets.spec_windows(max_draft(topology))
 
 
+def likeliest_first(windows: tuple[int, ...], topology: Topology) -> tuple[int, ...]:
+    """The verify windows in the order a new stream's drafter reaches them: the window of its first
+    k (engine DraftPolicy: max(min_draft, max_draft // 2) drafts; 8 tokens by default), then the
+    nearest sizes (k doubles on a window all accepted, halves on a rejection)."""
+    spec = topology.driver.speculative
+    start = max([w for w in windows if w <= max(spec.min_draft, spec.max_draft // 2) + 1] or [0])
+    return tuple(sorted(windows, key=lambda w: (abs(w - start), w)))
+
+
 def reachable_shapes(topology: Topology, buckets: Buckets) -> tuple[tuple[int, int], ...]:
     """Every (rows, tokens) a DECODE can reach this stage with: each row bucket, with the verify
     windows the driver lets that many rows carry when it speculates (config.decode_shapes)."""
@@ -144,13 +153,16 @@ def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
     Also the lane read of the shortest KV span: a first chat's prefix recording (at its STOP) compiled
     it on the loop thread, in front of the next request."""
     rows, first = runner.buckets.decode_rows[:2], runner.attn_buckets(1)
+    chunks, rest = runner.buckets.prefill_chunks, runner.attn_buckets()[len(first):]
+    # The child starts first: it needs no weights and compiles on the core this thread's one-step-at-
+    # a-time warm-up leaves idle, what a first request runs most first (1-row decode, then the windows
+    # in `windows`' order: likeliest_first), so those may run whole-slice from READY on.
+    lead = runner.warm_shapes((1,), (), first, windows=windows)
+    runner.compile_behind(lead + [s for s in runner.warm_shapes(rows, chunks, first, windows=windows)
+                                  + runner.warm_shapes(rows, chunks, rest) if s not in lead])
     small = tuple(c for c in runner.buckets.prefill_chunks if c <= WARM_RUN_TOKENS)
     spent = runner.warmup(rows=rows, chunks=small, attn_lens=first, windows=windows, layered=True)
-    spent += runner.warm_kv_copies(runner.kv_spans()[0], writes=False)
-    chunks, rest = runner.buckets.prefill_chunks, runner.attn_buckets()[len(first):]
-    runner.compile_behind(runner.warm_shapes(rows, chunks, first, windows=windows)
-                          + runner.warm_shapes(rows, chunks, rest))
-    return spent
+    return spent + runner.warm_kv_copies(runner.kv_spans()[0], writes=False)
 
 
 def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
@@ -179,7 +191,7 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
                          KVConfig(lanes=stage.kv_lanes, capacity=capacity, dtype=stage.kv_dtype), buckets, device)
     runner.stopgap = True    # READY before the whole-slice steps compile (warm_stopgap)
     t1 = time.perf_counter()
-    warm_before_ready(runner, spec_windows(topology, buckets))
+    warm_before_ready(runner, likeliest_first(spec_windows(topology, buckets), topology))
     logger.info("stage {} layers [{}, {}) on {}: restored in {:.1f}s, compiled in {:.1f}s", stage.id,
                 stage.start, stage.end, where.device, t1 - t0, time.perf_counter() - t1)
     info = StageInfo(stage.id, first=stage.start == 0, last=stage.end == cfg.n_layers, width=cfg.d_model)
