@@ -140,7 +140,8 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
             model = client.models.list().data[0].id
             after_ready = [ask(client, model, args.tokens, pids) for _ in range(args.repeat)]
             try:
-                settle_s = wait_for(lambda: warmed(http), args.timeout, "idle warm-ups done", server)
+                settle_s = wait_for(lambda: warmed(http), args.settle_timeout or args.timeout, "idle warm-ups done",
+                                    server)
             except TimeoutError:   # a loaded machine: the warm figures are then quoted as not settled
                 settle_s = None
             warm = [ask(client, model, args.tokens, pids) for _ in range(args.repeat)]
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=48, help="completion tokens a request generates")
     ap.add_argument("--repeat", type=int, default=3, help="requests right after READY, and again once warm")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds allowed for READY and for the warm-ups")
+    ap.add_argument("--settle-timeout", type=float, help="seconds allowed for the warm-ups (default: --timeout)")
     ap.add_argument("--keep-caches", action="store_true", help="use your own JAX and kernel caches")
     ap.add_argument("--no-installed-kernel", action="store_true",
                     help="ignore the kernel `make install` built (skippy-zmq build-kernel): each stage builds it")

@@ -146,9 +146,9 @@ def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
     first request runs (1- and 2-row decode, the verify windows and the chunks of at most
     WARM_RUN_TOKENS, at the first attention length), run once on padding: one layer compiled per
     shape instead of the slice's every layer (SmolLM2's cold start: 24 whole-slice shapes took 24 s
-    of XLA compile). Then warm_before_ready's own shapes compile in a thread (compile_behind), the
-    first attention length first, and each shape's steps switch to the whole-slice step as it is
-    there; the stage loop holds its idle warm-ups until that thread is done, and meanwhile runs each
+    of XLA compile). Meanwhile (started first) warm_before_ready's own shapes compile in a child
+    (compile_behind), the first attention length first, and each shape's steps switch to the
+    whole-slice step as it is there (those done by READY run once before it); the stage loop holds its idle warm-ups until that thread is done, and meanwhile runs each
     small shape the thread has compiled once, while no request is in flight (runner.run_compiled).
     Also the lane read of the shortest KV span: a first chat's prefix recording (at its STOP) compiled
     it on the loop thread, in front of the next request."""
@@ -162,7 +162,11 @@ def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
                                   + runner.warm_shapes(rows, chunks, rest) if s not in lead])
     small = tuple(c for c in runner.buckets.prefill_chunks if c <= WARM_RUN_TOKENS)
     spent = runner.warmup(rows=rows, chunks=small, attn_lens=first, windows=windows, layered=True)
-    return spent + runner.warm_kv_copies(runner.kv_spans()[0], writes=False)
+    spent += runner.warm_kv_copies(runner.kv_spans()[0], writes=False)
+    t0 = time.perf_counter()
+    while runner.run_compiled():   # what the child has done by now: its first run here, not in a request
+        pass
+    return spent + time.perf_counter() - t0
 
 
 def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
