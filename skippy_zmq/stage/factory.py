@@ -19,6 +19,7 @@ from loguru import logger
 
 from skippy_zmq.ops import placement
 from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig, decode_shapes
+from skippy_zmq.config.speculative import SpeculativeConfig
 from skippy_zmq.kv.prefix_store import PrefixStore, StoreIdentity
 from skippy_zmq.checkpoint import checkpoint, loader
 from skippy_zmq.checkpoint.convert import model_digest
@@ -91,11 +92,10 @@ def spec_windows(topology: Topology, buckets: Buckets) -> tuple[int, ...]:
     return buckets.spec_windows(max_draft(topology))
 
 
-def likeliest_first(windows: tuple[int, ...], topology: Topology) -> tuple[int, ...]:
+def likeliest_first(windows: tuple[int, ...], spec: SpeculativeConfig) -> tuple[int, ...]:
     """The verify windows in the order a new stream's drafter reaches them: the window of its first
     k (engine DraftPolicy: max(min_draft, max_draft // 2) drafts; 8 tokens by default), then the
     nearest sizes (k doubles on a window all accepted, halves on a rejection)."""
-    spec = topology.driver.speculative
     start = max([w for w in windows if w <= max(spec.min_draft, spec.max_draft // 2) + 1] or [0])
     return tuple(sorted(windows, key=lambda w: (abs(w - start), w)))
 
@@ -195,7 +195,7 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
                          KVConfig(lanes=stage.kv_lanes, capacity=capacity, dtype=stage.kv_dtype), buckets, device)
     runner.stopgap = True    # READY before the whole-slice steps compile (warm_stopgap)
     t1 = time.perf_counter()
-    warm_before_ready(runner, likeliest_first(spec_windows(topology, buckets), topology))
+    warm_before_ready(runner, likeliest_first(spec_windows(topology, buckets), topology.driver.speculative))
     logger.info("stage {} layers [{}, {}) on {}: restored in {:.1f}s, compiled in {:.1f}s", stage.id,
                 stage.start, stage.end, where.device, t1 - t0, time.perf_counter() - t1)
     info = StageInfo(stage.id, first=stage.start == 0, last=stage.end == cfg.n_layers, width=cfg.d_model)
