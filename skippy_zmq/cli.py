@@ -217,7 +217,7 @@ def cmd_driver(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from skippy_zmq.api.main import run_up
 
-    return run_up(args)
+    return run_up(args, configure_jax)   # JAX configured once the stages are spawned, not before
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -468,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_json)
     if args.command not in ("stage", "driver"):   # those tie themselves, under their own names
         watch_parent(args.command)   # a no-op from a shell; spawned tied by a local process: die with it
-    if args.command not in ("fetch-model", "plan", "keys", "worker", "manifest", "build-kernel"):   # (a worker's stages do)
+    # (a worker's stages do; `up` once its stages are spawned)
+    if args.command not in ("fetch-model", "plan", "keys", "worker", "manifest", "build-kernel", "up"):
         configure_jax()
     return int(args.func(args) or 0)
 
