@@ -281,11 +281,11 @@ class SliceRunner:
         run, where small) are skipped, so a second call, or one after traffic, costs nothing. `windows`: one-row verify windows of
         these lengths (window buckets), scored like decode rows; `shapes`: any (rows, tokens) a DECODE
         can bring (config.decode_shapes: several rows, each a window). `run=False` compiles only,
-        even the small shapes `_compile` would run (a stage before READY). `layered`: warm the layer-by-layer step
-        instead (`stopgap`; small shapes, each run once), last first: compile_behind's child starts at the front.
+        even the small shapes `_compile` would run (a stage before READY). `layered`: warm the
+        layer-by-layer step instead (`stopgap`; small shapes only, each run once). Returns the seconds spent.
         """
         t0 = time.perf_counter()
-        for shape, attn, output in self.warm_shapes(rows, chunks, attn_lens, pairs, windows, shapes)[::-1 if layered else 1]:
+        for shape, attn, output in self.warm_shapes(rows, chunks, attn_lens, pairs, windows, shapes):
             if layered:
                 self._run_layered(shape, attn, output)
             else:
@@ -333,10 +333,10 @@ class SliceRunner:
         self.stats.shapes.add(key)
 
     def _run_layered(self, shape: tuple[int, ...], attn_len: int, output: str) -> None:
-        """Run the layer-by-layer step once on padding (it compiles one layer per window kind), so a stop-gap
-        step of this shape compiles nothing; larger shapes, and those compile_behind has done, are left out."""
+        """Run the layer-by-layer step once on padding (it compiles one layer per window kind), so a
+        stop-gap step of this shape compiles nothing; larger shapes are left to their first use."""
         key = (shape, attn_len, output)
-        if key in self.stats.layered or key in self.stats.shapes or not _small(shape):
+        if key in self.stats.layered or not _small(shape):
             return
         out, self.kv, _ = forward_layered(self.params, self.kv, *self._padding(shape), cfg=self.cfg,
                                           start=self.start, end=self.end, attn_len=attn_len, output=output)
