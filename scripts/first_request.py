@@ -42,6 +42,11 @@ from skippy_zmq.devtools.harness import free_base_port  # noqa: E402
 
 # about 40 prompt tokens with SmolLM2's chat template (its default system prompt included)
 PROMPT = "Write three short sentences about the sea, the wind and a small boat."
+# once warm, prompts of the same length no request has sent: what a first request costs without the
+# start-up (with the drafter on, a repeat of PROMPT is drafted from its own earlier answer; these are not)
+FRESH = ["Write three short sentences about the moon, the stars and a quiet lake.",
+         "Write three short sentences about a city, the rain and an old bicycle.",
+         "Write three short sentences about the forest, the snow and a red fox."]
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -105,9 +110,9 @@ def warmed(http: httpx.Client) -> bool:
     return bool(lines) and all(float(line.split()[-1]) == 0 for line in lines)
 
 
-def ask(client, model: str, tokens: int, pids: list[int]) -> dict:
+def ask(client, model: str, tokens: int, pids: list[int], prompt: str = PROMPT) -> dict:
     c0, t0 = cpu_s(pids), time.perf_counter()
-    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                            max_tokens=tokens, temperature=0, extra_body={"ignore_eos": True})
     wall = time.perf_counter() - t0
     return {"wall_s": round(wall, 3), "cpu_s": round(cpu_s(pids) - c0, 2),
@@ -145,6 +150,7 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
             except TimeoutError:   # a loaded machine: the warm figures are then quoted as not settled
                 settle_s = None
             warm = [ask(client, model, args.tokens, pids) for _ in range(args.repeat)]
+            fresh = [ask(client, model, args.tokens, pids, prompt) for prompt in FRESH[:args.repeat]]
     finally:
         os.killpg(server.pid, signal.SIGTERM)   # the server stops its stages; the group catches any left
         try:
@@ -153,11 +159,15 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
     texts = {r.pop("text") for r in after_ready + warm}
+    for r in fresh:
+        r.pop("text")
     warm_s = statistics.median(r["wall_s"] for r in warm)
     return {"topology": args.topology, "speculative": args.speculative, "empty_caches": not args.keep_caches,
             "ready_s": round(ready_s, 2), "ready_cpu_s": round(ready_cpu_s, 2),
             "after_ready": after_ready, "settle_s": settle_s and round(settle_s, 2), "warm": warm,
+            "warm_fresh_prompt": fresh,
             "first_over_warm": round(after_ready[0]["wall_s"] / warm_s, 2),
+            "first_over_warm_fresh": round(after_ready[0]["wall_s"] / statistics.median(r["wall_s"] for r in fresh), 2),
             "first_cpu_over_warm_cpu": round(after_ready[0]["cpu_s"] / max(0.01, statistics.median(
                 r["cpu_s"] for r in warm)), 2),
             "same_text": len(texts) == 1, "load_before": [round(x, 2) for x in load_before],
@@ -166,14 +176,14 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
 
 def table(result: dict) -> str:
     rows = ["| request | wall s | CPU s (stages + server) | prompt / completion tokens |", "|---|---|---|---|"]
-    for name in ("after_ready", "warm"):
+    for name in ("after_ready", "warm", "warm_fresh_prompt"):
         for i, r in enumerate(result[name]):
             rows.append(f"| {name} #{i + 1} | {r['wall_s']:.3f} | {r['cpu_s']:.2f} | "
                         f"{r['prompt_tokens']} / {r['completion_tokens']} |")
     return "\n".join(rows + [
         "", f"READY {result['ready_s']} s after launch ({result['ready_cpu_s']} CPU s); idle warm-ups done {result['settle_s']} s after the "
         f"{len(result['after_ready'])} requests (None: not within --timeout); first ÷ warm: {result['first_over_warm']} (wall), "
-        f"{result['first_cpu_over_warm_cpu']} (CPU); same text every time: {result['same_text']}; "
+        f"{result['first_cpu_over_warm_cpu']} (CPU); first ÷ warm fresh prompts: {result['first_over_warm_fresh']}; same text every time: {result['same_text']}; "
         f"load {result['load_before']} -> {result['load_after']} on {result['cpus']} CPUs"])
 
 

@@ -397,15 +397,14 @@ def test_the_drafters_first_window_is_compiled_first_then_the_nearest():
     assert likeliest_first((), SpeculativeConfig()) == ()
 
 
-def test_the_child_starts_before_the_layered_warm_up_with_what_a_first_request_runs_most(tiny_tree, monkeypatch):
-    """compile_behind is handed its list before the first layer-by-layer step runs: the 1-row decode,
-    then the windows in the order given, then the rest (2-row decode, prefill chunks, longer lengths)."""
+def test_the_child_compiles_what_a_first_request_runs_most_first(tiny_tree, monkeypatch):
+    """compile_behind's list (the child's order): the 1-row decode, then the windows in the order
+    given (likeliest_first), then the rest (2-row decode, prefill chunks, longer lengths)."""
     r = make(tiny_tree, stopgap=True)
     handed = []
-    monkeypatch.setattr(r, "compile_behind", lambda shapes: handed.append((list(shapes), set(r.stats.layered))))
+    monkeypatch.setattr(r, "compile_behind", lambda shapes: handed.append(list(shapes)))
     warm_before_ready(r, windows=(4, 2))
-    [(shapes, layered_then)] = handed
-    assert layered_then == set()
+    [shapes] = handed
     first = r.attn_buckets(1)[0]
     assert shapes[:3] == [((1, 1), first, "logits"), ((1, 4), first, "logits"), ((1, 2), first, "logits")]
     assert ((2, 1), first, "logits") in shapes[3:] and len(shapes) == len(set(shapes))

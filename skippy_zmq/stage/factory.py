@@ -146,27 +146,22 @@ def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
     first request runs (1- and 2-row decode, the verify windows and the chunks of at most
     WARM_RUN_TOKENS, at the first attention length), run once on padding: one layer compiled per
     shape instead of the slice's every layer (SmolLM2's cold start: 24 whole-slice shapes took 24 s
-    of XLA compile). Meanwhile (started first) warm_before_ready's own shapes compile in a child
-    (compile_behind), the first attention length first, and each shape's steps switch to the
-    whole-slice step as it is there (those done by READY run once before it); the stage loop holds its idle warm-ups until that thread is done, and meanwhile runs each
+    of XLA compile). Then warm_before_ready's own shapes compile in a child (compile_behind), the
+    first attention length first, 1-row decode and the verify windows ahead of the rest, and each
+    shape's steps switch to the whole-slice step as it is there; the stage loop holds its idle warm-ups until that thread is done, and meanwhile runs each
     small shape the thread has compiled once, while no request is in flight (runner.run_compiled).
     Also the lane read of the shortest KV span: a first chat's prefix recording (at its STOP) compiled
     it on the loop thread, in front of the next request."""
     rows, first = runner.buckets.decode_rows[:2], runner.attn_buckets(1)
-    chunks, rest = runner.buckets.prefill_chunks, runner.attn_buckets()[len(first):]
-    # The child starts first: it needs no weights and compiles on the core this thread's one-step-at-
-    # a-time warm-up leaves idle, what a first request runs most first (1-row decode, then the windows
-    # in `windows`' order: likeliest_first), so those may run whole-slice from READY on.
-    lead = runner.warm_shapes((1,), (), first, windows=windows)
-    runner.compile_behind(lead + [s for s in runner.warm_shapes(rows, chunks, first, windows=windows)
-                                  + runner.warm_shapes(rows, chunks, rest) if s not in lead])
     small = tuple(c for c in runner.buckets.prefill_chunks if c <= WARM_RUN_TOKENS)
     spent = runner.warmup(rows=rows, chunks=small, attn_lens=first, windows=windows, layered=True)
     spent += runner.warm_kv_copies(runner.kv_spans()[0], writes=False)
-    t0 = time.perf_counter()
-    while runner.run_compiled():   # what the child has done by now: its first run here, not in a request
-        pass
-    return spent + time.perf_counter() - t0
+    chunks, rest = runner.buckets.prefill_chunks, runner.attn_buckets()[len(first):]
+    # what a stream runs most first: 1-row decode, then the windows in `windows`' order (likeliest_first)
+    lead = runner.warm_shapes((1,), (), first, windows=windows)
+    runner.compile_behind(lead + [s for s in runner.warm_shapes(rows, chunks, first, windows=windows)
+                                  + runner.warm_shapes(rows, chunks, rest) if s not in lead])
+    return spent
 
 
 def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
