@@ -148,8 +148,9 @@ def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
     shape instead of the slice's every layer (SmolLM2's cold start: 24 whole-slice shapes took 24 s
     of XLA compile). Then warm_before_ready's own shapes compile in a child (compile_behind), the
     first attention length first, 1-row decode and the verify windows ahead of the rest, and each
-    shape's steps switch to the whole-slice step as it is there; the stage loop holds its idle warm-ups until that thread is done, and meanwhile runs each
-    small shape the thread has compiled once, while no request is in flight (runner.run_compiled).
+    shape's steps switch to the whole-slice step as it is there; the stage loop holds its idle
+    warm-ups until that thread is done, and meanwhile runs each small shape the thread has compiled
+    once, while no request is in flight (runner.run_compiled).
     Also the lane read of the shortest KV span: a first chat's prefix recording (at its STOP) compiled
     it on the loop thread, in front of the next request."""
     rows, first = runner.buckets.decode_rows[:2], runner.attn_buckets(1)
