@@ -8,7 +8,7 @@ TOPOLOGY ?= topologies/smollm2-2stage.yaml
 
 .PHONY: install model test test-quick serve bench bench-quick peers bench-peers bench-scale bench-spec gpu-check clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(VENV)/.kernel
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(BIN)/pip install -q --no-deps instructor==1.17.0
 	$(BIN)/pip install -q "aiohttp>=3.14.3,<4" "docstring-parser==0.18.0" "rich>=13.7,<15"
 	touch $@
+
+# The native CPU kernel, built at install like a package's native code, into the venv
+# (share/skippy_zmq/kernel), so a stage's first start loads it instead of compiling it (~9 CPU s);
+# again when its sources change. Without a compiler the stages run the XLA path (and log why).
+$(VENV)/.kernel: $(VENV)/.installed $(wildcard skippy_zmq/model/*.cc skippy_zmq/model/*.h)
+	$(BIN)/skippy-zmq build-kernel && touch $@ || echo "make install: the native kernel was not built (see above)"
 
 model: install $(MODEL_DIR)/model.json
 

@@ -9,7 +9,8 @@
     .venv/bin/python scripts/first_request.py --speculative off
 
 What a fresh clone's `make serve` meets: a temporary, empty JAX compile cache (SKIPPY_JAX_CACHE) and
-kernel cache (SKIPPY_KERNEL_CACHE), the topology (default: topologies/smollm2-2stage.yaml) moved to
+kernel cache (SKIPPY_KERNEL_CACHE; the kernel `make install` built stays in use, unless
+--no-installed-kernel), the topology (default: topologies/smollm2-2stage.yaml) moved to
 free ports (SKIPPY_PORT_SLICE is honoured) with its own run and key folders, the server as a child
 process, the request sent with the `openai` client (greedy, ignore_eos: the same tokens every time).
 Prints a table and writes JSON: time to READY, every request's wall seconds and the CPU seconds the
@@ -41,6 +42,11 @@ from skippy_zmq.devtools.harness import free_base_port  # noqa: E402
 
 # about 40 prompt tokens with SmolLM2's chat template (its default system prompt included)
 PROMPT = "Write three short sentences about the sea, the wind and a small boat."
+# once warm, prompts of the same length no request has sent: what a first request costs without the
+# start-up (with the drafter on, a repeat of PROMPT is drafted from its own earlier answer; these are not)
+FRESH = ["Write three short sentences about the moon, the stars and a quiet lake.",
+         "Write three short sentences about a city, the rain and an old bicycle.",
+         "Write three short sentences about the forest, the snow and a red fox."]
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -104,9 +110,9 @@ def warmed(http: httpx.Client) -> bool:
     return bool(lines) and all(float(line.split()[-1]) == 0 for line in lines)
 
 
-def ask(client, model: str, tokens: int, pids: list[int]) -> dict:
+def ask(client, model: str, tokens: int, pids: list[int], prompt: str = PROMPT) -> dict:
     c0, t0 = cpu_s(pids), time.perf_counter()
-    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                            max_tokens=tokens, temperature=0, extra_body={"ignore_eos": True})
     wall = time.perf_counter() - t0
     return {"wall_s": round(wall, 3), "cpu_s": round(cpu_s(pids) - c0, 2),
@@ -120,6 +126,8 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
     env = dict(os.environ)
     if not args.keep_caches:
         env.update(SKIPPY_JAX_CACHE=str(tmp / "jax"), SKIPPY_KERNEL_CACHE=str(tmp / "kernel"))
+    if args.no_installed_kernel:   # as without `make install`'s build-kernel: the stages build it
+        env.update(SKIPPY_KERNEL_INSTALL_DIR=str(tmp / "no-kernel-installed"))
     topology, run_dir = fresh_topology(Path(args.topology), tmp, args.speculative), tmp / "run"
     http_addr = yaml.safe_load(topology.read_text())["driver"]["http"]
     cli = Path(sys.executable).parent / "skippy-zmq"
@@ -132,14 +140,17 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
             wait_for(lambda: ready(http), args.timeout, "/readyz 200", server)
             ready_s = time.perf_counter() - t0
             pids = stage_pids(run_dir) + [server.pid]
+            ready_cpu_s = cpu_s(pids)   # the stages' and the server's start (their children apart)
             client = OpenAI(base_url=f"http://{http_addr}/v1", api_key="none", timeout=args.timeout)
             model = client.models.list().data[0].id
             after_ready = [ask(client, model, args.tokens, pids) for _ in range(args.repeat)]
             try:
-                settle_s = wait_for(lambda: warmed(http), args.timeout, "idle warm-ups done", server)
+                settle_s = wait_for(lambda: warmed(http), args.settle_timeout or args.timeout, "idle warm-ups done",
+                                    server)
             except TimeoutError:   # a loaded machine: the warm figures are then quoted as not settled
                 settle_s = None
             warm = [ask(client, model, args.tokens, pids) for _ in range(args.repeat)]
+            fresh = [ask(client, model, args.tokens, pids, prompt) for prompt in FRESH[:args.repeat]]
     finally:
         os.killpg(server.pid, signal.SIGTERM)   # the server stops its stages; the group catches any left
         try:
@@ -148,11 +159,15 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
     texts = {r.pop("text") for r in after_ready + warm}
+    for r in fresh:
+        r.pop("text")
     warm_s = statistics.median(r["wall_s"] for r in warm)
     return {"topology": args.topology, "speculative": args.speculative, "empty_caches": not args.keep_caches,
-            "ready_s": round(ready_s, 2),
+            "ready_s": round(ready_s, 2), "ready_cpu_s": round(ready_cpu_s, 2),
             "after_ready": after_ready, "settle_s": settle_s and round(settle_s, 2), "warm": warm,
+            "warm_fresh_prompt": fresh,
             "first_over_warm": round(after_ready[0]["wall_s"] / warm_s, 2),
+            "first_over_warm_fresh": round(after_ready[0]["wall_s"] / statistics.median(r["wall_s"] for r in fresh), 2),
             "first_cpu_over_warm_cpu": round(after_ready[0]["cpu_s"] / max(0.01, statistics.median(
                 r["cpu_s"] for r in warm)), 2),
             "same_text": len(texts) == 1, "load_before": [round(x, 2) for x in load_before],
@@ -161,14 +176,14 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
 
 def table(result: dict) -> str:
     rows = ["| request | wall s | CPU s (stages + server) | prompt / completion tokens |", "|---|---|---|---|"]
-    for name in ("after_ready", "warm"):
+    for name in ("after_ready", "warm", "warm_fresh_prompt"):
         for i, r in enumerate(result[name]):
             rows.append(f"| {name} #{i + 1} | {r['wall_s']:.3f} | {r['cpu_s']:.2f} | "
                         f"{r['prompt_tokens']} / {r['completion_tokens']} |")
     return "\n".join(rows + [
-        "", f"READY {result['ready_s']} s after launch; idle warm-ups done {result['settle_s']} s after the "
+        "", f"READY {result['ready_s']} s after launch ({result['ready_cpu_s']} CPU s); idle warm-ups done {result['settle_s']} s after the "
         f"{len(result['after_ready'])} requests (None: not within --timeout); first ÷ warm: {result['first_over_warm']} (wall), "
-        f"{result['first_cpu_over_warm_cpu']} (CPU); same text every time: {result['same_text']}; "
+        f"{result['first_cpu_over_warm_cpu']} (CPU); first ÷ warm fresh prompts: {result['first_over_warm_fresh']}; same text every time: {result['same_text']}; "
         f"load {result['load_before']} -> {result['load_after']} on {result['cpus']} CPUs"])
 
 
@@ -178,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=48, help="completion tokens a request generates")
     ap.add_argument("--repeat", type=int, default=3, help="requests right after READY, and again once warm")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds allowed for READY and for the warm-ups")
+    ap.add_argument("--settle-timeout", type=float, help="seconds allowed for the warm-ups (default: --timeout)")
     ap.add_argument("--keep-caches", action="store_true", help="use your own JAX and kernel caches")
+    ap.add_argument("--no-installed-kernel", action="store_true",
+                    help="ignore the kernel `make install` built (skippy-zmq build-kernel): each stage builds it")
     ap.add_argument("--keep-logs", action="store_true", help="keep the temporary folder (stage logs)")
     ap.add_argument("--speculative", choices=("off", "ngram", "suffix"),
                     help="the drafter's method (default: the topology's). A repeat of one prompt is drafted "

@@ -224,7 +224,7 @@ def cmd_driver(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from skippy_zmq.api.main import run_up
 
-    return run_up(args)
+    return run_up(args, configure_jax)   # JAX configured once the stages are spawned, not before
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -456,6 +456,7 @@ SUBCOMMAND_PARSERS = (
 
 def build_parser() -> argparse.ArgumentParser:
     from skippy_zmq.cluster.commands import add_manifest_parser, add_rebalance_parser, add_worker_parser
+    from skippy_zmq.model.kernel_install import add_build_kernel_parser
     from skippy_zmq.protocol.security import add_keys_parser
 
     parser = argparse.ArgumentParser(prog="skippy-zmq", description=__doc__)
@@ -464,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMAND_PARSERS:
         add(sub)
-    for add in (add_keys_parser, add_worker_parser, add_manifest_parser, add_rebalance_parser):
+    for add in (add_keys_parser, add_worker_parser, add_manifest_parser, add_rebalance_parser, add_build_kernel_parser):
         add(sub)
     return parser
 
@@ -474,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_json)
     if args.command not in ("stage", "driver"):   # those tie themselves, under their own names
         watch_parent(args.command)   # a no-op from a shell; spawned tied by a local process: die with it
-    if args.command not in ("fetch-model", "plan", "keys", "worker", "manifest"):   # (a worker's stages do)
+    # (a worker's stages do; `up` once its stages are spawned)
+    if args.command not in ("fetch-model", "plan", "keys", "worker", "manifest", "build-kernel", "up"):
         configure_jax()
     return int(args.func(args) or 0)
 

@@ -1,6 +1,8 @@
 """The native kernel a stage builds on a fresh machine: only the loops this CPU runs (the pick of
 SKIPPY_KERNEL_ISA, and generic), so its first start waits for 7 compiler runs instead of 13
-(model/kernel.py kernel_isas); SKIPPY_KERNEL_BUILD=all builds every set, as the tests' conftest asks."""
+(model/kernel.py kernel_isas); SKIPPY_KERNEL_BUILD=all builds every set, as the tests' conftest asks.
+`skippy-zmq build-kernel` (make install) builds it into the installation, where a stage looks first;
+a build there for another CPU's sets, or one another user could have written, is passed over."""
 
 from __future__ import annotations
 
@@ -80,13 +82,85 @@ def test_a_fresh_build_of_this_cpus_loops_links_loads_and_matches_the_xla_path(t
     if not shutil.which(os.environ.get("CXX") or "g++"):
         pytest.skip("no C++ compiler")
     cache = tmp_path / "cache"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", kernel.CACHE_ENV: str(cache), kernel.BUILD_ENV: "here",
-           kernel.ISA_ENV: "auto", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", CHILD], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = run_child(tmp_path, cache, tmp_path / "nothing-installed")   # the fallback: built in the cache
     built = tuple(got["built"])
     assert built[-1] == "generic" and got["isa"] == built[0] and got["supported"] == list(built)
     assert [p.name.split("-")[2] for p in cache.glob("*.so")] == ["+".join(built)]
     assert got["worst"] < 1e-3, got
+
+
+def run_child(tmp_path: Path, cache: Path, installed: Path, **extra: str) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", kernel.CACHE_ENV: str(cache), kernel.BUILD_ENV: "here",
+           kernel.ISA_ENV: "auto", kernel.INSTALL_ENV: str(installed), "PYTHONPATH": str(REPO), **extra}
+    out = subprocess.run([sys.executable, "-c", CHILD], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_build_kernel_installs_it_and_a_stage_loads_it_from_there_building_nothing(tmp_path):
+    """make install's step: the library lands in the install folder (0755: other users may load it),
+    and a process with an empty cache loads it from there (its cache stays empty), even where no
+    compiler is left (an image that removed it after install)."""
+    if not shutil.which(os.environ.get("CXX") or "g++"):
+        pytest.skip("no C++ compiler")
+    installed = tmp_path / "venv" / "share" / "skippy_zmq" / "kernel"
+    env = {**os.environ, kernel.BUILD_ENV: "here", kernel.ISA_ENV: "auto", kernel.INSTALL_ENV: str(installed),
+           kernel.CACHE_ENV: str(tmp_path / "install-time-cache"), "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "skippy_zmq.cli", "build-kernel"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [built] = installed.glob("*.so")
+    assert out.stdout.strip() == str(built) and oct(installed.stat().st_mode & 0o777) == "0o755"
+    cache = tmp_path / "cache"
+    got = run_child(tmp_path, cache, installed, CXX=str(tmp_path / "no-such-compiler"))
+    assert built.name.split("-")[2] == "+".join(got["built"]) and got["isa"] == got["built"][0]
+    assert got["worst"] < 1e-3, got
+    assert not list(cache.glob("*.so")) and not (tmp_path / "install-time-cache").exists()
+
+
+@pytest.fixture
+def installed(tmp_path, x86):
+    """An install folder, the CPU read as AVX-512 and the compiler's identity fixed (no compiler runs)."""
+    x86.setattr(kernel, "_cpu_flags", lambda: AVX512)
+    x86.setenv(kernel.INSTALL_ENV, str(tmp_path / "kernel"))
+    (tmp_path / "kernel").mkdir(mode=0o755)
+    return tmp_path / "kernel"
+
+
+IDENT = [*kernel.CXX_FLAGS, "/include", "0.0"]
+
+
+def plant(folder: Path, isas: tuple[str, ...]) -> Path:
+    lib = folder / kernel._kernel_name(IDENT, isas)
+    lib.write_bytes(b"a library")
+    lib.chmod(0o755)
+    return lib
+
+
+def test_the_installed_build_of_this_cpus_sets_or_of_every_set_is_found(installed):
+    assert kernel._installed_kernel(IDENT, ("avx512", "generic")) is None          # nothing installed
+    every = plant(installed, tuple(kernel.ISA_FLAGS))
+    assert kernel._installed_kernel(IDENT, ("avx512", "generic")) == every         # serves any x86 CPU
+    mine = plant(installed, ("avx512", "generic"))
+    assert kernel._installed_kernel(IDENT, ("avx512", "generic")) == mine
+
+
+def test_an_installed_build_for_another_cpu_or_other_sources_is_passed_over(installed):
+    plant(installed, ("avx2", "generic"))                       # built on a worker with AVX2 only
+    assert kernel._installed_kernel(IDENT, ("avx512", "generic")) is None
+    plant(installed, ("avx512", "generic")).rename(installed / "quant_kernel-x86_64-avx512+generic-0000.so")
+    assert kernel._installed_kernel(IDENT, ("avx512", "generic")) is None          # stale sources: another key
+
+
+def test_an_installed_build_others_could_write_is_not_loaded(installed):
+    lib = plant(installed, ("avx512", "generic"))
+    lib.chmod(0o775)
+    assert kernel._installed_kernel(IDENT, ("avx512", "generic")) is None
+    lib.chmod(0o755)
+    installed.chmod(0o777)
+    assert kernel._installed_kernel(IDENT, ("avx512", "generic")) is None
+    installed.chmod(0o755)
+    lib.unlink()
+    lib.symlink_to(installed.parent / "elsewhere.so")
+    assert kernel._installed_kernel(IDENT, ("avx512", "generic")) is None

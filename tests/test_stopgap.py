@@ -25,7 +25,8 @@ from conftest import TINY, counting_compiles, random_ids
 from skippy_zmq.config.model import Buckets, KVConfig, decode_shapes
 from skippy_zmq.model import behind, weights
 from skippy_zmq.model.runner import SliceRunner
-from skippy_zmq.stage.factory import idle_warmups, warm_before_ready
+from skippy_zmq.config.speculative import SpeculativeConfig
+from skippy_zmq.stage.factory import idle_warmups, likeliest_first, warm_before_ready
 
 BUCKETS = Buckets(prefill_chunks=(16, 64, 128), decode_rows=(1, 2, 4), attn_lens=(128, 256))
 # windowed layers beside global ones (Gemma, Qwen): the layered step compiles one layer per window kind
@@ -387,3 +388,23 @@ def test_a_stopped_child_is_not_given_up_for_its_silence(tiny_tree):
         r.join_behind()
     assert r.stats.shapes == set(shapes) and r.stats.behind_child == 0
     assert events["cache_misses"] == len(shapes) and children() <= before
+
+
+def test_the_drafters_first_window_is_compiled_first_then_the_nearest():
+    """DraftPolicy starts at max(min_draft, max_draft // 2) drafts: 7 by default, an 8-token window."""
+    assert likeliest_first((2, 4, 8, 16), SpeculativeConfig()) == (8, 4, 2, 16)
+    assert likeliest_first((2, 4), SpeculativeConfig(max_draft=3)) == (2, 4)
+    assert likeliest_first((), SpeculativeConfig()) == ()
+
+
+def test_the_child_compiles_what_a_first_request_runs_most_first(tiny_tree, monkeypatch):
+    """compile_behind's list (the child's order): the 1-row decode, then the windows in the order
+    given (likeliest_first), then the rest (2-row decode, prefill chunks, longer lengths)."""
+    r = make(tiny_tree, stopgap=True)
+    handed = []
+    monkeypatch.setattr(r, "compile_behind", lambda shapes: handed.append(list(shapes)))
+    warm_before_ready(r, windows=(4, 2))
+    [shapes] = handed
+    first = r.attn_buckets(1)[0]
+    assert shapes[:3] == [((1, 1), first, "logits"), ((1, 4), first, "logits"), ((1, 2), first, "logits")]
+    assert ((2, 1), first, "logits") in shapes[3:] and len(shapes) == len(set(shapes))

@@ -13,13 +13,14 @@ from pathlib import Path
 from loguru import logger
 
 
-def unsafe_reason(path: Path, follow: bool = True) -> str | None:
+def unsafe_reason(path: Path, follow: bool = True, owners: tuple[int, ...] | None = None) -> str | None:
     """Why `path` must not be trusted as a cache of code, or None when it is ours and writable only
-    by us. follow=False: a symlink itself is refused (a cache entry we wrote is a plain file)."""
+    by us. follow=False: a symlink itself is refused (a cache entry we wrote is a plain file).
+    owners: the uids trusted to own it (default: this user's alone; an installation's files may be root's)."""
     st = os.stat(path) if follow else os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         return "is a symbolic link"
-    if st.st_uid != os.getuid():
+    if st.st_uid not in (owners or (os.getuid(),)):
         return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"is writable by {'others' if st.st_mode & stat.S_IWOTH else 'its group'} " \
@@ -27,11 +28,12 @@ def unsafe_reason(path: Path, follow: bool = True) -> str | None:
     return None
 
 
-def private_cache_dir(path: Path, what: str) -> Path | None:
-    """`path`, created 0700 if missing, when it is safe to load code from; else None, logged."""
+def private_cache_dir(path: Path, what: str, mode: int = 0o700) -> Path | None:
+    """`path`, created with `mode` if missing (0700; an installation's folder 0755: others may load
+    from it, no one else may write it), when it is safe to load code from; else None, logged."""
     path = Path(path)
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.mkdir(mode=mode, parents=True, exist_ok=True)
         reason = unsafe_reason(path)
     except OSError as exc:
         reason = f"cannot be used: {exc.strerror or exc}"

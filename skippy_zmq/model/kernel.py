@@ -15,6 +15,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -52,6 +53,8 @@ CPU_FLAGS = {"avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "a
 # 65536 shares every decode projection too, as llama.cpp runs them: quant_kernel.cc says when it paid)
 SHARE_ENV = "SKIPPY_KERNEL_SHARE_FROM"
 CACHE_ENV = "SKIPPY_KERNEL_CACHE"    # where built kernels go; default $XDG_CACHE_HOME/skippy_zmq
+# where `skippy-zmq build-kernel` (make install) puts the kernel, looked in first; default <prefix>/share/skippy_zmq
+INSTALL_ENV = "SKIPPY_KERNEL_INSTALL_DIR"
 CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-ffp-contract=fast", "-w")
 CXX_TIMEOUT_S = 300
 # one build and load at a time: a stage starts it in a thread (prepare_kernel) while it restores its
@@ -206,23 +209,85 @@ def kernel_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "skippy_zmq"
 
 
-def _build_kernel() -> Path:
-    """The kernel library, compiled on first use; cached under a name keyed by
+def installed_kernel_dir() -> Path:
+    """Where `skippy-zmq build-kernel` builds the kernel at install time (make install), inside the
+    installation like any package's native code: $SKIPPY_KERNEL_INSTALL_DIR, else <sys.prefix>/share/
+    skippy_zmq/kernel (the venv's). A stage looks there first, so a new user's first start builds nothing."""
+    return Path(os.environ.get(INSTALL_ENV) or Path(sys.prefix) / "share" / "skippy_zmq" / "kernel")
+
+
+def install_kernel() -> Path:
+    """Build the library of this CPU's sets (kernel_isas) into installed_kernel_dir, unless there
+    already, and remove that folder's builds of the same sets from other sources or compilers."""
+    built = _build_kernel(install=True)
+    prefix = built.name.rsplit("-", 1)[0] + "-"
+    for stale in built.parent.glob(f"{prefix}*.so"):
+        if stale != built:
+            stale.unlink(missing_ok=True)
+    return built
+
+
+def _build_kernel(install: bool = False) -> Path:
+    """The kernel library: the installed one when it was built from these sources for this CPU's
+    sets (a build for another CPU's, or stale, has another name and is passed over), else the cache's,
+    else compiled now, into the cache (install=True: into installed_kernel_dir). Names are keyed by
     the sources, the ISAs, the compiler (path and version), flags and JAX's FFI headers."""
+    isas = kernel_isas()
+    if not install and (found := _installed_kernel(_build_ident(), isas)) is not None:
+        return found
+    path, ident = _compiler_ident()
+    if not install and isas != tuple(ISA_FLAGS) and (every := _kernel_target(ident, tuple(ISA_FLAGS))).is_file():
+        return every   # built with every set before (another SKIPPY_KERNEL_BUILD): it serves this CPU too
+    target = _kernel_target(_build_ident(), isas, _install_dir()) if install else _kernel_target(ident, isas)
+    if target.is_file():
+        return target
+    _compile_library(path, isas, target)
+    return target
+
+
+def _compiler_ident() -> tuple[str, list[str]]:
+    """The compiler's path and what names a cached build of it: path, version and _build_ident."""
     cxx = os.environ.get("CXX") or "g++"
     path = shutil.which(cxx)
     if path is None:
         raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (set CXX)")
     version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60, check=True).stdout
+    return path, [path, version.splitlines()[0] if version else "", *_build_ident()]
+
+
+def _build_ident() -> list[str]:
+    """What names an installed build: flags, JAX's FFI headers and version (with the sources and sets:
+    _kernel_name). Not the compiler: a stage finds it without one (an image that dropped it after install)."""
+    return [*CXX_FLAGS, jax.ffi.include_dir(), jax.__version__]
+
+
+def _installed_kernel(ident: list[str], isas: tuple[str, ...]) -> Path | None:
+    """The library build-kernel left for these sets (or for every set), when its folder and file are
+    ours or root's and writable by no one else (private_dirs' rule; root: a system-wide install)."""
+    folder = installed_kernel_dir()
+    for want in (isas, tuple(ISA_FLAGS)):
+        target = folder / _kernel_name(ident, want)
+        if not os.path.lexists(target):
+            continue
+        reason = unsafe_reason(folder, owners=(os.getuid(), 0)) or unsafe_reason(target, follow=False,
+                                                                                   owners=(os.getuid(), 0))
+        if reason is None:
+            return target
+        logger.warning("installed kernel {} {}: not loading it", target, reason)
+    return None
+
+
+def _install_dir() -> Path:
+    folder = private_cache_dir(installed_kernel_dir(), "installed kernel folder", mode=0o755)
+    if folder is None:
+        raise RuntimeError(f"cannot build the kernel into {installed_kernel_dir()} (the log says why)")
+    return folder
+
+
+def _compile_library(path: str, isas: tuple[str, ...], target: Path) -> None:
+    """Compile the library of these instruction sets into `target`, built aside and published atomically."""
     include = jax.ffi.include_dir()
-    ident = [path, version.splitlines()[0] if version else "", *CXX_FLAGS, include, jax.__version__]
-    isas = kernel_isas()
-    if isas != tuple(ISA_FLAGS) and (every := _kernel_target(ident, tuple(ISA_FLAGS))).is_file():
-        return every   # built with every set before (another SKIPPY_KERNEL_BUILD): it serves this CPU too
-    target = _kernel_target(ident, isas)
-    if target.is_file():
-        return target
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:   # build aside, publish atomically
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         units = {f"{tmp}/{Path(source).stem}_{isa}.o": (*ISA_FLAGS[isa], f"-DSKIPPY_ISA={isa}", str(KERNEL_DIR / source))
                  for isa in isas for source in ISA_SOURCES}
         left_out = tuple(f"-DSKIPPY_NO_{isa}" for isa in ISA_FLAGS if isa not in isas and isa != "generic")
@@ -233,16 +298,21 @@ def _build_kernel() -> Path:
                        text=True, timeout=CXX_TIMEOUT_S)
         os.chmod(out, 0o755)      # whatever the umask: a group-writable .so would be refused next time
         os.replace(out, target)
-    return target
 
 
-def _kernel_target(ident: list[str], isas: tuple[str, ...]) -> Path:
-    """Where the library of these instruction sets is cached: named by a key of the sources, the
-    compiler's `ident` (path, version, flags, JAX's FFI headers) and the sets with their flags."""
+def _kernel_target(ident: list[str], isas: tuple[str, ...], folder: Path | None = None) -> Path:
+    """Where the library of these instruction sets goes: in `folder`, else in the cache (_kernel_path)."""
+    name = _kernel_name(ident, isas)
+    return folder / name if folder is not None else _kernel_path(name)
+
+
+def _kernel_name(ident: list[str], isas: tuple[str, ...]) -> str:
+    """The library's file name: a key of the sources, the compiler's `ident` (path, version, flags,
+    JAX's FFI headers) and the sets with their flags; the sets are named in it too."""
     ident = [*ident, *(f"{isa}:{' '.join(ISA_FLAGS[isa])}" for isa in isas)]
     key = hashlib.sha256(b"".join((KERNEL_DIR / f).read_bytes() for f in KERNEL_SOURCES)
                          + "\n".join(ident).encode()).hexdigest()[:16]
-    return _kernel_path(f"quant_kernel-{platform.machine()}-{'+'.join(isas)}-{key}.so")
+    return f"quant_kernel-{platform.machine()}-{'+'.join(isas)}-{key}.so"
 
 
 def _compile_all(cxx: str, units: dict[str, tuple[str, ...]]) -> None:

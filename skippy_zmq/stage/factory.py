@@ -19,6 +19,7 @@ from loguru import logger
 
 from skippy_zmq.ops import placement
 from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig, decode_shapes
+from skippy_zmq.config.speculative import SpeculativeConfig
 from skippy_zmq.kv.prefix_store import PrefixStore, StoreIdentity
 from skippy_zmq.checkpoint import checkpoint, loader
 from skippy_zmq.checkpoint.convert import model_digest
@@ -91,6 +92,14 @@ def spec_windows(topology: Topology, buckets: Buckets) -> tuple[int, ...]:
     return buckets.spec_windows(max_draft(topology))
 
 
+def likeliest_first(windows: tuple[int, ...], spec: SpeculativeConfig) -> tuple[int, ...]:
+    """The verify windows in the order a new stream's drafter reaches them: the window of its first
+    k (engine DraftPolicy: max(min_draft, max_draft // 2) drafts; 8 tokens by default), then the
+    nearest sizes (k doubles on a window all accepted, halves on a rejection)."""
+    start = max([w for w in windows if w <= max(spec.min_draft, spec.max_draft // 2) + 1] or [0])
+    return tuple(sorted(windows, key=lambda w: (abs(w - start), w)))
+
+
 def reachable_shapes(topology: Topology, buckets: Buckets) -> tuple[tuple[int, int], ...]:
     """Every (rows, tokens) a DECODE can reach this stage with: each row bucket, with the verify
     windows the driver lets that many rows carry when it speculates (config.decode_shapes)."""
@@ -137,10 +146,11 @@ def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
     first request runs (1- and 2-row decode, the verify windows and the chunks of at most
     WARM_RUN_TOKENS, at the first attention length), run once on padding: one layer compiled per
     shape instead of the slice's every layer (SmolLM2's cold start: 24 whole-slice shapes took 24 s
-    of XLA compile). Then warm_before_ready's own shapes compile in a thread (compile_behind), the
-    first attention length first, and each shape's steps switch to the whole-slice step as it is
-    there; the stage loop holds its idle warm-ups until that thread is done, and meanwhile runs each
-    small shape the thread has compiled once, while no request is in flight (runner.run_compiled).
+    of XLA compile). Then warm_before_ready's own shapes compile in a child (compile_behind), the
+    first attention length first, 1-row decode and the verify windows ahead of the rest, and each
+    shape's steps switch to the whole-slice step as it is there; the stage loop holds its idle
+    warm-ups until that thread is done, and meanwhile runs each small shape the thread has compiled
+    once, while no request is in flight (runner.run_compiled).
     Also the lane read of the shortest KV span: a first chat's prefix recording (at its STOP) compiled
     it on the loop thread, in front of the next request."""
     rows, first = runner.buckets.decode_rows[:2], runner.attn_buckets(1)
@@ -148,8 +158,10 @@ def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
     spent = runner.warmup(rows=rows, chunks=small, attn_lens=first, windows=windows, layered=True)
     spent += runner.warm_kv_copies(runner.kv_spans()[0], writes=False)
     chunks, rest = runner.buckets.prefill_chunks, runner.attn_buckets()[len(first):]
-    runner.compile_behind(runner.warm_shapes(rows, chunks, first, windows=windows)
-                          + runner.warm_shapes(rows, chunks, rest))
+    # what a stream runs most first: 1-row decode, then the windows in `windows`' order (likeliest_first)
+    lead = runner.warm_shapes((1,), (), first, windows=windows)
+    runner.compile_behind(lead + [s for s in runner.warm_shapes(rows, chunks, first, windows=windows)
+                                  + runner.warm_shapes(rows, chunks, rest) if s not in lead])
     return spent
 
 
@@ -179,7 +191,7 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
                          KVConfig(lanes=stage.kv_lanes, capacity=capacity, dtype=stage.kv_dtype), buckets, device)
     runner.stopgap = True    # READY before the whole-slice steps compile (warm_stopgap)
     t1 = time.perf_counter()
-    warm_before_ready(runner, spec_windows(topology, buckets))
+    warm_before_ready(runner, likeliest_first(spec_windows(topology, buckets), topology.driver.speculative))
     logger.info("stage {} layers [{}, {}) on {}: restored in {:.1f}s, compiled in {:.1f}s", stage.id,
                 stage.start, stage.end, where.device, t1 - t0, time.perf_counter() - t1)
     info = StageInfo(stage.id, first=stage.start == 0, last=stage.end == cfg.n_layers, width=cfg.d_model)
