@@ -73,3 +73,21 @@ def test_the_share_threshold_comes_from_the_environment(tmp_path):
     env[kernel.SHARE_ENV] = "lots"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "SKIPPY_KERNEL_SHARE_FROM must be a whole number" in out.stderr
+
+
+def test_decode_projections_are_shared_by_default_on_two_cpus_and_not_on_one():
+    """Unset, the threshold is SHARE_DEFAULT in a process that may use 2 CPUs or more; pinned to one
+    CPU (no helper to share with) the kernel keeps its own 4194304."""
+    import subprocess
+    import sys
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    code = "from skippy_zmq.model import kernel; print(kernel.set_min_parallel(0))"
+    env = {k: v for k, v in os.environ.items() if k != kernel.SHARE_ENV}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split()[-1] == str(kernel.SHARE_DEFAULT), out.stderr[-2000:]
+    one = min(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         preexec_fn=lambda: os.sched_setaffinity(0, {one}))
+    assert out.returncode == 0 and out.stdout.split()[-1] == "4194304", out.stderr[-2000:]

@@ -214,3 +214,25 @@ def test_n_choices_and_batched_prompts_over_http(hops, local):
         assert [c.text for c in batch.choices] == alone
     finally:
         handle.stop()
+
+
+def test_token_events_reach_their_reader_after_the_pass_sends(shared_pipelines):
+    """The driver's loop hands a request's events to its sink only once the pass has sent the work it
+    made (the next DECODE leaves before the HTTP thread wakes to stream the token); an event made on
+    any other thread goes at once. Order per sink is kept."""
+    import threading
+
+    engine = shared_pipelines(2).engine
+    got, delivered, held = [], threading.Event(), []
+    sink = engine._after_sends(lambda item: (got.append(item), delivered.set()))
+
+    def in_a_pass() -> None:
+        sink("first")
+        sink("second")
+        held.append(list(got))   # still nothing delivered: the pass has not finished sending
+
+    engine.call(in_a_pass)
+    assert delivered.wait(10), "the pass never delivered its events"
+    assert held == [[]] and got == ["first", "second"]
+    sink("elsewhere")
+    assert got == ["first", "second", "elsewhere"]

@@ -78,6 +78,10 @@ class PipelineEngine:
         # the loop's own time (every pass, outside its poll): the driver's software per token, which
         # ops/speed.py's time model charges (`bench cluster` reads it; seconds, passes)
         self.loop_busy_s, self.loop_passes = 0.0, 0
+        # What the scheduler hands a request's sink on this thread waits here until the pass has sent
+        # the work it made (_step): delivering a token wakes the HTTP thread, whose detokenize and SSE
+        # write then held the GIL while the next DECODE waited to leave (every token paid for both).
+        self._outbox: list[tuple[Callable[[object], None], object]] = []
 
     # ------------------------------------------------------------ lifecycle
 
@@ -126,7 +130,7 @@ class PipelineEngine:
 
         def do_submit() -> None:
             try:
-                result.put(self.scheduler.submit(req, sink))
+                result.put(self.scheduler.submit(req, self._after_sends(sink)))
             except EngineError as exc:
                 result.put(exc)
             except Exception as exc:   # logged by _run_commands; the caller gets an answer now, not in 10 s
@@ -230,8 +234,10 @@ class PipelineEngine:
                     self.internal_errors += 1
                     self.scheduler.fail_all(EngineError("the driver's pipeline loop failed (see its log)", 500,
                                                         "driver_error"))
+                    self._deliver()
                     time.sleep(0.05)   # a failure that repeats every pass must not spin
         finally:
+            self._deliver()
             socks.close()
             if ctx is not transport.context():
                 ctx.term()
@@ -245,12 +251,35 @@ class PipelineEngine:
             self._drain_wake()
         if socks.router in events:
             self._drain_replies(socks.router)
-        self._run_commands()
-        self._check_liveness()
-        for msg in self.scheduler.tick():
-            transport.send_message(socks.push, self.view.stamp(msg))
+        try:
+            self._run_commands()
+            self._check_liveness()
+            for msg in self.scheduler.tick():
+                transport.send_message(socks.push, self.view.stamp(msg))
+        finally:
+            self._deliver()   # the next step is on its way: now the tokens may go out to their readers
         self.loop_busy_s += time.perf_counter() - t0
         self.loop_passes += 1
+
+    def _after_sends(self, sink: Callable[[object], None]) -> Callable[[object], None]:
+        """`sink` as the scheduler calls it: on this engine's thread an event is held in the outbox
+        until the pass has sent what it made (`_deliver`); from any other thread it goes at once."""
+        def deliver(item: object) -> None:
+            if threading.current_thread() is self._thread:
+                self._outbox.append((sink, item))
+            else:
+                sink(item)
+        return deliver
+
+    def _deliver(self) -> None:
+        """Hand the pass's events to their sinks, in the order the scheduler made them."""
+        outbox, self._outbox = self._outbox, []
+        for sink, item in outbox:
+            try:
+                sink(item)
+            except Exception:   # a reader's sink that fails concerns its own request only
+                logger.exception("a request's event sink failed")
+                self.internal_errors += 1
 
     def _beat(self, router: zmq.Socket) -> None:
         """Driver -> stage heartbeats, so a stage notices a dead driver and frees its lanes."""

@@ -52,6 +52,11 @@ CPU_FLAGS = {"avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "a
 # 4194304: a decode step's projections stay on their caller, the head and prefill chunks are shared;
 # 65536 shares every decode projection too, as llama.cpp runs them: quant_kernel.cc says when it paid)
 SHARE_ENV = "SKIPPY_KERNEL_SHARE_FROM"
+# its value when unset, in a process that may use 2 CPUs or more (one CPU: the kernel's 4194304; no helper
+# to share with anyway): every decode projection shared. SmolLM2 Q4_K_M, 1 stage, 2-core Xeon: the step
+# 18.5 -> 11.4 ms quiet, median 44.9 -> 37.5 ms at load 9 (the backoff keeps a lost helper cheap), served
+# 46.4 -> 53.2 tok/s quiet (docs/models.md, "Threads")
+SHARE_DEFAULT = 65536
 CACHE_ENV = "SKIPPY_KERNEL_CACHE"    # where built kernels go; default $XDG_CACHE_HOME/skippy_zmq
 # where `skippy-zmq build-kernel` (make install) puts the kernel, looked in first; default <prefix>/share/skippy_zmq
 INSTALL_ENV = "SKIPPY_KERNEL_INSTALL_DIR"
@@ -104,8 +109,9 @@ def _load_kernel_once() -> _Kernel | None:
         logger.warning("quantised-matmul CPU kernel unavailable, using the slow XLA fallback: {}", exc)
         return None
     kernel = _Kernel(lib, _select_isa(lib, os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"))
-    if os.environ.get(SHARE_ENV, "").strip():
-        _set_min_parallel(lib, _share_from(os.environ[SHARE_ENV]))
+    share = os.environ.get(SHARE_ENV, "").strip() or (str(SHARE_DEFAULT) if len(os.sched_getaffinity(0)) >= 2 else "")
+    if share:
+        _set_min_parallel(lib, _share_from(share))
     for target in (*KERNEL_TARGETS.values(), *MOE_TARGETS.values(), ATTEND_TARGET, BLOCK_TARGET):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     logger.debug("quantised-matmul CPU kernel: {} loops", kernel.isa)
@@ -126,8 +132,9 @@ def _select_isa(lib: ctypes.CDLL, want: str) -> str:
 
 def set_min_parallel(work: int) -> int:
     """Set the multiply-adds from which one kernel call shares its tasks with XLA's pool threads
-    (quant_kernel.cc's g_min_parallel, default 4194304; 0: every call of two tasks or more; $SKIPPY_KERNEL_SHARE_FROM
-    sets it at load); returns the old value. Which thread runs a task changes no result."""
+    (quant_kernel.cc's g_min_parallel; 0: every call of two tasks or more; at load $SKIPPY_KERNEL_SHARE_FROM,
+    else SHARE_DEFAULT on 2 CPUs or more, else 4194304); returns the old value. Which thread runs a task
+    changes no result."""
     kernel = _load_kernel()
     if kernel is None:
         raise RuntimeError("the quantised-matmul CPU kernel is not available")
