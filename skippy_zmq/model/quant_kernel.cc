@@ -101,13 +101,14 @@ constexpr int kNumIsas = sizeof(kIsas) / sizeof(kIsas[0]);
 std::atomic<const Isa*> g_isa{&kIsas[kNumIsas - 1]};
 
 // Multiply-adds from which a call shares its tasks with pool threads (skippy_kernel_set_min_parallel,
-// $SKIPPY_KERNEL_SHARE_FROM change it). The default keeps a decode step's projections on their caller:
+// $SKIPPY_KERNEL_SHARE_FROM change it). This default keeps a decode step's projections on their caller:
 // on the 2-core AVX-512 Xeon one core read SmolLM2's 5-bit panels at ~5 GB/s, and with the second core
 // free, 65536 (every decode projection shared) cut a step's matrix time from ~15 to ~10 ms (one traced
 // run); but on that machine loaded by other work (load 8-20) it was no faster and its median step up
-// to 1.25x slower, so it stays opt-in until measured on a quiet machine. Sharing a call of decode size
-// is only worth it because helpers stay hot between calls (HelperLoop): a parked pool thread takes
-// ~25-50 us to wake, as long as a whole decode projection.
+// to 1.25x slower. kernel.py sets 65536 when it loads the library into a process that may use 2 CPUs
+// or more (its pool, sized by the CPU quota, has a helper to share with); this default is for one CPU.
+// Sharing a call of decode size is only worth it because helpers stay hot between calls
+// (HelperLoop): a parked pool thread takes ~25-50 us to wake, as long as a whole decode projection.
 std::atomic<int64_t> g_min_parallel{4 << 20};
 // How long a helper waits, spinning, for the next call's tasks before it goes back to the pool: a
 // decode step's projections are a few small XLA ops apart, its steps (Python, sampling) much further.
