@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import configparser
+import gc
 import importlib.metadata
 import re
 import sys
@@ -65,9 +66,17 @@ def import_graph() -> dict[str, set[str]]:
     """Module -> the skippy_zmq modules it imports (at the top or inside functions)."""
     modules = module_names()
     graph = {}
-    for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        graph[name] = _edges(ast.parse(path.read_text()), package, modules) - {name}
+    # No collection inside ast.parse: on CPython 3.11.7 a finalizer that formats a traceback (which
+    # parses too) run by a collection mid-parse raises "AST constructor recursion depth mismatch";
+    # earlier tests on this worker leave such garbage (orbax's failed restores' tasks).
+    gc.collect()
+    gc.disable()
+    try:
+        for name, path in modules.items():
+            package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+            graph[name] = _edges(ast.parse(path.read_text()), package, modules) - {name}
+    finally:
+        gc.enable()
     return graph
 
 
