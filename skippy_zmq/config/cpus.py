@@ -115,8 +115,9 @@ def jax_threads(environ: Mapping[str, str] = os.environ) -> int:
 def size_jax_threads(environ: MutableMapping[str, str] = os.environ, threads: int | None = None) -> int:
     """Set PJRT_NPROC in `environ` to `threads` (default threads_here()) where that is fewer than
     the usable CPUs or than a PJRT_NPROC already set (an operator's smaller pool stays), or to
-    SKIPPY_CPU_THREADS where that is set (it wins); returns the pool size JAX will start. Call it before JAX starts its CPU client, and again after the
-    process's affinity shrinks (stage/loop.pin_cpus)."""
+    SKIPPY_CPU_THREADS where that is set (it wins); returns the pool size JAX will start. Call it
+    before JAX starts its CPU client, and again after the process's affinity shrinks
+    (stage/loop.pin_cpus)."""
     chosen = environ.get(THREADS_ENV, "").strip()
     if chosen:
         if not chosen.isdigit() or int(chosen) < 1:

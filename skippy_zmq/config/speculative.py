@@ -44,6 +44,11 @@ class SpeculativeConfig:
     def enabled(self) -> bool:
         return self.method != "off"
 
+    @property
+    def first_draft(self) -> int:
+        """The drafts of a new stream's first window (engine DraftPolicy; the stage's compile order)."""
+        return max(self.min_draft, self.max_draft // 2)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -233,7 +233,7 @@ class DraftPolicy:
       tokens. A probe at or above min_acceptance resumes drafting with a fresh
       average; one below stops again and the count restarts.
 
-    A window starts at max(min_draft, max_draft // 2). `no_draft_proposal()`
+    A window starts at `cfg.first_draft`: max(min_draft, max_draft // 2). `no_draft_proposal()`
     notes a step where k > 0 but the proposer found nothing: it is counted
     (`empty`) and changes nothing else, since a miss says nothing about how
     well drafts verify and a lookup costs little.
@@ -246,7 +246,7 @@ class DraftPolicy:
         self.cfg = cfg
         self.windows = self.drafted = self.accepted = self.empty = 0
         self.ema: float | None = None
-        self._k = max(cfg.min_draft, cfg.max_draft // 2) if cfg.enabled else 0
+        self._k = cfg.first_draft if cfg.enabled else 0
         self._low = 0            # consecutive windows with the average below min_acceptance
         self._stopped = False
         self._probing = False

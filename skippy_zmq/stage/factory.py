@@ -94,9 +94,9 @@ def spec_windows(topology: Topology, buckets: Buckets) -> tuple[int, ...]:
 
 def likeliest_first(windows: tuple[int, ...], spec: SpeculativeConfig) -> tuple[int, ...]:
     """The verify windows in the order a new stream's drafter reaches them: the window of its first
-    k (engine DraftPolicy: max(min_draft, max_draft // 2) drafts; 8 tokens by default), then the
+    k (`spec.first_draft` drafts; 8 tokens by default), then the
     nearest sizes (k doubles on a window all accepted, halves on a rejection)."""
-    start = max([w for w in windows if w <= max(spec.min_draft, spec.max_draft // 2) + 1] or [0])
+    start = max([w for w in windows if w <= spec.first_draft + 1] or [0])
     return tuple(sorted(windows, key=lambda w: (abs(w - start), w)))
 
 
