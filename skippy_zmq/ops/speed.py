@@ -32,6 +32,8 @@ and the kernel's helpers sized by the quota, config/cpus.py). A step of sustaine
 from none to all of it), and about
 t when it is many periods long (`throttled_ms`: e·t of work at a quota of e, averaged over
 where in the period it starts, the first period's overrun paid by the next ones).
+That average is what the search minimises; the figure `predict` reports follows the ring token by
+token instead (ops/cfs.ring_1): a step held at the end of its budget locks the phase it starts at.
 
 N streams run as M = n_stages micro-batches of ceil(N / M) rows (engine/scheduler.py), each a
 step of r rows (that count padded to its row bucket, as the runner pads it) and a round of the
@@ -65,6 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from skippy_zmq.config.model import Buckets
+from skippy_zmq.ops.cfs import Step, ring_1, throttled_ms
 
 DRIVER = "driver"
 MAX_HOSTS = 8          # 2^H · H states per layer count: beyond this a plan takes too long in Python
@@ -114,6 +117,13 @@ class HostSpeed:
             return sustained
         return throttled_ms(sustained * self.idle_ratio, self.idle_ratio, self.period_ms, self.burst_ms)
 
+    def step(self, layers: int, last: bool) -> Step:
+        """A 1-row step of this host's stage as cfs.ring_1 follows it: its work at full speed and the quota."""
+        sustained = self.stage_ms(layers, last)
+        if not self.bursts:
+            return Step(sustained)
+        return Step(sustained * self.idle_ratio, self.idle_ratio, self.period_ms, self.burst_ms)
+
     @classmethod
     def from_measure(cls, m: Mapping[str, Any], memory: int = 0, name: str | None = None) -> HostSpeed:
         """From cluster/measure.measure_host's dict: a message's send, receive and decode count in
@@ -131,46 +141,6 @@ class HostSpeed:
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise SpeedPlanError(f"host measurement {m.get('name', '?')!r} is not a measure_host result: "
                                  f"{exc!r}") from None
-
-
-PHASES = 16    # where in its quota period a burst starts: this many points, evenly spread
-
-
-@functools.lru_cache(maxsize=4096)
-def throttled_ms(work_ms: float, quota_cores: float, period_ms: float, first_ms: float = 0.0) -> float:
-    """Wall time of `work_ms` of one thread's CPU work under a quota of quota_cores · period_ms
-    every period_ms, starting idle at an even spread of phases: CFS runs it until the budget is
-    spent, then holds it until the next period refills the budget. `first_ms` (when larger than
-    the budget): what a step started idle runs at most before its first stall, the budget and a
-    one-time overrun (the runtime the kernel leaves on a core of an idle group), a debt the next
-    periods' budgets pay: a short step runs flat out, a long one at the quota. The overrun is
-    averaged over an even spread from none to all of it (how much the core kept varies): a step
-    that ends just inside it is not counted on to."""
-    budget = quota_cores * period_ms
-    spread = max(0.0, first_ms - budget)
-    extras = [spread * j / (SLACKS - 1) for j in range(SLACKS)] if spread > 0 else [0.0]
-    walls = [_throttled_at(work_ms, budget, period_ms, period_ms * (1 - k / PHASES), extra)
-             for k in range(PHASES) for extra in extras]
-    return sum(walls) / len(walls)
-
-
-SLACKS = 4     # how much of the overrun a core kept: this many points from none to all
-
-
-def _throttled_at(work_ms: float, budget: float, period_ms: float, until: float, extra: float) -> float:
-    """throttled_ms from one phase (`until` the period ends) and one overrun (`extra`)."""
-    left, wall, used, debt = work_ms, 0.0, 0.0, 0.0
-    while left > 1e-12:
-        allowed = max(0.0, budget - debt)
-        ran = min(left, allowed + extra - used, until)
-        left, wall, until, used = left - ran, wall + ran, until - ran, used + ran
-        if left <= 1e-12:
-            break
-        if until > 1e-12:          # the budget ran out first: held until the period ends
-            wall += until
-        over = max(0.0, used - allowed)
-        extra, debt, until, used = extra - over, max(0.0, debt - budget) + over, period_ms, 0.0
-    return wall
 
 
 @dataclass(frozen=True)
@@ -292,11 +262,11 @@ def predict(stages: Sequence[Stage], hosts: Mapping[str, HostSpeed], n_layers: i
     row_bytes: one row's activation on the wire (d_model x the wire dtype's bytes)."""
     m = len(stages)
     rows = micro_rows(streams, m)
-    one = tuple(hosts[s.host].stage_ms(s.end - s.start, s.end == n_layers, 1, burst=True) for s in stages)
+    hops = tuple(hops_ms(stages, links, 1, row_bytes))
+    latency, one = ring_1([hosts[s.host].step(s.end - s.start, s.end == n_layers) for s in stages], hops,
+                          links.driver_ms)
     steady = tuple(hosts[s.host].stage_ms(s.end - s.start, s.end == n_layers, rows) for s in stages)
     quick = tuple(hosts[s.host].stage_ms(s.end - s.start, s.end == n_layers, rows, burst=True) for s in stages)
-    hops = tuple(hops_ms(stages, links, 1, row_bytes))
-    latency = sum(one) + ring_ms(stages, links, 1, row_bytes)
     round_ms = max(sum(quick) + ring_ms(stages, links, rows, row_bytes), m * max(steady))
     # the host that bounds the round is busy all along (its sustained time), the others burst
     many = tuple(t if m * t >= round_ms - 1e-9 else q for t, q in zip(steady, quick))
@@ -307,8 +277,13 @@ def predict(stages: Sequence[Stage], hosts: Mapping[str, HostSpeed], n_layers: i
 
 def objective_ms(stages: Sequence[Stage], hosts: Mapping[str, HostSpeed], n_layers: int, links: Links,
                  objective: str, streams: int, row_bytes: int = 0) -> float:
-    p = predict(stages, hosts, n_layers, links, streams, row_bytes)
-    return p.ms_per_token_1 if objective == "latency" else p.round_ms_n / streams
+    """What plan_split minimises: latency(1) as the module docstring's sum, each step's burst
+    averaged over its phase (the ring's locked phase, which predict's figure follows, is not a sum
+    a search can split), or round(N) / N."""
+    if objective == "latency":
+        return sum(hosts[s.host].stage_ms(s.end - s.start, s.end == n_layers, 1, burst=True)
+                   for s in stages) + ring_ms(stages, links, 1, row_bytes)
+    return predict(stages, hosts, n_layers, links, streams, row_bytes).round_ms_n / streams
 
 
 # Predictions this close (relative) are a tie: the model cannot order them. Its error between two
