@@ -136,8 +136,8 @@ struct Int8 {
   static constexpr int64_t kRowBytes = kPanel;
   static constexpr bool kOffsetOfScale = false;   // z read from its array, or 0 where none (Q5: z = -16 s)
   static inline vf block(const uint8_t* row, int j) { return widen_s8((const int8_t*)row + kLanes * j); }
-  static constexpr bool kWholeRow = false;
-  static inline void row_levels(const uint8_t*, vf*) {}
+  static constexpr bool kRowLevels = false;
+  static inline void row_levels(const uint8_t*, int, vf*) {}
 };
 struct Q4 {  // byte i holds column i (low nibble) and column i + 32 (high nibble)
   static constexpr int64_t kRowBytes = kPanel / 2;
@@ -145,8 +145,8 @@ struct Q4 {  // byte i holds column i (low nibble) and column i + 32 (high nibbl
   static inline vf block(const uint8_t* row, int j) {
     return widen_u4(row + (kLanes * j) % (kPanel / 2), kLanes * j >= kPanel / 2);
   }
-  static constexpr bool kWholeRow = false;
-  static inline void row_levels(const uint8_t*, vf*) {}
+  static constexpr bool kRowLevels = false;
+  static inline void row_levels(const uint8_t*, int, vf*) {}
 };
 
 // 5-bit levels (Q5_0's, kept exactly): a panel row is the 32 bytes of Q4's nibbles, then 64 bits, bit c
@@ -156,13 +156,13 @@ struct Q4 {  // byte i holds column i (low nibble) and column i + 32 (high nibbl
 struct Q5 {
   static constexpr int64_t kRowBytes = kPanel / 2 + kPanel / 8;
   static constexpr bool kOffsetOfScale = true;
+  // The levels of pass h of a row at once (the decode loops' hot path; kRowLevels): nibbles split on the
+  // whole bytes, fifth bits added as bytes, the bytes spilled once and widened a vector at a time. Port 5
+  // bound either way, this takes ~15 vector ops a row on AVX-512 (~25 with block(): a mask move, shift and
+  // masked add per vector) and ~20 a pass on AVX2 (~35), for the very same integer levels.
 #if defined(__AVX512BW__)
-  // A whole row's 64 levels at once (pass h = 0 is the whole panel here): the nibbles split by one
-  // per-word shift of the 32 bytes read twice, the fifth bits added as bytes under the row's 64-bit mask,
-  // the bytes spilled once and widened 16 at a time. ~15 vector ops a row where block() takes ~25 (a
-  // mask move, shift and masked add per vector: port 5 bound), for the same integer levels.
-  static constexpr bool kWholeRow = true;
-  static inline void row_levels(const uint8_t* row, vf out[4]) {
+  static constexpr bool kRowLevels = true;
+  static inline void row_levels(const uint8_t* row, int, vf out[4]) {   // (one pass: the whole row)
     const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)row));
     const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
                                            0x0004000400040004, 0, 0, 0, 0);   // words 16..31: high nibbles
@@ -176,9 +176,30 @@ struct Q5 {
     for (int c = 0; c < 4; ++c)
       out[c] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(bytes + 16 * c))));
   }
+#elif defined(__AVX2__)
+  static constexpr bool kRowLevels = true;
+  static inline void row_levels(const uint8_t* row, int h, vf out[4]) {   // pass h: columns 32 h .. 32 h + 31
+    __m256i lv = _mm256_loadu_si256((const __m256i*)row);
+    if (h) lv = _mm256_srli_epi16(lv, 4);
+    lv = _mm256_and_si256(lv, _mm256_set1_epi8(15));
+    int32_t bits;
+    __builtin_memcpy(&bits, row + kPanel / 2 + 4 * h, 4);
+    // bit i of `bits` -> byte i: byte i / 8 copied to bytes 8 (i / 8) .. + 7, each testing its own bit
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(bits),
+                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                  0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    lv = _mm256_or_si256(lv, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    alignas(32) uint8_t bytes[32];
+    _mm256_store_si256((__m256i*)bytes, lv);
+    __asm__("" : "+m"(bytes));
+    for (int c = 0; c < 4; ++c)
+      out[c] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(bytes + 8 * c))));
+  }
 #else
-  static constexpr bool kWholeRow = false;
-  static inline void row_levels(const uint8_t*, vf*) {}
+  static constexpr bool kRowLevels = false;
+  static inline void row_levels(const uint8_t*, int, vf*) {}
 #endif
   static inline vf block(const uint8_t* row, int j) {
     uint64_t bits;
@@ -207,11 +228,10 @@ struct Q5 {
   }
 };
 
-// The kVecs column blocks of pass h of one panel row, as float levels (kWholeRow: a whole row at once,
-// where one pass covers the panel).
+// The kVecs column blocks of pass h of one panel row, as float levels (kRowLevels: all at once).
 template <class F>
 inline void pass_levels(const uint8_t* row, int h, vf out[kVecs]) {
-  if (F::kWholeRow && kPasses == 1) return F::row_levels(row, out);
+  if (F::kRowLevels) return F::row_levels(row, h, out);
   for (int c = 0; c < kVecs; ++c) out[c] = F::block(row, h * kVecs + c);
 }
 
