@@ -22,7 +22,7 @@ kernel for SIGKILL when its parent thread goes (PR_SET_PDEATHSIG), and the stage
 kills it once it has been silent for CHILD_SHAPE_S of the time it was let run. Any failure only
 means the stage compiles the rest in its own thread, as before.
 
-    python -m skippy_zmq.model.behind PARENT_PID   # a pickled BehindJob on stdin; never run by hand
+    python -m skippy_zmq.model.behind PARENT_PID   # a pickled BehindJob on stdin (8-byte size first); never run by hand
 """
 
 from __future__ import annotations
