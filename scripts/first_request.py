@@ -122,7 +122,7 @@ def warmed(http: httpx.Client) -> bool:
 
 
 def ask(client, model: str, tokens: int, pids: list[int], prompt: str = PROMPT) -> dict:
-    kids = children(pids)   # the compile children: they share the cores with the request, stopped or not
+    kids = [k for k in children(pids) if k not in pids]   # the stages' compile children (the server's are the stages)
     c0, k0, t0 = cpu_s(pids), cpu_s(kids), time.perf_counter()
     reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                            max_tokens=tokens, temperature=0, extra_body={"ignore_eos": True})
