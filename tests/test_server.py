@@ -524,3 +524,22 @@ def test_tool_traffic_messages_are_rendered(client, engine, tok, scripted):
     prompt = tok.decode(list(engine.requests[-1].prompt_ids))
     assert '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>' in prompt
     assert "<tool_response>\nsunny\n</tool_response>" in prompt
+
+
+def test_the_driver_prepares_a_chat_request_before_it_serves(tok: TextTokenizer):
+    """warm_request_path renders and tokenises a chat once (the driver, before READY), so a first request
+    finds what it did lazily done: here the vocabulary's longest piece, which the prompt-size check reads.
+    Nothing reaches the engine; a template that refuses the sample chat raises nothing."""
+    from skippy_zmq.api.context import ServerContext
+    from skippy_zmq.api.openai_schema import parse_chat
+    from skippy_zmq.api.request_prep import warm_request_path
+    from skippy_zmq.engine.metrics import ServerMetrics
+
+    fresh = TextTokenizer(tok.tokenizer, tok.meta)
+    engine = FakeEngine([1], tok.eos_ids, max_context=MAX_CONTEXT)
+    assert "_max_token_chars" not in fresh.__dict__
+    warm_request_path(ServerContext(engine, fresh, MODEL, ServerMetrics(), None, BODY_LIMIT).prep_context(), parse_chat)
+    assert fresh.__dict__["_max_token_chars"] == fresh.max_token_chars > 1 and engine.requests == []
+    refusing = TextTokenizer(tok.tokenizer, {**tok.meta, "chat_template": "{{ raise_exception('a system turn first') }}"})
+    warm_request_path(ServerContext(engine, refusing, MODEL, ServerMetrics(), None, BODY_LIMIT).prep_context(), parse_chat)
+    assert "_max_token_chars" not in refusing.__dict__ and engine.requests == []

@@ -302,6 +302,29 @@ def test_a_child_is_not_stopped_before_it_said_ready():
     assert child.proc.poll() is not None
 
 
+class _SlowToUnpickle:
+    """Unpickles as time.sleep(600): a job whose unpickling (the JAX and model imports) takes long."""
+
+    def __reduce__(self):
+        return (time.sleep, (600,))
+
+
+@pytest.mark.slow
+def test_a_child_says_ready_before_it_unpickles_its_job():
+    """Unpickling the job imports JAX and the model (~1.4 CPU s): the child says `ready` before it, so a
+    busy stage stops it then too (those imports ran beside a first request that came right after READY)."""
+    job = behind.BehindJob(_SlowToUnpickle(), 0, 1, None, None, 0, (((1, 1), 256, "logits"),), "/tmp")
+    with behind.Child(job) as child:
+        deadline = time.monotonic() + 60   # a liveness bound: an interpreter's start
+        for _ in child.reports(0.05):
+            if child.ready or time.monotonic() > deadline:
+                break
+        assert child.ready and child.done == 0   # said while its job is still being unpickled
+        assert not child.gate(False, 600.0) and child.stopped_at is not None
+        assert wait_for(lambda: proc_state(child.proc.pid) == "T", 30)
+    assert child.proc.poll() is not None
+
+
 def wait_for(predicate, timeout: float) -> bool:
     """Poll `predicate` (a child's state the kernel keeps) until true or `timeout`: a liveness deadline."""
     deadline = time.monotonic() + timeout

@@ -98,10 +98,13 @@ def _is_loopback(host: str) -> bool:
 def serve_http(topology: Topology, engine: PipelineEngine, tokenizer: TextTokenizer, keys: ApiKeys,
                edge: EdgeConfig, stop: threading.Event) -> None:
     """Serve the OpenAI API until `stop` is set (or the process is signalled)."""
+    from skippy_zmq.api.openai_schema import parse_chat
+    from skippy_zmq.api.request_prep import warm_request_path
     from skippy_zmq.api.server import start_in_thread
 
-    handle = start_in_thread(build_app(topology, engine, tokenizer, keys=keys, edge=edge), topology.driver.http_host,
-                             topology.driver.http_port)
+    app = build_app(topology, engine, tokenizer, keys=keys, edge=edge)
+    warm_request_path(app.state.ctx.prep_context(), parse_chat)   # before READY: the stages are still starting
+    handle = start_in_thread(app, topology.driver.http_host, topology.driver.http_port)
     settle_heap()   # the tokenizer, templates and app live as long as we do: keep full GC passes off them
     logger.info("OpenAI API at http://{}:{}/v1 (ready when /readyz says so)", handle.host, handle.port)
     try:

@@ -22,7 +22,7 @@ kernel for SIGKILL when its parent thread goes (PR_SET_PDEATHSIG), and the stage
 kills it once it has been silent for CHILD_SHAPE_S of the time it was let run. Any failure only
 means the stage compiles the rest in its own thread, as before.
 
-    python -m skippy_zmq.model.behind PARENT_PID   # a pickled BehindJob on stdin; never run by hand
+    python -m skippy_zmq.model.behind PARENT_PID   # a pickled BehindJob on stdin (8-byte size first); never run by hand
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ class Child:
         # outlived a stage that died (found stopped, an orphan, after a test run)
         self.ready = False
         try:
-            self.proc.stdin.write(pickle.dumps(job))
+            data = pickle.dumps(job)
+            self.proc.stdin.write(len(data).to_bytes(8, "little") + data)   # sized: read before unpickled
             self.proc.stdin.flush()   # stdin stays open: its EOF tells the child that we are gone
         except OSError as exc:   # gone already: reports() sees its exit
             logger.warning("compile-behind child {} took no job: {}", self.proc.pid, exc)
@@ -220,12 +221,28 @@ def compile_job(job: BehindJob, report: Any) -> None:
         report(i)
 
 
+def _read_job_bytes() -> bytes:
+    """The pickled job's bytes (sized by an 8-byte prefix), read without unpickling it."""
+    size, data = None, b""
+    while size is None or len(data) < size:
+        chunk = os.read(0, (8 if size is None else size) - len(data))
+        if not chunk:
+            os._exit(0)   # the stage went before it sent the job
+        data += chunk
+        if size is None and len(data) == 8:
+            size, data = int.from_bytes(data, "little"), b""
+    return data
+
+
 def child_main(parent: int) -> int:
     die_with_parent(parent)
-    job = pickle.load(sys.stdin.buffer)
+    data = _read_job_bytes()
     threading.Thread(target=_exit_on_eof, name="parent-eof", daemon=True).start()
     sys.stdout.buffer.write(b"ready\n")   # only now may the stage stop us (Child.gate)
     sys.stdout.buffer.flush()
+    # Unpickled after `ready`: it imports JAX and the model (~1.4 CPU s), which the stage could not
+    # stop before, so it ran beside a first request that came right after READY.
+    job = pickle.loads(data)
     import jax
 
     jax.config.update("jax_compilation_cache_dir", job.cache_dir)
