@@ -39,6 +39,22 @@ def expected_tokens(model, n: int) -> list[list[int]]:
     return [local.generate(p, SamplingParams(), n, True).token_ids for p in PROMPTS]
 
 
+LONGEST = 200   # the most tokens a test here streams
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model) -> list[list[int]]:
+    """Each prompt's greedy tokens from the one-process engine, made once for the module's longest
+    run: greedy with ignore_eos, a step does not depend on max_tokens, so a run of n tokens is the
+    first n of a longer one and a shorter test compares with a prefix (was one engine and run each)."""
+    return expected_tokens(tiny_model, LONGEST)
+
+
+def prefix(reference: list[list[int]], n: int) -> list[list[int]]:
+    assert n <= LONGEST
+    return [ids[:n] for ids in reference]
+
+
 class Streams:
     """8 greedy streams on threads; `started` once each has `warm` tokens."""
 
@@ -119,7 +135,6 @@ def split_of(server) -> dict[str, tuple[int, int]]:
             for w in server.workers.values() if w.stage is not None}
 
 
-@pytest.mark.slow
 def close_all(server, procs, *closers) -> None:
     """The rebalancer and engine (either may be None: a start that failed), the workers, the server."""
     for closer in closers:
@@ -130,14 +145,15 @@ def close_all(server, procs, *closers) -> None:
     server.close()
 
 
-def test_a_rebalance_on_command_while_8_streams_run_fails_none_and_changes_no_token(tiny_model, tmp_path,
-                                                                                      driver_log):
+@pytest.mark.slow
+def test_a_rebalance_on_command_while_8_streams_run_fails_none_and_changes_no_token(tiny_model, reference,
+                                                                                      tmp_path, driver_log):
     """`skippy-zmq rebalance` while 8 streams decode: the worker of s1 got slow (its measurement
     scaled as drift would), the split moves its layers to the other, no stream fails, every token equal."""
     from skippy_zmq.config.topology_yaml import load_topology
 
     n = 200
-    expected = expected_tokens(tiny_model, n)
+    expected = prefix(reference, n)
     topology = load_topology(recut_topology(tmp_path, tiny_model, 2, split="topology"))
     server, procs = start_cluster(tmp_path, topology, {"a": ["--no-measure"], "b": ["--no-measure"]})
     engine = rebalancer = None
@@ -218,7 +234,8 @@ def holder(server, stage_id: str) -> str:
 
 
 @pytest.mark.slow
-def test_a_worker_gone_for_good_is_planned_around_or_named_in_a_503(tiny_model, tmp_path, driver_log):
+def test_a_worker_gone_for_good_is_planned_around_or_named_in_a_503(tiny_model, reference, tmp_path,
+                                                                     driver_log):
     """8 streams; the worker of s1 is killed: the one left holds every layer, the streams resume with
     every token equal. It rejoins (a joiner: the split is cut in two again). Then, with memory for
     only half the model each, one is killed again: requests get a 503 naming the missing layers."""
@@ -226,7 +243,7 @@ def test_a_worker_gone_for_good_is_planned_around_or_named_in_a_503(tiny_model, 
     from skippy_zmq.engine.request import EngineError, GenRequest
 
     n = 150
-    expected = expected_tokens(tiny_model, n)
+    expected = prefix(reference, n)
     topology = load_topology(recut_topology(tmp_path, tiny_model, 2, split="topology",
                                              gone_after_s=10))   # 10 missed beats: a loaded machine starves a worker for seconds
     needs = stage_needs(topology)
@@ -350,7 +367,7 @@ def test_a_bad_recut_setting_is_named(tiny_model, tmp_path, key, value, says):
 
 
 @pytest.mark.slow
-def test_a_recut_leaves_a_stage_whose_layers_and_next_hop_stay_running(tiny_model, tmp_path, driver_log):
+def test_a_recut_leaves_a_stage_whose_layers_and_next_hop_stay_running(tiny_model, reference, tmp_path, driver_log):
     """3 stages; a re-cut swaps the workers of s1 and s2 while 8 streams decode: s0 (same worker,
     layers and next hop) is neither halted nor restarted (same pid and incarnation, no READY again;
     its KV and compiled steps stay), the other two are; no stream fails, every token equal."""
@@ -359,7 +376,7 @@ def test_a_recut_leaves_a_stage_whose_layers_and_next_hop_stay_running(tiny_mode
     from skippy_zmq.ops.speed import Links, Stage, predict
 
     n = 120
-    expected = expected_tokens(tiny_model, n)
+    expected = prefix(reference, n)
     topology = load_topology(recut_topology(tmp_path, tiny_model, 3, split="topology"))
     server, procs = start_cluster(tmp_path, topology, {"a": ["--no-measure"], "b": ["--no-measure"],
                                                        "c": ["--no-measure"]})

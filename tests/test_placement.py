@@ -318,4 +318,5 @@ def test_step_shapes_count_what_a_stage_compiles(tiny_model, tmp_path):
     assert topo.stages[0].idle_warmups is False
     worker = build_worker(topo, topo.stages[0])
     assert worker.warm_later == [worker.runner.join_behind]
-    worker.runner.join_behind()   # the compiles begun before READY end here (a child process)
+    assert worker.runner.behind_command is None   # 4 layers: compiled in the stage's thread, no child
+    worker.runner.join_behind()   # the compiles begun before READY end here

@@ -420,6 +420,19 @@ def test_the_drafters_first_window_is_compiled_first_then_the_nearest():
     assert likeliest_first((), SpeculativeConfig()) == ()
 
 
+def test_a_slice_of_a_few_layers_compiles_behind_in_its_thread_a_larger_one_in_a_child():
+    """factory.behind_command: a child (an interpreter and a JAX import) only for slices of more
+    than THREAD_COMPILE_LAYERS layers; where the layers start does not matter."""
+    from types import SimpleNamespace
+
+    from skippy_zmq.stage.factory import THREAD_COMPILE_LAYERS, behind_command
+
+    assert behind_command(SimpleNamespace(start=0, end=THREAD_COMPILE_LAYERS)) is None
+    assert behind_command(SimpleNamespace(start=26, end=26 + THREAD_COMPILE_LAYERS)) is None
+    assert behind_command(SimpleNamespace(start=0, end=THREAD_COMPILE_LAYERS + 1)) == behind.CHILD_COMMAND
+    assert behind_command(SimpleNamespace(start=15, end=30)) == behind.CHILD_COMMAND   # a SmolLM2 half
+
+
 def test_the_child_compiles_what_a_first_request_runs_most_first(tiny_tree, monkeypatch):
     """compile_behind's list (the child's order): the 1-row decode, then the windows in the order
     given (likeliest_first), then the rest (2-row decode, prefill chunks, longer lengths)."""

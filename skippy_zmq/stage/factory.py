@@ -23,6 +23,7 @@ from skippy_zmq.config.speculative import SpeculativeConfig
 from skippy_zmq.kv.prefix_store import PrefixStore, StoreIdentity
 from skippy_zmq.checkpoint import checkpoint, loader
 from skippy_zmq.checkpoint.convert import model_digest
+from skippy_zmq.model import behind
 from skippy_zmq.model.kernel import prepare_kernel
 from skippy_zmq.model.runner import WARM_RUN_TOKENS, SliceRunner, resolve_device
 from skippy_zmq.stage.sessions import SessionTable
@@ -90,6 +91,20 @@ def spec_windows(topology: Topology, buckets: Buckets) -> tuple[int, ...]:
     """The one-row verify windows the driver can send (window buckets up to max_draft + 1), or ()
     with speculation off."""
     return buckets.spec_windows(max_draft(topology))
+
+
+# A slice of this many layers or fewer compiles its whole-slice steps behind in its own thread (each
+# shape waits for the stage to be quiet, as the child's do), not in a child process (model/behind.py):
+# the child costs an interpreter and a JAX import (~2-3 CPU s, tens of seconds on a loaded machine) and
+# lowers every shape twice (it compiles, then the stage lowers again to read the cache entry), while
+# such a slice's compile is a fraction of a second a shape, short next to the requests it could delay.
+THREAD_COMPILE_LAYERS = 4
+
+
+def behind_command(stage: StageConfig) -> tuple[str, ...] | None:
+    """The command of the child that compiles this stage's whole-slice steps behind (model/behind.py),
+    or None: its own thread compiles them (a slice of THREAD_COMPILE_LAYERS layers or fewer)."""
+    return None if stage.end - stage.start <= THREAD_COMPILE_LAYERS else behind.CHILD_COMMAND
 
 
 def likeliest_first(windows: tuple[int, ...], spec: SpeculativeConfig) -> tuple[int, ...]:
@@ -190,6 +205,7 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     runner = SliceRunner(cfg, params, stage.start, stage.end,
                          KVConfig(lanes=stage.kv_lanes, capacity=capacity, dtype=stage.kv_dtype), buckets, device)
     runner.stopgap = True    # READY before the whole-slice steps compile (warm_stopgap)
+    runner.behind_command = behind_command(stage)
     t1 = time.perf_counter()
     warm_before_ready(runner, likeliest_first(spec_windows(topology, buckets), topology.driver.speculative))
     logger.info("stage {} layers [{}, {}) on {}: restored in {:.1f}s, compiled in {:.1f}s", stage.id,
