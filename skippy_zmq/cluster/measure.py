@@ -12,7 +12,9 @@ format the stages will run, and times real `SliceRunner` steps on it:
 - the head (final norm + logits over the vocabulary) of the last stage, per row count, read after
   the stack as a last stage reads it after its layers: from memory, not from a cache a loop of
   one layer + head keeps it in (28 MB for SmolLM2: 2.0 ms a call in that loop on the 2-core
-  Xeon, ~3.3 served);
+  Xeon, 3.9 after the stack, h100's stages with the head served as predicted then). Under a CPU
+  quota after one layer: that loop stalls every period and reads the head cold as it is (h50's and
+  h25's heads: ~3.6 ms of full-speed CPU a call);
 - a prefill chunk of `CHUNK` tokens, per token per layer;
 - a decode message encoded, sent over ZeroMQ TCP loopback, received and decoded (a stage's
   software per hop), and greedy sampling of the logits (the final stage's);
@@ -309,10 +311,15 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
     k = stack.end - stack.start     # the stack's layers (stack_layers)
     load_s = time.perf_counter() - t_start
     calls = {"prefill_one": _prefill_call(last), "prefill_stack": _prefill_call(stack)}
+    # the head after the stack's layers where nothing throttles (module docstring); under a quota the
+    # one-layer loop stalls every period and reads it cold anyway, where a difference of two throttled
+    # stack calls is where their stalls fell (bench cluster: h50's head came out half of its own loop's)
+    quota = min(1.0, cpu_quota_cores() or 1.0)
+    under = "one" if quota < 1.0 else "stack"
     for rows in ROWS:
         calls.update({f"one_{rows}": _decode_call(last, rows, "hidden"),
                       f"stack_{rows}": _decode_call(stack, rows, "hidden"),
-                      f"head_{rows}": _decode_call(stack, rows, "logits")})
+                      f"head_{rows}": _decode_call(last if quota < 1.0 else stack, rows, "logits")})
     ms = _median_ms(calls, repeats)
     for _ in range(RETRIES):   # a stack no slower than one layer: a neighbour's burst hit the one-layer samples
         bad = [r for r in ROWS if ms[f"stack_{r}"] <= ms[f"one_{r}"]]
@@ -322,11 +329,10 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
     decode: dict[str, dict[str, float]] = {}
     # a stage's software is timed between its steps' compute, where a quota's throttling lands
     # (its median is the CPU time): at the sustained rate a host at q cores pays it 1/q times over
-    quota = min(1.0, cpu_quota_cores() or 1.0)
     for rows in ROWS:
         one, layer = ms[f"one_{rows}"], max(0.0, (ms[f"stack_{rows}"] - ms[f"one_{rows}"]) / (k - 1))
         decode[str(rows)] = {"layer_ms": round(layer, 4), "step_ms": round(max(0.0, one - layer), 4),
-                             "head_ms": round(max(0.0, ms[f"head_{rows}"] - ms[f"stack_{rows}"]), 4),
+                             "head_ms": round(max(0.0, ms[f"head_{rows}"] - ms[f"{under}_{rows}"]), 4),
                              "sample_ms": round(_sample_ms(last.cfg.vocab_size, rows, repeats), 4),
                              "message_ms": round(_message_ms(last.cfg.d_model, rows, repeats), 4),
                              "software_ms": round(software.handle_ms(last, rows, max(ROWS), repeats)["software_ms"]
