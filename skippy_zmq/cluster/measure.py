@@ -315,11 +315,11 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
     # one-layer loop stalls every period and reads it cold anyway, where a difference of two throttled
     # stack calls is where their stalls fell (bench cluster: h50's head came out half of its own loop's)
     quota = min(1.0, cpu_quota_cores() or 1.0)
-    under = "one" if quota < 1.0 else "stack"
+    under, head_runner = ("one", last) if quota < 1.0 else ("stack", stack)
     for rows in ROWS:
         calls.update({f"one_{rows}": _decode_call(last, rows, "hidden"),
                       f"stack_{rows}": _decode_call(stack, rows, "hidden"),
-                      f"head_{rows}": _decode_call(last if quota < 1.0 else stack, rows, "logits")})
+                      f"head_{rows}": _decode_call(head_runner, rows, "logits")})
     ms = _median_ms(calls, repeats)
     for _ in range(RETRIES):   # a stack no slower than one layer: a neighbour's burst hit the one-layer samples
         bad = [r for r in ROWS if ms[f"stack_{r}"] <= ms[f"one_{r}"]]

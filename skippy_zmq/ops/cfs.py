@@ -85,8 +85,7 @@ def ring_1(steps: Sequence[Step], hops_ms: Sequence[float],
     averaged over OFFSETS spreads of the hosts' periods and over how much of the overrun a core kept
     (SLACKS, as throttled_ms). A step starts with its whole budget (a token takes longer than a period)."""
     hops = list(hops_ms) + [0.0] * (len(steps) + 1 - len(hops_ms))
-    quota = [s for s in steps if s.quota]
-    if not quota:
+    if not any(s.quota for s in steps):
         walls = tuple(s.work_ms for s in steps)
         return sum(walls) + sum(hops) + driver_ms, walls
     runs = []
