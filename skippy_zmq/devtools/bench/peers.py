@@ -172,7 +172,8 @@ def spec_rows(m: PeerModel, binary: str | None, args: argparse.Namespace, tmp: P
     from skippy_zmq.devtools.bench.spec_workloads import workloads
     from skippy_zmq.text.tokenizer import TextTokenizer
 
-    work = workloads(TextTokenizer.load(m.ours), 2 if args.quick else None)
+    # a narrower run than --quick (the suite's test: one prompt each, one llama-server type) may name them
+    work = workloads(TextTokenizer.load(m.ours), getattr(args, "spec_prompts", 2 if args.quick else None))
     new = args.new_tokens
     context = max(len(p) for ps in work.values() for p in ps) + new + 64
     rows = []
@@ -188,7 +189,8 @@ def spec_rows(m: PeerModel, binary: str | None, args: argparse.Namespace, tmp: P
             stream_completion(base, work["chat"][0], 8)
             for workload, prompts in work.items():
                 plain[workload] = single_stream(base, prompts, new)
-        for spec_type in SPEC_TYPES[:2] if args.quick else SPEC_TYPES:   # quick: two types, the path is the same
+        # quick: two types, the path is the same
+        for spec_type in getattr(args, "spec_types", SPEC_TYPES[:2] if args.quick else SPEC_TYPES):
             with llama_server(binary, m.gguf, free_port(), tmp / "llama-spec", 1, context, spec_type) as base:
                 stream_completion(base, work["chat"][0], 8)
                 for workload, prompts in work.items():
@@ -205,7 +207,7 @@ def _spec_row(engine: str, method: str, workload: str, off: dict[str, Any], on: 
 
 
 def concurrency_rows(m: PeerModel, binary: str | None, args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
-    counts = (1, 4) if args.quick else STREAM_COUNTS
+    counts = getattr(args, "stream_counts", (1, 4) if args.quick else STREAM_COUNTS)
     new, prompt_len = (16, 32) if args.quick else (64, 64)
     context = prompt_len + new + 64
     rows = []
