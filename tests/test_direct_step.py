@@ -37,7 +37,7 @@ def test_direct_steps_equal_jit_steps_bit_for_bit(tiny_tree):
         np.testing.assert_array_equal(a, b)
 
 
-def test_direct_step_compiles_nothing_and_other_params_go_back_to_jit(tiny_tree):
+def test_direct_step_compiles_nothing_and_other_params_drop_it(tiny_tree):
     r = runner(tiny_tree)
     ids = random_ids(12, TINY.vocab_size, seed=8)
     r.decode(np.array([0]), ids[:1], np.array([0]))            # jit's run, then its DirectStep
@@ -46,8 +46,9 @@ def test_direct_step_compiles_nothing_and_other_params_go_back_to_jit(tiny_tree)
     assert compiles == []
     step = r._steps.direct[((1, 1), 256, "logits")]
     other = random_params(TINY, seed=5)
-    swapped, plain = runner(other), runner(other)   # other weights: the DirectStep hands them to jit
-    swapped._steps.direct = {((1, 1), 256, "logits"): step}
+    swapped, plain = runner(other), runner(other)   # other weights: jit runs them, not that DirectStep
+    swapped._steps.direct, swapped._steps.params = {((1, 1), 256, "logits"): step}, r.params
     got, want = ([x.decode(np.array([0]), ids[i:i + 1], np.array([i])) for i in (0, 1)] for x in (swapped, plain))
     np.testing.assert_array_equal(got, want)
     assert not np.array_equal(got[1], first)
+    assert swapped._steps.direct[((1, 1), 256, "logits")].params is swapped.params   # built anew

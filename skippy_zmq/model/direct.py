@@ -7,8 +7,9 @@ calling the executable with the flat arguments went from ~1.25 to ~1.0 ms of the
 per step (measured beside the jit call, same process). The executable is the one jit compiled
 (the lowering and compilation come from jit's caches), so every bit of the step is the same.
 
-Only on the CPU, only for the params tree it was built with (anything else goes back to jit),
-and only where this JAX has the executable's pieces it needs; otherwise `build` returns None.
+Only on the CPU, only for the params tree it was built with (`Steps` drops every DirectStep
+when a step brings another), and only where this JAX has the executable's pieces it needs;
+otherwise `build` returns None and jit runs the shape.
 """
 
 from __future__ import annotations
@@ -20,16 +21,14 @@ import jax
 
 class DirectStep:
     """forward_jit's executable for one (inputs shape, attention length, output), called as
-    forward_jit is, with `params` the tree it was built for (its flat leaves are kept)."""
+    forward_jit is; `params` must be the tree it was built for (its flat leaves are kept)."""
 
-    def __init__(self, fallback: Any, executable: Any, kept: list[int], out_tree: Any, params: Any):
-        self.fallback, self.executable, self.kept, self.out_tree = fallback, executable, kept, out_tree
+    def __init__(self, executable: Any, kept: list[int], out_tree: Any, params: Any):
+        self.executable, self.kept, self.out_tree = executable, kept, out_tree
         self.params, self.leaves = params, jax.tree.leaves(params)
 
     def __call__(self, params: Any, kv: Any, *inputs: jax.Array, **static: Any) -> Any:
-        if params is not self.params:   # a tool swapped the weights: jit checks them again
-            return self.fallback(params, kv, *inputs, **static)
-        flat = self.leaves + list(kv.k) + list(kv.v) + list(inputs)
+        flat = self.leaves + jax.tree.leaves(kv) + list(inputs)
         results = self.executable.execute_sharded([flat[i] for i in self.kept])
         return jax.tree.unflatten(self.out_tree, [a[0] for a in results.disassemble_into_single_device_arrays()])
 
@@ -41,6 +40,7 @@ class Steps:
     def __init__(self, jitted: Any, layered: Any):
         self.jitted, self.layered = jitted, layered
         self.direct: dict[tuple, DirectStep | None] = {}
+        self.params: Any = None   # the tree every DirectStep in `direct` was built for
 
     def run(self, shape: tuple, fused: bool, params: Any, kv: Any, args: tuple[jax.Array, ...],
             static: dict[str, Any]) -> Any:
@@ -48,6 +48,8 @@ class Steps:
         kv, *args, **static) or layered(...) returns it."""
         if not fused:
             return self.layered(params, kv, *args, **static)
+        if params is not self.params:   # a tool swapped the weights: jit checks the new ones, the old go
+            self.direct, self.params = {}, params
         result = (self.direct.get(shape) or self.jitted)(params, kv, *args, **static)
         if shape not in self.direct:   # after its first run: jit's caches hold its executable
             self.direct[shape] = build(self.jitted, params, result[1], args, **static)
@@ -69,4 +71,4 @@ def build(jitted: Any, params: Any, kv: Any, inputs: tuple[jax.Array, ...], **st
             return None   # (consts passed as extra arguments, or another flattening)
     except (AttributeError, TypeError, NotImplementedError):
         return None
-    return DirectStep(jitted, executable, kept, compiled.out_tree, params)
+    return DirectStep(executable, kept, compiled.out_tree, params)
