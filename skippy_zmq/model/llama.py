@@ -436,7 +436,11 @@ def slice_inputs(params: Params, inputs: jax.Array, positions: jax.Array, cfg: M
     x = embed(params, inputs, cfg) if start == 0 else inputs.astype(jnp.dtype(cfg.dtype))
     rope = model_rope(cfg, positions)
     local_freq = rope_freqs.local_inv_freq(cfg)
-    return x, rope, rope if local_freq is None else rope_tables(positions, local_freq)
+    local = rope if local_freq is None else rope_tables(positions, local_freq)
+    # Computed once, read by every layer: without the barrier XLA fuses cos and sin into each layer's
+    # q rope and K write, one cos and one sin per element of q and k (120 such fusions a SmolLM2
+    # decode step), where the tables hold one per rotary dim. The same ops on the same values: no bit moves.
+    return (x, *jax.lax.optimization_barrier((rope, local)))
 
 
 def slice_output(params: Params, x: jax.Array, cfg: ModelConfig, end: int, output: str) -> jax.Array | None:

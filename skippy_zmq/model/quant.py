@@ -71,7 +71,9 @@ class QTensor:
 
     q: Any   # int8 [Np / 64, in, 64] (bits 8), uint8 [Np / 64, in, 32] (bits 4) or [.., 40] (bits 5)
     s: Any   # float16 [Np / 64, groups, 64]
-    z: Any   # float16 [Np / 64, groups, 64], or [Np / 64, 0, 64]: none stored (bits 5, GGUF Q8_0: `offsets`)
+    # float16 [Np / 64, groups, 64]; None where none are stored (bits 5, GGUF Q8_0: `offsets`): no leaf,
+    # so a step's dispatch checks no empty array (181 of a SmolLM2 Q4_K_M step's 637 leaves were one)
+    z: Any
     n: int = dataclasses.field(metadata=dict(static=True))
     impl: str = dataclasses.field(default="kernel", metadata=dict(static=True))
     bits: int = dataclasses.field(default=8, metadata=dict(static=True))   # 8, 4 or 5
@@ -82,7 +84,7 @@ class QTensor:
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.s.nbytes + self.z.nbytes
+        return self.q.nbytes + self.s.nbytes + (0 if self.z is None else self.z.nbytes)
 
 
 @jax.tree_util.register_dataclass
@@ -259,9 +261,8 @@ def pack_rows(q: np.ndarray, s: np.ndarray, z: np.ndarray | None, impl: str = "k
         a = np.pad(np.asarray(a, np.float16), ((0, np_ - n), (0, 0)))
         return np.ascontiguousarray(a.reshape(np_ // PANEL, PANEL, a.shape[1]).transpose(0, 2, 1))
 
-    z = np.zeros((n, 0), np.float16) if z is None or bits == 5 else z    # none stored: `offsets`
-    return QTensor(q=np.ascontiguousarray(rows.transpose(0, 2, 1)), s=panels(s), z=panels(z), n=n, impl=impl,
-                   bits=bits)
+    z = None if z is None or bits == 5 else panels(z)    # none stored: `offsets`
+    return QTensor(q=np.ascontiguousarray(rows.transpose(0, 2, 1)), s=panels(s), z=z, n=n, impl=impl, bits=bits)
 
 
 def to_qtensor(w: np.ndarray, impl: str = "kernel", bits: int = 8) -> QTensor:
@@ -279,16 +280,16 @@ def levels(t: QTensor) -> np.ndarray:
 def dequantize(t: QTensor) -> jax.Array:
     """float32 [in, out]: what the quantised weight stands for."""
     s = jnp.asarray(t.s)
-    return _dequantize_panels(_panel_levels(jnp.asarray(t.q), t.bits), s, offsets(s, jnp.asarray(t.z), t.bits))[:, :t.n]
+    return _dequantize_panels(_panel_levels(jnp.asarray(t.q), t.bits), s, offsets(s, t.z, t.bits))[:, :t.n]
 
 
 def offsets(s: Any, z: Any, bits: int) -> jax.Array:
-    """The offsets z as float32: the stored ones; where none are stored (an empty z), -16 s for bits 5
-    (Q5_0; exact in float32), else 0 (GGUF Q8_0: its panels hold its own 8.5 bits a weight)."""
+    """The offsets z as float32: the stored ones; where none are stored (z None or empty), -16 s for
+    bits 5 (Q5_0; exact in float32), else 0 (GGUF Q8_0: its panels hold its own 8.5 bits a weight)."""
     s = jnp.asarray(s).astype(jnp.float32)
     if bits == 5:
         return s * -16.0
-    return jnp.zeros_like(s) if z.size == 0 else jnp.asarray(z).astype(jnp.float32)
+    return jnp.zeros_like(s) if z is None or z.size == 0 else jnp.asarray(z).astype(jnp.float32)
 
 
 def _panel_levels(q: jax.Array, bits: int) -> jax.Array:
@@ -341,7 +342,7 @@ def moe_fits(experts: dict[str, Any]) -> bool:
     """Whether the kernel runs these stacked experts in one call (`moe_ffn`): QTensors of one bit width
     asking for the kernel, on a process that has it built."""
     ws = [experts[k] for k in ("w_gate", "w_up", "w_down")]
-    return (all(isinstance(w, QTensor) and w.impl == "kernel" and w.bits in MOE_TARGETS and w.z.size for w in ws)
+    return (all(isinstance(w, QTensor) and w.impl == "kernel" and w.bits in MOE_TARGETS and stored_z(w) for w in ws)
             and len({w.bits for w in ws}) == 1 and kernel_available())
 
 
@@ -407,12 +408,18 @@ def commit(params: Any, device: Any) -> Any:
     return one(params)
 
 
-def _kernel_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array, *, bits: int) -> jax.Array:
+def stored_z(t: QTensor) -> bool:
+    """Whether `t` stores its offsets z (else `offsets` makes them)."""
+    return t.z is not None and t.z.size > 0
+
+
+def _kernel_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array | None, *, bits: int) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0] * PANEL), jnp.float32)
-    return jax.ffi.ffi_call(KERNEL_TARGETS[bits], out)(x, q, s, z)   # (an empty z: `offsets`)
+    z = jnp.zeros((q.shape[0], 0, PANEL), jnp.float16) if z is None else z   # empty: the loops' `offsets`
+    return jax.ffi.ffi_call(KERNEL_TARGETS[bits], out)(x, q, s, z)
 
 
-def _xla_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array, *, bits: int) -> jax.Array:
+def _xla_dense(x: jax.Array, q: jax.Array, s: jax.Array, z: jax.Array | None, *, bits: int) -> jax.Array:
     # Fallback: XLA materialises the f32 weight here (see the module docstring).
     return x @ _dequantize_panels(_panel_levels(q, bits), s, offsets(s, z, bits))
 

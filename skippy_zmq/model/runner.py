@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig
-from skippy_zmq.model import behind
+from skippy_zmq.model import behind, direct
 from skippy_zmq.model.layered import forward_layered
 from skippy_zmq.model.llama import KVCache, forward_jit
 from skippy_zmq.model import quant
@@ -74,6 +74,7 @@ class SliceRunner:
         self.kv = KVCache.create(cfg, end - start, kv_cfg.lanes, kv_cfg.capacity,
                                  jnp.dtype(kv_cfg.dtype), device)
         self.stats = StepStats()
+        self._steps = direct.Steps(forward_jit, forward_layered)   # fused shapes run past jit's checks
         self.moe_layers = sum(cfg.is_moe_layer(i) for i in range(start, end))
         # True: a shape whose whole-slice step is not compiled (and, if small, run once) yet runs
         # layer by layer (model/layered.py) instead of compiling the whole slice on the spot; a
@@ -143,9 +144,9 @@ class SliceRunner:
         fused = self._fused(shape)
         if shape not in (self.stats.shapes if fused else self.stats.layered):
             self.stats.cold_steps += 1   # this step compiles first (a warm-up missed its shape)
-        out, self.kv, routed = (forward_jit if fused else forward_layered)(
-            self.params, self.kv, self._put(inputs), self._put(positions), self._put(lanes), cfg=self.cfg,
-            start=self.start, end=self.end, attn_len=attn_len, output=output)
+        out, self.kv, routed = self._steps.run(shape, fused, self.params, self.kv, jax.device_put(
+            (inputs, positions, lanes), self.device), dict(cfg=self.cfg, start=self.start, end=self.end,
+                                                             attn_len=attn_len, output=output))
         if out is not None:
             out = np.asarray(out)
         else:
@@ -240,8 +241,7 @@ class SliceRunner:
     def decode(self, lanes: np.ndarray, inputs: np.ndarray, positions: np.ndarray,
                output: str | None = None) -> np.ndarray:
         """One token per row. Returns logits [B, V] (final stage) or activations [B, D]."""
-        b = len(lanes)
-        return self.step(lanes, inputs, positions, np.ones(b, np.int64), output)
+        return self.step(lanes, inputs, positions, np.ones(len(lanes), np.int64), output)
 
     def attn_buckets(self, upto: int | None = None) -> tuple[int, ...]:
         """The attention lengths a step can use for sequences of up to `upto` positions (default:
