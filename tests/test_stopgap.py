@@ -38,6 +38,10 @@ def make(tree: dict, cfg=TINY, start: int = 0, end: int = TINY.n_layers, stopgap
     part = {**params, "layers": params["layers"][start:end]}
     r = SliceRunner(cfg, part, start, end, KVConfig(lanes=4, capacity=256), BUCKETS)
     r.stopgap = stopgap
+    # the child's silence deadline (CHILD_SHAPE_S, 180 s of its running time) is what the tests that
+    # set behind_child_s themselves check; elsewhere a child at load 20 on 2 cores (a shape's compile
+    # then takes minutes) must not be given up for it, or the test would pass only on a quiet machine
+    r.behind_child_s = 3600.0
     return r
 
 
