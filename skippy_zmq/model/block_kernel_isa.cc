@@ -440,18 +440,31 @@ struct Scratch {
   }
 };
 
+// Rows of x up to which Q4_K / Q6_K run their decode loops (dot_k_decode) rather than the prefill path
+// (rows unpacked once for every tile). kernel_micro 576x1536 against that path, us, load 8-11: avx512
+// M = 2 135 -> 66 (Q4_K), 156 -> 76 (Q6_K); M = 3 203 -> 118, 228 -> 137; M = 6 236 -> 179, 218 -> 194;
+// M = 8 259 -> 260, 232 -> 251 (so 8 stays there); avx2 M = 2 106 -> 98, 118 -> 98; M = 4 210 -> 189, 205 -> 189.
+constexpr int64_t kDecodeRows = kRows > 2 ? 6 : 4;
+
 void block_rows(const SkippyBlockArgs& a, int64_t task) {
   const int64_t n0 = task * SKIPPY_BLOCK_ROWS;
   const int64_t rows = a.N - n0 < SKIPPY_BLOCK_ROWS ? a.N - n0 : SKIPPY_BLOCK_ROWS;
   if (rows <= 0) return;
+  if ((a.type == SKIPPY_GGML_Q4_K || a.type == SKIPPY_GGML_Q6_K) && a.M <= kDecodeRows) {
+    // decode-sized: their own loops in tiles of kRows, 2 and 1 rows of x, each row the same operations
+    for (int64_t i = 0; i < rows; ++i) {
+      int64_t m = 0;
+      for (; m + kRows <= a.M; m += kRows) dot_k_decode<kRows>(a, m, n0 + i);
+      if (kRows > 2 && m + 2 <= a.M) dot_k_decode<2>(a, m, n0 + i), m += 2;
+      for (; m < a.M; ++m) dot_k_decode<1>(a, m, n0 + i);
+    }
+    return;
+  }
   if (a.M <= kRows) {   // decode: one tile of x meets each row of W, unpacked chunk by chunk
     for (int64_t i = 0; i < rows; ++i) {
-      if (a.M == kRows) {
-        if (!dot_k_decode<kRows>(a, 0, n0 + i)) dot_unpacking<kRows>(a, 0, n0 + i);
-      } else {
-        for (int64_t m = 0; m < a.M; ++m)
-          if (!dot_k_decode<1>(a, m, n0 + i)) dot_unpacking<1>(a, m, n0 + i);
-      }
+      if (a.M == kRows) dot_unpacking<kRows>(a, 0, n0 + i);
+      else
+        for (int64_t m = 0; m < a.M; ++m) dot_unpacking<1>(a, m, n0 + i);
     }
     return;
   }
