@@ -125,6 +125,36 @@ SKIPPY_INLINE void unpack_k4(const uint8_t* __restrict b, int8_t* __restrict lev
 // 256 weights in two halves of 128: d * sc_r * (q - 32), q's low 4 bits in ql, high 2 in qh.
 SKIPPY_INLINE void unpack_q6_k(const uint8_t* __restrict b, int8_t* __restrict level, float* scale) {
   const uint8_t *ql = b, *qh = b + 128;
+#if defined(__AVX512BW__)
+  // A half's 128 levels in two zmm: 16-bit shifts move qh's pairs to bits 4-5 of their own bytes (the
+  // bits a shift carries over from the next byte are masked off), one ternary-logic op merges them with
+  // the nibbles: 9 ops a half where the byte vectors below take ~24 ymm ops (Q6_K's decode ~1.4x faster).
+  const __m512i nib = _mm512_set1_epi8(15), two = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(32);
+  const __m512i up = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4) * 0x0001000100010001;   // words: << 4, then << 2
+  const __m512i down = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0) * 0x0001000100010001;
+  for (int h = 0; h < 2; ++h, ql += 64, qh += 32, level += 128) {
+    const __m512i a = _mm512_loadu_si512(ql), t = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)qh));
+    // (x | (y & 0x30)): ternary-logic table 0xF8 over (x, y, 0x30)
+    const __m512i lo = _mm512_ternarylogic_epi32(_mm512_and_si512(a, nib), _mm512_sllv_epi16(t, up), two, 0xF8);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(a, 4), nib),
+                                                 _mm512_srlv_epi16(t, down), two, 0xF8);
+    _mm512_storeu_si512(level, _mm512_sub_epi8(lo, off));   // levels 0..63: ql's low nibbles
+    _mm512_storeu_si512(level + 64, _mm512_sub_epi8(hi, off));   // 64..127: the high ones
+  }
+#elif defined(__AVX2__)
+  // the same with ymm and no ternary logic: 16-bit shifts, each byte's own bits kept by the masks
+  const __m256i nib = _mm256_set1_epi8(15), two = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+  for (int h = 0; h < 2; ++h, ql += 64, qh += 32, level += 128) {
+    const __m256i a = _mm256_loadu_si256((const __m256i*)ql), c = _mm256_loadu_si256((const __m256i*)(ql + 32));
+    const __m256i t = _mm256_loadu_si256((const __m256i*)qh);
+    auto put = [&](int at, __m256i q, __m256i bits) __attribute__((always_inline)) {
+      const __m256i v = _mm256_or_si256(_mm256_and_si256(q, nib), _mm256_and_si256(bits, two));
+      _mm256_storeu_si256((__m256i*)(level + at), _mm256_sub_epi8(v, off));
+    };
+    put(0, a, _mm256_slli_epi16(t, 4)), put(32, c, _mm256_slli_epi16(t, 2));
+    put(64, _mm256_srli_epi16(a, 4), t), put(96, _mm256_srli_epi16(c, 4), _mm256_srli_epi16(t, 2));
+  }
+#else
   for (int h = 0; h < 2; ++h, ql += 64, qh += 32, level += 128) {
     const v32u8 a = load32(ql), c = load32(ql + 32), t = load32(qh);
     store32(level, ((a & 15) | ((t & 3) << 4)) - 32);   // (wrapping: the int8 levels)
@@ -132,6 +162,7 @@ SKIPPY_INLINE void unpack_q6_k(const uint8_t* __restrict b, int8_t* __restrict l
     store32(level + 64, ((a >> 4) | (((t >> 4) & 3) << 4)) - 32);
     store32(level + 96, ((c >> 4) | (((t >> 6) & 3) << 4)) - 32);
   }
+#endif
   const float d = f16_at(b + 208);
   const v8f flo = bytes_to_float<true>(b + 192) * d, fhi = bytes_to_float<true>(b + 200) * d;
   memcpy(scale, &flo, 32), memcpy(scale + 8, &fhi, 32);
@@ -289,6 +320,104 @@ void dot_unpacking(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   });
 }
 
+#if defined(__AVX512F__)
+// Q4_K in decode (AVX-512): a 4-bit level has 16 values, so a sub-block's products level * (d * sc) are
+// a table of 16 floats (one multiply), and vpermps picks each weight's from its nibble (the low 4 bits of
+// each 32-bit index: the low nibbles need no mask). The very products dot_rows forms, in the same chains
+// and order, so the results are bit-identical; no levels through L1 and no int -> float conversion.
+// kernel_micro 576x1536: M = 1 12.2 -> 19.1 Gweights/s (the Q5_0 panels 21-23), M = 4 6.5 -> 8.5.
+template <int R>
+void dot_q4_k(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  vf acc[R][4] = {}, mins[R] = {};
+  float tails[R] = {};   // (dot_rows' tails: none here, kept for its exact final sums)
+  const int64_t K = a.K, runs_all = K / kRun;
+  const float *x = a.x + m0 * K, *xs = a.xsum + m0 * runs_all;
+  const uint8_t* b = a.w + n * a.row_bytes;
+  const vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  for (int64_t s0 = 0; s0 < runs_all; s0 += 16, b += 144) {
+    alignas(32) float scale[8];
+    uint8_t sm[16];
+    scales_mins_k4(b + 4, sm);
+    const v8f sc = bytes_to_float<false>(sm) * f16_at(b), mn = bytes_to_float<false>(sm + 8) * f16_at(b + 2);
+    memcpy(scale, &sc, 32);
+    __asm__("" : "+m"(scale));   // broadcast from memory (a load), not by shuffles on port 5 as GCC would
+    const vf min = (vf)_mm512_permutexvar_ps(pairs, _mm512_castps256_ps512((__m256)mn));   // per run
+    for (int j = 0; j < 4; ++j) {   // 64 weights: 32 bytes, low nibbles (sub-block 2j), then high (2j + 1)
+      const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 16 + 32 * j)));
+      const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 32 + 32 * j)));
+      const __m512 lo = (__m512)(iota * scale[2 * j]), hi = (__m512)(iota * scale[2 * j + 1]);   // the tables
+      const vf w[4] = {(vf)_mm512_permutexvar_ps(q0, lo), (vf)_mm512_permutexvar_ps(q1, lo),
+                       (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), hi),
+                       (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), hi)};
+      for (int c = 0; c < 4; ++c)   // run 4 j + c into chain c, as dot_rows
+        for (int r = 0; r < R; ++r) acc[r][c] += loadf(x + r * K + (s0 + 4 * j + c) * kRun) * w[c];
+    }
+    for (int r = 0; r < R; ++r) mins[r] += min * loadf(xs + r * runs_all + s0);
+  }
+  for (int r = 0; r < R; ++r) {
+    vf total = {};
+    for (int c = 0; c < 4; ++c) total += acc[r][c];
+    a.y[(m0 + r) * a.N + n] = hsum(total) - (hsum(mins[r]) + tails[r]);
+  }
+}
+
+#endif
+
+// Q6_K (every ISA) and Q4_K (where dot_q4_k is not) in decode: a block's levels unpacked into L1 and
+// read back widened, as dot_rows does, without its type switch and chunk bookkeeping between blocks,
+// the scales broadcast from memory; the same products in the same chains and order (bit-identical).
+// kernel_micro 576x1536, M = 1: Q6_K avx512 11.0 -> 14.9 Gweights/s, avx2 8.7 -> 11.8; Q4_K avx2 10.3 -> 12.3.
+template <int R, int kBytes, bool kMin, class Unpack>
+void dot_blocks(const SkippyBlockArgs& a, int64_t m0, int64_t n, Unpack unpack) {
+  vf acc[R][kChains][kVecs] = {}, mins[R] = {};
+  float tails[R] = {};   // (dot_rows' tails: none with 256-blocks, kept for its exact final sums)
+  const int64_t K = a.K, runs_all = K / kRun;
+  const float *x = a.x + m0 * K, *xs = a.xsum + m0 * runs_all;
+  const uint8_t* b = a.w + n * a.row_bytes;
+  alignas(64) int8_t level[256];
+  alignas(64) float scale[16], min[16];
+  for (int64_t s0 = 0; s0 < runs_all; s0 += 16, b += kBytes) {
+    unpack(b, level, scale, min);
+    __asm__("" : "+m"(level), "+m"(scale));   // widen and broadcast from memory: loads, not shuffles
+    for (int j = 0; j < 16; j += kChains)
+      for (int c = 0; c < kChains; ++c) {
+        vf w[kVecs];
+        for (int v = 0; v < kVecs; ++v) w[v] = widen_s8(level + (j + c) * kRun + v * kLanes) * scale[j + c];
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < kVecs; ++v) acc[r][c][v] += loadf(x + r * K + (s0 + j + c) * kRun + v * kLanes) * w[v];
+      }
+    if (kMin)
+      for (int i = 0; i < 16; i += kLanes)
+        for (int r = 0; r < R; ++r) mins[r] += loadf(min + i) * loadf(xs + r * runs_all + s0 + i);
+  }
+  for (int r = 0; r < R; ++r) {
+    vf total = {};
+    for (int c = 0; c < kChains; ++c)
+      for (int v = 0; v < kVecs; ++v) total += acc[r][c][v];
+    float y = hsum(total);
+    if (kMin) y -= hsum(mins[r]) + tails[r];
+    a.y[(m0 + r) * a.N + n] = y;
+  }
+}
+
+// A decode call's rows of x against row n of a Q4_K or Q6_K W; false for the other types (dot_rows').
+template <int R>
+bool dot_k_decode(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  if (a.type == SKIPPY_GGML_Q6_K) {
+    dot_blocks<R, 210, false>(a, m0, n, [](const uint8_t* b, int8_t* l, float* s, float*)
+                                            __attribute__((always_inline)) { unpack_q6_k(b, l, s); });
+    return true;
+  }
+  if (a.type != SKIPPY_GGML_Q4_K) return false;
+#if defined(__AVX512F__)
+  dot_q4_k<R>(a, m0, n);
+#else
+  dot_blocks<R, 144, true>(a, m0, n, unpack_k4<false>);
+#endif
+  return true;
+}
+
 // The same product from a row unpacked ahead (prefill: its tiles of x all read it).
 template <int R>
 void dot_unpacked(const SkippyBlockArgs& a, int64_t m0, int64_t n, const Unpacked& u) {
@@ -311,10 +440,26 @@ struct Scratch {
   }
 };
 
+// Rows of x up to which Q4_K / Q6_K run their decode loops (dot_k_decode) rather than the prefill path
+// (rows unpacked once for every tile). kernel_micro 576x1536 against that path, us, load 8-11: avx512
+// M = 2 135 -> 66 (Q4_K), 156 -> 76 (Q6_K); M = 3 203 -> 118, 228 -> 137; M = 6 236 -> 179, 218 -> 194;
+// M = 8 259 -> 260, 232 -> 251 (so 8 stays there); avx2 M = 2 106 -> 98, 118 -> 98; M = 4 210 -> 189, 205 -> 189.
+constexpr int64_t kDecodeRows = kRows > 2 ? 6 : 4;
+
 void block_rows(const SkippyBlockArgs& a, int64_t task) {
   const int64_t n0 = task * SKIPPY_BLOCK_ROWS;
   const int64_t rows = a.N - n0 < SKIPPY_BLOCK_ROWS ? a.N - n0 : SKIPPY_BLOCK_ROWS;
   if (rows <= 0) return;
+  if ((a.type == SKIPPY_GGML_Q4_K || a.type == SKIPPY_GGML_Q6_K) && a.M <= kDecodeRows) {
+    // decode-sized: their own loops in tiles of kRows, 2 and 1 rows of x, each row the same operations
+    for (int64_t i = 0; i < rows; ++i) {
+      int64_t m = 0;
+      for (; m + kRows <= a.M; m += kRows) dot_k_decode<kRows>(a, m, n0 + i);
+      if (kRows > 2 && m + 2 <= a.M) dot_k_decode<2>(a, m, n0 + i), m += 2;
+      for (; m < a.M; ++m) dot_k_decode<1>(a, m, n0 + i);
+    }
+    return;
+  }
   if (a.M <= kRows) {   // decode: one tile of x meets each row of W, unpacked chunk by chunk
     for (int64_t i = 0; i < rows; ++i) {
       if (a.M == kRows) dot_unpacking<kRows>(a, 0, n0 + i);
