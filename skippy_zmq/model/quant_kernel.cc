@@ -113,11 +113,15 @@ std::atomic<int64_t> g_min_parallel{4 << 20};
 // How long a helper waits, spinning, for the next call's tasks before it goes back to the pool: a
 // decode step's projections are a few small XLA ops apart, its steps (Python, sampling) much further.
 constexpr auto kHelperSpin = std::chrono::microseconds(100);
-// A caller kept waiting this long for a helper's tasks means the helper lost its core (a loaded machine:
-// other processes, or other stages on these cores); the next kBackoffCalls calls (a few decode steps)
-// then run on their callers alone, where hot helpers measured 1.5x slower than none under load.
+// A caller kept waiting this long for a helper's tasks, beyond two of its own tasks' time, means the helper
+// lost its core (a loaded machine: other processes, or other stages on these cores); the next kBackoffCalls
+// calls (a few decode steps) then run on their callers alone, where hot helpers measured 1.5x slower than
+// none under load. The tasks' own time is not lateness: a prefill chunk's task (16 rows of a 1B model's
+// matrix over 128 tokens) runs longer than kLateHelper, and counting the wait for a helper's last one as
+// late had every prefill switch the next 2048 calls, the decode steps after it, to one thread (a 1B
+// Q4_K_M decode step 185 ms on the 2-core Xeon, one core busy; helper_stats: 1 backoff a request).
 constexpr auto kLateHelper = std::chrono::microseconds(100);
-constexpr int64_t kBackoffCalls = 2048;
+constexpr int64_t kBackoffCalls = 64;
 std::atomic<int64_t> g_backoff{0};   // calls left to run alone
 // Counters for benchmarks (skippy_kernel_helper_stats): calls shared, tasks helpers ran, backoffs.
 std::atomic<int64_t> g_shared_calls{0}, g_helper_tasks{0}, g_backoffs{0};
@@ -206,11 +210,13 @@ void RunTasks(ffi::ThreadPool& pool, int64_t n, int64_t work, Task task) {
     for (int64_t i = g_spinning.load(std::memory_order_acquire); i < helpers; ++i)
       pool.Schedule([job, epoch] { HelperLoop(job, epoch); });
   }
-  job->Help();
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t ran = job->Help();
   if (job->done.load(std::memory_order_acquire) < n) {
     const auto since = std::chrono::steady_clock::now();
     while (job->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
-    if (std::chrono::steady_clock::now() - since > kLateHelper) {
+    const auto task = ran > 0 ? (since - start) / ran : std::chrono::steady_clock::duration::zero();
+    if (std::chrono::steady_clock::now() - since > kLateHelper + 2 * task) {
       g_backoff.store(kBackoffCalls, std::memory_order_relaxed);
       g_backoffs.fetch_add(1, std::memory_order_relaxed);
     }
