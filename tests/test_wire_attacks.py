@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -248,6 +249,22 @@ def test_the_drivers_key_without_the_chains_view_gets_no_work_done(live):
         rogue.close()
     assert dropped["cache_records"] == start["cache_records"] and dropped["messages"] > start["messages"]
     assert dropped["errors"] == start["errors"]   # dropped silently: no ERROR for the driver to act on
+    assert_unharmed(engine, clean, procs, before)
+
+
+def test_a_driver_pass_stalled_past_dead_after_marks_no_stage_down(live):
+    """The driver's own stall is not the stages' silence: one pass of its loop held past dead_after_s
+    (here a command that sleeps; in the field another driver thread holding the GIL, as the first
+    constrained request's grammar build did beside two CPU hogs) judges liveness up to the moment it
+    last read its socket, so both stages, beating all along, stay up and the next request runs."""
+    engine, topology, procs, clean = live
+    before, faults = incarnations_of(engine), len(engine.faults)
+    stalled, passed = threading.Event(), threading.Event()
+    engine.call(lambda: (time.sleep(topology.driver.dead_after_s + 1.0), stalled.set()))
+    assert stalled.wait(WAIT_S)
+    engine.call(passed.set)   # runs in the next pass: the stalled pass has judged liveness by then
+    assert passed.wait(WAIT_S)
+    assert engine.faults[faults:] == []
     assert_unharmed(engine, clean, procs, before)
 
 

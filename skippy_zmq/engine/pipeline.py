@@ -246,6 +246,10 @@ class PipelineEngine:
         """One pass: wait for replies or a wake-up, handle them and queued commands, send what is due."""
         busy = bool(self.scheduler.running or self.scheduler.queue)
         events = dict(poller.poll(50 if busy else 200))
+        # Every reply that arrived before this moment is read below (the router was polled empty, or is
+        # drained now): silence is judged up to here, not up to the liveness check, so a pass the driver
+        # itself spent stalled (a command, another thread holding the GIL) is not counted as the stages'.
+        heard_until = time.monotonic()
         t0 = time.perf_counter()
         if self._wake_r in events:
             self._drain_wake()
@@ -253,7 +257,7 @@ class PipelineEngine:
             self._drain_replies(socks.router)
         try:
             self._run_commands()
-            self._check_liveness()
+            self._check_liveness(heard_until)
             for msg in self.scheduler.tick():
                 transport.send_message(socks.push, self.view.stamp(msg))
         finally:
@@ -404,11 +408,12 @@ class PipelineEngine:
         self.faults.append({"stage": state.stage_id, "detect_s": round(silent_s, 3)})
         self.scheduler.pause(reason)
 
-    def _check_liveness(self) -> None:
-        now = time.monotonic()
+    def _check_liveness(self, heard_until: float) -> None:
+        """Mark down each ready stage silent for over dead_after_s as of `heard_until` (the moment up to
+        which every arrived message has been read)."""
         dead_after = self.topology.driver.dead_after_s
         for state in self.stages.values():
-            if state.ready and now - state.last_seen > dead_after:
+            if state.ready and heard_until - state.last_seen > dead_after:
                 self._mark_down(state, f"stage {state.stage_id} is unreachable (no heartbeat for {dead_after:g} s)",
-                                now - state.last_seen)
+                                heard_until - state.last_seen)
         self._update_ready()
