@@ -254,6 +254,27 @@ def test_a_child_process_compiles_behind_and_the_stage_reads_every_shape_from_th
 
 
 @pytest.mark.slow
+def test_a_second_start_of_the_same_slice_finds_every_shape_marked_and_starts_no_child(tiny_tree, tmp_path):
+    """The first start's child compiles every shape and the stage marks each one it read; a second
+    start of the same slice on the same code finds them all marked: no child (its command would leave
+    a file), each shape read in the stage's own thread (from the cache in a new process), none compiled."""
+    cfg = unique()
+    first = make(tiny_tree, cfg, stopgap=True)
+    shapes = first.warm_shapes((1, 2), (16, 64), first.attn_buckets(1), windows=(2,))
+    first.compile_behind(shapes)
+    first.join_behind()
+    assert first.stats.behind_child == len(shapes) == 5
+    second = make(tiny_tree, cfg, stopgap=True)
+    started = tmp_path / "child-started"
+    second.behind_command = (sys.executable, "-c", f"open({str(started)!r}, 'w')")
+    with cache_events() as events:
+        second.compile_behind(shapes)
+        second.join_behind()
+    assert not started.exists() and second.stats.behind_child == 0 and second.stats.shapes == set(shapes)
+    assert events["cache_misses"] == 0   # nothing compiled anew (in this one process: JAX's own memory hits)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("script,child_shapes", [
     ("raise SystemExit(3)", 0),                                            # fails at once
     ("print('done 0', flush=True); raise SystemExit(2)", 1),               # one shape, then dies

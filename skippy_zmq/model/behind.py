@@ -76,8 +76,61 @@ def abstract(tree: Any) -> Any:
     return jax.tree.map(lambda a: Leaf(tuple(a.shape), str(a.dtype)), tree)
 
 
+def _code_digest() -> str:
+    """A digest of the model package's sources and JAX's versions: a mark made by other code means nothing."""
+    import hashlib
+    from pathlib import Path
+
+    import jax
+    import jaxlib
+
+    digest = hashlib.sha256(f"{jax.__version__} {jaxlib.__version__}".encode())
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+_CODE_DIGEST: list[str] = []
+
+
+def mark_path(job: BehindJob, shape: tuple) -> str:
+    """Where the stage marks, in the persistent cache's folder, that `shape` of this job is in the cache."""
+    import hashlib
+
+    if not _CODE_DIGEST:
+        _CODE_DIGEST.append(_code_digest())
+    key = pickle.dumps((_CODE_DIGEST[0], job.cfg, job.start, job.end, job.params, job.kv, job.capacity, shape))
+    return os.path.join(job.cache_dir, "skippy-behind-marks", hashlib.sha256(key).hexdigest()[:32])
+
+
+def mark(job: BehindJob | None, shape: tuple) -> None:
+    """Say that the stage has compiled (so the cache holds) `shape` of `job` (None, or not one of its
+    shapes: nothing): a later start of the same slice on the same code finds every shape marked and
+    starts no child (`all_marked`)."""
+    if job is None or shape not in job.shapes:
+        return
+    path = mark_path(job, shape)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:   # a hint only: without it the next start runs the child, as before
+        logger.debug("compile-behind mark not written: {}", exc)
+
+
+def all_marked(job: BehindJob) -> bool:
+    """Whether every shape of the job was compiled by an earlier start of this slice on this code.
+    Then the child would only trace and lower each shape to find it in the cache, which the stage
+    does again to read it: its whole run (a Python with JAX, every shape lowered) is saved. A mark is
+    a hint: a shape missing from the cache all the same is compiled in the stage's thread."""
+    return all(os.path.exists(mark_path(job, shape)) for shape in job.shapes)
+
+
 def start(job: BehindJob, command: tuple[str, ...] = CHILD_COMMAND, shape_s: float = CHILD_SHAPE_S) -> Child | None:
-    """The child started on `job`; None (logged) when it cannot start."""
+    """The child started on `job`; None (logged) when it cannot start or every shape is marked."""
+    if all_marked(job):
+        logger.debug("every compile-behind shape is marked in the cache: read in the stage, no child")
+        return None
     try:
         return Child(job, command, shape_s)
     except OSError as exc:

@@ -95,6 +95,7 @@ class SliceRunner:
         # is let run; None: in-thread only
         self.behind_command: tuple[str, ...] | None = behind.CHILD_COMMAND
         self.behind_child_s = behind.CHILD_SHAPE_S
+        self._marks: behind.BehindJob | None = None   # the child's job: a shape of it compiled here is marked
 
     @property
     def first(self) -> bool:
@@ -356,13 +357,12 @@ class SliceRunner:
         layer by layer until their shape is here). XLA's compile releases the GIL; the thread
         only lowers (never runs a step), so it never touches the KV the caller's steps donate.
 
-        A compile beside a request's steps made them several times slower (a layer-by-layer step is a
-        dozen small dispatches, each waiting for a core the compile holds), and no priority of this
-        thread could help: XLA:CPU compiles on its client's pool threads. So the compiles run in a
-        child process first (model/behind.py), stopped while a request holds a lane (`quiet` clear),
-        and this thread reads each shape it wrote from the persistent cache. What the child did not
-        do (it failed, hung, or there is no cache or CPU device) compiles here, each shape once
-        `quiet` or after waiting behind_yield_s; `_wanted` shapes first (`_compile_wanted`)."""
+        A compile beside a request's steps made them several times slower (each of a layer-by-layer
+        step's small dispatches waits for a core the compile holds; XLA:CPU compiles on its pool's
+        threads, whatever this thread's priority). So a child process compiles first (model/behind.py;
+        none when an earlier start marked every shape), stopped while a request holds a lane, and this
+        thread reads each shape from the cache. What the child did not do compiles here, each
+        once `quiet` or after behind_yield_s; `_wanted` shapes first (`_compile_wanted`)."""
         def compile_all() -> None:
             todo = list(shapes[self._read_from_child(shapes):])
             while self._wanted or todo:
@@ -377,6 +377,7 @@ class SliceRunner:
 
     def _compile_behind(self, shape: tuple) -> None:
         self._compile(*shape, run=False)
+        behind.mark(self._marks, shape)
         # its traces live as long as we do: out of the GC's full passes (ops/lifetime.settle_heap)
         gc.freeze()
 
@@ -405,6 +406,7 @@ class SliceRunner:
             return 0
         job = behind.BehindJob(self.cfg, self.start, self.end, behind.abstract(self.params),
                                behind.abstract(self.kv), self.capacity, tuple(shapes), str(cache_dir))
+        self._marks = job   # each shape read or compiled here gets its mark (behind.mark)
         read = delivered = 0
         child = behind.start(job, self.behind_command, self.behind_child_s)
         if child is None:
@@ -485,11 +487,8 @@ class SliceRunner:
             self.kv = copy_lane(self.kv, np.int32(src), np.int32(dst), span=self._span(length))
 
     def write_kv(self, lane: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Restore K and V blocks [layers, length, kvh, hd] into positions [0, length) of a lane.
-
-        Blocks are zero-padded to the bucketed span; positions past `length` are
-        beyond the session and never attended to before they are rewritten.
-        """
+        """Restore K and V blocks [layers, length, kvh, hd] into positions [0, length) of a lane, zero-padded
+        to the bucketed span (positions past `length` are never attended to before they are rewritten)."""
         span = self._span(k.shape[1])
         pad = [(0, 0), (0, span - k.shape[1]), (0, 0), (0, 0)]
         self.kv = write_lane(self.kv, np.int32(lane), self._put(np.pad(k, pad)), self._put(np.pad(v, pad)))
