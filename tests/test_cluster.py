@@ -536,6 +536,7 @@ def test_workers_split_by_measured_speed_serve_as_one_process_does(tiny_model, t
     (SKIPPY_TEST_SPEED_SCALE, for tests only): it gets fewer layers, fetches only its new stage's
     items, and greedy output equals the one-process engine's."""
     from skippy_zmq.api.main import open_engine
+    from skippy_zmq.cluster.measure import TEST_SAMPLE_S_ENV
     from skippy_zmq.cluster.server import ClusterServer
     from skippy_zmq.config.topology_yaml import load_topology
     from skippy_zmq.engine.generate import LocalEngine
@@ -548,9 +549,10 @@ def test_workers_split_by_measured_speed_serve_as_one_process_does(tiny_model, t
     server = ClusterServer(topology, split="measured")
     procs, engine = {}, None
     try:
-        for name, scale in (("slow", "10"), ("fast", None)):    # the slow one joins first: s0 by join order
+        # the slow one joins first: s0 by join order; timing samples of 20 ms, not 100 (10x apart needs no precision)
+        for name, scale in (("slow", {"SKIPPY_TEST_SPEED_SCALE": "10"}), ("fast", {})):
             procs[name] = start_worker(server.token.text(), tmp_path / name, tmp_path / f"{name}.log", "--name", name,
-                                       "--no-devices", env={"SKIPPY_TEST_SPEED_SCALE": scale} if scale else None)
+                                       "--no-devices", env={TEST_SAMPLE_S_ENV: "0.02", **scale})
         placed = server.wait_placed(400)
         assert placed is not None, [(tmp_path / f"{n}.log").read_text()[-2000:] for n in procs]
         assert server.wait_until(lambda: all(w.started for w in server.workers.values()), 300)

@@ -26,7 +26,6 @@ from typing import Any, Iterable
 
 from skippy_zmq.config.model import ModelConfig
 from skippy_zmq.files.filecheck import read_json_capped
-from skippy_zmq.model import weights
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
@@ -137,6 +136,10 @@ def model_digest(manifest: dict[str, Any]) -> str:
 
 def stage_item_names(cfg: ModelConfig, start: int, end: int) -> list[str]:
     """The items a stage [start, end) reads (checkpoint.stage_items' choice), "meta" first."""
+    # imported here: model.weights imports JAX, which a worker (it checks manifests, never plans
+    # stages) would otherwise import at its start, ~1.3 CPU s of every worker process
+    from skippy_zmq.model import weights
+
     shapes = weights.param_shapes(cfg, start, end)
     names = ["meta", *(item for key, item in (("norm", "top"), ("embed", "embed"), ("head", "head"))
                        if key in shapes)]

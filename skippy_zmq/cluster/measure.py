@@ -53,6 +53,10 @@ CAPACITY = 512         # KV positions of the measuring runners (small: nothing h
 RETRIES = 2            # re-measurements of a row count whose layer time came out <= 0
 SOURCES = ("checkpoint", "random")   # where the measured layer's weights come from (measure_host)
 SAMPLE_S = 0.1         # one timing sample: a loop of the step this long (ten 10 ms quota periods)
+# FOR TESTS ONLY (as cluster/report.py's SKIPPY_TEST_SPEED_SCALE): a timing sample's seconds instead of
+# SAMPLE_S. The loops are ~12 s of a measurement's 13 (the tiny test model); a test whose hosts differ
+# 10x by that scale needs no precise figures. Never set it in production.
+TEST_SAMPLE_S_ENV = "SKIPPY_TEST_MEASURE_SAMPLE_S"
 CFS_KEEP_MS = 1.0      # runtime a core keeps for a throttled group gone idle (kernel/sched/fair.c min_cfs_rq_runtime)
 
 
@@ -61,12 +65,12 @@ def _median_ms(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, f
     lands on every call alike). A sample times a loop of the call long enough (SAMPLE_S) to span
     several scheduler slices: a sub-millisecond step timed alone measures the scheduler, not the
     step. One untimed call each first: compiles and first-run costs."""
-    loops = {}
+    loops, sample_s = {}, float(os.environ.get(TEST_SAMPLE_S_ENV) or SAMPLE_S)
     for name, call in calls.items():
         call()
         t0 = time.perf_counter()
         call()
-        loops[name] = max(1, min(200, int(SAMPLE_S / max(time.perf_counter() - t0, 1e-6))))
+        loops[name] = max(1, min(200, int(sample_s / max(time.perf_counter() - t0, 1e-6))))
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():

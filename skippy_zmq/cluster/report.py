@@ -82,7 +82,10 @@ def measure_speed(model_dir: Path, weights: str, device: str, source: str = "che
     """skippy_zmq.cluster.measure.measure_host(model_dir, weights=, device=, source=) in a child
     process (JAX stays out of the worker); None when it fails (logged). source "random": from
     model.json alone, before the worker holds weights (the driver's `split: measured` asks so)."""
-    code = ("import json, sys; from skippy_zmq.cluster.measure import measure_host; "
+    # configure_jax: the persistent compile cache, as a stage's (a measurement's ~11 step shapes were
+    # compiled again by every worker's every measurement: ~10 of its 12 CPU s on the tiny test model)
+    code = ("import json, sys; from skippy_zmq.cli import configure_jax; configure_jax(); "
+            "from skippy_zmq.cluster.measure import measure_host; "
             "print(json.dumps(measure_host(sys.argv[1], weights=sys.argv[2], device=sys.argv[3], "
             "source=sys.argv[4], dtype=sys.argv[5])))")
     try:

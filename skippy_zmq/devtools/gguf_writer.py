@@ -22,11 +22,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from skippy_zmq.checkpoint.formats import Encoded
+if TYPE_CHECKING:   # checkpoint.formats imports JAX, which the CLI parser (random_cli, through random_model)
+    from skippy_zmq.checkpoint.formats import Encoded   # must not: a worker or driver process needs none
 
 BLOCK = 32        # weights per Q4_1 block
 Q4_1_BYTES = 20   # per block of 32: f16 d, f16 m, 16 bytes of nibbles
@@ -177,6 +178,8 @@ class GGUFStream:
                 w.add_expert_shared_feed_forward_length(cfg.shared_ffn_dim)
 
     def write(self, spec: TensorSpec, tensor: Encoded | np.ndarray) -> None:
+        from skippy_zmq.checkpoint.formats import Encoded
+
         if not self.pending or self.pending[0] != spec.gguf_name or spec.part not in (-1, len(self.parts)):
             raise ValueError(f"GGUF tensors must come in order: expected {self.pending[:1]} part {len(self.parts)}, "
                              f"got {spec.gguf_name} part {spec.part}")
@@ -201,6 +204,8 @@ class GGUFStream:
         self.writer.write_tensor_data(self._data(tensor))
 
     def _data(self, tensor: Encoded | np.ndarray) -> np.ndarray:
+        from skippy_zmq.checkpoint.formats import Encoded
+
         if isinstance(tensor, Encoded):
             return matrix_bytes(tensor, self.tensor_type)
         return np.ascontiguousarray(tensor, np.float32)

@@ -35,13 +35,15 @@ import json
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
-from skippy_zmq.checkpoint.formats import Encoded, q4_blocks
-from skippy_zmq.checkpoint.convert import EXPERT_NAMES, ROUTER_NAME, SHARED_NAMES
 from skippy_zmq.devtools.gguf_writer import BLOCK, GGUF_ARCH, TENSOR_TYPES, GGUFStream, TensorSpec
+
+if TYPE_CHECKING:   # checkpoint.formats and .convert import JAX: every CLI process builds the parser
+    from skippy_zmq.checkpoint.formats import Encoded   # (cli.main: random_cli reads SHAPES), a worker
+    # and the driver too, which need no JAX (~1.2 CPU s each); they are imported where used
 
 INIT_STD = 0.02       # std of the 2-D weights (levels uniform in 0..15 have std 4.61)
 LEVEL_STD = float(np.sqrt((16 ** 2 - 1) / 12))
@@ -196,6 +198,8 @@ def tensor_rng(seed: int, name: str) -> np.random.Generator:
 
 def random_q4_blocks(rng: np.random.Generator, rows: int, cols: int, std: float = INIT_STD) -> Encoded:
     """Uniform levels with 0 and 15 in every block; d jittered around std / 4.61; m centres the block near 0."""
+    from skippy_zmq.checkpoint.formats import q4_blocks
+
     if cols % BLOCK:
         raise RandomModelError(f"a q4 weight needs its input width to be a multiple of {BLOCK}, got {cols}")
     nb = cols // BLOCK
@@ -218,7 +222,7 @@ def random_vector(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
 
 def tensor_specs(cfg: Any) -> list[TensorSpec]:
     """Every tensor of a ModelConfig in GGUF order: embedding, the layers, final norm, head (untied)."""
-    from skippy_zmq.checkpoint.convert import LAYER_NAMES, TOP_NAMES
+    from skippy_zmq.checkpoint.convert import EXPERT_NAMES, LAYER_NAMES, ROUTER_NAME, SHARED_NAMES, TOP_NAMES
     from skippy_zmq.model.weights import ROUTER_KEYS, expert_of, layer_shapes
 
     specs = [TensorSpec("top", "embed", TOP_NAMES["embed"][0], (cfg.vocab_size, cfg.d_model))]
