@@ -87,21 +87,6 @@ struct Unpacked {
   float* min;
 };
 
-// How far ahead of a decode loop's block its bytes are fetched. The hardware prefetcher alone kept one
-// core at ~4 GB/s on a Q4_K matrix that is not in cache (dot_q4_k: ~110 instructions a 144-byte block, a
-// cache line or two of loads each, too few misses in flight): a 1B model's Q4_K matrices ran at half the
-// bytes per second of its Q6_K ones, and Q4_K was ~70% of a decode step (process CPU, 2-core Xeon). With
-// the lines 2 KiB ahead asked for explicitly, 64 copies of a 2048x2048 matrix (151 MB, out of cache, one
-// thread's CPU time, load 8-14): Q4_K avx512 4.0 -> 7.9-8.8 GB/s, Q6_K 5.9-6.8 -> 8.1-9.0, K = 8192
-// Q4_K 3.6 -> 8.2-8.8; avx2 Q4_K 4.5-4.8 -> 5.8, Q6_K ~6.0 -> 7.1-7.6. Matrices are contiguous rows, so
-// the lines ahead are the next rows' (past a task's last row, a neighbour task's: a wasted fetch, no
-// fault, as a prefetch never faults). The arithmetic is untouched: every bit stays the same.
-constexpr int kPrefetch = 2048;
-template <int kBytes>
-SKIPPY_INLINE void prefetch_ahead(const uint8_t* b) {
-  for (int l = 0; l < kBytes; l += 64) __builtin_prefetch(b + kPrefetch + l);
-}
-
 // Q4_K / Q5_K's 6-bit scales and minimums of the 8 sub-blocks, packed in 12 bytes: unpacked 4 at a
 // time in 32-bit words (llama.cpp's masks), sc[0..7] then m[0..7].
 inline void scales_mins_k4(const uint8_t* q, uint8_t out[16]) {
