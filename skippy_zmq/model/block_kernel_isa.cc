@@ -336,6 +336,7 @@ void dot_q4_k(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   const vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   for (int64_t s0 = 0; s0 < runs_all; s0 += 16, b += 144) {
+    prefetch_ahead<144>(b);
     alignas(32) float scale[8];
     uint8_t sm[16];
     scales_mins_k4(b + 4, sm);
@@ -378,6 +379,7 @@ void dot_blocks(const SkippyBlockArgs& a, int64_t m0, int64_t n, Unpack unpack) 
   alignas(64) int8_t level[256];
   alignas(64) float scale[16], min[16];
   for (int64_t s0 = 0; s0 < runs_all; s0 += 16, b += kBytes) {
+    prefetch_ahead<kBytes>(b);
     unpack(b, level, scale, min);
     __asm__("" : "+m"(level), "+m"(scale));   // widen and broadcast from memory: loads, not shuffles
     for (int j = 0; j < 16; j += kChains)

@@ -274,6 +274,7 @@ void tile_one(const SkippyDenseArgs& a, const uint8_t* panel, const uint16_t* s,
     vf part[kVecs] = {};
     float xsum = 0.0f;
     for (int64_t k = g0; k < g0 + a.group; ++k, row += F::kRowBytes) {
+      prefetch_ahead<1>(row);   // (rows of 32, 40 or 64 bytes: a line asked for twice at most)
       xsum += x[k];
       vf lv[kVecs];
       pass_levels<F>(row, h, lv);
