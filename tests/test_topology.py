@@ -309,6 +309,14 @@ def test_imports_neither_jax_nor_zmq():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_cli_parser_and_a_worker_import_no_jax():
+    """Every CLI process builds the whole parser, and a worker or driver process needs no JAX: importing
+    it (through random_model's or the manifest's imports) cost each ~1.3 CPU s at its start."""
+    code = ("import sys, skippy_zmq.cli as cli, skippy_zmq.cluster.worker; cli.build_parser(); "
+            "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('skippy'))")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 # ------------------------------------------------------------ planner
 
 
