@@ -543,3 +543,26 @@ def test_the_driver_prepares_a_chat_request_before_it_serves(tok: TextTokenizer)
     refusing = TextTokenizer(tok.tokenizer, {**tok.meta, "chat_template": "{{ raise_exception('a system turn first') }}"})
     warm_request_path(ServerContext(engine, refusing, MODEL, ServerMetrics(), None, BODY_LIMIT).prep_context(), parse_chat)
     assert "_max_token_chars" not in refusing.__dict__ and engine.requests == []
+
+
+def test_the_driver_builds_the_grammar_tokenizer_before_a_constrained_request(tok: TextTokenizer):
+    """build_constraints_behind (the driver, while its stages start) leaves constraint_info built, so a
+    first constrained request does not build it (a GIL hold of seconds on a large vocabulary); a
+    tokenizer the grammar engine refuses (here: no end-of-generation id) raises nothing there, and a
+    request still meets the refusal as a 400's text."""
+    from skippy_zmq.api.context import ServerContext
+    from skippy_zmq.api.openai_schema import RequestError
+    from skippy_zmq.engine.metrics import ServerMetrics
+
+    engine = FakeEngine([1], tok.eos_ids, max_context=MAX_CONTEXT)
+    ctx = ServerContext(engine, TextTokenizer(tok.tokenizer, tok.meta), MODEL, ServerMetrics(), None, BODY_LIMIT)
+    assert ctx._constraint_info is None
+    ctx.build_constraints_behind().join(timeout=60)
+    built = ctx._constraint_info
+    assert built is not None and built.vocab_size == tok.vocab_size and ctx.constraint_info() is built
+    no_eos = TextTokenizer(tok.tokenizer, {**tok.meta, "eos_id": -1, "eos_ids": []})
+    refusing = ServerContext(engine, no_eos, MODEL, ServerMetrics(), None, BODY_LIMIT)
+    refusing.build_constraints_behind().join(timeout=60)
+    assert refusing._constraint_info is None and engine.requests == []
+    with pytest.raises(RequestError, match="structured output is not available: .*end-of-generation"):
+        refusing.constraint_info()

@@ -104,6 +104,7 @@ def serve_http(topology: Topology, engine: PipelineEngine, tokenizer: TextTokeni
 
     app = build_app(topology, engine, tokenizer, keys=keys, edge=edge)
     warm_request_path(app.state.ctx.prep_context(), parse_chat)   # before READY: the stages are still starting
+    app.state.ctx.build_constraints_behind()   # off the first constrained request's path, as above
     handle = start_in_thread(app, topology.driver.http_host, topology.driver.http_port)
     settle_heap()   # the tokenizer, templates and app live as long as we do: keep full GC passes off them
     logger.info("OpenAI API at http://{}:{}/v1 (ready when /readyz says so)", handle.host, handle.port)
