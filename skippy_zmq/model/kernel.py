@@ -32,7 +32,8 @@ BLOCK_TARGET = "skippy_block_dense"         # GGUF blocks read in place (ggml.BL
 KERNEL_DIR = Path(__file__).parent
 # compiled once per instruction set
 ISA_SOURCES = ("quant_kernel_isa.cc", "block_kernel_isa.cc", "block_kernel_more_isa.cc")
-KERNEL_SOURCES = ("quant_kernel.cc", *ISA_SOURCES, "quant_kernel.h", "quant_kernel_simd.h", "block_kernel_more.h")
+KERNEL_SOURCES = ("quant_kernel.cc", *ISA_SOURCES, "quant_kernel.h", "quant_kernel_simd.h", "block_kernel_more.h",
+                  "block_kernel_k4.h")
 # Instruction sets ISA_SOURCES are compiled for (x86-64), best first; other CPUs get "generic".
 ISA_FLAGS = {"avx512vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mavx2",
                            "-mfma", "-mf16c"),
