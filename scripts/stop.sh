@@ -12,6 +12,14 @@ command_line() {   # PID's argv joined by spaces (with a trailing one), from /pr
     if [ -r "/proc/$1/cmdline" ]; then tr '\0' ' ' <"/proc/$1/cmdline"; else echo "$(ps -o args= -p "$1") "; fi
 }
 
+running() {       # PID: still running (a zombie, dead but not yet reaped by its parent, is not: waiting on
+    local state                # it drained nothing and cost the whole 10 s when a test held the stage's Popen)
+    kill -0 "$1" 2>/dev/null || return 1
+    if [ -r "/proc/$1/stat" ]; then state="$(sed 's/^.*) //' "/proc/$1/stat" 2>/dev/null | cut -c1)"
+    else state="$(ps -o stat= -p "$1" 2>/dev/null | cut -c1)"; fi
+    [ "$state" != Z ]
+}
+
 run_process() {    # PID NAME: whether PID is this run's NAME ("driver" or a stage id)
     local pid="$1" name="$2" cmd
     [[ "$pid" =~ ^[1-9][0-9]{0,9}$ ]] || return 1       # never 0, -1 or a process group
@@ -38,13 +46,13 @@ for f in "$1"/*.pid; do
 done
 for _ in $(seq 1 100); do            # up to 10 s for a graceful drain
   alive=0
-  for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+  for pid in "${pids[@]}"; do running "$pid" && alive=1; done
   [ "$alive" -eq 0 ] && break
   sleep 0.1
 done
 for i in "${!pids[@]}"; do
   pid="${pids[$i]}"
-  if kill -0 "$pid" 2>/dev/null && run_process "$pid" "${names[$i]}"; then
+  if running "$pid" && run_process "$pid" "${names[$i]}"; then
     echo "pid $pid did not stop; killing it" >&2
     kill -KILL "$pid" 2>/dev/null
   fi

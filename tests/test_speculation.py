@@ -247,14 +247,24 @@ def real_engine(model_dir):
 
 
 @pytest.mark.slow
-def test_local_engine_speculation_on_the_real_model(real_engine):
+def test_local_engine_speculation_on_the_real_model(real_engine, monkeypatch):
     """`generate --speculative ngram|suffix` (single process): identical greedy tokens, windows
     reported. The short copy's drafts are mostly rejected (about 3 in 4), the last prompt's (bench
     spec's code rewrite: a long copy with changed lines) mostly accepted: both paths on real logits.
-    (Two parity chat prompts ran here too: their drafts are rejected as the copy's are, and each
-    prompt is ~3 generations of 48 real-model tokens, 45 -> ~25 s of the suite.)"""
+    Every window and plain step goes through judge_window (one accept step with the scheduler's), so
+    the draft policy hears of plain steps. (Two parity chat prompts ran here too: their drafts are
+    rejected as the copy's are, and each prompt is ~3 generations of 48 real-model tokens, 45 -> ~25 s
+    of the suite; the accept step's check had its own 2 generations of 24 tokens, now it watches these.)"""
     from skippy_zmq.devtools.bench.spec_workloads import copy_messages
+    from skippy_zmq.engine import speculative
+    from skippy_zmq.engine.speculative import judge_window
 
+    calls: list[int] = []
+
+    def spy(policy, drafts, targets):
+        calls.append(len(drafts))
+        return judge_window(policy, drafts, targets)
+    monkeypatch.setattr(speculative, "judge_window", spy)
     engine = real_engine
     copy = engine.tokenizer.encode_chat([{"role": "user", "content": (
         "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank.")}])
@@ -263,9 +273,12 @@ def test_local_engine_speculation_on_the_real_model(real_engine):
     for ids in (copy, code):
         off = engine.generate(ids, max_tokens=48, ignore_eos=True)
         for method in ("ngram", "suffix"):
+            calls.clear()
             on = engine.generate(ids, max_tokens=48, ignore_eos=True, speculative=dataclasses.replace(SPEC, method=method))
             assert on.token_ids == off.token_ids and on.finish_reason == off.finish_reason, method
             rejected += on.speculative["drafted"] - on.speculative["accepted"]
+            assert calls and any(calls), method   # windows with drafts went through the shared step
+            assert sum(calls) >= on.speculative["drafted"] and len(calls) == on.speculative["windows"] + calls.count(0)
     assert rejected > 0   # rejected drafts changed no token either
     assert on.speculative["windows"] > 0
     spec = on.to_json()["speculative"]
@@ -284,30 +297,6 @@ def test_judge_window_tells_the_policy_of_plain_steps_so_a_stopped_session_probe
         assert judge_window(policy, [], [7]) == ([7], 0) and policy.k == 0
     judge_window(policy, [], [7])
     assert policy.k >= 1                       # the probe_every-th plain step probes again
-
-
-@pytest.mark.slow
-def test_single_process_generation_uses_the_schedulers_accept_step(real_engine, monkeypatch):
-    """Single-process generation accepts through judge_window (one implementation), so its
-    draft policy hears of plain steps; the tokens equal plain decoding's."""
-    from skippy_zmq.engine import speculative
-    from skippy_zmq.engine.speculative import judge_window
-
-    calls = []
-
-    def spy(policy, drafts, targets):
-        calls.append(len(drafts))
-        return judge_window(policy, drafts, targets)
-    engine = real_engine
-    prompt = engine.tokenizer.encode("one two three four one two three four one two three four")
-    plain = engine.generate(prompt, max_tokens=24, ignore_eos=True)
-    monkeypatch.setattr(speculative, "judge_window", spy)
-    fast = engine.generate(prompt, max_tokens=24, ignore_eos=True,
-                           speculative=SpeculativeConfig(method="ngram", min_match=1))
-    assert fast.token_ids == plain.token_ids
-    assert calls and any(calls)                # windows with drafts went through the shared step
-    assert sum(n for n in calls) >= fast.speculative["drafted"] and len(calls) == fast.speculative["windows"] + \
-        calls.count(0)
 
 
 def _one_stream(spec: SpeculativeConfig | None, sampling: SamplingParams, cuts: list[int], prompt: list[int],
