@@ -131,11 +131,13 @@ def stage_counters(http: httpx.Client) -> dict[str, float]:
 
 def ask(client, model: str, tokens: int, pids: list[int], prompt: str = PROMPT) -> dict:
     kids = [k for k in children(pids) if k not in pids]   # the stages' compile children (the server's are the stages)
+    each = [cpu_s([p]) for p in pids]
     c0, k0, t0 = cpu_s(pids), cpu_s(kids), time.perf_counter()
     reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                            max_tokens=tokens, temperature=0, extra_body={"ignore_eos": True})
     wall = time.perf_counter() - t0
-    return {"wall_s": round(wall, 3), "cpu_s": round(cpu_s(pids) - c0, 2), "children_cpu_s": round(cpu_s(kids) - k0, 2),
+    return {"wall_s": round(wall, 3), "cpu_s": round(cpu_s(pids) - c0, 2),
+            "cpu_s_each": [round(cpu_s([p]) - c, 2) for p, c in zip(pids, each)],   # the stages in order, the server "children_cpu_s": round(cpu_s(kids) - k0, 2),
             "prompt_tokens": reply.usage.prompt_tokens, "completion_tokens": reply.usage.completion_tokens,
             "text": reply.choices[0].message.content}
 
