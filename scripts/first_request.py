@@ -137,7 +137,8 @@ def ask(client, model: str, tokens: int, pids: list[int], prompt: str = PROMPT) 
                                            max_tokens=tokens, temperature=0, extra_body={"ignore_eos": True})
     wall = time.perf_counter() - t0
     return {"wall_s": round(wall, 3), "cpu_s": round(cpu_s(pids) - c0, 2),
-            "cpu_s_each": [round(cpu_s([p]) - c, 2) for p, c in zip(pids, each)],   # the stages in order, the server "children_cpu_s": round(cpu_s(kids) - k0, 2),
+            "children_cpu_s": round(cpu_s(kids) - k0, 2),
+            "cpu_s_each": [round(cpu_s([p]) - c, 2) for p, c in zip(pids, each)],   # the stages in order, the server
             "prompt_tokens": reply.usage.prompt_tokens, "completion_tokens": reply.usage.completion_tokens,
             "text": reply.choices[0].message.content}
 
