@@ -77,8 +77,7 @@ def test_warm_stopgap_readies_layers_then_compiles_the_slice_behind(tiny_tree):
     r = make(tiny_tree, stopgap=True)
     warm_before_ready(r, windows=(2, 4))
     assert {(shape, attn) for shape, attn, _out in r.stats.layered} == {
-        ((2, 1), 128), ((1, 2), 128), ((1, 4), 128), ((1, 16), 128), ((1, 64), 128)}
-    assert r.stats.ran == {((1, 1), 128, "logits")}   # the 1-row decode whole-slice, compiled and run
+        ((1, 1), 128), ((2, 1), 128), ((1, 2), 128), ((1, 4), 128), ((1, 16), 128), ((1, 64), 128)}
     r.join_behind()
     assert not r.compiling
     plain = make(tiny_tree)
@@ -123,10 +122,10 @@ def test_a_first_request_after_ready_compiles_nothing_while_the_slice_waits(tiny
         for i in range(8):
             r.decode(np.array([0]), x[40 + i:41 + i], np.array([40 + i]))
         jax.block_until_ready(r.read_kv_device(0, 48))
-    assert compiles == [] and r.stats.cold_steps == 0 and r.stats.shapes == {((1, 1), 128, "logits")}
+    assert compiles == [] and r.stats.cold_steps == 0 and r.stats.shapes == set()
     r.quiet.set()
     r.join_behind()
-    assert r.stats.behind_waits == 0 and ((1, 4), 128, "logits") in r.stats.shapes
+    assert r.stats.behind_waits == 0 and ((1, 1), 128, "logits") in r.stats.shapes
 
 
 def test_compile_behind_goes_on_after_its_wait_and_the_loop_runs_what_it_compiled(tiny_tree):
@@ -460,15 +459,13 @@ def test_a_slice_of_a_few_layers_compiles_behind_in_its_thread_a_larger_one_in_a
 
 
 def test_the_child_compiles_what_a_first_request_runs_most_first(tiny_tree, monkeypatch):
-    """compile_behind's list (the child's order): the windows in the order given (likeliest_first),
-    then the rest (2-row decode, prefill chunks, longer lengths); the 1-row decode was compiled and
-    run before READY (warm_stopgap), so it is not in the list."""
+    """compile_behind's list (the child's order): the 1-row decode, then the windows in the order
+    given (likeliest_first), then the rest (2-row decode, prefill chunks, longer lengths)."""
     r = make(tiny_tree, stopgap=True)
     handed = []
     monkeypatch.setattr(r, "compile_behind", lambda shapes, spans=(): handed.append(list(shapes)))
     warm_before_ready(r, windows=(4, 2))
     [shapes] = handed
     first = r.attn_buckets(1)[0]
-    assert shapes[:2] == [((1, 4), first, "logits"), ((1, 2), first, "logits")]   # (1, 1): before READY
-    assert ((2, 1), first, "logits") in shapes[2:] and len(shapes) == len(set(shapes))
-    assert ((1, 1), first, "logits") not in shapes and r.stats.ran == {((1, 1), first, "logits")}
+    assert shapes[:3] == [((1, 1), first, "logits"), ((1, 4), first, "logits"), ((1, 2), first, "logits")]
+    assert ((2, 1), first, "logits") in shapes[3:] and len(shapes) == len(set(shapes))

@@ -167,9 +167,9 @@ def warm_before_ready(runner: SliceRunner, windows: tuple[int, ...] = (), later:
 
 def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = (), later: list[tuple] = (),
                  spans: tuple[int, ...] = ()) -> float:
-    """warm_before_ready for a `stopgap` runner: before READY the whole-slice 1-row decode and only
-    the layer-by-layer step of the rest of what a first request runs (2-row decode, the verify windows
-    and the chunks of at most WARM_RUN_TOKENS), at the first attention length, each run once on padding: one layer compiled per
+    """warm_before_ready for a `stopgap` runner: before READY only the layer-by-layer step of what a
+    first request runs (1- and 2-row decode, the verify windows and the chunks of at most
+    WARM_RUN_TOKENS, at the first attention length), run once on padding: one layer compiled per
     shape instead of the slice's every layer (SmolLM2's cold start: 24 whole-slice shapes took 24 s
     of XLA compile). Then warm_before_ready's own shapes compile in a child (compile_behind), the
     first attention length first, 1-row decode and the verify windows ahead of the rest, and each
@@ -183,19 +183,14 @@ def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = (), later: list
     request that came meanwhile (1.24 s against 0.45 warm, empty caches; issue 39)."""
     rows, first = runner.buckets.decode_rows[:2], runner.attn_buckets(1)
     small = tuple(c for c in runner.buckets.prefill_chunks if c <= WARM_RUN_TOKENS)
-    # the 1-row decode (most of a first request's steps) whole-slice, compiled and run: 0.71 CPU s
-    # against 0.57 layer by layer (SmolLM2 half, empty cache), and its steps then run 0.20 CPU s in 48
-    # rather than 0.25 (issue 39: the first request's extra over a fresh prompt on a warm server)
-    spent = runner.warmup(rows=rows[:1], chunks=(), attn_lens=first, pairs=set())
-    spent += runner.warmup(rows=rows[1:], chunks=small, attn_lens=first, windows=windows, layered=True)
+    spent = runner.warmup(rows=rows, chunks=small, attn_lens=first, windows=windows, layered=True)
     spent += runner.warm_kv_copies(runner.kv_spans()[0], writes=False)
     chunks, rest = runner.buckets.prefill_chunks, runner.attn_buckets()[len(first):]
     # what a stream runs most first: 1-row decode, then the windows in `windows`' order (likeliest_first)
     lead = runner.warm_shapes((1,), (), first, windows=windows)
     todo = lead + [s for s in runner.warm_shapes(rows, chunks, first, windows=windows)
                    + runner.warm_shapes(rows, chunks, rest) if s not in lead]
-    todo += [s for s in dict.fromkeys(later) if s not in todo]
-    runner.compile_behind([s for s in todo if s not in runner.stats.ran], spans)
+    runner.compile_behind(todo + [s for s in dict.fromkeys(later) if s not in todo], spans)
     return spent
 
 
