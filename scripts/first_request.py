@@ -121,13 +121,24 @@ def warmed(http: httpx.Client) -> bool:
     return bool(lines) and all(float(line.split()[-1]) == 0 for line in lines)
 
 
+def stage_counters(http: httpx.Client) -> dict[str, float]:
+    """The stages' compile counters at the end (/metrics): cold steps, compiles on the loop thread,
+    shapes read from the child, idle warm-ups still pending."""
+    names = ("cold_steps", "loop_compiles", "behind_child", "behind_waits", "warmups_pending")
+    return {line.split()[0]: float(line.split()[-1]) for line in http.get("/metrics").text.splitlines()
+            if line.startswith(tuple(f"skippy_stage_{n}" for n in names))}
+
+
 def ask(client, model: str, tokens: int, pids: list[int], prompt: str = PROMPT) -> dict:
     kids = [k for k in children(pids) if k not in pids]   # the stages' compile children (the server's are the stages)
+    each = [cpu_s([p]) for p in pids]
     c0, k0, t0 = cpu_s(pids), cpu_s(kids), time.perf_counter()
     reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                            max_tokens=tokens, temperature=0, extra_body={"ignore_eos": True})
     wall = time.perf_counter() - t0
-    return {"wall_s": round(wall, 3), "cpu_s": round(cpu_s(pids) - c0, 2), "children_cpu_s": round(cpu_s(kids) - k0, 2),
+    return {"wall_s": round(wall, 3), "cpu_s": round(cpu_s(pids) - c0, 2),
+            "children_cpu_s": round(cpu_s(kids) - k0, 2),
+            "cpu_s_each": [round(cpu_s([p]) - c, 2) for p, c in zip(pids, each)],   # the stages in order, the server
             "prompt_tokens": reply.usage.prompt_tokens, "completion_tokens": reply.usage.completion_tokens,
             "text": reply.choices[0].message.content}
 
@@ -164,6 +175,7 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
                 settle_s = None
             warm = [ask(client, model, args.tokens, pids) for _ in range(args.repeat)]
             fresh = [ask(client, model, args.tokens, pids, prompt) for prompt in FRESH[:args.repeat]]
+            counters = stage_counters(http)
     finally:
         os.killpg(server.pid, signal.SIGTERM)   # the server stops its stages; the group catches any left
         try:
@@ -183,7 +195,7 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
             "first_over_warm_fresh": round(after_ready[0]["wall_s"] / statistics.median(r["wall_s"] for r in fresh), 2),
             "first_cpu_over_warm_cpu": round(after_ready[0]["cpu_s"] / max(0.01, statistics.median(
                 r["cpu_s"] for r in warm)), 2),
-            "same_text": len(texts) == 1, "load_before": [round(x, 2) for x in load_before],
+            "stage_counters": counters, "same_text": len(texts) == 1, "load_before": [round(x, 2) for x in load_before],
             "load_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(), "logs": str(run_dir)}
 
 
@@ -198,7 +210,7 @@ def table(result: dict) -> str:
         "", f"READY {result['ready_s']} s after launch ({result['ready_cpu_s']} CPU s); idle warm-ups done {result['settle_s']} s after the "
         f"{len(result['after_ready'])} requests (None: not within --timeout); first ÷ warm: {result['first_over_warm']} (wall), "
         f"{result['first_cpu_over_warm_cpu']} (CPU); first ÷ warm fresh prompts: {result['first_over_warm_fresh']}; same text every time: {result['same_text']}; "
-        f"load {result['load_before']} -> {result['load_after']} on {result['cpus']} CPUs"])
+        f"load {result['load_before']} -> {result['load_after']} on {result['cpus']} CPUs", f"stages: {result.get('stage_counters')}"])
 
 
 def main(argv: list[str] | None = None) -> int:

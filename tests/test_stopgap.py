@@ -463,7 +463,7 @@ def test_the_child_compiles_what_a_first_request_runs_most_first(tiny_tree, monk
     given (likeliest_first), then the rest (2-row decode, prefill chunks, longer lengths)."""
     r = make(tiny_tree, stopgap=True)
     handed = []
-    monkeypatch.setattr(r, "compile_behind", lambda shapes: handed.append(list(shapes)))
+    monkeypatch.setattr(r, "compile_behind", lambda shapes, spans=(): handed.append(list(shapes)))
     warm_before_ready(r, windows=(4, 2))
     [shapes] = handed
     first = r.attn_buckets(1)[0]

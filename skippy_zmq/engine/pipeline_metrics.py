@@ -29,6 +29,8 @@ STAGE_COUNTERS = {"messages": "messages handled", "errors": "error replies sent"
                   "cold_steps": "steps that compiled on the spot (a shape no warm-up had reached)",
                   "behind_waits": "shapes its compile thread started, after waiting, while a request held a lane",
                   "behind_child": "whole-slice shapes its compile child process compiled (read from the cache)",
+                  "loop_compiles": "XLA compiles and compile-cache reads on its loop thread after READY (a "
+                                   "request arriving meanwhile waits for each)",
                   "constraint_mask_seconds": "seconds computing structured-output token masks (final stage; "
                                              "per token: rate of this / rate of constraint_masks)",
                   "constraint_masks": "structured-output token masks computed (final stage)",

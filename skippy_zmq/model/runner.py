@@ -5,7 +5,6 @@ chunking and device placement. The step itself stays pure and small.
 from __future__ import annotations
 
 import collections
-import gc
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ import numpy as np
 
 from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig
 from skippy_zmq.model import behind, direct
+from skippy_zmq.model.compile_behind import CompileBehind
 from skippy_zmq.model.layered import forward_layered
 from skippy_zmq.model.llama import KVCache, forward_jit
 from skippy_zmq.model import quant
@@ -59,8 +59,8 @@ class StepStats:
     moe_experts_routed: int = 0   # distinct experts their real tokens chose, summed over those passes
 
 
-class SliceRunner:
-    """Runs layers [start, end) of one model with a lane-indexed KV arena."""
+class SliceRunner(CompileBehind):
+    """Runs layers [start, end) of one model with a lane-indexed KV arena (compile_behind: CompileBehind)."""
 
     def __init__(self, cfg: ModelConfig, params: dict[str, Any], start: int, end: int,
                  kv_cfg: KVConfig = KVConfig(), buckets: Buckets = Buckets(), device: Any = None):
@@ -351,84 +351,6 @@ class SliceRunner:
         return (self._put(np.zeros(shape, dtype)), self._put(np.full((rows, length), self.capacity, np.int32)),
                 self._put(np.zeros(rows, np.int32)))
 
-    def compile_behind(self, shapes: list[tuple]) -> None:
-        """Compile the whole-slice step for these (inputs shape, attention length, output) in a
-        thread, in order, while the caller goes on (a `stopgap` stage after READY: its steps run
-        layer by layer until their shape is here). XLA's compile releases the GIL; the thread
-        only lowers (never runs a step), so it never touches the KV the caller's steps donate.
-
-        A compile beside a request's steps made them several times slower (each of a layer-by-layer
-        step's small dispatches waits for a core the compile holds; XLA:CPU compiles on its pool's
-        threads, whatever this thread's priority). So a child process compiles first (model/behind.py;
-        none when an earlier start marked every shape), stopped while a request holds a lane, and this
-        thread reads each shape from the cache. What the child did not do compiles here, each
-        once `quiet` or after behind_yield_s; `_wanted` shapes first (`_compile_wanted`)."""
-        def compile_all() -> None:
-            todo = list(shapes[self._read_from_child(shapes):])
-            while self._wanted or todo:
-                self._compile_wanted(wait=not todo)
-                if todo:
-                    self._wait_quiet()
-                    self._compile_wanted()
-                    self._compile_behind(todo.pop(0))
-
-        self._behind = threading.Thread(target=compile_all, name="compile-behind", daemon=True)
-        self._behind.start()
-
-    def _compile_behind(self, shape: tuple) -> None:
-        self._compile(*shape, run=False)
-        behind.mark(self._marks, shape)
-        # its traces live as long as we do: out of the GC's full passes (ops/lifetime.settle_heap)
-        gc.freeze()
-
-    def _compile_wanted(self, wait: bool = False) -> None:
-        """The `_wanted` shapes, not after the child's: once quiet or once the oldest waited
-        wanted_yield_s (a first request's steps would meet the compile); `wait`: block till then."""
-        while self._wanted:
-            left = self._wanted_at + self.wanted_yield_s - time.monotonic()
-            if not self.quiet.is_set() and left > 0:
-                if not wait:
-                    return
-                self.quiet.wait(left)
-            self._compile_behind(self._wanted.popleft())
-            self._wanted_at = time.monotonic()
-
-    def _wait_quiet(self) -> None:
-        if not self.quiet.wait(self.behind_yield_s):
-            self.stats.behind_waits += 1
-
-    def _read_from_child(self, shapes: list[tuple]) -> int:
-        """compile_behind through its child, gated by `quiet` (behind.Child.gate), serving `_wanted`
-        between its reports: each shape it compiled is read from the cache here while quiet (or while
-        it runs on past behind_yield_s). Returns how many of `shapes`, from the first, were read."""
-        cache_dir = jax.config.jax_compilation_cache_dir
-        if self.behind_command is None or not shapes or not cache_dir or self.device.platform != "cpu":
-            return 0
-        job = behind.BehindJob(self.cfg, self.start, self.end, behind.abstract(self.params),
-                               behind.abstract(self.kv), self.capacity, tuple(shapes), str(cache_dir))
-        self._marks = job   # each shape read or compiled here gets its mark (behind.mark)
-        read = delivered = 0
-        child = behind.start(job, self.behind_command, self.behind_child_s)
-        if child is None:
-            return 0
-        with child:
-            for event in child.reports():   # a shape's index, or None: a tick
-                if event is not None and event != delivered:
-                    break   # out of order: only a prefix is trusted
-                delivered += event is not None
-                while read < delivered and (self.quiet.is_set() or child.forced):   # before gate() ends forced
-                    self._compile_behind(shapes[read])   # a persistent-cache read
-                    read += 1
-                    self.stats.behind_child += 1
-                self.stats.behind_waits += child.gate(self.quiet.is_set(), self.behind_yield_s)
-                self._compile_wanted()   # the child stopped first (gate) when a request holds a lane
-        return read
-
-    def join_behind(self) -> None:
-        """Wait for compile_behind's thread (a tool timing a stage's start; tests)."""
-        if self._behind is not None:
-            self._behind.join()
-
     def run_compiled(self) -> bool:
         """Run once, on padding, one small shape compile_behind has compiled but nothing has run
         (`_compile`: a compiled step's first run is slow), so that steps of it switch to the
@@ -440,11 +362,6 @@ class SliceRunner:
                 return True
         return False
 
-    @property
-    def compiling(self) -> bool:
-        """Whether compile_behind's thread is still compiling."""
-        return self._behind is not None and self._behind.is_alive()
-
     def kv_spans(self) -> tuple[int, ...]:
         """Every span `_span` can return: the KV copies' compiled lengths."""
         return tuple(sorted({self._span(n) for n in range(128, self.capacity, 128)} | {self._span(self.capacity)}))
@@ -455,21 +372,28 @@ class SliceRunner:
         first run: a 64-token prompt's recording cost the next request 100-190 ms (SmolLM2, measured).
         The writes are compiled only (a run would change a lane); `writes` False: the read alone (what
         a first request's recording needs, before READY). Already done: free. Seconds spent."""
-        if span in self.stats.copies or (span in self.stats.reads and not writes):
+        if span in self.stats.reads and (span in self.stats.copies or not writes):
             return 0.0
         t0 = time.perf_counter()
-        lane = np.int32(0)     # as read_kv_device, write_kv and copy_lane pass theirs: one compiled copy each
-        if span not in self.stats.reads:
-            jax.block_until_ready(read_lane(self.kv, lane, span=span))
+        if span not in self.stats.reads:   # compiled here unless compile_kv_copies came first: then a run
+            jax.block_until_ready(read_lane(self.kv, np.int32(0), span=span))
             self.stats.reads.add(span)
-        if not writes:
-            return time.perf_counter() - t0
+        if writes:
+            self.compile_kv_copies(span)
+        return time.perf_counter() - t0
+
+    def compile_kv_copies(self, span: int) -> None:
+        """Compile the lane read, write and copy of one span, running none (compile_behind's thread
+        may: lowering reads only the KV's avals, which the loop's donations leave as they are)."""
+        if span in self.stats.copies:
+            return
+        lane = np.int32(0)     # as read_kv_device, write_kv and copy_lane pass theirs: one compiled copy each
         arena = self.kv.k[0].shape     # [lanes, kvh, positions, hd]
         block = self._put(np.zeros((len(self.kv.k), span, arena[1], arena[3]), jnp.dtype(self.kv.dtype)))
+        read_lane.lower(self.kv, lane, span=span).compile()
         write_lane.lower(self.kv, lane, block, block).compile()
         copy_lane.lower(self.kv, lane, lane, span=span).compile()
         self.stats.copies.add(span)
-        return time.perf_counter() - t0
 
     def _span(self, length: int) -> int:
         """Length bucket (a multiple of 128) for KV copies, so they compile once per bucket, not per length."""

@@ -138,7 +138,15 @@ def idle_warmups(runner: SliceRunner, shapes: tuple[tuple[int, int], ...]) -> li
         functools.partial(runner.warm_kv_copies, span) for span in runner.kv_spans()]
 
 
-def warm_before_ready(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
+def idle_compiles(runner: SliceRunner, shapes: tuple[tuple[int, int], ...]) -> list[tuple]:
+    """What `idle_warmups` would compile, as compile_behind's (inputs shape, attention length,
+    output) list: each decode shape and each small prefill chunk at every attention length."""
+    small = {(c, a) for a in runner.attn_buckets() for c in runner.buckets.prefill_chunks if c <= WARM_RUN_TOKENS}
+    return runner.warm_shapes(rows=(), attn_lens=runner.attn_buckets(), pairs=small, shapes=shapes)
+
+
+def warm_before_ready(runner: SliceRunner, windows: tuple[int, ...] = (), later: list[tuple] = (),
+                      spans: tuple[int, ...] = ()) -> float:
     """Compile what a stage serves before it says READY, so no request pays a compile: decode
     with 1 and 2 rows and every prefill chunk, each at every attention length up to the capacity.
     Compiled ahead of time and not run, each shape costs its trace and lowering plus XLA's compile
@@ -147,16 +155,18 @@ def warm_before_ready(runner: SliceRunner, windows: tuple[int, ...] = ()) -> flo
     one-row verify windows at the first attention length (contexts up to 256 tokens); the other
     lengths, more rows and windows of several rows are `idle_warmups`, run after READY. Compiled
     only (run=False): running the small shapes once too is left to the idle warm-ups, so it does
-    not lengthen the time to READY (half an 8B: 23 s of a 30 s bound)."""
+    not lengthen the time to READY (half an 8B: 23 s of a 30 s bound). `later`, `spans`: a stop-gap
+    runner compiles these shapes and KV spans behind too (`idle_compiles`, warm_stopgap)."""
     rows = runner.buckets.decode_rows[:2]
     if runner.stopgap:
-        return warm_stopgap(runner, windows)
+        return warm_stopgap(runner, windows, later, spans)
     spent = runner.warmup(rows=rows, chunks=runner.buckets.prefill_chunks, attn_lens=runner.attn_buckets(),
                           run=False)
     return spent + runner.warmup(rows=(), windows=windows, attn_lens=runner.attn_buckets(1), pairs=set(), run=False)
 
 
-def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
+def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = (), later: list[tuple] = (),
+                 spans: tuple[int, ...] = ()) -> float:
     """warm_before_ready for a `stopgap` runner: before READY only the layer-by-layer step of what a
     first request runs (1- and 2-row decode, the verify windows and the chunks of at most
     WARM_RUN_TOKENS, at the first attention length), run once on padding: one layer compiled per
@@ -167,7 +177,10 @@ def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
     warm-ups until that thread is done, and meanwhile runs each small shape the thread has compiled
     once, while no request is in flight (runner.run_compiled).
     Also the lane read of the shortest KV span: a first chat's prefix recording (at its STOP) compiled
-    it on the loop thread, in front of the next request."""
+    it on the loop thread, in front of the next request. `later` (the idle warm-ups' shapes) and
+    `spans` (their KV copies) compile behind after the rest, in the gated child and the thread, so
+    the idle warm-ups on the loop only run what is compiled: one of them compiling there held a
+    request that came meanwhile (1.24 s against 0.45 warm, empty caches; issue 39)."""
     rows, first = runner.buckets.decode_rows[:2], runner.attn_buckets(1)
     small = tuple(c for c in runner.buckets.prefill_chunks if c <= WARM_RUN_TOKENS)
     spent = runner.warmup(rows=rows, chunks=small, attn_lens=first, windows=windows, layered=True)
@@ -175,8 +188,9 @@ def warm_stopgap(runner: SliceRunner, windows: tuple[int, ...] = ()) -> float:
     chunks, rest = runner.buckets.prefill_chunks, runner.attn_buckets()[len(first):]
     # what a stream runs most first: 1-row decode, then the windows in `windows`' order (likeliest_first)
     lead = runner.warm_shapes((1,), (), first, windows=windows)
-    runner.compile_behind(lead + [s for s in runner.warm_shapes(rows, chunks, first, windows=windows)
-                                  + runner.warm_shapes(rows, chunks, rest) if s not in lead])
+    todo = lead + [s for s in runner.warm_shapes(rows, chunks, first, windows=windows)
+                   + runner.warm_shapes(rows, chunks, rest) if s not in lead]
+    runner.compile_behind(todo + [s for s in dict.fromkeys(later) if s not in todo], spans)
     return spent
 
 
@@ -189,8 +203,11 @@ def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
     return PrefixStore(identity, c)
 
 
-def build_worker(topology: Topology, stage: StageConfig, where: Placement | None = None) -> StageWorker:
-    """Check the budget, restore only this stage's layers onto its device, compile what it serves."""
+def build_worker(topology: Topology, stage: StageConfig, where: Placement | None = None,
+                 behind_idle: bool = True) -> StageWorker:
+    """Check the budget, restore only this stage's layers onto its device, compile what it serves.
+    `behind_idle`: the idle warm-ups' compiles go behind (warm_stopgap's `later`); False (a re-cut's
+    stage, which runs them itself before its go, and must say `prepared` without them): the loop's."""
     where = where or Placement.of(stage)
     need = check_budget(topology, stage, where.memory)
     t0 = time.perf_counter()
@@ -207,7 +224,10 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     runner.stopgap = True    # READY before the whole-slice steps compile (warm_stopgap)
     runner.behind_command = behind_command(stage)
     t1 = time.perf_counter()
-    warm_before_ready(runner, likeliest_first(spec_windows(topology, buckets), topology.driver.speculative))
+    idle = stage.idle_warmups and behind_idle
+    warm_before_ready(runner, likeliest_first(spec_windows(topology, buckets), topology.driver.speculative),
+                      idle_compiles(runner, reachable_shapes(topology, buckets)) if idle else [],
+                      runner.kv_spans() if idle else ())
     logger.info("stage {} layers [{}, {}) on {}: restored in {:.1f}s, compiled in {:.1f}s", stage.id,
                 stage.start, stage.end, where.device, t1 - t0, time.perf_counter() - t1)
     info = StageInfo(stage.id, first=stage.start == 0, last=stage.end == cfg.n_layers, width=cfg.d_model)

@@ -24,6 +24,7 @@ import zmq
 from loguru import logger
 
 from skippy_zmq.protocol import transport, wire
+from skippy_zmq.model.compile_behind import LOOP_COMPILES
 from skippy_zmq.ops.lifetime import arm_hard_exit, settle_heap, watch_parent
 from skippy_zmq.ops.placement import PlacementError
 from skippy_zmq.protocol.security import security_for
@@ -149,6 +150,7 @@ class StageLoop:
         return wire.Message.ready(self.stage.id, self.incarnation, info)
 
     def run(self) -> int:
+        LOOP_COMPILES.watch()   # this thread's compiles from here: skippy_stage_loop_compiles
         settle_heap()   # what was restored and compiled lives as long as we do (heartbeats must not stall)
         transport.send_message(self.sockets.dealer, self.ready_message())
         logger.info("stage {} READY (incarnation {:08x}) listening on {}", self.stage.id, self.incarnation,
@@ -299,7 +301,7 @@ def run_stage(topology: Topology, stage_id: str, prepared: Path | None = None) -
     pin_cpus(stage)
     security = security_for(topology, stage_id)   # before loading: missing keys fail fast
     try:
-        worker = build_worker(topology, stage)
+        worker = build_worker(topology, stage, behind_idle=prepared is None)
     except PlacementError as exc:   # one line an operator reads in the stage's log; launch shows it too
         logger.error("stage {} cannot start: {}", stage_id, exc)
         return 3

@@ -16,6 +16,7 @@ from loguru import logger
 
 from skippy_zmq.protocol.fencing import UNSTAMPED, BadView, Fence
 from skippy_zmq.kv.prefix_store import PrefixStore
+from skippy_zmq.model.compile_behind import LOOP_COMPILES
 from skippy_zmq.model.runner import SliceRunner
 from skippy_zmq.ops.placement import rss_bytes
 from skippy_zmq.sampling import Sampler, SamplingParams, check_top_logprobs, token_logprobs
@@ -481,7 +482,7 @@ class StageWorker:
                "rss_bytes": rss_bytes(),
                "warmups_pending": len(self.warm_later), "compiling": self.runner.compiling,   # compile_behind's thread
                "cold_steps": self.runner.stats.cold_steps, "behind_waits": self.runner.stats.behind_waits,
-               "behind_child": self.runner.stats.behind_child,
+               "behind_child": self.runner.stats.behind_child, "loop_compiles": LOOP_COMPILES.count,
                **{f"kernel_{k}": v for k, v in self.kernels.items()}}
         if getattr(self.runner, "moe_layers", 0):   # a mixture-of-experts slice: its routing counts
             out.update(moe_layer_passes=self.runner.stats.moe_layer_passes,
