@@ -87,7 +87,7 @@ struct Unpacked {
   float* min;
 };
 
-#include "block_kernel_k4.h"   // Q4_K / Q5_K blocks' factors (in this namespace: v8f, f16_at)
+#include "block_kernel_k4.h"   // Q4_K / Q5_K blocks' factors, AVX-512 dot_q4_k (in this namespace: v8f, f16_at)
 
 // 256 weights: d * sc_j * q - dmin * m_j per 32-input sub-block j; Q5_K adds qh's bit j as q's fifth bit.
 template <bool kFive, bool kSpreadScale = true>
@@ -308,50 +308,6 @@ void dot_unpacking(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   });
 }
 
-#if defined(__AVX512F__)
-// Q4_K in decode (AVX-512): a 4-bit level has 16 values, so a sub-block's products level * (d * sc) are
-// a table of 16 floats (one multiply), and vpermps picks each weight's from its nibble (the low 4 bits of
-// each 32-bit index: the low nibbles need no mask). The very products dot_rows forms, in the same chains
-// and order, so the results are bit-identical; no levels through L1 and no int -> float conversion.
-// kernel_micro 576x1536: M = 1 12.2 -> 19.1 Gweights/s (the Q5_0 panels 21-23), M = 4 6.5 -> 8.5.
-template <int R>
-void dot_q4_k(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
-  vf acc[R][4] = {}, mins[R] = {};
-  float tails[R] = {};   // (dot_rows' tails: none here, kept for its exact final sums)
-  const int64_t K = a.K, runs_all = K / kRun;
-  const float *x = a.x + m0 * K, *xs = a.xsum + m0 * runs_all;
-  const uint8_t* b = a.w + n * a.row_bytes;
-  const vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  for (int64_t s0 = 0; s0 < runs_all; s0 += 16, b += 144) {
-    prefetch_ahead<144>(b);
-    alignas(32) float scale[8];
-    v8f sc, mn;
-    k4_factors(b, sc, mn);
-    memcpy(scale, &sc, 32);
-    __asm__("" : "+m"(scale));   // broadcast from memory (a load), not by shuffles on port 5 as GCC would
-    const vf min = (vf)_mm512_permutexvar_ps(pairs, _mm512_castps256_ps512((__m256)mn));   // per run
-    for (int j = 0; j < 4; ++j) {   // 64 weights: 32 bytes, low nibbles (sub-block 2j), then high (2j + 1)
-      const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 16 + 32 * j)));
-      const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(b + 32 + 32 * j)));
-      const __m512 lo = (__m512)(iota * scale[2 * j]), hi = (__m512)(iota * scale[2 * j + 1]);   // the tables
-      const vf w[4] = {(vf)_mm512_permutexvar_ps(q0, lo), (vf)_mm512_permutexvar_ps(q1, lo),
-                       (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), hi),
-                       (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), hi)};
-      for (int c = 0; c < 4; ++c)   // run 4 j + c into chain c, as dot_rows
-        for (int r = 0; r < R; ++r) acc[r][c] += loadf(x + r * K + (s0 + 4 * j + c) * kRun) * w[c];
-    }
-    for (int r = 0; r < R; ++r) mins[r] += min * loadf(xs + r * runs_all + s0);
-  }
-  for (int r = 0; r < R; ++r) {
-    vf total = {};
-    for (int c = 0; c < 4; ++c) total += acc[r][c];
-    a.y[(m0 + r) * a.N + n] = hsum(total) - (hsum(mins[r]) + tails[r]);
-  }
-}
-
-#endif
-
 // Q6_K (every ISA) and Q4_K (where dot_q4_k is not) in decode: a block's levels unpacked into L1 and
 // read back widened, as dot_rows does, without its type switch and chunk bookkeeping between blocks,
 // the scales broadcast from memory; the same products in the same chains and order (bit-identical).
@@ -411,6 +367,35 @@ bool dot_k_decode(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   return true;
 }
 
+// Q8_0 in decode (the head and embedding of SmolLM2's Q4_K_M file): the levels widened straight from
+// the blocks, not copied into L1 chunk by chunk through unpack_span's switch, and the blocks ahead
+// prefetched (dot_unpacking asked for none). Run r into chain r % kChains as dot_rows (its chunks start
+// at multiples of 16 runs), the same products and final sums: bit-identical. K a multiple of kQ8Step runs.
+constexpr int kQ8Step = kChains > 2 ? kChains : 2;   // runs a step: whole blocks, whole rounds of the chains
+template <int R>
+void dot_q8_0(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  vf acc[R][kChains][kVecs] = {};
+  const int64_t K = a.K;
+  const float* x = a.x + m0 * K;
+  const uint8_t* b = a.w + n * a.row_bytes;
+  for (int64_t k0 = 0; k0 < K; k0 += kQ8Step * kRun, b += kQ8Step / 2 * 34) {
+    prefetch_ahead<kQ8Step / 2 * 34>(b);
+    for (int t = 0; t < kQ8Step; ++t) {   // run t of the step: half t % 2 of block t / 2, into chain t % kChains
+      const float d = f16_at(b + t / 2 * 34);
+      vf w[kVecs];
+      for (int v = 0; v < kVecs; ++v) w[v] = widen_s8((const int8_t*)b + t / 2 * 34 + 2 + t % 2 * kRun + v * kLanes) * d;
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < kVecs; ++v) acc[r][t % kChains][v] += loadf(x + r * K + k0 + t * kRun + v * kLanes) * w[v];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    vf total = {};
+    for (int c = 0; c < kChains; ++c)
+      for (int v = 0; v < kVecs; ++v) total += acc[r][c][v];
+    a.y[(m0 + r) * a.N + n] = hsum(total);
+  }
+}
+
 // The same product from a row unpacked ahead (prefill: its tiles of x all read it).
 template <int R>
 void dot_unpacked(const SkippyBlockArgs& a, int64_t m0, int64_t n, const Unpacked& u) {
@@ -450,6 +435,14 @@ void block_rows(const SkippyBlockArgs& a, int64_t task) {
       for (; m + kRows <= a.M; m += kRows) dot_k_decode<kRows>(a, m, n0 + i);
       if (kRows > 2 && m + 2 <= a.M) dot_k_decode<2>(a, m, n0 + i), m += 2;
       for (; m < a.M; ++m) dot_k_decode<1>(a, m, n0 + i);
+    }
+    return;
+  }
+  if (a.M <= kRows && a.type == SKIPPY_GGML_Q8_0 && a.K % (kQ8Step * kRun) == 0) {   // (dot_unpacking's tiles)
+    for (int64_t i = 0; i < rows; ++i) {
+      if (a.M == kRows) dot_q8_0<kRows>(a, 0, n0 + i);
+      else
+        for (int64_t m = 0; m < a.M; ++m) dot_q8_0<1>(a, m, n0 + i);
     }
     return;
   }

@@ -137,7 +137,9 @@ struct Int8 {
   static constexpr bool kOffsetOfScale = false;   // z read from its array, or 0 where none (Q5: z = -16 s)
   static inline vf block(const uint8_t* row, int j) { return widen_s8((const int8_t*)row + kLanes * j); }
   static constexpr bool kRowLevels = false;
-  static inline void row_levels(const uint8_t*, int, vf*) {}
+  static constexpr int kRowVecs = kVecs;   // vectors tile_one takes per row: one pass's
+  static inline void row_bytes(const uint8_t*, int, uint8_t*) {}
+  static inline vf level_block(const uint8_t*, int) { return vf{}; }
 };
 struct Q4 {  // byte i holds column i (low nibble) and column i + 32 (high nibble)
   static constexpr int64_t kRowBytes = kPanel / 2;
@@ -146,7 +148,9 @@ struct Q4 {  // byte i holds column i (low nibble) and column i + 32 (high nibbl
     return widen_u4(row + (kLanes * j) % (kPanel / 2), kLanes * j >= kPanel / 2);
   }
   static constexpr bool kRowLevels = false;
-  static inline void row_levels(const uint8_t*, int, vf*) {}
+  static constexpr int kRowVecs = kVecs;   // vectors tile_one takes per row: one pass's
+  static inline void row_bytes(const uint8_t*, int, uint8_t*) {}
+  static inline vf level_block(const uint8_t*, int) { return vf{}; }
 };
 
 // 5-bit levels (Q5_0's, kept exactly): a panel row is the 32 bytes of Q4's nibbles, then 64 bits, bit c
@@ -162,7 +166,8 @@ struct Q5 {
   // masked add per vector) and ~20 a pass on AVX2 (~35), for the very same integer levels.
 #if defined(__AVX512BW__)
   static constexpr bool kRowLevels = true;
-  static inline void row_levels(const uint8_t* row, int, vf out[4]) {   // (one pass: the whole row)
+  static constexpr int kRowVecs = kVecs;
+  static inline void row_bytes(const uint8_t* row, int, uint8_t bytes[64]) {   // (one pass: the whole row)
     const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)row));
     const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
                                            0x0004000400040004, 0, 0, 0, 0);   // words 16..31: high nibbles
@@ -170,36 +175,40 @@ struct Q5 {
     __mmask64 fifth;
     __builtin_memcpy(&fifth, row + kPanel / 2, 8);
     lv = _mm512_mask_add_epi8(lv, fifth, lv, _mm512_set1_epi8(16));
-    alignas(64) uint8_t bytes[64];
     _mm512_store_si512(bytes, lv);
-    __asm__("" : "+m"(bytes));   // reload from memory: GCC would widen through 3 extracts (port 5 again)
-    for (int c = 0; c < 4; ++c)
-      out[c] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(bytes + 16 * c))));
+  }
+  static inline vf level_block(const uint8_t* bytes, int c) {
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(bytes + 16 * c))));
   }
 #elif defined(__AVX2__)
+  // The whole row (both passes, kRowVecs 8): tile_one then reads, broadcasts and sums each x[k] once
+  // and keeps 8 FMA chains in flight where two passes of 4 each took the row twice (from L2 the second
+  // time). One 64-bit broadcast load feeds both halves' fifth bits.
   static constexpr bool kRowLevels = true;
-  static inline void row_levels(const uint8_t* row, int h, vf out[4]) {   // pass h: columns 32 h .. 32 h + 31
-    __m256i lv = _mm256_loadu_si256((const __m256i*)row);
-    if (h) lv = _mm256_srli_epi16(lv, 4);
-    lv = _mm256_and_si256(lv, _mm256_set1_epi8(15));
-    int32_t bits;
-    __builtin_memcpy(&bits, row + kPanel / 2 + 4 * h, 4);
-    // bit i of `bits` -> byte i: byte i / 8 copied to bytes 8 (i / 8) .. + 7, each testing its own bit
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(bits),
-                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
-                                                                  0x0303030303030303));
+  static constexpr int kRowVecs = 2 * kVecs;
+  static inline void row_bytes(const uint8_t* row, int, uint8_t bytes[64]) {
+    int64_t bits;
+    __builtin_memcpy(&bits, row + kPanel / 2, 8);
+    const __m256i raw = _mm256_loadu_si256((const __m256i*)row), fifths = _mm256_set1_epi64x(bits);
     const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    lv = _mm256_or_si256(lv, _mm256_and_si256(set, _mm256_set1_epi8(16)));
-    alignas(32) uint8_t bytes[32];
-    _mm256_store_si256((__m256i*)bytes, lv);
-    __asm__("" : "+m"(bytes));
-    for (int c = 0; c < 4; ++c)
-      out[c] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(bytes + 8 * c))));
+    for (int h = 0; h < 2; ++h) {   // h: columns 32 h .. 32 h + 31 (high nibbles for h = 1)
+      const __m256i lv = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(15));
+      // bit i of the pass's 32 -> byte i: byte i / 8 copied to bytes 8 (i / 8) .. + 7, each testing its own bit
+      const int64_t b = 0x0404040404040404 * h;
+      const __m256i spread = _mm256_shuffle_epi8(fifths, _mm256_setr_epi64x(b, b + 0x0101010101010101,
+                                                                            b + 0x0202020202020202, b + 0x0303030303030303));
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+      _mm256_store_si256((__m256i*)(bytes + 32 * h), _mm256_or_si256(lv, _mm256_and_si256(set, _mm256_set1_epi8(16))));
+    }
+  }
+  static inline vf level_block(const uint8_t* bytes, int c) {
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(bytes + 8 * c))));
   }
 #else
   static constexpr bool kRowLevels = false;
-  static inline void row_levels(const uint8_t*, int, vf*) {}
+  static constexpr int kRowVecs = kVecs;   // vectors tile_one takes per row: one pass's
+  static inline void row_bytes(const uint8_t*, int, uint8_t*) {}
+  static inline vf level_block(const uint8_t*, int) { return vf{}; }
 #endif
   static inline vf block(const uint8_t* row, int j) {
     uint64_t bits;
@@ -228,13 +237,6 @@ struct Q5 {
   }
 };
 
-// The kVecs column blocks of pass h of one panel row, as float levels (kRowLevels: all at once).
-template <class F>
-inline void pass_levels(const uint8_t* row, int h, vf out[kVecs]) {
-  if (F::kRowLevels) return F::row_levels(row, h, out);
-  for (int c = 0; c < kVecs; ++c) out[c] = F::block(row, h * kVecs + c);
-}
-
 // R rows x the kVecs column blocks of pass h, over the whole K. Each weight
 // vector is scaled once in registers (one FMA) and shared by the R rows.
 template <class F, int R>
@@ -247,7 +249,7 @@ void tile_rows(const SkippyDenseArgs& a, const uint8_t* panel, const uint16_t* s
     for (int c = 0; c < kVecs; ++c)
       sc[c] = loadh(s + at + kLanes * c), zc[c] = F::kOffsetOfScale ? sc[c] * -16.0f : z ? loadh(z + at + kLanes * c) : vf{};
     for (int64_t k = g0; k < g0 + a.group; ++k, row += F::kRowBytes) {
-      // block by block here, not pass_levels: with R rows' accumulators live, the whole-row spill
+      // block by block here, not row_bytes: with R rows' accumulators live, the whole-row spill
       // cost prefill a quarter of its speed (bench peers, SmolLM2 Q4_K_M: 157 -> 116 tok/s)
       vf w[kVecs];
       for (int c = 0; c < kVecs; ++c) w[c] = F::block(row, h * kVecs + c) * sc[c] + zc[c];
@@ -267,25 +269,31 @@ void tile_rows(const SkippyDenseArgs& a, const uint8_t* panel, const uint16_t* s
 template <class F>
 void tile_one(const SkippyDenseArgs& a, const uint8_t* panel, const uint16_t* s, const uint16_t* z,
               int64_t m, int64_t n0, int h) {
-  vf acc[kVecs] = {};
+  constexpr int V = F::kRowVecs;   // kVecs, or the whole row (AVX2 Q5: passes h and h + 1 at once)
+  vf acc[V] = {};
   const float* x = a.x + m * a.K;
   const uint8_t* row = panel;
   for (int64_t g0 = 0, at = kLanes * kVecs * h; g0 < a.K; g0 += a.group, at += kPanel) {
-    vf part[kVecs] = {};
-    float xsum = 0.0f;
+    vf part[V] = {};
+    float xsum = 0.0f;   // its own loop (the same sums): in the row loop, AVX2 Q5's 8 chains spilled it
+    for (int64_t k = g0; k < g0 + a.group; ++k) xsum += x[k];
     for (int64_t k = g0; k < g0 + a.group; ++k, row += F::kRowBytes) {
       prefetch_ahead<1>(row);   // (rows of 32, 40 or 64 bytes: a line asked for twice at most)
-      xsum += x[k];
-      vf lv[kVecs];
-      pass_levels<F>(row, h, lv);
-      for (int c = 0; c < kVecs; ++c) part[c] += x[k] * lv[c];
+      // kRowLevels: the row's levels decoded at once as bytes, each block widened right before its FMA
+      // (8 widened blocks held at once spilled two of AVX2 Q5's 8 accumulators: a store-load chain a row)
+      alignas(64) uint8_t bytes[64];
+      if (F::kRowLevels) {
+        F::row_bytes(row, h, bytes);
+        __asm__("" : "+m"(bytes));   // reload from memory: GCC would widen through extracts (port 5 again)
+      }
+      for (int c = 0; c < V; ++c) part[c] += x[k] * (F::kRowLevels ? F::level_block(bytes, c) : F::block(row, h * kVecs + c));
     }
-    for (int c = 0; c < kVecs; ++c) {
+    for (int c = 0; c < V; ++c) {
       const vf sc = loadh(s + at + kLanes * c);
       acc[c] += part[c] * sc + xsum * (F::kOffsetOfScale ? sc * -16.0f : z ? loadh(z + at + kLanes * c) : vf{});
     }
   }
-  for (int c = 0; c < kVecs; ++c) __builtin_memcpy(a.y + m * a.Np + n0 + kLanes * (h * kVecs + c), &acc[c], sizeof(vf));
+  for (int c = 0; c < V; ++c) __builtin_memcpy(a.y + m * a.Np + n0 + kLanes * (h * kVecs + c), &acc[c], sizeof(vf));
 }
 
 // Every row of output panel p; the panel stays in cache while row tiles reuse it.
@@ -298,7 +306,7 @@ void panel_rows(const SkippyDenseArgs* a, int64_t p) {
     int64_t m = 0;
     for (; m + kRows <= a->M; m += kRows) tile_rows<F, kRows>(*a, panel, s, z, m, n0, h);
     if (kRows > 2 && m + 2 <= a->M) tile_rows<F, 2>(*a, panel, s, z, m, n0, h), m += 2;
-    if (m < a->M) tile_one<F>(*a, panel, s, z, m, n0, h);
+    if (m < a->M && h % (F::kRowVecs / kVecs) == 0) tile_one<F>(*a, panel, s, z, m, n0, h);
   }
 }
 
