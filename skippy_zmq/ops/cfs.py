@@ -128,13 +128,13 @@ def _follow(steps: Sequence[Step], hops: Sequence[float], driver_ms: float, spre
 @dataclass
 class _Runtime:
     """One host's CFS runtime as the ring follows it, carried from one step to the next: a bucket
-    that every period's start tops up by the budget, busy or idle, to at most the budget and the
-    runtime a core keeps for an idle group (`keep`, averaged as throttled_ms averages it). A step
+    that every period's start tops up by the budget, busy or idle, to at most `cap`: the budget and
+    the runtime a core keeps for an idle group (spread from none to all, as throttled_ms). A step
     runs while there is runtime and is held to its period's end when there is none. Why carried:
     given the budget and the kept runtime afresh every token, a step needing 4.08 periods of budget
     was held for a fifth period every token (the even split's host at 25%, 10.2 ms of work: 50.0
     ms predicted, 41.7 measured, docs/cluster.md); a step that spent the kept runtime starts the
-    next without it, which then is held a fifth period, and the periods idle between refill it."""
+    next without it and is held a fifth period, and the periods idle between refill it."""
 
     budget: float
     period: float
