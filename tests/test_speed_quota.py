@@ -24,6 +24,8 @@ RUN = Path(__file__).parent / "fixtures" / "cluster_quiet_run.json"
 FINAL_RUN = Path(__file__).parent / "fixtures" / "cluster_final_run.json"
 # the 1-stream rerun (docs/cluster.md "A 1-stream rerun", 23:43): the even split measured 41.72 ms
 RERUN = Path(__file__).parent / "fixtures" / "cluster_rerun_run.json"
+# the run after the runtime was carried (docs/cluster.md, 2026-12-06 05:28): even split 31.28 ms
+CHECK_RUN = Path(__file__).parent / "fixtures" / "cluster_check_run.json"
 
 
 def quiet_run(path: Path | None = None) -> tuple[dict, dict[str, HostSpeed], Links]:
