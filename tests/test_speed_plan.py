@@ -15,6 +15,7 @@ import yaml
 from conftest import REPO
 
 from skippy_zmq.config.topology_yaml import load_topology
+from skippy_zmq.ops.cfs import Step, ring_1
 from skippy_zmq.ops.speed import (DRIVER, OBJECTIVES, TIE, HostSpeed, Links, SpeedPlanError, Stage, brute_force,
                                   micro_rows, objective_ms, plan_split, predict, throttled_ms)
 
@@ -69,15 +70,22 @@ def test_plan_split_is_exact_against_brute_force(seed):
 
 def test_software_per_stage_per_hop_and_the_drivers_are_charged():
     """A stage's software per step (measured on its host, part of its step, so a quota'd host's
-    burst applies to it too), each hop's fixed software and the driver's time a token."""
+    burst applies to it too), each hop's fixed software and the driver's time a token. b's step is
+    cfs.ring_1's: a token (4.6 ms) is shorter than b's period, and 1.3 ms of work every token is
+    more than its 2.5 ms a period, so some steps are held; a step alone (throttled_ms) runs flat out."""
     hosts = {"a": HostSpeed("a", (1,), (1.0,), (0.5,), (2.0,), software_ms=(0.4,)),
              "b": HostSpeed("b", (1,), (1.0,), (0.5,), (2.0,), software_ms=(0.8,), idle_ratio=0.25, period_ms=10.0)}
     stages = (Stage("a", 0, 2), Stage("b", 2, 4))
     bare = predict(stages, hosts, 4, Links(0.25))
     assert bare.stage_ms_1[0] == pytest.approx(0.5 + 0.4 + 2 * 1.0)
-    assert bare.stage_ms_1[1] == pytest.approx(throttled_ms((0.5 + 0.8 + 2 + 2) * 0.25, 0.25, 10.0))
+    work = (0.5 + 0.8 + 2 + 2) * 0.25
+    assert bare.stage_ms_1[1] == pytest.approx(ring_1([Step(2.9), Step(work, 0.25, 10.0)], bare.hop_ms_1)[1][1])
+    assert throttled_ms(work, 0.25, 10.0) == pytest.approx(work)
+    assert bare.stage_ms_1[1] > work + 0.1
     charged = predict(stages, hosts, 4, Links(0.25, driver_ms=1.5, hop_fixed_ms=0.4))
-    assert charged.ms_per_token_1 == pytest.approx(bare.ms_per_token_1 + 1.5 + 3 * 0.4)   # 3 hops, 1 driver
+    # 3 hops, 1 driver; b's step apart, which the longer token lets hold less
+    assert charged.ms_per_token_1 - charged.stage_ms_1[1] == pytest.approx(
+        bare.ms_per_token_1 - bare.stage_ms_1[1] + 1.5 + 3 * 0.4)
     assert charged.hop_ms_1 == pytest.approx((0.65, 0.65, 0.65))
     # at 8 streams b (25% of a core, 2 layers and the head) bounds the round: M x its sustained step
     assert charged.round_ms_n == bare.round_ms_n == pytest.approx(2 * (0.5 + 0.8 + 2 + 2))

@@ -10,11 +10,18 @@ at the same phase again. The phase is locked, and where it lands decides whether
 held or not: one layer and the head on a host at 25% of a core (4.5 ms of work against a 3.5 ms
 burst) take from 4.5 to 12 ms by phase, 8.1 averaged over phases, and measured 11.1 (bench
 cluster, memory-only split). Following the ring token by token finds the phase it locks in.
+
+Why a host's runtime is followed across tokens too: the runtime a core keeps for an idle group
+(up to 1 ms) is what the host's previous steps left, not a fresh overrun every step. Given
+afresh, a step needing 4.08 periods of budget was held for a fifth every token (50.0 ms
+predicted, 41.7 measured: the even split of bench cluster's 23:43 run); carried, a step that
+spent it leaves none, and the next is held for a fifth only then (44.8).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -83,7 +90,7 @@ def ring_1(steps: Sequence[Step], hops_ms: Sequence[float],
     """(ms per token, each step's mean ms) of one stream round the ring: hop, step, hop, ..., step,
     hop, the driver; each quota'd step from the phase of its period it starts at (module docstring),
     averaged over OFFSETS spreads of the hosts' periods and over how much of the overrun a core kept
-    (SLACKS, as throttled_ms). A step starts with its whole budget (a token takes longer than a period)."""
+    (SLACKS, as throttled_ms). Each host's runtime carries from its step to its next (`_Runtime`)."""
     hops = list(hops_ms) + [0.0] * (len(steps) + 1 - len(hops_ms))
     if not any(s.quota for s in steps):
         walls = tuple(s.work_ms for s in steps)
@@ -99,20 +106,16 @@ def ring_1(steps: Sequence[Step], hops_ms: Sequence[float],
 def _follow(steps: Sequence[Step], hops: Sequence[float], driver_ms: float, spread: float,
             kept: float) -> tuple[float, list[float]]:
     """ring_1 for one spread of the periods' starts (host i's at (i · 0.618 + spread) of its period)
-    and one fraction of the overrun kept: the mean of the last RING_TOKENS tokens."""
-    offsets = [((i * 0.618 + spread) % 1.0) * s.period_ms for i, s in enumerate(steps)]
+    and one fraction of the overrun kept: the mean of the last RING_TOKENS tokens. Each quota'd
+    host's runtime carries from token to token (`_Runtime`)."""
+    hosts = [_Runtime.of(s, ((i * 0.618 + spread) % 1.0) * s.period_ms, kept) if s.quota else None
+             for i, s in enumerate(steps)]
     t, total, walls = 0.0, 0.0, [0.0] * len(steps)
     for token in range(RING_WARM + RING_TOKENS):
         start = t
-        for i, step in enumerate(steps):
+        for i, (step, host) in enumerate(zip(steps, hosts)):
             t += hops[i]
-            if step.quota:
-                budget = step.quota_cores * step.period_ms
-                until = step.period_ms - (t - offsets[i]) % step.period_ms
-                extra = kept * max(0.0, step.first_ms - budget)
-                wall = _throttled_at(step.work_ms, budget, step.period_ms, until, extra)
-            else:
-                wall = step.work_ms
+            wall = host.run(t, step.work_ms) if host else step.work_ms
             t += wall
             if token >= RING_WARM:
                 walls[i] += wall / RING_TOKENS
@@ -120,3 +123,47 @@ def _follow(steps: Sequence[Step], hops: Sequence[float], driver_ms: float, spre
         if token >= RING_WARM:
             total += (t - start) / RING_TOKENS
     return total, walls
+
+
+@dataclass
+class _Runtime:
+    """One host's CFS runtime as the ring follows it, carried from one step to the next: a bucket
+    that every period's start tops up by the budget, busy or idle, to at most `cap`: the budget and
+    the runtime a core keeps for an idle group (spread from none to all, as throttled_ms). A step
+    runs while there is runtime and is held to its period's end when there is none. Why carried:
+    given the budget and the kept runtime afresh every token, a step needing 4.08 periods of budget
+    was held for a fifth period every token (the even split's host at 25%, 10.2 ms of work: 50.0
+    ms predicted, 41.7 measured, docs/cluster.md); a step that spent the kept runtime starts the
+    next without it and is held a fifth period, and the periods idle between refill it."""
+
+    budget: float
+    period: float
+    offset: float
+    cap: float
+    runtime: float
+    last: float | None = None
+
+    @classmethod
+    def of(cls, step: Step, offset: float, kept: float) -> _Runtime:
+        budget = step.quota_cores * step.period_ms
+        cap = budget + kept * max(0.0, step.first_ms - budget)
+        return cls(budget, step.period_ms, offset, cap, cap)
+
+    def _index(self, t: float) -> int:
+        return math.floor((t + 1e-9 - self.offset) / self.period)
+
+    def run(self, t: float, work_ms: float) -> float:
+        """Wall ms of a step of `work_ms` started at t; the runtime it leaves stays for the next."""
+        if self.last is not None:
+            self.runtime = min(self.cap, self.runtime + self.budget * (self._index(t) - self._index(self.last)))
+        start, left = t, work_ms
+        while left > 1e-12:
+            end = self.offset + (self._index(t) + 1) * self.period
+            ran = min(left, self.runtime, end - t)
+            t, left, self.runtime = t + ran, left - ran, self.runtime - ran
+            if left <= 1e-12:
+                break
+            t = end                  # out of runtime (held) or at the period's end: the next refills
+            self.runtime = min(self.cap, self.runtime + self.budget)
+        self.last = t
+        return t - start
