@@ -327,6 +327,25 @@ def test_a_child_is_not_stopped_before_it_said_ready():
     assert child.proc.poll() is not None
 
 
+def test_a_busy_stage_stops_its_child_at_once_and_gate_continues_it():
+    """pause() (a request just took a lane: the stage loop's thread) stops a ready child now, where
+    gate() would at the compile thread's next tick; gate() continues it once quiet. A forced child
+    runs on (gate's rule), and one whose context is left is not signalled any more."""
+    job = behind.BehindJob(None, 0, 1, None, None, 0, (((1, 1), 256, "logits"),), "/tmp")
+    with behind.Child(job, (sys.executable, "-c", "import time; time.sleep(60)")) as child:
+        child.ready = True   # as its `ready` line would say
+        child.pause()
+        assert child.stopped_at is not None and wait_for(lambda: proc_state(child.proc.pid) == "T", 30)
+        assert not child.gate(True, 600.0) and child.stopped_at is None
+        assert wait_for(lambda: proc_state(child.proc.pid) != "T", 30)
+        child.forced = True
+        child.pause()
+        assert child.stopped_at is None and proc_state(child.proc.pid) != "T"
+        child.forced = False
+    child.pause()   # closed: nothing to signal (it is reaped)
+    assert child.stopped_at is None and child.proc.poll() is not None
+
+
 class _SlowToUnpickle:
     """Unpickles as time.sleep(600): a job whose unpickling (the JAX and model imports) takes long."""
 

@@ -70,10 +70,14 @@ def test_stop_frees_the_lane(first):
 
 def test_a_held_lane_keeps_the_runner_from_compiling_behind(first):
     """While a request holds a lane the runner is not quiet: its compile_behind waits (runner.quiet)."""
+    paused = []
+    first.runner.pause_behind = lambda: paused.append(len(first.sessions))   # its child stopped at once
     assert first.runner.quiet.is_set()
     first.handle(prefill(1, [5, 6]))
-    assert not first.runner.quiet.is_set()
+    first.handle(prefill(2, [5, 6]))
+    assert not first.runner.quiet.is_set() and paused == [1]   # on the change to busy only
     first.handle(Message(Kind.STOP, 9, 1))
+    first.handle(Message(Kind.STOP, 9, 2))
     assert first.runner.quiet.is_set()
 
 

@@ -109,6 +109,7 @@ class CompileBehind:
         child = behind.start(job, self.behind_command, self.behind_child_s)
         if child is None:
             return 0
+        self._child = child   # pause_behind() stops it at once
         with child:
             for event in child.reports():   # a shape's index, or None: a tick
                 if event is not None and event != delivered:
@@ -120,7 +121,15 @@ class CompileBehind:
                     self.stats.behind_child += 1
                 self.stats.behind_waits += child.gate(self.quiet.is_set(), self.behind_yield_s)
                 self._compile_wanted()   # the child stopped first (gate) when a request holds a lane
+        self._child = None
         return read
+
+    def pause_behind(self) -> None:
+        """A request just took a lane (the stage loop's thread): stop the compile child now, not at
+        the compile thread's next tick (behind.Child.pause)."""
+        child = self._child
+        if child is not None:
+            child.pause()
 
     def join_behind(self) -> None:
         """Wait for compile_behind's thread (a tool timing a stage's start; tests)."""

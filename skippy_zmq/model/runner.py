@@ -96,6 +96,7 @@ class SliceRunner(CompileBehind):
         self.behind_command: tuple[str, ...] | None = behind.CHILD_COMMAND
         self.behind_child_s = behind.CHILD_SHAPE_S
         self._marks: behind.BehindJob | None = None   # the child's job: a shape of it compiled here is marked
+        self._child: behind.Child | None = None   # the child while it runs (pause_behind)
 
     @property
     def first(self) -> bool:

@@ -66,7 +66,9 @@ class StageWorker:
     def note_sessions(self) -> None:
         """Tell the runner whether a request holds a lane here: its compile_behind waits while one does."""
         if len(self.sessions):
-            self.runner.quiet.clear()
+            if self.runner.quiet.is_set():
+                self.runner.quiet.clear()
+                self.runner.pause_behind()   # its child stops now, not at the compile thread's tick
         else:
             self.runner.quiet.set()
 
