@@ -181,16 +181,23 @@ class Child:
         except ProcessLookupError:   # exited (not yet reaped: send_signal skips a reaped one)
             pass
 
+    def _runs_anyway(self) -> bool:
+        """Left running while the stage is busy: forced on (until its next shape), not yet `ready`
+        to be stopped, or done with every shape (it is only exiting)."""
+        return self.forced or not self.ready or self.done >= self.total
+
+    def _stop(self) -> None:
+        self._signal(signal.SIGSTOP)
+        self.stopped_at = time.monotonic()
+
     def pause(self) -> None:
         """Stop it now: the stage just got busy (the stage loop's thread calls this), where gate()
         stops it only at the compile thread's next tick, up to TICK_S later: both stages' children
         compiling on into a first request took 0.12-0.18 of its 1.2 CPU s (measured, issue 39).
         A forced or finished child is left to gate(), as it would leave it."""
         with self._gate_lock:
-            if not (self._closed or self.forced or self.stopped_at is not None or not self.ready
-                    or self.done >= self.total):
-                self._signal(signal.SIGSTOP)
-                self.stopped_at = time.monotonic()
+            if not (self._closed or self.stopped_at is not None or self._runs_anyway()):
+                self._stop()
 
     def gate(self, quiet: bool, yield_s: float) -> bool:
         """Stop the child while the stage is busy (not `quiet`), continue it once quiet, or once
@@ -200,14 +207,13 @@ class Child:
 
     def _gate(self, quiet: bool, yield_s: float) -> bool:
         self.forced = self.forced and self.done == self.forced_at
-        if quiet or self.forced or not self.ready or self.done >= self.total:   # (all done: it is only exiting)
+        if quiet or self._runs_anyway():
             if self.stopped_at is not None:
                 self._signal(signal.SIGCONT)
                 self.stopped_at = None
             return False
         if self.stopped_at is None:
-            self._signal(signal.SIGSTOP)
-            self.stopped_at = time.monotonic()
+            self._stop()
             return False
         if time.monotonic() - self.stopped_at < yield_s:
             return False
