@@ -23,6 +23,10 @@ from skippy_zmq.cli import CACHE_MIN_S_ENV, configure_jax
 from skippy_zmq.devtools.harness import PORT_SLICE_ENV
 from skippy_zmq.protocol.keystore import KEYS_HOME_ENV
 from model_helpers import random_params
+import cpu_profiling
+
+if cpu_profiling.PROFILE_DIR:   # the suite's CPU profile, opt-in (tests/cpu_profiling.py)
+    from cpu_profiling import pytest_runtest_protocol, pytest_sessionfinish  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
