@@ -19,7 +19,7 @@ from pathlib import Path
 def kind(argv: list[str]) -> str:
     words = " ".join(argv)
     for key, name in (("skippy_zmq.model.behind", "behind"), (" stage ", "stage"), (" worker", "worker"),
-                      (" driver ", "driver"), (" up ", "driver"), ("execnet", "xdist")):
+                      (" driver ", "driver"), (" up ", "driver"), ("sys.stdin.readline", "pytest worker")):
         if key in f" {words} ":
             return name
     return "python"
@@ -32,14 +32,19 @@ def main() -> None:
     args = ap.parse_args()
     cpu: dict[str, float] = defaultdict(float)
     wall_tests: Counter = Counter()
-    for f in args.folder.glob("cpu-*.json"):
+    for f in args.folder.glob("cpu-*.jsonl"):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            file = r["test"].split("::", 1)[0]
+            key = f"{file} (last on {r['worker']}: session teardown)" if r["last"] else file
+            cpu[key] += r["self_s"] + r["children_s"]
+            wall_tests[file] += 1
+    for f in args.folder.glob("cpu-*.json"):   # the first version of the plugin: one file at the end
         data = json.loads(f.read_text())
         for nodeid, r in data["tests"].items():
             file = nodeid.split("::", 1)[0]
-            if r["last"]:
-                cpu[f"{file} (last on {data['worker']}: session teardown)"] += r["self_s"] + r["children_s"]
-            else:
-                cpu[file] += r["self_s"] + r["children_s"]
+            key = f"{file} (last on {data['worker']}: session teardown)" if r["last"] else file
+            cpu[key] += r["self_s"] + r["children_s"]
             wall_tests[file] += 1
     starts: dict[str, Counter] = defaultdict(Counter)
     for f in args.folder.glob("procs-*.jsonl"):

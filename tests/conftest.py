@@ -26,7 +26,7 @@ from model_helpers import random_params
 import cpu_profiling
 
 if cpu_profiling.PROFILE_DIR:   # the suite's CPU profile, opt-in (tests/cpu_profiling.py)
-    from cpu_profiling import pytest_runtest_protocol, pytest_sessionfinish  # noqa: F401
+    from cpu_profiling import pytest_runtest_protocol  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"

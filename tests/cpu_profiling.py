@@ -1,5 +1,5 @@
-"""The suite's CPU profile, opt-in: `SKIPPY_CPU_PROFILE=<folder> pytest ...` writes, per pytest process,
-cpu-<pid>.json: for each test the CPU seconds of its setup, call and teardown in the pytest process
+"""The suite's CPU profile, opt-in: `SKIPPY_CPU_PROFILE=<folder> pytest ...` appends, per pytest process,
+to cpu-<pid>.jsonl as each test ends (an interrupted run keeps what it measured): for each test the CPU seconds of its setup, call and teardown in the pytest process
 (RUSAGE_SELF) and in the children it reaped meanwhile (RUSAGE_CHILDREN: a child counts once reaped, so a
 module's pipeline counts at the teardown that stops it, a session's at the worker's last teardown), and
 every process started under it (cpu_profile/sitecustomize.py). scripts/cpu_profile_table.py sums them by
@@ -27,18 +27,13 @@ def cpu_now() -> tuple[float, float]:
 if PROFILE_DIR:
     Path(PROFILE_DIR).mkdir(parents=True, exist_ok=True)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), os.environ.get("PYTHONPATH")) if p)
-    RECORDS: dict[str, dict[str, float]] = {}
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
         before = cpu_now()
         yield
         after = cpu_now()
-        RECORDS[item.nodeid] = {"self_s": after[0] - before[0], "children_s": after[1] - before[1],
-                                "last": nextitem is None}
-
-    def pytest_sessionfinish(session):
-        own, kids = cpu_now()
-        out = Path(PROFILE_DIR) / f"cpu-{os.getpid()}.json"
-        out.write_text(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "tests": RECORDS,
-                                   "process_self_s": own, "process_children_s": kids}, indent=1))
+        record = {"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                  "self_s": after[0] - before[0], "children_s": after[1] - before[1], "last": nextitem is None}
+        with open(Path(PROFILE_DIR) / f"cpu-{os.getpid()}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
