@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -325,6 +324,3 @@ def _replace_dir(new: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def model_digest(model_dir: Path) -> str:
-    """Identity of a converted model (the source file's hash), for prefix-cache keys."""
-    return json.loads((Path(model_dir) / "source.json").read_text())["sha256"]

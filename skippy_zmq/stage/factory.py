@@ -22,7 +22,6 @@ from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig, decode_shape
 from skippy_zmq.config.speculative import SpeculativeConfig
 from skippy_zmq.kv.prefix_store import PrefixStore, StoreIdentity
 from skippy_zmq.checkpoint import checkpoint, loader
-from skippy_zmq.checkpoint.convert import model_digest
 from skippy_zmq.model import behind
 from skippy_zmq.model.kernel import prepare_kernel
 from skippy_zmq.model.runner import WARM_RUN_TOKENS, SliceRunner, resolve_device
@@ -199,7 +198,7 @@ def make_store(topology: Topology, stage: StageConfig) -> PrefixStore | None:
     c = stage.cache
     if c.mode == "disabled":
         return None
-    identity = StoreIdentity(model_digest(topology.model_path), stage.start, stage.end, stage.kv_dtype)
+    identity = StoreIdentity(loader.model_digest(topology.model_path), stage.start, stage.end, stage.kv_dtype)
     return PrefixStore(identity, c)
 
 
