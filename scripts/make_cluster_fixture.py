@@ -24,7 +24,8 @@ def fixture(bench: dict, about: str) -> dict:
         alone["decode"] = h.get("decode_alone", h["decode"])
         hosts[h["name"]] = {"alone": alone, "together": {"decode": h["decode_together"]}}
     return {"about": about, "n_layers": bench["hosts"][0]["layers"], "row_bytes": 4 * _d_model(bench),
-            "streams": 8, "links": [{k: h["link"][k] for k in ("host", "rtt_ms", "bytes_per_s")} for h in bench["hosts"]],
+            "streams": 8,
+            "links": [{k: h["link"][k] for k in ("host", "rtt_ms", "bytes_per_s")} for h in bench["hosts"]],
             "ring": {k: bench["ring"][k] for k in ("driver_ms", "hop_fixed_ms")}, "hosts": hosts,
             "splits": [{k: s.get(k) for k in SPLIT_KEYS} for s in bench["splits"]]}
 

@@ -23,7 +23,8 @@ def test_measure_host_on_a_tiny_model(tmp_path, tiny_tree, fmt):
     for row in m["decode"].values():
         assert set(row) == {"layer_ms", "step_ms", "head_ms", "sample_ms", "message_ms", "software_ms", "cpu"}
         cpu = row.pop("cpu")    # the same calls' process CPU, split alike (recorded, not planned with)
-        assert set(cpu) == {"layer_ms", "step_ms", "head_ms"} and all(isinstance(v, float) and v >= 0 for v in cpu.values())
+        assert set(cpu) == {"layer_ms", "step_ms", "head_ms"}
+        assert all(isinstance(v, float) and v >= 0 for v in cpu.values())
         assert cpu["layer_ms"] + cpu["step_ms"] > 0
         assert all(isinstance(v, float) and v >= 0 for v in row.values())
         assert row["software_ms"] > 0              # a real StageWorker's receive-to-send besides compute
