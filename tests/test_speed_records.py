@@ -14,8 +14,9 @@ from pathlib import Path
 
 from test_speed_quota import CHECK_RUN, FINAL_RUN, RERUN, RUN, quiet_run, stages_of
 
-from skippy_zmq.cluster.measure import CFS_KEEP_MS
-from skippy_zmq.ops.speed import predict
+from skippy_zmq.cluster.drift import scale_measure
+from skippy_zmq.cluster.measure import CFS_KEEP_MS, quota_burst
+from skippy_zmq.ops.speed import HostSpeed, predict
 
 # the run docs/cluster.md "Figures" tabulates (2026-12-05 20:53, 63833fd): 11 splits, 1 and 8 streams
 FIGURES_RUN = Path(__file__).parent / "fixtures" / "cluster_figures_run.json"
@@ -99,3 +100,35 @@ def test_every_recorded_rows_prediction(path, want_1, want_8):
     assert (min(one), max(one)) == pytest.approx(want_1, abs=0.001)
     if want_8 is not None:
         assert (min(many), max(many)) == pytest.approx(want_8, abs=0.001)
+
+
+def _measured(quota: float, cpu: bool) -> dict:
+    """A measure_host result of a host at `quota` cores (its 1-row clock figures a loaded loop's)."""
+    row = {"layer_ms": 2.1, "step_ms": 2.93, "head_ms": 16.05, "sample_ms": 0.01, "message_ms": 0.2, "software_ms": 1.0}
+    if cpu:
+        row["cpu"] = {"layer_ms": 0.33, "step_ms": 0.35, "head_ms": 3.2}
+    many = {"layer_ms": 5.0, "step_ms": 1.0, "head_ms": 30.0, "cpu": {"layer_ms": 1.2, "step_ms": 0.2, "head_ms": 7.0}}
+    out = {"name": "h", "decode": {"1": row, "4": dict(many), "8": dict(many)}, "cpu_period_ms": 10.0}
+    out.update(quota_burst(quota, 10.0))
+    return out
+
+
+def test_a_quotad_hosts_idle_started_step_is_its_cpu_time():
+    """Under a quota below a core the 1-row figures come from the measured CPU: a step started idle
+    is that much work (e = q), its sustained time that over the quota; the many-row figures (a
+    busy host's) and a host without a quota keep the clock's."""
+    h = HostSpeed.from_measure(_measured(0.25, cpu=True))
+    want = (0.33 / 0.25, 0.35 / 0.25 + 0.2, 3.2 / 0.25 + 0.01)    # (+ the message, + the sampling)
+    assert (h.layer_ms[0], h.step_ms[0], h.head_ms[0]) == pytest.approx(want)
+    assert h.step(3, False).work_ms == pytest.approx(0.35 + 3 * 0.33 + 0.25 * (0.2 + 1.0))
+    assert (h.layer_ms[1], h.head_ms[2]) == (5.0, 30.0)     # (no sample_ms in the many-row rows here)
+    clock = HostSpeed.from_measure(_measured(0.25, cpu=False))
+    assert clock.step(3, False).work_ms == pytest.approx(0.25 * (2.93 + 0.2 + 1.0 + 3 * 2.1))
+    whole = HostSpeed.from_measure(_measured(1.0, cpu=True))
+    assert (whole.layer_ms[0], whole.step_ms[0]) == (2.1, 2.93 + 0.2)
+
+
+def test_drift_scales_the_cpu_figures_too():
+    out = scale_measure(_measured(0.25, cpu=True), 2.0)
+    assert out["decode"]["1"]["cpu"] == pytest.approx({"layer_ms": 0.66, "step_ms": 0.7, "head_ms": 6.4})
+    assert HostSpeed.from_measure(out).layer_ms[0] == pytest.approx(2 * 0.33 / 0.25)

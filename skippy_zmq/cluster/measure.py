@@ -91,8 +91,8 @@ def _median_ms(calls: dict[str, Callable[[], Any]], repeats: int,
 
 def _split_ms(ms: dict[str, float], rows: int, k: int, under: str) -> dict[str, float]:
     """{layer_ms, step_ms, head_ms} of one row count from its timed calls (one layer, the k-layer
-    stack, the head after `under`), as measure_host splits its wall-clock figures. Recorded beside
-    them in CPU ms (not planned with yet: docs/cluster.md, "What the time model counts")."""
+    stack, the head after `under`), as measure_host splits its wall-clock figures; beside them in
+    CPU ms (`cpu`), what ops/speed.py plans a quota'd host's idle-started 1-row step from."""
     one, layer = ms[f"one_{rows}"], max(0.0, (ms[f"stack_{rows}"] - ms[f"one_{rows}"]) / (k - 1))
     return {"layer_ms": round(layer, 4), "step_ms": round(max(0.0, one - layer), 4),
             "head_ms": round(max(0.0, ms[f"head_{rows}"] - ms[f"{under}_{rows}"]), 4)}
