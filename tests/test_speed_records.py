@@ -20,6 +20,8 @@ from skippy_zmq.ops.speed import HostSpeed, predict
 
 # the run docs/cluster.md "Figures" tabulates (2026-12-05 20:53, 63833fd): 11 splits, 1 and 8 streams
 FIGURES_RUN = Path(__file__).parent / "fixtures" / "cluster_figures_run.json"
+# the first run with CPU figures (2026-12-06 08:45, docs/cluster.md "Figures"), quiet
+CPU_RUN = Path(__file__).parent / "fixtures" / "cluster_cpu_run.json"
 
 
 def _served_vs_composed(path: Path) -> list[tuple[str, int, bool, float]]:
@@ -86,7 +88,8 @@ def test_the_check_runs_partial_stacks_were_served_faster_than_every_host_measur
     (FIGURES_RUN, (0.810, 1.120), (0.883, 1.075)),
     (RERUN, (0.962, 1.075), None),
     (CHECK_RUN, (0.985, 1.208), None),
-], ids=["quiet", "final", "figures", "rerun", "check"])
+    (CPU_RUN, (0.953, 1.198), (0.864, 1.068)),
+], ids=["quiet", "final", "figures", "rerun", "check", "cpu"])
 def test_every_recorded_rows_prediction(path, want_1, want_8):
     """Predicted ÷ measured of every row of every recorded run as the model stands (the range of
     each run: docs/cluster.md "What the time model counts" names the rows out and why)."""
