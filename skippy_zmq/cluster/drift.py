@@ -28,13 +28,20 @@ TIME_KEYS = ("layer_ms", "step_ms", "head_ms", "sample_ms", "message_ms")
 def scale_measure(speed: Mapping[str, Any], factor: float) -> dict[str, Any]:
     """A measure_host result with every time multiplied by `factor`."""
     out = dict(speed)
-    out["decode"] = {rows: {k: (v * factor if k in TIME_KEYS else v) for k, v in entry.items()}
+    out["decode"] = {rows: {k: _scaled(k, v, factor) for k, v in entry.items()}
                      for rows, entry in speed.get("decode", {}).items()}
     prefill = dict(speed.get("prefill", {}))
     if "layer_ms_per_token" in prefill:
         prefill["layer_ms_per_token"] = prefill["layer_ms_per_token"] * factor
     out["prefill"] = prefill
     return out
+
+
+def _scaled(key: str, value: Any, factor: float) -> Any:
+    """A time x factor; the CPU figures (a dict of times) each alike; anything else as it is."""
+    if key == "cpu" and isinstance(value, Mapping):
+        return {k: (v * factor if k in TIME_KEYS else v) for k, v in value.items()}
+    return value * factor if key in TIME_KEYS else value
 
 
 class DriftMonitor:

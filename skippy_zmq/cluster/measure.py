@@ -60,11 +60,15 @@ TEST_SAMPLE_S_ENV = "SKIPPY_TEST_MEASURE_SAMPLE_S"
 CFS_KEEP_MS = 1.0      # runtime a core keeps for a throttled group gone idle (kernel/sched/fair.c min_cfs_rq_runtime)
 
 
-def _median_ms(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+def _median_ms(calls: dict[str, Callable[[], Any]], repeats: int,
+               cpu: dict[str, float] | None = None) -> dict[str, float]:
     """Per call, the median ms of `repeats` samples, taken round-robin (so a neighbour's burst
     lands on every call alike). A sample times a loop of the call long enough (SAMPLE_S) to span
     several scheduler slices: a sub-millisecond step timed alone measures the scheduler, not the
-    step. One untimed call each first: compiles and first-run costs."""
+    step. One untimed call each first: compiles and first-run costs. `cpu`, when given, gets the
+    median process CPU ms a call of the same samples (no quota's stall and no neighbour's turn in
+    it: what a step started idle spends, where the wall clock of a throttled loop is the sustained
+    rate)."""
     loops, sample_s = {}, float(os.environ.get(TEST_SAMPLE_S_ENV) or SAMPLE_S)
     for name, call in calls.items():
         call()
@@ -72,13 +76,26 @@ def _median_ms(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, f
         call()
         loops[name] = max(1, min(200, int(sample_s / max(time.perf_counter() - t0, 1e-6))))
     samples: dict[str, list[float]] = {name: [] for name in calls}
+    cpus_: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(loops[name]):
                 call()
             samples[name].append((time.perf_counter() - t0) / loops[name])
+            cpus_[name].append((time.process_time() - c0) / loops[name])
+    if cpu is not None:
+        cpu.update({name: 1000 * statistics.median(times) for name, times in cpus_.items()})
     return {name: 1000 * statistics.median(times) for name, times in samples.items()}
+
+
+def _split_ms(ms: dict[str, float], rows: int, k: int, under: str) -> dict[str, float]:
+    """{layer_ms, step_ms, head_ms} of one row count from its timed calls (one layer, the k-layer
+    stack, the head after `under`), as measure_host splits its wall-clock figures; beside them in
+    CPU ms (`cpu`), what ops/speed.py plans a quota'd host's idle-started 1-row step from."""
+    one, layer = ms[f"one_{rows}"], max(0.0, (ms[f"stack_{rows}"] - ms[f"one_{rows}"]) / (k - 1))
+    return {"layer_ms": round(layer, 4), "step_ms": round(max(0.0, one - layer), 4),
+            "head_ms": round(max(0.0, ms[f"head_{rows}"] - ms[f"{under}_{rows}"]), 4)}
 
 
 def _decode_call(runner: Any, rows: int, output: str) -> Callable[[], Any]:
@@ -309,8 +326,7 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
     and format), for a cluster worker that measures before it holds any weights."""
     from skippy_zmq.model.runner import resolve_device
 
-    t_start = time.perf_counter()
-    model_dir = Path(model_dir)
+    t_start, model_dir = time.perf_counter(), Path(model_dir)
     last, stack = _runners(model_dir, weights, dtype, resolve_device(device), source, seed)
     k = stack.end - stack.start     # the stack's layers (stack_layers)
     load_s = time.perf_counter() - t_start
@@ -324,30 +340,31 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
         calls.update({f"one_{rows}": _decode_call(last, rows, "hidden"),
                       f"stack_{rows}": _decode_call(stack, rows, "hidden"),
                       f"head_{rows}": _decode_call(head_runner, rows, "logits")})
-    ms = _median_ms(calls, repeats)
+    cpu: dict[str, float] = {}
+    ms = _median_ms(calls, repeats, cpu)
     for _ in range(RETRIES):   # a stack no slower than one layer: a neighbour's burst hit the one-layer samples
         bad = [r for r in ROWS if ms[f"stack_{r}"] <= ms[f"one_{r}"]]
         if not bad:
             break
-        ms.update(_median_ms({k: calls[k] for r in bad for k in (f"one_{r}", f"stack_{r}")}, repeats))
+        ms.update(_median_ms({k: calls[k] for r in bad for k in (f"one_{r}", f"stack_{r}")}, repeats, cpu))
     decode: dict[str, dict[str, float]] = {}
     # a stage's software is timed between its steps' compute, where a quota's throttling lands
     # (its median is the CPU time): at the sustained rate a host at q cores pays it 1/q times over
     for rows in ROWS:
-        one, layer = ms[f"one_{rows}"], max(0.0, (ms[f"stack_{rows}"] - ms[f"one_{rows}"]) / (k - 1))
-        decode[str(rows)] = {"layer_ms": round(layer, 4), "step_ms": round(max(0.0, one - layer), 4),
-                             "head_ms": round(max(0.0, ms[f"head_{rows}"] - ms[f"{under}_{rows}"]), 4),
+        decode[str(rows)] = {**_split_ms(ms, rows, k, under),
                              "sample_ms": round(_sample_ms(last.cfg.vocab_size, rows, repeats), 4),
                              "message_ms": round(_message_ms(last.cfg.d_model, rows, repeats), 4),
                              "software_ms": round(software.handle_ms(last, rows, max(ROWS), repeats)["software_ms"]
-                                                  / quota, 4)}
+                                                  / quota, 4),
+                             "cpu": _split_ms(cpu, rows, k, under)}
     prefill_layer = max(0.0, (ms["prefill_stack"] - ms["prefill_one"]) / (k - 1))
     p_one = ms["prefill_one"]
     facts = host_facts()
     if facts.get("cpu_period_ms"):
         facts.update(quota_burst(facts.get("cpu_quota_cores") or 1.0, facts["cpu_period_ms"]))
     return {"schema": SCHEMA, "name": name or os.uname().nodename, "model": str(model_dir), "weights": weights,
-            "dtype": dtype, "device": device, "source": source, "layers": last.cfg.n_layers, "decode": decode,
+            "dtype": dtype, "device": device, "source": source, "layers": last.cfg.n_layers, "stack_layers": k,
+            "decode": decode,
             "prefill": {"chunk": CHUNK, "layer_ms_per_token": round(prefill_layer / CHUNK, 5),
                         "step_ms": round(max(0.0, p_one - prefill_layer), 4)},
             "kernels": last.kernels(), **facts, "load_s": round(load_s, 2),

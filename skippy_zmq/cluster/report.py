@@ -70,6 +70,8 @@ def scaled_for_tests(speed: dict[str, Any]) -> dict[str, Any]:
     scale = float(raw)
     for row in speed.get("decode", {}).values():
         row.update({k: v * scale for k, v in row.items() if k in _TIMES})
+        if isinstance(row.get("cpu"), dict):
+            row["cpu"] = {k: v * scale for k, v in row["cpu"].items()}
     prefill = speed.get("prefill", {})
     prefill.update({k: v * scale for k, v in prefill.items() if k in ("layer_ms_per_token", "step_ms")})
     speed["test_speed_scale"] = scale

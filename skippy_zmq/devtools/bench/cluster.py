@@ -135,8 +135,15 @@ def many_rows(alone: dict[str, Any], together: dict[str, Any]) -> dict[str, Any]
     for r, v in together["decode"].items():
         if r != "1" and r in alone["decode"]:
             lone = alone["decode"][r]
-            alone["decode"][r] = {k: round((1 - TOGETHER) * lone.get(k, x) + TOGETHER * x, 4) for k, x in v.items()}
+            alone["decode"][r] = {k: _blend(lone.get(k, x), x) for k, x in v.items()}
     return alone
+
+
+def _blend(lone: Any, busy: Any) -> Any:
+    """many_rows' mean of a lone and an all-busy figure (the CPU figures' dict key by key)."""
+    if isinstance(busy, dict):
+        return {k: _blend(lone.get(k, x), x) for k, x in busy.items()}
+    return round((1 - TOGETHER) * lone + TOGETHER * busy, 4)
 
 
 def _measure(hosts: Hosts, which: list[int], model: Path, weights: str, tmp: Path, tag: str) -> list[dict[str, Any]]:
