@@ -26,6 +26,8 @@ FINAL_RUN = Path(__file__).parent / "fixtures" / "cluster_final_run.json"
 RERUN = Path(__file__).parent / "fixtures" / "cluster_rerun_run.json"
 # the run after the runtime was carried (docs/cluster.md, 2026-12-06 05:28): even split 31.28 ms
 CHECK_RUN = Path(__file__).parent / "fixtures" / "cluster_check_run.json"
+# the first run with CPU figures (docs/cluster.md "Figures", 2026-12-06 08:45)
+CPU_RUN = Path(__file__).parent / "fixtures" / "cluster_cpu_run.json"
 
 
 def quiet_run(path: Path | None = None) -> tuple[dict, dict[str, HostSpeed], Links]:
@@ -148,3 +150,25 @@ def test_the_reruns_latency_plan_leaves_the_quota_hosts_out():
     alone = predict(splits["planned (latency)"], hosts, run["n_layers"], links, 8, run["row_bytes"])
     assert alone.ms_per_token_1 == pytest.approx(18.64, abs=0.01)
     assert len(splits["even"]) == 3
+
+
+@pytest.mark.parametrize("path, latency, throughput, tok_s", [
+    (CPU_RUN, "h100:30", "h100:24 / h50:6", 168.3),
+    (RERUN, "h100:30", "h50:12 / h100:18", 165.3),
+    (CHECK_RUN, "h100:30", "h100:30", 148.4),
+], ids=["cpu", "rerun", "check"])
+def test_the_throughput_plan_may_leave_hosts_out_and_the_grid_still_has_splits(path, latency, throughput, tok_s):
+    """bench cluster's 8-stream plan is no longer held to three hosts (the 08:45 run's held plan
+    h50:10 / h25:5 / h100:15 measured 121.9 tok/s, h100 alone 179.6); the grid gets the best
+    predicted order of every host count from two up, so where both plans are h100 alone (the 05:28
+    run) it still tries 2- and 3-host splits."""
+    from skippy_zmq.devtools.bench.cluster import grid_orders, plan_splits
+
+    run, hosts, links = quiet_run(path)
+    need = lambda a, b: 0   # noqa: E731
+    splits = plan_splits(list(hosts.values()), run["n_layers"], need, links, run["row_bytes"])
+    assert (splits["planned (latency)"], splits["planned (throughput)"]) == (stages_of(latency), stages_of(throughput))
+    p = predict(splits["planned (throughput)"], hosts, run["n_layers"], links, 8, run["row_bytes"])
+    assert p.tok_s_n == pytest.approx(tok_s, abs=0.05)
+    orders = grid_orders(list(hosts.values()), run["n_layers"], need, links, run["row_bytes"])
+    assert {len(o) for o in orders} == {2, 3} and len(set(orders)) == len(orders)

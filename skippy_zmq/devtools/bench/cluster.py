@@ -10,13 +10,14 @@ numbers (hops costing round trip / 2 + activation bytes / bandwidth), and every 
 median) and 8 streams (steady aggregate tok/s), predicted beside measured.
 
 Splits: planned for latency (1 stream) and for throughput (8 streams), even, memory-only (each
-host the same budget: placement.fit_layers), and a grid of cut points in the planned host order
-(`--grid` layers apart), run in the order the model ranks them until the time budget is spent:
+host the same budget: placement.fit_layers), and a grid of cut points (`--grid` layers apart) in the
+best predicted host order of every host count from two up (`grid_orders`), run in the order the model ranks them until the time budget is spent:
 the best measured of all of them is the "best by brute force" row. The planner's choice among
-every cut and order is checked against brute force over the predictions too. The 1-stream
-plan may leave hosts out (plan_split's 1 to len(hosts) stages), as a user's planner would: held
-to all three, the 1-stream plan of the 23:43 rerun was a 3-stage split predicted 21.1 ms (measured
-21.93) where h100 alone was predicted 18.64 (its one-stage ring measured 19.86).
+every cut and order is checked against brute force over the predictions too. Both plans
+may leave hosts out (plan_split's 1 to len(hosts) stages), as a user's planner would: held to all
+three, the 1-stream plan of the 23:43 rerun was a 3-stage split predicted 21.1 ms (measured 21.93)
+where h100 alone was predicted 18.64 (its one-stage ring measured 19.86), and the 08:45 run's
+8-stream plan h50:10 / h25:5 / h100:15 measured 121.9 tok/s where h100 alone measured 179.6.
 """
 
 from __future__ import annotations
@@ -296,21 +297,40 @@ def run_split(name: str, stages: Sequence[Stage], hosts: Hosts, model: Path, wei
     return row
 
 
-# The 1-stream plan may leave hosts out (None: plan_split's 1 to len(hosts) stages; module
-# docstring); the 8-stream plan stays on all three: unpinned it predicts h50:12 / h100:18 at 165
-# tok/s (rerun's hosts, 124 on three), two stages of 4 rows the runs have not measured yet.
-PLAN_STAGES: dict[str, int | None] = {"latency": None}
+# Either plan may leave hosts out (None: plan_split's 1 to len(hosts) stages; module docstring).
+PLAN_STAGES: dict[str, int | None] = {"latency": None, "throughput": None}
 
 
 def plan_splits(speeds: list[HostSpeed], n_layers: int, need: Any, links: Links,
                 row_bytes: int = 0) -> dict[str, tuple[Stage, ...]]:
-    """The splits every run measures, but memory-only: planned for latency over any number of the
-    hosts (PLAN_STAGES), for throughput and even over all of them."""
+    """The splits every run measures, but memory-only and the grid: planned for latency and for
+    throughput over any number of the hosts (PLAN_STAGES), even over all of them."""
     names = [h.name for h in speeds]
     latency = plan_split(speeds, n_layers, need, links, "latency", STREAMS, PLAN_STAGES["latency"], row_bytes)
-    throughput = plan_split(speeds, n_layers, need, links, "throughput", STREAMS, len(speeds), row_bytes)
+    throughput = plan_split(speeds, n_layers, need, links, "throughput", STREAMS, PLAN_STAGES["throughput"],
+                            row_bytes)
     return {"planned (latency)": latency.stages, "planned (throughput)": throughput.stages,
             "even": tuple(Stage(h, a, b) for h, (a, b) in zip(names, even_ranges(n_layers, len(names))))}
+
+
+def grid_orders(speeds: list[HostSpeed], n_layers: int, need: Any, links: Links,
+                row_bytes: int = 0) -> list[tuple[str, ...]]:
+    """The host orders the grid tries: the best predicted order of every host count from two up,
+    for each objective (plan_split held to that count): when both plans are one host (h100 alone,
+    as on the recorded runs' hosts) their orders leave the grid no split to try."""
+    from skippy_zmq.ops.speed import OBJECTIVES, SpeedPlanError
+
+    orders: list[tuple[str, ...]] = []
+    for m in range(len(speeds), 1, -1):
+        for objective in OBJECTIVES:
+            try:
+                plan = plan_split(speeds, n_layers, need, links, objective, STREAMS, m, row_bytes)
+            except SpeedPlanError:     # no split of m of these hosts fits their memory
+                continue
+            order = tuple(s.host for s in plan.stages)
+            if order not in orders:
+                orders.append(order)
+    return orders
 
 
 def goal_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -382,8 +402,10 @@ def bench_splits(args: argparse.Namespace, tables: list[str]) -> dict[str, Any]:
         fit = placement.fit_layers(cfg, [budget] * len(speeds), [settings] * len(speeds))
         splits["memory-only"] = tuple(Stage(h.name, n.start, n.end) for h, n in zip(speeds, fit))
         checks = _brute_checks(speeds, cfg.n_layers, need, links, splits, row_bytes)
+        orders = [tuple(s.host for s in splits[k]) for k in ("planned (latency)", "planned (throughput)")]
+        orders += grid_orders(speeds, cfg.n_layers, need, links, row_bytes)
         rows, ran = [], {}
-        for name, stages in list(splits.items()) + _grid(splits, by_name, cfg.n_layers, links, args, row_bytes):
+        for name, stages in list(splits.items()) + _grid(orders, by_name, cfg.n_layers, links, args, row_bytes):
             if stages in ran:   # run once; a named split that is another's (a tie-break's plan) shares its row
                 rows += [] if name.startswith("grid") else [{**ran[stages], "split": name}]
                 continue
@@ -402,16 +424,16 @@ def _stored(model: Path) -> str:
     return stored_weights(model)
 
 
-def _grid(splits: dict[str, tuple[Stage, ...]], by_name: dict[str, HostSpeed], n_layers: int, links: Links,
+def _grid(orders: list[tuple[str, ...]], by_name: dict[str, HostSpeed], n_layers: int, links: Links,
           args: argparse.Namespace, row_bytes: int = 0) -> list[tuple[str, tuple[Stage, ...]]]:
-    """Grid splits in both planned host orders, best predicted first (latency and throughput in turn)."""
+    """Grid splits in every order given of two hosts or more, best predicted first (latency and
+    throughput in turn)."""
     step = max(1, args.grid)
-    candidates = {g for key in ("planned (latency)", "planned (throughput)")
-                  for g in grid_splits([s.host for s in splits[key]], n_layers, step)}
+    candidates = {g for order in orders if len(order) > 1 for g in grid_splits(list(order), n_layers, step)}
     by_lat = sorted(candidates, key=lambda g: predict(g, by_name, n_layers, links, STREAMS, row_bytes).ms_per_token_1)
     by_thr = sorted(candidates, key=lambda g: -predict(g, by_name, n_layers, links, STREAMS, row_bytes).tok_s_n)
     order = [g for pair in zip(by_lat, by_thr) for g in pair]
-    return [(f"grid {' / '.join(str(s.end - s.start) for s in g)}", g) for g in order]
+    return [(f"grid {_label(g)}", g) for g in order]
 
 
 def _brute_checks(speeds: list[HostSpeed], n_layers: int, need: Any, links: Links,
