@@ -135,3 +135,73 @@ def test_drift_scales_the_cpu_figures_too():
     out = scale_measure(_measured(0.25, cpu=True), 2.0)
     assert out["decode"]["1"]["cpu"] == pytest.approx({"layer_ms": 0.66, "step_ms": 0.7, "head_ms": 6.4})
     assert HostSpeed.from_measure(out).layer_ms[0] == pytest.approx(2 * 0.33 / 0.25)
+
+
+def _h100_factor(run: dict, hosts: dict, row: dict) -> float | None:
+    """The unquota'd host's served ÷ composed 1-row compute in a row (no burst, no quota: what it
+    says is the machine's speed then against when it was measured); None where h100 is a first stage
+    of several (it then also embeds: served 0.3-0.8 ms over its composition in every run)."""
+    stages = stages_of(row["layers"])
+    for i, (stage, served) in enumerate(zip(stages, map(float, row["step_ms_1"].split(" / ")))):
+        if stage.host == "h100" and (i > 0 or len(stages) == 1):
+            h, n = hosts["h100"], stage.end - stage.start
+            head = h.at(h.head_ms, 1) if stage.end == run["n_layers"] else 0.0
+            return served / (h.at(h.step_ms, 1) - _message(run, "h100") + n * h.at(h.layer_ms, 1) + head)
+    return None
+
+
+def _rows(path: Path) -> list[tuple[str, float, float, float | None]]:
+    """(layers, h100's factor, predicted ÷ measured at 1 stream, at 8 streams) of every row with one."""
+    run, hosts, links = quiet_run(path)
+    out = []
+    for row in run["splits"]:
+        f = _h100_factor(run, hosts, row)
+        if f is None:
+            continue
+        p = predict(stages_of(row["layers"]), hosts, run["n_layers"], links, run["streams"], run["row_bytes"])
+        out.append((row["layers"], f, p.ms_per_token_1 / row["ms_per_token_1"],
+                    p.tok_s_n / row["tok_s_8"] if row.get("tok_s_8") else None))
+    return out
+
+
+def test_the_rows_out_of_range_are_the_rows_the_machine_ran_faster_than_measured():
+    """Issue 40's predicted ÷ measured misses (the 08:45 run's 1.12-1.14 at 1 stream and 0.866-0.911
+    at 8; the 05:28 run's 1.127 and 1.208) are the rows where h100, which has no quota, served its
+    own stage at 0.83-0.87 of its measurement: the same rows, with the same stage times predicted,
+    where h50's long steps served 0.78-0.81 of theirs. Where h100 served 1.00-1.02 of its measurement
+    every row is within 0.95-1.07. The machine's speed moved between the measurement and the row
+    (the same h100 stage, 15 layers and the head last of three, served 6.9 ms in one row and 6.0 in
+    another), which no composition of the measured figures can follow."""
+    cpu = _rows(CPU_RUN)
+    fast = [(r1, r8) for _, f, r1, r8 in cpu if f < 0.9]
+    even = [(r1, r8) for _, f, r1, r8 in cpu if f >= 0.99]
+    assert len(fast) == 3 and len(even) == 3
+    assert min(r1 for r1, _ in fast) > 1.12 and max(r8 for _, r8 in fast) < 0.912
+    assert all(0.95 <= r1 <= 1.01 and 0.91 <= r8 <= 1.07 for r1, r8 in even), even
+    check = _rows(CHECK_RUN)
+    assert sorted(r1 for _, f, r1, _ in check if f < 0.9) == pytest.approx([1.127, 1.208], abs=0.001)
+    assert [r1 for _, f, r1, _ in check if f >= 0.9] == pytest.approx([0.985], abs=0.001)
+    run, _, _ = quiet_run(CPU_RUN)
+    by = {row["split"]: row for row in run["splits"]}
+    last = lambda row: (row["step_ms_1"].split(" / ")[-1], row["predicted_step_ms_1"].split(" / ")[-1])  # noqa: E731
+    assert last(by["planned (throughput)"]) == ("6.9", "7.1") and last(by["grid 12 / 3 / 15"]) == ("6.0", "7.1")
+
+
+def test_a_quotad_hosts_long_steps_miss_by_the_rows_speed_and_a_little_more():
+    """The 08:45 run's h50 (CPU figures from its throttled loop): served ÷ composed 0.78-1.05, the
+    long steps lowest (12 layers 0.80, 9 0.81; 16 0.78 in the memory-only row, where h100 is a
+    first stage and gives no factor); divided by h100's factor in the same row 0.92-1.05: what is
+    left is within the few percent to 15% a throttled loop adds to the CPU of the same calls
+    (docs/cluster.md, "Why the rows miss")."""
+    run, hosts, _ = quiet_run(CPU_RUN)
+    factor = {row["layers"]: _h100_factor(run, hosts, row) for row in run["splits"]}
+    h50 = {}
+    for row in run["splits"]:
+        for stage, served in zip(stages_of(row["layers"]), map(float, row["step_ms_1"].split(" / "))):
+            if stage.host == "h50" and factor[row["layers"]] is not None:
+                h = hosts["h50"]
+                work = (h.at(h.step_ms, 1) - _message(run, "h50") + (stage.end - stage.start) * h.at(h.layer_ms, 1))
+                h50[stage.end - stage.start] = (served / (work * h.idle_ratio), factor[row["layers"]])
+    assert sorted(h50) == [3, 6, 9, 10, 12]
+    assert [round(h50[n][0], 2) for n in (3, 6, 9, 10, 12)] == [1.05, 0.97, 0.81, 0.94, 0.80]
+    assert all(0.91 <= r / f <= 1.06 for r, f in h50.values()), h50
