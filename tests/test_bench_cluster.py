@@ -52,3 +52,9 @@ def test_the_recut_rows_windows_and_goals():
     row.update(failed=0, identical=8, gone_reason="worker b (stage s1, layers [25, 30)) is gone")
     goals = recut_goals(row)
     assert goals[-1]["measured"] == "0; 8/8" and goals[-1]["met"]
+
+
+def test_the_machine_speed_probe_is_a_positive_median():
+    from skippy_zmq.devtools.bench.cluster_ring import machine_ms
+
+    assert machine_ms(0.01) > 0.0

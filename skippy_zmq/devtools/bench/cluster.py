@@ -9,14 +9,14 @@ namespace (cluster/probe.py), the planner (ops/speed.py) splits the model over o
 numbers (hops costing round trip / 2 + activation bytes / bandwidth), and every split is then run for real: 1 stream (ms per token, inter-token
 median) and 8 streams (steady aggregate tok/s), predicted beside measured.
 
-Splits: planned for latency (1 stream) and for throughput (8 streams), even, memory-only (each
-host the same budget: placement.fit_layers), and a grid of cut points (`--grid` layers apart) in the
-best predicted host order of every host count from two up (`grid_orders`), run in the order the model ranks them until the time budget is spent:
-the best measured of all of them is the "best by brute force" row. The planner's choice among
-every cut and order is checked against brute force over the predictions too. Both plans
-may leave hosts out (plan_split's 1 to len(hosts) stages), as a user's planner would: held to all
-three, the 1-stream plan of the 23:43 rerun was a 3-stage split predicted 21.1 ms (measured 21.93)
-where h100 alone was predicted 18.64 (its one-stage ring measured 19.86), and the 08:45 run's
+Splits: planned for latency (1 stream) and for throughput (8 streams), each over one to three
+hosts (plan_split's 1 to len(hosts) stages, as a user's planner would), even, memory-only (each
+host the same budget: placement.fit_layers), and a grid of cut points (`--grid` layers apart) in
+the best predicted host order of every host count from two up (`grid_orders`), run best predicted
+first until the time budget is spent: the best measured of all is the "best by brute force" row.
+The planner's choice among every cut and order is checked against brute force over the
+predictions too. Held to all three hosts, the 1-stream plan of the 23:43 rerun was predicted 21.1
+ms (measured 21.93) where h100 alone was predicted 18.64 (measured 19.86), and the 08:45 run's
 8-stream plan h50:10 / h25:5 / h100:15 measured 121.9 tok/s where h100 alone measured 179.6.
 """
 
@@ -39,7 +39,7 @@ from typing import Any, Iterator, Sequence
 import yaml
 
 from skippy_zmq.config.topology_yaml import load_topology, plan_topology
-from skippy_zmq.devtools.bench.cluster_ring import measure_ring, with_ring
+from skippy_zmq.devtools.bench.cluster_ring import machine_ms, measure_ring, with_ring
 from skippy_zmq.devtools.bench.common import print_table, synthetic_prompt, write_report
 from skippy_zmq.devtools.bench.pipeline import TraceLog, measure, stream_prompts
 from skippy_zmq.devtools.hosts import SHARES, Hosts, HostSpec, cpu_cgroup_problem, driver_group, netns_problem
@@ -389,6 +389,7 @@ def bench_splits(args: argparse.Namespace, tables: list[str]) -> dict[str, Any]:
     with Hosts(HOSTS, netns=netns_why is None) as hosts, driver_group(hosts.tag):
         links, link_rows = probe_links(hosts)
         measured = measure_hosts(hosts, model, weights, tmp)
+        machine = machine_ms()     # the machine's speed when measured; each row's beside it (machine_speed)
         for m, r in zip(measured, link_rows):
             m["link"] = r
         # what a token pays outside the stages, on a one-stage ring on the fastest host
@@ -411,9 +412,9 @@ def bench_splits(args: argparse.Namespace, tables: list[str]) -> dict[str, Any]:
                 continue
             if name.startswith("grid") and time.perf_counter() - t_start > args.budget_s:
                 break
-            ran[stages] = run_split(name, stages, hosts, model, weights, tmp,
-                                    predict(stages, by_name, cfg.n_layers, links, STREAMS, row_bytes),
-                                    not args.one_stream)
+            speed = round(machine / machine_ms(), 3)    # > 1: the machine runs this row faster than it measured
+            ran[stages] = {**run_split(name, stages, hosts, model, weights, tmp, predict(
+                stages, by_name, cfg.n_layers, links, STREAMS, row_bytes), not args.one_stream), "machine_speed": speed}
             rows.append(ran[stages])
     return _report(args, tables, rows, measured, checks, netns_why, load, t_start, ring)
 

@@ -13,6 +13,10 @@ request, send). On the loaded 2-core test machine the splits' telemetry put the 
 ms a hop, the second at 1.5-2.3 ms a token. The driver loop's own clock (PipelineEngine.
 loop_busy_s a token) is reported beside them: under load it also counts time the loop thread
 waited for a core, so it is not what is charged.
+
+`machine_ms` gauges the machine's speed at a moment (bench cluster times it after the hosts'
+measurement and before each row): the recorded rows that missed their predictions were the rows
+where h100, which has no quota, served its stage at 0.83-0.87 of its own measurement.
 """
 
 from __future__ import annotations
@@ -60,3 +64,23 @@ def measure_ring(running: Callable[[tuple[Stage, ...], str], ContextManager[tupl
 def with_ring(links: Links, ring: dict[str, float]) -> Links:
     """`links` charging the ring's driver time and per-hop software too."""
     return dataclasses.replace(links, driver_ms=ring["driver_ms"], hop_fixed_ms=ring["hop_fixed_ms"])
+
+
+PROBE_BYTES = 64 << 20   # more than a core's caches hold: streamed from memory, as a decode step's layers
+
+
+def machine_ms(seconds: float = 0.3) -> float:
+    """The machine's speed now, in this process: the median ms of a single-threaded sum over
+    PROBE_BYTES of float32 (numpy's reduction: no thread pool), repeated for `seconds`. Its ratio
+    to the same figure when the hosts were measured says how much faster (> 1) the machine runs
+    a row than it ran their measurement; nothing plans with it (docs/cluster.md "Why the rows miss")."""
+    import numpy as np
+
+    data = np.ones(PROBE_BYTES // 4, np.float32)
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 5:
+        t0 = time.perf_counter()
+        data.sum()
+        times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
