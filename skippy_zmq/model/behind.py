@@ -281,6 +281,7 @@ def compile_job(job: BehindJob, report: Any) -> None:
     import jax
     import numpy as np
 
+    from skippy_zmq.model import exec_cache
     from skippy_zmq.model.kernel import kernel_available
     from skippy_zmq.model.llama import forward_jit
 
@@ -290,11 +291,14 @@ def compile_job(job: BehindJob, report: Any) -> None:
     concrete = lambda tree: jax.tree.map(lambda a: aval(a.shape, a.dtype), tree,  # noqa: E731
                                          is_leaf=lambda a: isinstance(a, Leaf))
     params, kv = concrete(job.params), concrete(job.kv)
+    stored = exec_cache.ExecCache.for_runner(jax.devices("cpu")[0], job.cfg, params)
     for i, (shape, attn_len, output) in enumerate(job.shapes):
         inputs = aval(shape, np.int32 if job.start == 0 else np.float32)
         positions, lanes = aval(shape[:2], np.int32), aval(shape[:1], np.int32)
-        forward_jit.lower(params, kv, inputs, positions, lanes, cfg=job.cfg, start=job.start, end=job.end,
-                          attn_len=attn_len, output=output).compile()
+        static = dict(cfg=job.cfg, start=job.start, end=job.end, attn_len=attn_len, output=output)
+        compiled, fresh = exec_cache.compile_fresh(forward_jit.lower(params, kv, inputs, positions, lanes, **static))
+        if stored is not None and fresh:   # the stage's thread loads it, neither tracing nor lowering
+            stored.store(stored.path(kv, (inputs, positions, lanes), static), compiled)
         report(i)
 
 

@@ -42,6 +42,13 @@ class Steps:
         self.direct: dict[tuple, DirectStep | None] = {}
         self.params: Any = None   # the tree every DirectStep in `direct` was built for
 
+    def adopt(self, shape: tuple, step: DirectStep, params: Any) -> None:
+        """Use `step` (built for `params`) for `shape` from now on: one model/exec_cache.py loaded,
+        so that the shape's first run neither traces nor lowers."""
+        if params is not self.params:
+            self.direct, self.params = {}, params
+        self.direct[shape] = step
+
     def run(self, shape: tuple, fused: bool, params: Any, kv: Any, args: tuple[jax.Array, ...],
             static: dict[str, Any]) -> Any:
         """One step of `shape` (runner's (inputs shape, attention length, output) key): as jitted(params,
@@ -63,6 +70,17 @@ def build(jitted: Any, params: Any, kv: Any, inputs: tuple[jax.Array, ...], **st
         return None
     try:
         compiled = jitted.lower(params, kv, *inputs, **static).compile()   # jit's caches: no new compile
+    except (AttributeError, TypeError, NotImplementedError):
+        return None
+    return from_compiled(compiled, params, kv, inputs)
+
+
+def from_compiled(compiled: Any, params: Any, kv: Any, inputs: tuple[jax.Array, ...]) -> DirectStep | None:
+    """The DirectStep of a compiled forward_jit (jit's, or one model/exec_cache.py loaded) for these
+    arguments, or None where its executable's pieces are not the ones DirectStep calls."""
+    if any(d.platform != "cpu" for d in inputs[0].devices()):
+        return None
+    try:
         mesh = compiled._executable
         executable, kept = mesh.xla_extension_executable(), sorted(mesh._kept_var_idx)
         args = jax.tree.leaves((params, kv, inputs))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig
-from skippy_zmq.model import behind, direct
+from skippy_zmq.model import behind, direct, exec_cache
 from skippy_zmq.model.compile_behind import CompileBehind
 from skippy_zmq.model.layered import forward_layered
 from skippy_zmq.model.llama import KVCache, forward_jit
@@ -97,6 +97,7 @@ class SliceRunner(CompileBehind):
         self.behind_child_s = behind.CHILD_SHAPE_S
         self._marks: behind.BehindJob | None = None   # the child's job: a shape of it compiled here is marked
         self._child: behind.Child | None = None   # the child while it runs (pause_behind)
+        self._exec: tuple[Any, exec_cache.ExecCache | None] = (None, None)   # (params it is for, cache)
 
     @property
     def first(self) -> bool:
@@ -326,13 +327,37 @@ class SliceRunner(CompileBehind):
         if key in self.stats.shapes and (key in self.stats.ran or not (run and small)):
             return
         static = dict(cfg=self.cfg, start=self.start, end=self.end, attn_len=attn_len, output=output)
+        args = self._padding(shape)
+        step = self._steps.direct.get(key) if self._steps.params is self.params else None
+        if step is None and key not in self.stats.shapes:
+            step = self._load_or_compile(key, args, static)
         if run and small:
-            out, self.kv, _ = forward_jit(self.params, self.kv, *self._padding(shape), **static)
+            out, self.kv, _ = (step or forward_jit)(self.params, self.kv, *args, **static)
             jax.block_until_ready((out, self.kv))   # every position is padding: no lane changes
             self.stats.ran.add(key)
-        else:   # self.kv may be donated away meanwhile (compile_behind's thread): lowering reads its avals
-            forward_jit.lower(self.params, self.kv, *self._padding(shape), **static).compile()
         self.stats.shapes.add(key)
+
+    def _load_or_compile(self, key: tuple, args: tuple[jax.Array, ...], static: dict[str, Any]) -> Any:
+        """The stored executable of this step (model/exec_cache.py), adopted by the step table so its
+        first run neither traces nor lowers; else (None returned) compile it through jit's caches and
+        store it. self.kv may be donated away meanwhile (compile_behind's thread): lowering and the
+        cache's key read only its avals."""
+        cache = self._exec_cache()
+        path = cache.path(self.kv, args, static) if cache is not None else None
+        step = cache.load(path, self.params, self.kv, args) if path is not None else None
+        if step is not None:
+            self._steps.adopt(key, step, self.params)
+            return step
+        compiled, fresh = exec_cache.compile_fresh(forward_jit.lower(self.params, self.kv, *args, **static))
+        if path is not None and fresh:
+            cache.store(path, compiled)
+        return None
+
+    def _exec_cache(self) -> exec_cache.ExecCache | None:
+        """The executable cache for the current params (a tool may swap them for another tree)."""
+        if self._exec[0] is not self.params:
+            self._exec = (self.params, exec_cache.ExecCache.for_runner(self.device, self.cfg, self.params))
+        return self._exec[1]
 
     def _run_layered(self, shape: tuple[int, ...], attn_len: int, output: str) -> None:
         """Run the layer-by-layer step once on padding (it compiles one layer per window kind), so a
