@@ -16,8 +16,8 @@ from conftest import REPO
 
 from skippy_zmq.config.topology_yaml import load_topology
 from skippy_zmq.ops.cfs import Step, ring_1
-from skippy_zmq.ops.speed import (DRIVER, OBJECTIVES, TIE, HostSpeed, Links, SpeedPlanError, Stage, brute_force,
-                                  micro_rows, objective_ms, plan_split, predict, throttled_ms)
+from skippy_zmq.devtools.split_search import brute_force
+from skippy_zmq.ops.speed import (DRIVER, FEWER, OBJECTIVES, TIE, HostSpeed, Links, SpeedPlanError, Stage, micro_rows, objective_ms, plan_split, predict, throttled_ms)
 
 
 def host(name: str, layer: float, step: float = 0.5, head: float = 2.0, memory: int = 0) -> HostSpeed:
@@ -60,7 +60,8 @@ def test_plan_split_is_exact_against_brute_force(seed):
                     continue
                 got = plan_split(hosts, n_layers, need, links, objective, streams, n_stages, tie=0)
                 tied = plan_split(hosts, n_layers, need, links, objective, streams, n_stages)
-                assert objective_ms(tied.stages, by_name, n_layers, links, objective, streams) <= (1 + TIE) * \
+                slack = (1 + TIE) * (1 + FEWER if n_stages is None else 1)   # FEWER: a count left open
+                assert objective_ms(tied.stages, by_name, n_layers, links, objective, streams) <= slack * \
                     objective_ms(want.stages, by_name, n_layers, links, objective, streams) + 1e-9
                 assert objective_ms(got.stages, by_name, n_layers, links, objective, streams) == pytest.approx(
                     objective_ms(want.stages, by_name, n_layers, links, objective, streams))

@@ -12,7 +12,7 @@ import pytest
 
 from pathlib import Path
 
-from test_speed_quota import CHECK_RUN, FINAL_RUN, RERUN, RUN, quiet_run, stages_of
+from test_speed_quota import CHECK_RUN, FINAL_RUN, RERUN, RUN, UNHELD_RUN, quiet_run, stages_of
 
 from skippy_zmq.cluster.drift import scale_measure
 from skippy_zmq.cluster.measure import CFS_KEEP_MS, quota_burst
@@ -22,9 +22,6 @@ from skippy_zmq.ops.speed import HostSpeed, predict
 FIGURES_RUN = Path(__file__).parent / "fixtures" / "cluster_figures_run.json"
 # the first run with CPU figures (2026-12-06 08:45, docs/cluster.md "Figures"), quiet
 CPU_RUN = Path(__file__).parent / "fixtures" / "cluster_cpu_run.json"
-# the first run whose throughput plan may leave hosts out and whose grid tries two-host orders
-# (2026-12-06 11:19, docs/cluster.md "Figures")
-UNHELD_RUN = Path(__file__).parent / "fixtures" / "cluster_unheld_run.json"
 
 
 def _served_vs_composed(path: Path) -> list[tuple[str, int, bool, float]]:
@@ -92,7 +89,7 @@ def test_the_check_runs_partial_stacks_were_served_faster_than_every_host_measur
     (RERUN, (0.962, 1.075), None),
     (CHECK_RUN, (0.985, 1.208), None),
     (CPU_RUN, (0.953, 1.198), (0.864, 1.068)),
-    (UNHELD_RUN, (0.787, 1.127), (0.830, 1.175)),
+    (UNHELD_RUN, (0.787, 1.127), (0.908, 1.175)),   # h100 alone at 8: 0.830 with the blended figures
 ], ids=["quiet", "final", "figures", "rerun", "check", "cpu", "unheld"])
 def test_every_recorded_rows_prediction(path, want_1, want_8):
     """Predicted ÷ measured of every row of every recorded run as the model stands (the range of
@@ -180,7 +177,7 @@ def test_the_rows_out_of_range_are_the_rows_the_machine_ran_faster_than_measured
     fast = [(r1, r8) for _, f, r1, r8 in cpu if f < 0.9]
     even = [(r1, r8) for _, f, r1, r8 in cpu if f >= 0.99]
     assert len(fast) == 3 and len(even) == 3
-    assert min(r1 for r1, _ in fast) > 1.12 and max(r8 for _, r8 in fast) < 0.912
+    assert min(r1 for r1, _ in fast) > 1.12 and max(r8 for _, r8 in fast) < 0.92   # h100:30's 0.918 (alone)
     assert all(0.95 <= r1 <= 1.01 and 0.91 <= r8 <= 1.07 for r1, r8 in even), even
     check = _rows(CHECK_RUN)
     assert sorted(r1 for _, f, r1, _ in check if f < 0.9) == pytest.approx([1.127, 1.208], abs=0.001)

@@ -46,7 +46,8 @@ from skippy_zmq.devtools.hosts import SHARES, Hosts, HostSpec, cpu_cgroup_proble
 from skippy_zmq.ops import placement
 from skippy_zmq.ops.launch import check_alive, prepare_keys, stage_command, stop_processes
 from skippy_zmq.ops.lifetime import tied_env
-from skippy_zmq.ops.speed import HostSpeed, Links, Stage, brute_force, plan_split, predict
+from skippy_zmq.devtools.split_search import brute_force
+from skippy_zmq.ops.speed import HostSpeed, Links, Stage, plan_split, predict
 
 HOSTS = (HostSpec("h100", 1.0, shares=SHARES), HostSpec("h50", 0.5, shares=SHARES),
          HostSpec("h25", 0.25, shares=SHARES))
@@ -440,7 +441,7 @@ def _grid(orders: list[tuple[str, ...]], by_name: dict[str, HostSpeed], n_layers
 def _brute_checks(speeds: list[HostSpeed], n_layers: int, need: Any, links: Links,
                   splits: dict[str, tuple[Stage, ...]], row_bytes: int = 0) -> list[dict[str, Any]]:
     """The planner against brute force over every order and cut of as many hosts as it may use, in prediction
-    (the plan may trail it by up to speed.TIE where a tie went to the other objective's split)."""
+    (the plan may trail it by speed.TIE where a tie went to the other objective, FEWER to fewer stages)."""
     from skippy_zmq.ops.speed import objective_ms
 
     by_name = {h.name: h for h in speeds}
