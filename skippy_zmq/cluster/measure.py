@@ -48,7 +48,10 @@ ROWS = (1, 4, 8)       # decode rows measured (row buckets); the planner interpo
 STACK = 9              # layers in the stacked runner at least: (t(k) - t(1)) / (k - 1) is one layer
 STACK_BYTES = 256 << 20   # ... and as many more (up to the model's layers) as make this many bytes
 CHUNK = 64             # prefill chunk measured (a Buckets.prefill_chunks size)
-POSITION = 128         # decode position: inside the first attention bucket, like a short chat
+POSITION = 128         # decode position (default): inside the first attention bucket, like a short chat
+# ... the decode attention reads the positions up to the row's own: SmolLM2 q4's layer at position 44
+# took 0.203-0.204 ms against 0.219-0.221 at 128 (1 row, 2 pairs, in process), so a workload of
+# shorter or longer contexts is measured at its own (`measure_host(position=)`, bench cluster's 44)
 CAPACITY = 512         # KV positions of the measuring runners (small: nothing here needs more)
 RETRIES = 2            # re-measurements of a row count whose layer time came out <= 0
 SOURCES = ("checkpoint", "random")   # where the measured layer's weights come from (measure_host)
@@ -98,10 +101,10 @@ def _split_ms(ms: dict[str, float], rows: int, k: int, under: str) -> dict[str, 
             "head_ms": round(max(0.0, ms[f"head_{rows}"] - ms[f"{under}_{rows}"]), 4)}
 
 
-def _decode_call(runner: Any, rows: int, output: str) -> Callable[[], Any]:
+def _decode_call(runner: Any, rows: int, output: str, position: int = POSITION) -> Callable[[], Any]:
     width = runner.cfg.d_model
     inputs = np.random.default_rng(rows).standard_normal((rows, width)).astype(np.float32)
-    lanes, positions = np.arange(rows, dtype=np.int32), np.full(rows, POSITION, np.int32)
+    lanes, positions = np.arange(rows, dtype=np.int32), np.full(rows, min(max(0, position), CAPACITY - 1), np.int32)
     return lambda: runner.decode(lanes, inputs, positions, output=output)
 
 
@@ -320,10 +323,11 @@ def cpu_quota_cores(proc_cgroup: Path = cpus.PROC_CGROUP, root: Path = cpus.CGRO
 
 
 def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float32", device: str = "cpu",
-                 repeats: int = 5, name: str = "", source: str = "checkpoint", seed: int = 0) -> dict[str, Any]:
-    """Measured step times of `model_dir`'s layers on `device` in `weights` format (module docstring).
-    source "random": from model.json alone (random layer values seeded by `seed`, the real shapes
-    and format), for a cluster worker that measures before it holds any weights."""
+                 repeats: int = 5, name: str = "", source: str = "checkpoint", seed: int = 0,
+                 position: int = POSITION) -> dict[str, Any]:
+    """Measured step times of `model_dir`'s layers on `device` in `weights` format (module docstring),
+    decode steps at `position`. source "random": from model.json alone (random layer values seeded by
+    `seed`, the real shapes and format), for a cluster worker that measures before it holds weights."""
     from skippy_zmq.model.runner import resolve_device
 
     t_start, model_dir = time.perf_counter(), Path(model_dir)
@@ -337,9 +341,9 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
     quota = min(1.0, cpu_quota_cores() or 1.0)
     under, head_runner = ("one", last) if quota < 1.0 else ("stack", stack)
     for rows in ROWS:
-        calls.update({f"one_{rows}": _decode_call(last, rows, "hidden"),
-                      f"stack_{rows}": _decode_call(stack, rows, "hidden"),
-                      f"head_{rows}": _decode_call(head_runner, rows, "logits")})
+        calls.update({f"one_{rows}": _decode_call(last, rows, "hidden", position),
+                      f"stack_{rows}": _decode_call(stack, rows, "hidden", position),
+                      f"head_{rows}": _decode_call(head_runner, rows, "logits", position)})
     cpu: dict[str, float] = {}
     ms = _median_ms(calls, repeats, cpu)
     for _ in range(RETRIES):   # a stack no slower than one layer: a neighbour's burst hit the one-layer samples
@@ -357,14 +361,13 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
                              "software_ms": round(software.handle_ms(last, rows, max(ROWS), repeats)["software_ms"]
                                                   / quota, 4),
                              "cpu": _split_ms(cpu, rows, k, under)}
-    prefill_layer = max(0.0, (ms["prefill_stack"] - ms["prefill_one"]) / (k - 1))
-    p_one = ms["prefill_one"]
+    prefill_layer, p_one = max(0.0, (ms["prefill_stack"] - ms["prefill_one"]) / (k - 1)), ms["prefill_one"]
     facts = host_facts()
     if facts.get("cpu_period_ms"):
         facts.update(quota_burst(facts.get("cpu_quota_cores") or 1.0, facts["cpu_period_ms"]))
     return {"schema": SCHEMA, "name": name or os.uname().nodename, "model": str(model_dir), "weights": weights,
             "dtype": dtype, "device": device, "source": source, "layers": last.cfg.n_layers, "stack_layers": k,
-            "decode": decode,
+            "decode": decode, "position": position,
             "prefill": {"chunk": CHUNK, "layer_ms_per_token": round(prefill_layer / CHUNK, 5),
                         "step_ms": round(max(0.0, p_one - prefill_layer), 4)},
             "kernels": last.kernels(), **facts, "load_s": round(load_s, 2),

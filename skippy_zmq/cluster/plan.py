@@ -25,6 +25,7 @@ class SpeedArgs:
     streams: int = 8
     rtt_ms: float | None = None      # every link's round trip not given in the hosts JSON
     stages: int | None = None        # exactly this many hosts (default: any number)
+    position: int | None = None      # decode position measured (default: measure.POSITION)
 
 
 def measure_and_plan(req: PlanRequest, args: SpeedArgs, memory: tuple[int, ...] | None = None) -> str:
@@ -41,7 +42,8 @@ def measure_and_plan(req: PlanRequest, args: SpeedArgs, memory: tuple[int, ...] 
 def measure_here(req: PlanRequest, args: SpeedArgs, memory: tuple[int, ...] | None) -> dict[str, Any]:
     from skippy_zmq.cluster.measure import measure_host
 
-    here = measure_host(req.model, req.weights, req.dtype, args.device, name=args.name or "")
+    here = measure_host(req.model, req.weights, req.dtype, args.device, name=args.name or "",
+                        **({"position": args.position} if args.position else {}))
     if memory:
         here["memory"] = memory[0]
     if args.measure_out:
@@ -59,6 +61,8 @@ def add_speed_flags(p: argparse.ArgumentParser) -> None:
                         "trips: split by measured speed under memory caps")
     p.add_argument("--measure-out", default=None, metavar="FILE.json", help="write this host's measurement here")
     p.add_argument("--name", default=None, help="this host's name in its measurement (default: its hostname)")
+    p.add_argument("--measure-position", dest="position", type=int, default=None,
+                   help="--measure decode steps at this position: the workload's typical one (default 128)")
     p.add_argument("--device", default="cpu", help="--measure on this device: cpu | gpu:N | tpu:N")
     p.add_argument("--objective", default="latency", choices=["latency", "throughput"],
                    help="by speed: least time per token at 1 stream, or most tok/s at --streams streams")
@@ -71,4 +75,4 @@ def plan_from_args(args: argparse.Namespace, req: PlanRequest, memory: tuple[int
     if args.split:
         raise ValueError("--split does not go with --measure / --hosts (the measurements split it)")
     return measure_and_plan(req, SpeedArgs(args.measure, args.hosts, args.measure_out, args.name, args.device,
-                                           args.objective, args.streams, args.rtt_ms, args.stages), memory)
+                                           args.objective, args.streams, args.rtt_ms, args.stages, args.position), memory)

@@ -154,7 +154,8 @@ def _measure(hosts: Hosts, which: list[int], model: Path, weights: str, tmp: Pat
         spec = hosts.specs[i]
         path = tmp / f"measure-{spec.name}-{tag}.json"
         argv = [sys.executable, "-m", "skippy_zmq.cli", "--log-level", "WARNING", "plan", "--measure", "--model",
-                str(model), "--weights", weights, "--name", spec.name, "--measure-out", str(path)]
+                str(model), "--weights", weights, "--name", spec.name, "--measure-out", str(path),
+                "--measure-position", str(PROMPT_TOKENS + NEW_TOKENS // 2)]   # the rows' middle position
         # the plan after the measurement may find no room in this machine's free memory: not our question.
         # In the host's CPU group but not its namespace (measuring needs no network, and `ip netns exec`
         # hides the cgroup folders the measurement reads its quota from)
@@ -298,8 +299,7 @@ def run_split(name: str, stages: Sequence[Stage], hosts: Hosts, model: Path, wei
     return row
 
 
-# Either plan may leave hosts out (None: plan_split's 1 to len(hosts) stages; module docstring).
-PLAN_STAGES: dict[str, int | None] = {"latency": None, "throughput": None}
+PLAN_STAGES: dict[str, int | None] = {"latency": None, "throughput": None}   # None: 1 to len(hosts) stages
 
 
 def plan_splits(speeds: list[HostSpeed], n_layers: int, need: Any, links: Links,
