@@ -101,10 +101,15 @@ def _split_ms(ms: dict[str, float], rows: int, k: int, under: str) -> dict[str, 
             "head_ms": round(max(0.0, ms[f"head_{rows}"] - ms[f"{under}_{rows}"]), 4)}
 
 
+def _position(position: int) -> int:
+    """A decode position inside the measuring runners' KV (what is measured, and recorded)."""
+    return min(max(0, int(position)), CAPACITY - 1)
+
+
 def _decode_call(runner: Any, rows: int, output: str, position: int = POSITION) -> Callable[[], Any]:
     width = runner.cfg.d_model
     inputs = np.random.default_rng(rows).standard_normal((rows, width)).astype(np.float32)
-    lanes, positions = np.arange(rows, dtype=np.int32), np.full(rows, min(max(0, position), CAPACITY - 1), np.int32)
+    lanes, positions = np.arange(rows, dtype=np.int32), np.full(rows, _position(position), np.int32)
     return lambda: runner.decode(lanes, inputs, positions, output=output)
 
 
@@ -367,7 +372,7 @@ def measure_host(model_dir: Path | str, weights: str = "q4", dtype: str = "float
         facts.update(quota_burst(facts.get("cpu_quota_cores") or 1.0, facts["cpu_period_ms"]))
     return {"schema": SCHEMA, "name": name or os.uname().nodename, "model": str(model_dir), "weights": weights,
             "dtype": dtype, "device": device, "source": source, "layers": last.cfg.n_layers, "stack_layers": k,
-            "decode": decode, "position": position,
+            "decode": decode, "position": _position(position),
             "prefill": {"chunk": CHUNK, "layer_ms_per_token": round(prefill_layer / CHUNK, 5),
                         "step_ms": round(max(0.0, p_one - prefill_layer), 4)},
             "kernels": last.kernels(), **facts, "load_s": round(load_s, 2),

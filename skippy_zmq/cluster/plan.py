@@ -43,7 +43,7 @@ def measure_here(req: PlanRequest, args: SpeedArgs, memory: tuple[int, ...] | No
     from skippy_zmq.cluster.measure import measure_host
 
     here = measure_host(req.model, req.weights, req.dtype, args.device, name=args.name or "",
-                        **({"position": args.position} if args.position else {}))
+                        **({"position": args.position} if args.position is not None else {}))
     if memory:
         here["memory"] = memory[0]
     if args.measure_out:
