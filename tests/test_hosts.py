@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from skippy_zmq.devtools.hosts import PERIOD_US, Hosts, HostSpec, cpu_cgroup_problem, netns_problem
+from skippy_zmq.devtools.hosts import Hosts, HostSpec, cpu_cgroup_problem, netns_problem
 
 # Burns CPU until this process has used 0.3 s of it, then prints its own cgroup line.
 BURN = ("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
@@ -28,13 +29,16 @@ def test_a_quota_host_runs_its_process_in_its_group_throttled(cgroups):
     with Hosts([HostSpec("slow", cpu=0.25), HostSpec("free")]) as hosts:
         group = hosts.groups[0]
         assert group.quota_cores() == 0.25
-        assert int((group.path / "cpu.cfs_period_us").read_text()) == PERIOD_US
+        assert int((group.path / "cpu.cfs_period_us").read_text()) == 4000   # 1 ms in every 4
+        group.set_cores(0.5)
+        assert (int((group.path / "cpu.cfs_period_us").read_text()), group.quota_cores()) == (2000, 0.5)
+        group.set_cores(0.25)
         assert hosts.groups[1] is None                     # uncapped: no group at all
         out = subprocess.run(hosts.wrap(0, [sys.executable, "-c", BURN]), capture_output=True, text=True,
                              timeout=60, check=True)
         assert f"cpu:/{group.path.name}" in out.stdout.replace(",cpuacct", "")
         stat = group.throttled()
-        assert stat["nr_throttled"] > 0, stat              # 0.3 s of CPU at 2.5 ms per 10 ms
+        assert stat["nr_throttled"] > 0, stat              # 0.3 s of CPU at 1 ms per 4 ms
         path = group.path
     assert not path.exists()
 
@@ -56,3 +60,39 @@ def test_a_host_in_a_namespace_with_a_shaped_link(cgroups):
     assert hosts.namespace(0) not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                                                     timeout=30).stdout
     assert hosts.namespace(0) in names
+
+
+def test_the_period_is_the_shortest_the_kernel_takes_for_the_share():
+    from skippy_zmq.devtools.hosts import period_us
+
+    # the kernel takes no quota and no period under 1 ms: a share under a core gets 1 ms ÷ share;
+    # a core or more, 10 ms
+    assert [period_us(c) for c in (2.0, 1.0, 0.999, 0.75, 0.5, 0.3, 0.25, 0.1, 0.05)] == \
+        [10000, 10000, 1002, 1334, 2000, 3334, 4000, 10000, 20000]
+
+
+# A process with a ZeroMQ socket: its I/O threads start with the socket.
+ZMQ_PROCESS = ("import time, zmq\nsocket = zmq.Context().socket(zmq.PUSH)\nsocket.bind('tcp://127.0.0.1:0')\n"
+               "print('up', flush=True)\ntime.sleep(60)")
+
+
+def test_a_quota_hosts_socket_threads_run_outside_its_quota(cgroups):
+    import time
+
+    with Hosts([HostSpec("slow", cpu=0.25)]) as hosts:
+        proc = subprocess.Popen(hosts.wrap(0, [sys.executable, "-c", ZMQ_PROCESS]), stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline() == "up\n"
+            io = hosts.io.group
+            deadline = time.monotonic() + 30
+            while len((io.path / "tasks").read_text().split()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            names = sorted(Path(f"/proc/{proc.pid}/task/{t}/comm").read_text().strip()
+                           for t in (io.path / "tasks").read_text().split())
+            assert names == ["ZMQbg/IO/0", "ZMQbg/Reaper"]
+            assert [int(t) for t in (hosts.groups[0].path / "tasks").read_text().split()] == [proc.pid]
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+        path = io.path
+    assert not path.exists()

@@ -2,10 +2,20 @@
 cgroup v1 `cpu` controller with a CPU quota (a slow host), optionally in a network namespace of
 its own hanging off a bridge, its link shaped with `tc tbf` (a thin link).
 
-The quota is `cpu.cfs_quota_us` over a short `cpu.cfs_period_us` (PERIOD_US, 10 ms): a host at
-25% of a core runs 2.5 ms in every 10 ms, evenly slow, where the kernel's default 100 ms period
-lets it run 25 ms flat out and then stall for 75 (bursty as well as slow, which exaggerates what
-a slower machine does to a pipeline). A process joins its host by a shell that writes its own pid
+The quota is `cpu.cfs_quota_us` over the shortest `cpu.cfs_period_us` the kernel takes for it
+(`period_us`: the quota at least 1 ms, the period at least 1 ms): a host at 25% of a core runs
+1 ms in every 4, at 50% 1 ms in every 2, evenly slow, where the kernel's default 100 ms period
+lets a 25% host run 25 ms flat out and then stall for 75 (bursty as well as slow, which
+exaggerates what a slower machine does to a pipeline). A 10 ms period still did that at the
+scale of one token: a step that spent the budget waited up to 7.5 ms for its reply to be sent
+(the socket's I/O thread is in the same group), and a 1-stream token's time moved with the
+phase of the ring against the period (the even split 20-38 ms by the order of its hosts). A group
+of a whole core or more keeps a 10 ms period: its one-thread step never spends the budget, and
+at 1 ms the budget split between the machine's cores throttled it whenever a thread woke on the
+other core (h100's layer 0.39 ms where 10 ms gives 0.27, its head 5.5 ms where it gives 2.3).
+The socket I/O threads (`IoThreads`) run outside the quota: on a slower machine a reply leaves
+when it is ready, where in the group it waited for the next period whenever the step had spent
+the budget (up to 3 ms at 25%; 0.3% of a host's CPU, so its speed is the quota's). A process joins its host by a shell that writes its own pid
 to the group's cgroup.procs and then execs the command (`Hosts.wrap`), so the pid a caller holds
 is the command's and nothing polls.
 
@@ -18,6 +28,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,8 +41,17 @@ CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 # group weighted like one task gets a sliver of a core and its quota never binds, so every "host"
 # runs at the same crowded speed; weighted like SHARES tasks, each gets its quota and no more.
 SHARES = 64 * 1024
-PERIOD_US = 10_000
 MIN_QUOTA_US = 1_000     # the kernel refuses a smaller cfs_quota_us
+MIN_PERIOD_US = 1_000    # ... and a shorter cfs_period_us
+CORE_PERIOD_US = 10_000  # a group of a core or more (module docstring)
+
+
+def period_us(cores: float) -> int:
+    """The shortest period whose share `cores` the kernel takes as a quota, for a share under a
+    core; a core or more keeps 10 ms (module docstring)."""
+    if cores >= 1:
+        return CORE_PERIOD_US
+    return max(MIN_PERIOD_US, -(-MIN_QUOTA_US * 1000 // max(1, round(cores * 1000))))
 
 
 @dataclass(frozen=True)
@@ -79,8 +99,14 @@ class CpuGroup:
         self.path.mkdir(exist_ok=True)
         if shares is not None:   # on a busy machine a group gets its quota only if its weight wins it
             (self.path / "cpu.shares").write_text(f"{shares}\n")
-        (self.path / "cpu.cfs_period_us").write_text(f"{PERIOD_US}\n")
-        quota = -1 if cores is None else max(MIN_QUOTA_US, round(cores * PERIOD_US))
+        self.set_cores(cores)
+
+    def set_cores(self, cores: float | None) -> None:
+        """Cap the group at `cores` (None: uncapped) over its shortest period (`period_us`)."""
+        period = period_us(cores or 1.0)
+        (self.path / "cpu.cfs_quota_us").write_text("-1\n")    # a period is refused under a larger quota
+        (self.path / "cpu.cfs_period_us").write_text(f"{period}\n")
+        quota = -1 if cores is None else max(MIN_QUOTA_US, round(cores * period))
         (self.path / "cpu.cfs_quota_us").write_text(f"{quota}\n")
 
     def quota_cores(self) -> float | None:
@@ -122,6 +148,45 @@ class CpuGroup:
         self.path.rmdir()
 
 
+class IoThreads:
+    """Moves the ZeroMQ I/O threads (`ZMQbg/...`) of every process in `groups` into an uncapped
+    group of their own (cgroup v1 places threads one by one), looking every `interval` s from a
+    thread of this process until `stop()` (module docstring)."""
+
+    def __init__(self, groups: Sequence[CpuGroup], name: str, interval: float = 0.2):
+        self.groups, self.interval = list(groups), interval
+        self.group = CpuGroup(name, None, root=self.groups[0].root, shares=SHARES)
+        self.moved: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="io-threads", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for group in self.groups:
+                try:
+                    pids = group.pids()
+                except OSError:   # removed meanwhile
+                    continue
+                for pid in pids:
+                    self._move(pid)
+
+    def _move(self, pid: int) -> None:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            tid = int(task.name)
+            try:
+                if tid not in self.moved and (task / "comm").read_text().startswith("ZMQbg"):
+                    (self.group.path / "tasks").write_text(f"{tid}\n")
+                    self.moved.add(tid)
+            except (OSError, ValueError):   # gone meanwhile
+                continue
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.group.remove()
+
+
 class Hosts:
     """`specs` as hosts: a CPU group each (when `cpu` is set) and, with `netns`, a namespace each
     on a bridge (10.SUBNET.0/24: the bridge, where the driver lives, is .1, host i is .2+i) with
@@ -134,12 +199,16 @@ class Hosts:
         self.groups: list[CpuGroup | None] = []
         self._made_bridge = False
         self._thin: set[int] = set()   # hosts whose side of a thin pair is shaped (thin_pair)
+        self.io: IoThreads | None = None
 
     def __enter__(self) -> Hosts:
         try:
             for i, spec in enumerate(self.specs):
                 self.groups.append(CpuGroup(f"{self.tag}-{i}", spec.cpu, shares=spec.shares)
                                    if spec.cpu is not None or spec.shares is not None else None)
+            capped = [g for g in self.groups if g is not None and g.quota_cores() is not None]
+            if capped:
+                self.io = IoThreads(capped, f"{self.tag}-io")
             if self.netns:
                 self._network()
         except BaseException:
@@ -212,6 +281,9 @@ class Hosts:
         return group.wrap(argv) if group is not None else argv
 
     def close(self) -> None:
+        if self.io is not None:
+            self.io.stop()
+            self.io = None
         if self.netns:
             for i in range(len(self.specs)):
                 _run("ip", "netns", "del", self.namespace(i), check=False)

@@ -221,10 +221,7 @@ def split_text(server: Any) -> str:
 
 
 def set_quota(hosts: Hosts, i: int, cores: float) -> None:
-    from skippy_zmq.devtools.hosts import PERIOD_US
-
-    group = hosts.groups[i]
-    (group.path / "cpu.cfs_quota_us").write_text(f"{round(cores * PERIOD_US)}\n")
+    hosts.groups[i].set_cores(cores)
 
 
 def trigger_recut(rebalancer: Any, mode: str) -> float:
