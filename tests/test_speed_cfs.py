@@ -70,7 +70,7 @@ def test_runtime_is_carried_not_renewed_every_token():
 
 
 def test_the_reruns_rows_are_predicted_within_15_percent():
-    """The 1-stream rerun (docs/cluster.md, 23:43): every row within 0.85-1.15; the even split was
+    """The 1-stream rerun (docs/cluster.md before 02265cb, 23:43): every row within 0.85-1.15; the even split was
     1.198 (50.0 predicted, 41.72 measured) when each step started with a fresh budget."""
     run, hosts, links = quiet_run(RERUN)
     ratios = {}

@@ -20,14 +20,14 @@ from skippy_zmq.ops.speed import (HostSpeed, Links, Stage, objective_ms, plan_sp
                                   throttled_ms)
 
 RUN = Path(__file__).parent / "fixtures" / "cluster_quiet_run.json"
-# the later quiet run (docs/cluster.md "Figures", 8433568): its latency and throughput plans
+# the later quiet run (then docs/cluster.md "Figures", 8433568; git log -- docs/cluster.md): its latency and throughput plans
 # predicted 16.80 / 16.81 ms at 1 stream and measured 18.23 / 15.66
 FINAL_RUN = Path(__file__).parent / "fixtures" / "cluster_final_run.json"
-# the 1-stream rerun (docs/cluster.md "A 1-stream rerun", 23:43): the even split measured 41.72 ms
+# the 1-stream rerun (docs/cluster.md "A 1-stream rerun" before 02265cb, 23:43): the even split measured 41.72 ms
 RERUN = Path(__file__).parent / "fixtures" / "cluster_rerun_run.json"
 # the run after the runtime was carried (docs/cluster.md, 2026-12-06 05:28): even split 31.28 ms
 CHECK_RUN = Path(__file__).parent / "fixtures" / "cluster_check_run.json"
-# the first run with CPU figures (docs/cluster.md "Figures", 2026-12-06 08:45)
+# the first run with CPU figures (then docs/cluster.md "Figures", 2026-12-06 08:45)
 CPU_RUN = Path(__file__).parent / "fixtures" / "cluster_cpu_run.json"
 UNHELD_RUN = Path(__file__).parent / "fixtures" / "cluster_unheld_run.json"
 

@@ -18,9 +18,9 @@ from skippy_zmq.cluster.drift import scale_measure
 from skippy_zmq.cluster.measure import CFS_KEEP_MS, quota_burst
 from skippy_zmq.ops.speed import HostSpeed, predict
 
-# the run docs/cluster.md "Figures" tabulates (2026-12-05 20:53, 63833fd): 11 splits, 1 and 8 streams
+# the run docs/cluster.md "Figures" tabulated then (2026-12-05 20:53, 63833fd; git log -- docs/cluster.md): 11 splits, 1 and 8 streams
 FIGURES_RUN = Path(__file__).parent / "fixtures" / "cluster_figures_run.json"
-# the first run with CPU figures (2026-12-06 08:45, docs/cluster.md "Figures"), quiet
+# the first run with CPU figures (2026-12-06 08:45, then docs/cluster.md "Figures"), quiet
 CPU_RUN = Path(__file__).parent / "fixtures" / "cluster_cpu_run.json"
 
 
@@ -193,7 +193,7 @@ def test_a_quotad_hosts_long_steps_miss_by_the_rows_speed_and_a_little_more():
     long steps lowest (12 layers 0.80, 9 0.81; 16 0.78 in the memory-only row, where h100 is a
     first stage and gives no factor); divided by h100's factor in the same row 0.92-1.05: what is
     left is within the few percent to 15% a throttled loop adds to the CPU of the same calls
-    (docs/cluster.md, "Why the rows miss")."""
+    (docs/cluster.md "Why the rows miss" before 02265cb)."""
     run, hosts, _ = quiet_run(CPU_RUN)
     factor = {row["layers"]: _h100_factor(run, hosts, row) for row in run["splits"]}
     h50 = {}
