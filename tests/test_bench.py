@@ -206,9 +206,18 @@ def test_plots_write_pngs(tmp_path: Path):
         "rpc": [{"stages": 2, "hop_ms": 0.0, "ours_tok_s": 74.0, "llama_rpc_tok_s": 45.0, "ratio": 1.6},
                 {"stages": 2, "hop_ms": 20.0, "ours_tok_s": 14.0, "llama_rpc_tok_s": None, "ratio": None}],
     }
+    result["cluster"] = {   # bench cluster's shapes
+        "splits": [{"split": "even", "layers": "h100:10 / h50:10 / h25:10", "ms_per_token_1": 40.3,
+                    "predicted_ms_1": 41.0, "tok_s_8": 40.9, "predicted_tok_s_8": 39.8},
+                   {"split": "grid h50:3 / h100:27", "layers": "h50:3 / h100:27", "ms_per_token_1": 16.6,
+                    "predicted_ms_1": 15.7, "tok_s_8": None, "predicted_tok_s_8": 115.2}],
+        "recut": {"split_before": "b:18 / a:12", "split_after": "b:7 / a:23", "timeline_2s": [100, 40, 0, 190],
+                  "marks_s": {"recut_let_go": 1.0, "recut0_switched": 5.0}},
+    }
     paths = write_plots(result, tmp_path)
     assert [p.name for p in paths] == ["concurrency.png", "prefix_ttft.png", "hops.png", "peers_single.png",
-                                       "peers_speculation.png", "peers_concurrency.png", "peers_rpc.png"]
+                                       "peers_speculation.png", "peers_concurrency.png", "peers_rpc.png",
+                                       "cluster_splits.png", "cluster_recut.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
 
 

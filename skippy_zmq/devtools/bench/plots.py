@@ -145,6 +145,40 @@ def plot_peers_rpc(rows: list[dict[str, Any]], path: Path) -> Path:
     return _save(fig, plt, path)
 
 
+def plot_cluster_splits(rows: list[dict[str, Any]], path: Path) -> Path:
+    """bench cluster: each split's 1-stream ms/token and 8-stream tok/s, predicted beside measured."""
+    plt = _pyplot()
+    fig, (one, many) = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = [r["split"].split(" ")[0] if r["split"].startswith("grid") else r["split"] for r in rows]
+    labels = [f"{name}\n{r['layers'].replace(' / ', '/')}" for name, r in zip(labels, rows)]
+    _bars(one, labels, {"measured": [r.get("ms_per_token_1") for r in rows],
+                        "predicted": [r.get("predicted_ms_1") for r in rows]})
+    one.set(ylabel="ms per token", title="1 stream: time per token")
+    _bars(many, labels, {"measured": [r.get("tok_s_8") for r in rows],
+                         "predicted": [r.get("predicted_tok_s_8") for r in rows]})
+    many.set(ylabel="aggregate tok/s", title="8 streams: tok/s")
+    for ax in (one, many):
+        ax.tick_params(axis="x", labelsize=6, labelrotation=60)
+    return _save(fig, plt, path)
+
+
+def plot_cluster_recut(rows: list[dict[str, Any]], path: Path) -> Path:
+    """bench cluster's re-cut row: tokens every 2 s of the 8 streams from host b's slowdown, with
+    the re-cut's marks (let go, switched, ready, ...; the drop after them is b killed for good)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    recut = rows[0]
+    counts = recut.get("timeline_2s") or []
+    ax.plot([2 * i for i in range(len(counts))], counts, drawstyle="steps-post")
+    for i, (mark, t) in enumerate(sorted((recut.get("marks_s") or {}).items(), key=lambda kv: kv[1])):
+        ax.axvline(t, color=f"C{1 + i % 9}", linestyle="--", label=mark)
+    ax.set(xlabel="seconds after host b slowed", ylabel="tokens in 2 s (8 streams)",
+           title=f"Re-cut while serving: {recut.get('split_before')} -> {recut.get('split_after')}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, plt, path)
+
+
 PEERS_PLOTS = [("single", plot_peers_single, "peers_single.png"),
                ("speculation", plot_peers_speculation, "peers_speculation.png"),
                ("concurrency", plot_peers_concurrency, "peers_concurrency.png"),
@@ -168,5 +202,7 @@ def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
         (plot_prefix, (result.get("prefix") or {}).get("ttft", []), "prefix_ttft.png"),
         (plot_hops, (result.get("hops") or {}).get("rows", []), "hops.png"),
         *[(plot, (result.get("peers") or {}).get(table) or [], name) for table, plot, name in PEERS_PLOTS],
+        (plot_cluster_splits, (result.get("cluster") or {}).get("splits", []), "cluster_splits.png"),
+        (plot_cluster_recut, [r for r in [(result.get("cluster") or {}).get("recut")] if r], "cluster_recut.png"),
     ]
     return [plot(rows, out / name) for plot, rows, name in jobs if rows]
