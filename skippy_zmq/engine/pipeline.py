@@ -237,6 +237,9 @@ class PipelineEngine:
                     self._deliver()
                     time.sleep(0.05)   # a failure that repeats every pass must not spin
         finally:
+            # whatever was accepted ends now, or its reader waits for tokens no loop will send
+            self._run_commands()
+            self.scheduler.fail_all(EngineError("the engine was closed", 503, "engine_closed"))
             self._deliver()
             socks.close()
             if ctx is not transport.context():

@@ -113,7 +113,8 @@ def concurrent(engine: Any, prompts: list[list[int]], new_tokens: int, speculati
         except Exception as exc:   # noqa: BLE001 - reported below with the stream it came from
             errors.append(f"stream {i}: {exc}")
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+    # daemon: a stream stuck on an engine that went away must not keep the process from exiting
+    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
