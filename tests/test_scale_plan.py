@@ -1,21 +1,12 @@
 """scripts/scale_plan.py (docs/scale.md): a few of its numbers, checked by hand."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "scale_plan.py"
+from scripts_helper import load_script
 
 
 @pytest.fixture(scope="module")
 def sp():
-    spec = importlib.util.spec_from_file_location("scale_plan", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["scale_plan"] = mod   # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scale_plan")
 
 
 def test_70b_weights_and_bytes(sp):

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import textwrap
 from pathlib import Path
 
-from conftest import REPO
+from scripts_helper import load_script
 
-_spec = importlib.util.spec_from_file_location("test_only_code", REPO / "scripts" / "test_only_code.py")
-checker = importlib.util.module_from_spec(_spec)
-sys.modules["test_only_code"] = checker   # dataclasses look their module up there
-_spec.loader.exec_module(checker)
+checker = load_script("test_only_code")
 
 
 def _write(root: Path, name: str, text: str) -> None:
