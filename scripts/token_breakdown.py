@@ -28,51 +28,41 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from skippy_zmq.devtools.bench.pipeline import TraceLog, hop_medians  # noqa: E402
 from skippy_zmq.devtools.harness import running_pipeline, write_topology  # noqa: E402
 from skippy_zmq.engine.request import GenRequest  # noqa: E402
 
 
 def breakdown(steps: list[list[dict]], intervals: list[float]) -> dict:
-    """Medians (ms) from the traces of one-row steps (one entry per stage, each with recv_ns, send_ns
-    and compute_ms) in the order they ran, and the reader's intervals between tokens (ms)."""
-    med = statistics.median
-    n = len(steps[0])
-    ids = [h["stage"] for h in steps[0]]
-    rounds = [(b[0]["recv_ns"] - a[-1]["send_ns"]) / 1e6 for a, b in zip(steps, steps[1:])
-              if b[0]["recv_ns"] > a[-1]["send_ns"]]
-    return {"interval": med(intervals),
-            "compute": {s: med(float(t[i]["compute_ms"]) for t in steps) for i, s in enumerate(ids)},
-            "own": {s: med((t[i]["send_ns"] - t[i]["recv_ns"]) / 1e6 - float(t[i]["compute_ms"]) for t in steps)
-                    for i, s in enumerate(ids)},
-            "hops": [med((t[i + 1]["recv_ns"] - t[i]["send_ns"]) / 1e6 for t in steps) for i in range(n - 1)],
-            "round": med(rounds) if rounds else None}
+    """Medians (ms) from the traces of one-row steps in the order they ran (bench.pipeline.hop_medians,
+    as `bench cluster` reads them), keyed by stage, and of the reader's intervals between tokens (ms)."""
+    ids = [h["stage"] for h in steps[0]] if steps else []
+    hops = hop_medians(steps, ids)
+    if hops is None:
+        raise SystemExit("no decode step's trace crossed the stages with its times: nothing to break down")
+    return {"interval": statistics.median(intervals), "compute": dict(zip(ids, hops["compute"])),
+            "own": dict(zip(ids, hops["own"])), "hops": hops["transit"], "round": hops["round"]}
 
 
 def measure(model: Path, n_stages: int, requests: int = 4, new_tokens: int = 64) -> dict:
     with tempfile.TemporaryDirectory(prefix="token-breakdown-") as tmp:
         topology = write_topology(Path(tmp), model, n_stages, name=f"breakdown{n_stages}")
         with running_pipeline(topology, Path(tmp) / "run", timeout=300, warm=True) as (engine, _tok, _topo, _procs):
-            traces: list[list[dict]] = []
-
-            def hook(_stage_id: str, m) -> None:
-                trace = m.extras.get("trace") or (m.extras.get("stats") or {}).get("trace")
-                if m.kind.name == "PREDICTED_TOKENS" and trace:
-                    traces.append(trace)
-            engine.on_reply_hooks.append(hook)
+            log = TraceLog()
+            engine.on_reply_hooks.append(log)
             intervals: list[float] = []
             for r in range(requests):
                 prompt = tuple(range(1000 + 97 * r, 1064 + 97 * r))
                 last = None
                 if r == 1:
-                    traces.clear()
+                    t0 = time.perf_counter()   # the first request only warms the path
                 req = GenRequest(uuid.uuid4().hex, prompt, max_tokens=new_tokens, ignore_eos=True, speculative=False)
                 for i, _event in enumerate(engine.generate_blocking(req)):
                     now = time.perf_counter()
                     if last is not None and i > 2 and r > 0:
                         intervals.append(1000 * (now - last))
                     last = now
-    steps = [t for t in traces if len(t) == n_stages and all("recv_ns" in h and "send_ns" in h for h in t)
-             and all(h.get("rows", 1) == 1 for h in t)]
+            steps = log.window(t0, time.perf_counter(), steps_only=True)
     return {"stages": n_stages, **breakdown(steps, intervals)}
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from skippy_zmq.devtools.bench.cluster import even_ranges, goal_rows, grid_splits, stage_step_ms
+from skippy_zmq.devtools.bench.cluster import even_ranges, goal_rows, grid_splits, software_ms, stage_step_ms
 from skippy_zmq.ops.speed import Stage
 
 
@@ -34,6 +34,16 @@ def test_stage_step_ms_is_each_stages_median_compute():
               [{"stage": "s0", "compute_ms": 3.0}, {"stage": "s1", "compute_ms": 6.0}],
               [{"stage": "s0", "compute_ms": 2.0}]]
     assert stage_step_ms(traces, ("s0", "s1", "s2")) == [2.0, 5.0, 0.0]
+
+
+def test_software_ms_splits_a_token_into_own_transit_and_the_driver():
+    # s0 receives at 0 and sends at 4 ms (3.5 computing), s1 receives 0.4 ms later and sends 5 ms after
+    ms = 1_000_000
+    step = [{"stage": "s0", "recv_ns": 0, "send_ns": 4 * ms, "compute_ms": 3.5},
+            {"stage": "s1", "recv_ns": int(4.4 * ms), "send_ns": int(9.4 * ms), "compute_ms": 4.5}]
+    assert software_ms([step, step, [{"stage": "s0", "compute_ms": 1.0}]], ("s0", "s1"), 10.4) == \
+        {"stage_sw_ms_1": "0.50 / 0.50", "transit_ms_1": "0.40", "driver_ms_1": 1.0}
+    assert software_ms([[{"stage": "s0", "compute_ms": 1.0}]], ("s0", "s1"), 10.4) == {}
 
 
 def test_the_recut_rows_windows_and_goals():

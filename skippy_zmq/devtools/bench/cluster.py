@@ -41,7 +41,7 @@ import yaml
 from skippy_zmq.config.topology_yaml import load_topology, plan_topology
 from skippy_zmq.devtools.bench.cluster_ring import machine_ms, measure_ring, with_ring
 from skippy_zmq.devtools.bench.common import print_table, synthetic_prompt, write_report
-from skippy_zmq.devtools.bench.pipeline import TraceLog, measure, stream_prompts
+from skippy_zmq.devtools.bench.pipeline import TraceLog, hop_medians, measure, stream_prompts
 from skippy_zmq.devtools.hosts import SHARES, Hosts, HostSpec, cpu_cgroup_problem, driver_group, netns_problem
 from skippy_zmq.ops import placement
 from skippy_zmq.ops.launch import check_alive, prepare_keys, stage_command, stop_processes
@@ -247,15 +247,10 @@ def software_ms(traces: list[list[dict[str, Any]]], ids: Sequence[str], ms_per_t
     over decode steps): each stage's receive-to-send less its compute (its software per step), the
     transit between stages (send to the next one's receive: encode, wire, wake-up), and the rest of
     the token (the driver's loop, its two hops): ms_per_token less all of that and the compute."""
-    steps = [t for t in traces if [h.get("stage") for h in t] == list(ids) and
-             all("recv_ns" in h and "send_ns" in h for h in t)]
-    if not steps:
+    hops = hop_medians(traces, ids)
+    if hops is None:
         return {}
-    own = [statistics.median((t[i]["send_ns"] - t[i]["recv_ns"]) / 1e6 - float(t[i]["compute_ms"]) for t in steps)
-           for i in range(len(ids))]
-    transit = [statistics.median((t[i + 1]["recv_ns"] - t[i]["send_ns"]) / 1e6 for t in steps)
-               for i in range(len(ids) - 1)]
-    inside = statistics.median(sum((h["send_ns"] - h["recv_ns"]) / 1e6 for h in t) for t in steps)
+    own, transit, inside = hops["own"], hops["transit"], hops["inside"]
     return {"stage_sw_ms_1": " / ".join(f"{v:.2f}" for v in own),
             "transit_ms_1": " / ".join(f"{v:.2f}" for v in transit),
             "driver_ms_1": round(ms_per_token - inside - sum(transit), 2)}

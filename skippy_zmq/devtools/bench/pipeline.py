@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from skippy_zmq.protocol import wire
 from skippy_zmq.devtools.bench import greedy
@@ -153,6 +153,28 @@ class TraceLog:
 
     def window(self, t0: float, t1: float, steps_only: bool = False) -> list[list[dict[str, Any]]]:
         return [trace for t, step, trace in list(self.entries) if t0 <= t <= t1 and (step or not steps_only)]
+
+
+def hop_medians(traces: list[list[dict[str, Any]]], ids: Sequence[str]) -> dict[str, Any] | None:
+    """Where one-stream decode steps went, medians in ms over the traces (in the order the steps ran)
+    that cross exactly the stages `ids` with their receive and send times: each stage's `compute`
+    (its runner call) and `own` software (receive to send less compute), the `transit` between
+    stages (send to the next one's receive: encode, wire, wake-up), `inside` (receive to send summed
+    over the stages) and the `round` from the last stage's send to the first stage's receive of the
+    next step (the driver's turn and its two hops; None with fewer than two steps). None: no such trace."""
+    steps = [t for t in traces if [h.get("stage") for h in t] == list(ids) and
+             all("recv_ns" in h and "send_ns" in h for h in t)]
+    if not steps:
+        return None
+    med = statistics.median
+    rounds = [(b[0]["recv_ns"] - a[-1]["send_ns"]) / 1e6 for a, b in zip(steps, steps[1:])
+              if b[0]["recv_ns"] > a[-1]["send_ns"]]
+    return {"compute": [med(float(t[i]["compute_ms"]) for t in steps) for i in range(len(ids))],
+            "own": [med((t[i]["send_ns"] - t[i]["recv_ns"]) / 1e6 - float(t[i]["compute_ms"]) for t in steps)
+                    for i in range(len(ids))],
+            "transit": [med((t[i + 1]["recv_ns"] - t[i]["send_ns"]) / 1e6 for t in steps) for i in range(len(ids) - 1)],
+            "inside": med(sum((h["send_ns"] - h["recv_ns"]) / 1e6 for h in t) for t in steps),
+            "round": med(rounds) if rounds else None}
 
 
 def step_compute_ms(traces: list[list[dict[str, Any]]]) -> float | None:
