@@ -203,21 +203,40 @@ def test_last_pooling_token_ids_and_raw_vectors(served, real_reference):
     np.testing.assert_allclose(vector, want, atol=1e-4, rtol=1e-4)
 
 
-def test_base64_decodes_to_the_same_floats(served):
+def _decoded(item: dict) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4")
+
+
+def test_base64_is_the_float_answer_bit_for_bit(fake):
+    """Over the scripted engine, whose vectors never vary: base64 is the little-endian float32 bytes
+    of the very floats the float answer gives, for every input; the SDK decodes it to them."""
+    body = {"input": [[3, 4], [5, 7, 11]]}
+    plain = httpx.post(fake.url + "/v1/embeddings", json=body, timeout=60).json()
+    packed = httpx.post(fake.url + "/v1/embeddings", json={**body, "encoding_format": "base64"}, timeout=60).json()
+    assert [d["index"] for d in packed["data"]] == [0, 1]
+    for a, b in zip(plain["data"], packed["data"], strict=True):
+        np.testing.assert_array_equal(_decoded(b), np.array(a["embedding"], np.float32))
+    sdk = client(fake.url).embeddings.create(model="m", input=[[3, 4]])   # the SDK asks for base64 itself
+    np.testing.assert_array_equal(np.array(sdk.data[0].embedding, np.float32), _decoded(packed["data"][0]))
+    raw = client(fake.url).embeddings.create(model="m", input=[[3, 4]], encoding_format="base64")
+    assert raw.data[0].embedding == packed["data"][0]["embedding"]   # handed back as it came
+
+
+def test_base64_over_the_real_pipeline_decodes_to_the_float_answer(served):
+    """The same through 3 stage processes. Two requests are compared, so the bound is the stop-gap's
+    (tests/test_stopgap.py): a stage may run a shape layer by layer for one request and whole-slice
+    for the next, once its compile behind finished (on a loaded machine, later), and the two
+    compiled forms may differ in the last bits (seen: 500 of 576 floats, by at most 6e-8)."""
     s = served[3]
     plain = httpx.post(s.url + "/v1/embeddings", json={"input": [TEXT, "two"]}, timeout=120).json()
     packed = httpx.post(s.url + "/v1/embeddings", json={"input": [TEXT, "two"], "encoding_format": "base64"},
                         timeout=120).json()
-    for a, b in zip(plain["data"], packed["data"]):
-        decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
-        np.testing.assert_array_equal(decoded, np.array(a["embedding"], np.float32))
-    # The SDK asks for base64 itself when no encoding_format is given, and decodes it ...
+    for a, b in zip(plain["data"], packed["data"], strict=True):
+        assert _decoded(b).shape == (576,)   # SmolLM2's width, as float32: not float16, not float64
+        np.testing.assert_allclose(_decoded(b), np.array(a["embedding"], np.float32), atol=2e-5, rtol=0)
     sdk = client(s.url).embeddings.create(model="m", input=TEXT)
-    np.testing.assert_array_equal(np.array(sdk.data[0].embedding, np.float32),
-                                  np.array(plain["data"][0]["embedding"], np.float32))
-    # ... and hands the string back as it came when base64 is asked for explicitly
-    raw = client(s.url).embeddings.create(model="m", input=TEXT, encoding_format="base64")
-    assert raw.data[0].embedding == packed["data"][0]["embedding"]
+    np.testing.assert_allclose(np.array(sdk.data[0].embedding, np.float32), _decoded(packed["data"][0]),
+                               atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("body, param, text", [
