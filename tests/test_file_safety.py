@@ -37,6 +37,7 @@ def test_kernel_in_a_group_writable_cache_is_not_loaded(tmp_path, monkeypatch):
     elsewhere = quant._kernel_path(planted.name)
     assert elsewhere.parent != cache and oct(elsewhere.parent.stat().st_mode & 0o777) == "0o700"
     assert not elsewhere.exists()                                 # to be built there, not loaded
+    assert quant._kernel_path(planted.name) == elsewhere          # one private folder a process, not one a lookup
     cache.chmod(0o700)
     planted.chmod(0o666)                                          # the file: world-writable
     assert quant._kernel_path(planted.name).parent != cache
@@ -44,6 +45,25 @@ def test_kernel_in_a_group_writable_cache_is_not_loaded(tmp_path, monkeypatch):
     planted.unlink()
     planted.symlink_to(tmp_path / "elsewhere.so")                 # a link: never a cache entry we wrote
     assert quant._kernel_path(planted.name).parent != cache
+
+
+@pytest.mark.slow
+def test_the_private_kernel_folder_goes_with_its_process(tmp_path):
+    """A process whose kernel cache is unsafe builds in a 0700 folder of its own, one for all its
+    lookups, and leaves nothing behind in the temporary folder when it exits (a real process)."""
+    cache = tmp_path / "kernels"
+    cache.mkdir()
+    cache.chmod(0o770)                                            # group-writable: not used
+    code = ("from skippy_zmq.model import quant\n"
+            "a, b = quant._kernel_path('x.so'), quant._kernel_path('y.so')\n"
+            "assert a.parent == b.parent and a.parent.is_dir()\n"
+            "print(a.parent)\n")
+    env = {**os.environ, quant.CACHE_ENV: str(cache), "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    folder = Path(out.stdout.strip())
+    assert folder.parent == tmp_path and folder.name.startswith("skippy-kernel-"), out.stdout
+    assert not folder.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["kernels"]
 
 
 def test_unsafe_reason_names_the_fault(tmp_path):

@@ -7,6 +7,7 @@ model/quant.py calls it for QTensor matmuls, MoE experts and decode attention; d
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import functools
@@ -352,4 +353,14 @@ def _kernel_path(name: str) -> Path:
         if not os.path.lexists(target) or (reason := unsafe_reason(target, follow=False)) is None:
             return target
         logger.warning("kernel {} {}: building a private copy instead", target, reason)
-    return Path(tempfile.mkdtemp(prefix="skippy-kernel-")) / name
+    return _private_kernel_dir() / name
+
+
+@functools.cache
+def _private_kernel_dir() -> Path:
+    """This process's own 0700 folder for a kernel the cache cannot safely hold: made on first need
+    (one for every lookup), removed when the process exits (not by a forked child's exit)."""
+    folder = Path(tempfile.mkdtemp(prefix="skippy-kernel-"))
+    owner = os.getpid()
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(folder, ignore_errors=True))
+    return folder
