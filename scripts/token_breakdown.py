@@ -45,6 +45,8 @@ def breakdown(steps: list[list[dict]], intervals: list[float]) -> dict:
 
 
 def measure(model: Path, n_stages: int, requests: int = 4, new_tokens: int = 64) -> dict:
+    if requests < 2:
+        raise ValueError(f"requests={requests}: at least 2 (the first only warms the path)")
     with tempfile.TemporaryDirectory(prefix="token-breakdown-") as tmp:
         topology = write_topology(Path(tmp), model, n_stages, name=f"breakdown{n_stages}")
         with running_pipeline(topology, Path(tmp) / "run", timeout=300, warm=True) as (engine, _tok, _topo, _procs):
