@@ -54,12 +54,14 @@ def edge_blocks(rng, kind: str, k: int) -> np.ndarray:
     return np.stack(rows)
 
 
-def check_every_type() -> dict:
-    """Every block type on every case under the ISA selected now: the worst error relative to
+def check_every_type(skip: tuple[str, ...] = ()) -> dict:
+    """Every block type (but `skip`) on every case under the ISA selected now: the worst error relative to
     sum |x||w|, whether a row alone equals it in company, whether NaNs sit where gguf-py's are."""
     rng = np.random.default_rng(0)
     worst, alone, nan_same = 0.0, True, True
     for kind in ggml.BLOCK_KERNEL_TYPES:
+        if kind in skip:
+            continue
         cases = [(m, random_blocks(rng, kind, n, k)) for m, n, k in
                  [(1, 40, 512), (2, 17, 256), (3, 16, 768), (5, 33, 1024), (9, 7, 256), (8, 640, 1024)]]
         cases.append((4, edge_blocks(rng, kind, 512)))
@@ -103,8 +105,10 @@ def selected(isa: str):
 def test_block_kernel_matches_the_dequantised_product_on_every_isa(isa):
     if isa not in isas():
         pytest.skip(f"this CPU (or a missing compiler) does not run the {isa} loops")
+    # avx512vnni runs Q4_K and Q6_K on int8 activations: tests/test_quant_kernel.py checks them against their
+    # own models
     with selected(isa), jax.default_device(jax.devices("cpu")[0]):   # the kernel is a CPU kernel
-        got = check_every_type()
+        got = check_every_type(("Q4_K", "Q6_K") if isa == "avx512vnni" else ())
     assert got["worst"] < 1e-5 and got["alone"] and got["nan_same"], (isa, got)
 
 

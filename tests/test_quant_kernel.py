@@ -220,3 +220,187 @@ def test_int8_activation_loops_compute_exactly_what_they_define(tmp_path):
     assert got["isa"] == "avx512vnni" and got["row_alone_same"]
     assert got["exact"] < 1e-5
     assert 1e-4 < got["vs_f32"] < 3e-2
+
+
+QUANTISE_X = """
+def quantise_x(x):
+    # quant_kernel.h's int8 activations: per 32 inputs, step amax / 127, levels x * (127 / amax) in float32
+    # rounded half to even; the blocks' exact sums
+    xb = x.reshape(len(x), -1, 32)
+    amax = np.abs(xb).max(-1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    xq = np.rint(xb * inv[..., None]).astype(np.int64)
+    return xq, (amax / np.float32(127)).astype(np.float64), xb.astype(np.float64).sum(-1)
+"""
+
+
+Q4_K_INT8_CHILD = """
+import json
+import gguf, jax, jax.numpy as jnp, numpy as np
+from skippy_zmq.model import ggml, kernel, quant
+
+def q4_k_blocks(rng, n, k):
+    # random Q4_K rows [n, k / 256 * 144]: random bytes, modest f16 d and dmin of either sign
+    raw = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    for at in (0, 2):
+        f = rng.uniform(2.0 ** -10, 2.0 ** -4, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])
+        raw[..., at:at + 2] = f.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(n, -1)
+
+def q4_k_parts(raw, k):
+    # per 32-input sub-block d * sc_s and dmin * m_s [n, k / 32] (float64, exact) and the levels [n, k]
+    b = raw.reshape(raw.shape[0], k // 256, 144)
+    d, dmin = (b[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float64) for at in (0, 2))
+    q = b[..., 4:16].astype(np.int64)
+    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
+    qs = b[..., 16:].reshape(*b.shape[:2], 4, 32).astype(np.int64)
+    lv = np.stack([qs & 15, qs >> 4], 3).reshape(raw.shape[0], k)   # sub-block 2j: low nibbles, 2j + 1: high
+    return (d[..., None] * sc).reshape(raw.shape[0], -1), (dmin[..., None] * mn).reshape(raw.shape[0], -1), lv
+
+""" + QUANTISE_X + """
+
+def model(x, raw):
+    # y = sum_s (d sc_s) xd[s] isum[s] - sum_s (dmin m_s) xs[s], isum exact integers, the rest float64
+    scale, shift, lv = q4_k_parts(raw, x.shape[1])
+    xq, xd, xs = quantise_x(x)
+    isum = np.einsum("msk,nsk->mns", xq, lv.reshape(len(raw), -1, 32))
+    return (isum * scale[None] * xd[:, None]).sum(-1) - xs @ shift.T
+
+dense = jax.jit(ggml.block_dense)
+lib = kernel._load_kernel().lib
+out = {"isa": quant.kernel_isa(), "exact": 0.0, "vs_f32": 0.0, "alone": True, "parse": True, "others_same": True}
+rng = np.random.default_rng(0)
+for m, k, n in [(1, 256, 37), (2, 512, 50), (3, 1024, 23), (4, 2048, 70), (5, 768, 19), (6, 1536, 41),
+                (1, 2048, 300), (6, 256, 5), (9, 512, 21), (13, 256, 40)]:   # (9, 13: prefill-sized calls)   # (1, 2048, 300): enough work for the pool's helpers
+    raw = q4_k_blocks(rng, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[0, :32] = 0                                      # a zero block: step 0
+    w = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K), np.float32)
+    scale, shift, lv = q4_k_parts(raw, k)              # (the model's reading of the blocks is gguf-py's)
+    out["parse"] &= bool(np.array_equal((np.repeat(scale, 32, 1) * lv - np.repeat(shift, 32, 1)).astype(np.float32), w))
+    t = ggml.BlockTensor(jnp.asarray(raw), "Q4_K", impl="kernel")
+    got = np.asarray(dense(jnp.asarray(x), t))
+    emu, ref = model(x, raw), x.astype(np.float64) @ w.astype(np.float64).T
+    out["exact"] = max(out["exact"], float(np.abs(got - emu).max() / np.abs(emu).max()))
+    out["vs_f32"] = max(out["vs_f32"], float(np.abs(got - ref).max() / np.abs(ref).max()))
+    for r in range(m):                                 # each row alone, and the first r + 1 rows together
+        out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[r:r + 1]), t))[0], got[r]))
+        out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[:r + 1]), t)), got[:r + 1]))
+# every other type (but Q6_K: Q6_K_INT8_CHILD) keeps the float loops, bit for bit avx512's
+for kind, m, k, n in [("Q5_K", 3, 512, 37), ("Q8_0", 2, 512, 37), ("Q5_0", 9, 512, 37), ("Q5_K", 9, 256, 21)]:
+    t = ggml.TYPES[kind]
+    raw = rng.integers(0, 256, (n, k // t.block, t.nbytes), dtype=np.uint8)
+    for at in ((0, 2) if kind == "Q5_K" else (0,)):   # the f16 factors: modest, finite
+        raw[..., at:at + 2] = np.array([0x1400], "<u2").view(np.uint8)
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+    bt = ggml.BlockTensor(jnp.asarray(raw.reshape(n, -1)), kind, impl="kernel")
+    mine = np.asarray(dense(x, bt))
+    assert kernel._select_isa(lib, "avx512") == "avx512"
+    out["others_same"] &= bool(np.array_equal(np.asarray(dense(x, bt)), mine))
+    assert kernel._select_isa(lib, "avx512vnni") == "avx512vnni"
+print(json.dumps(out))
+"""
+
+
+def test_q4_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path):
+    """SKIPPY_KERNEL_ISA=avx512vnni runs GGUF Q4_K blocks (every M) on int8 activations: equal to a
+    float64 numpy model of that arithmetic (x quantised per 32 inputs as quant_kernel.h says, exact integer
+    sums of level * xq per sub-block, the blocks' factors d * sc and dmin * m) to float32 rounding (1e-5 of
+    the output's scale); each row the same bits alone or in company; within int8 rounding of the float
+    product of gguf-py's dequantised W (measured ~5e-3 of the output's scale here; bound 3e-2, and above
+    1e-4, so the int8 loop did run); Q5_K, Q5_0 and Q8_0 bit for bit avx512's (Q6_K: the test below)."""
+    if not shutil.which(os.environ.get("CXX") or "g++"):
+        pytest.skip("no C++ compiler")
+    if not (X86 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"} <= cpu_flags()):
+        pytest.skip("this CPU has no AVX512-VNNI with VBMI")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "SKIPPY_KERNEL_ISA": "avx512vnni", "SKIPPY_KERNEL_BUILD": "all"}
+    done = subprocess.run([sys.executable, "-c", Q4_K_INT8_CHILD], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["isa"] == "avx512vnni" and got["parse"] and got["alone"] and got["others_same"], got
+    assert got["exact"] < 1e-5, got
+    assert 1e-4 < got["vs_f32"] < 3e-2, got
+
+
+Q6_K_INT8_CHILD = """
+import json
+import gguf, jax, jax.numpy as jnp, numpy as np
+from skippy_zmq.model import ggml, kernel, quant
+
+def q6_k_blocks(rng, n, k):
+    # random Q6_K rows [n, k / 256 * 210]: random levels and int8 scales, a modest f16 d of either sign
+    raw = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+    f = rng.uniform(2.0 ** -12, 2.0 ** -6, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])
+    raw[..., 208:210] = f.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(n, -1)
+
+def q6_k_parts(raw, k):
+    # per 16-input group d * sc_g [n, k / 16] (float64, exact) and the levels q - 32 [n, k]: per half of
+    # 128, weights 0-31 from ql[0:32]'s low nibbles and qh's bits 0-1, 32-63 ql[32:64]'s low and bits 2-3,
+    # 64-95 ql[0:32]'s high and bits 4-5, 96-127 ql[32:64]'s high and bits 6-7
+    b = raw.reshape(raw.shape[0], k // 256, 210)
+    d = b[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float64)
+    sc = b[..., 192:208].view(np.int8).astype(np.float64)
+    ql = b[..., :128].reshape(*b.shape[:2], 2, 2, 32).astype(np.int64)    # [.., half, ql[0:32] | ql[32:64], 32]
+    qh = b[..., 128:192].reshape(*b.shape[:2], 2, 1, 32).astype(np.int64)
+    low = np.concatenate([ql & 15, ql >> 4], 3)                             # [.., half, 4 quarters, 32]
+    high = (qh >> (2 * np.arange(4)).reshape(4, 1)) & 3
+    lv = ((low | (high << 4)) - 32).reshape(raw.shape[0], k)
+    return (d[..., None] * sc).reshape(raw.shape[0], -1), lv
+
+""" + QUANTISE_X + """
+
+def model(x, raw):
+    # y = sum_g (d sc_g) xd[g / 2] isum[g], isum exact integers, the rest float64
+    scale, lv = q6_k_parts(raw, x.shape[1])
+    xq, xd, _ = quantise_x(x)
+    isum = np.einsum("mgk,ngk->mng", xq.reshape(len(x), -1, 16), lv.reshape(len(raw), -1, 16))
+    return (isum * scale[None] * np.repeat(xd, 2, 1)[:, None]).sum(-1)
+
+dense = jax.jit(ggml.block_dense)
+out = {"isa": quant.kernel_isa(), "exact": 0.0, "vs_f32": 1.0, "vs_f32_max": 0.0, "alone": True, "parse": True}
+rng = np.random.default_rng(0)
+for m, k, n in [(1, 256, 37), (2, 512, 50), (3, 1024, 23), (4, 2048, 70), (5, 768, 19), (6, 1536, 41),
+                (1, 2048, 300), (4, 1024, 333), (9, 512, 21), (13, 256, 40)]:   # (300, 333: the pool's helpers
+    raw = q6_k_blocks(rng, n, k)                                                 # take tasks; 9, 13: prefill-sized)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[0, :32] = 0                                      # a zero block: step 0
+    x[-1, 40] = 6.0                                    # an outlier: its block's other levels coarser
+    w = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K), np.float32)
+    scale, lv = q6_k_parts(raw, k)                     # (the model's reading of the blocks is gguf-py's)
+    out["parse"] &= bool(np.array_equal((np.repeat(scale, 16, 1) * lv).astype(np.float32), w))
+    t = ggml.BlockTensor(jnp.asarray(raw), "Q6_K", impl="kernel")
+    got = np.asarray(dense(jnp.asarray(x), t))
+    emu, ref = model(x, raw), x.astype(np.float64) @ w.astype(np.float64).T
+    out["exact"] = max(out["exact"], float(np.abs(got - emu).max() / np.abs(emu).max()))
+    err = float(np.abs(got - ref).max() / np.abs(ref).max())
+    out["vs_f32"], out["vs_f32_max"] = min(out["vs_f32"], err), max(out["vs_f32_max"], err)
+    for r in range(m):                                 # each row alone, and the first r + 1 rows together
+        out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[r:r + 1]), t))[0], got[r]))
+        out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[:r + 1]), t)), got[:r + 1]))
+    out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[::-1].copy()), t)), got[::-1]))
+print(json.dumps(out))
+"""
+
+
+def test_q6_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path):
+    """SKIPPY_KERNEL_ISA=avx512vnni runs GGUF Q6_K blocks (every M) on int8 activations too: equal to a
+    float64 numpy model of that arithmetic (x quantised per 32 inputs as quant_kernel.h says, exact integer
+    sums of (q - 32) * xq per 16-input group, the factors d * sc_g * xd) to float32 rounding (1e-5 of the
+    output's scale); the model's parse of the blocks bit for bit gguf-py's dequantiser; each row the same bits
+    alone, in company, in any order; within int8 rounding of the float product of gguf-py's dequantised W in
+    every case (bound 3e-2) and above 1e-4 in every case (so the int8 loop did run)."""
+    if not shutil.which(os.environ.get("CXX") or "g++"):
+        pytest.skip("no C++ compiler")
+    if not (X86 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"} <= cpu_flags()):
+        pytest.skip("this CPU has no AVX512-VNNI with VBMI")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "SKIPPY_KERNEL_ISA": "avx512vnni", "SKIPPY_KERNEL_BUILD": "all"}
+    done = subprocess.run([sys.executable, "-c", Q6_K_INT8_CHILD], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["isa"] == "avx512vnni" and got["parse"] and got["alone"], got
+    assert got["exact"] < 1e-5, got
+    assert 1e-4 < got["vs_f32"] and got["vs_f32_max"] < 3e-2, got

@@ -14,6 +14,11 @@
 // by float rounding (the order of the sums), as the QTensor float loops do; the greedy ids of a
 // Q4_K_M model stay those of its dequantised weights. Each row of x runs the same operations whatever
 // the tile height, so a row's result does not depend on the rows that share its call.
+//
+// The one exception, opt-in: the avx512vnni build (SKIPPY_KERNEL_ISA=avx512vnni, never auto) runs Q4_K
+// and Q6_K calls of every size on int8 activations, dot_q4_k_vnni and dot_q6_k_vnni below (x quantised
+// per 32 inputs by the glue, quant_kernel.h), in the decode loops' tiles; every other type keeps the
+// float loops there too.
 
 #include "quant_kernel.h"
 #include "quant_kernel_simd.h"
@@ -359,15 +364,148 @@ void dot_blocks(const SkippyBlockArgs& a, int64_t m0, int64_t n, Unpack unpack) 
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+// Q4_K with int8 activations (only the avx512vnni build compiles this; BlockDense sets a.xq for every
+// Q4_K call there). x is quantised per 32 inputs, one Q4_K sub-block:
+// x[m, k] ~ xq[m, k] * xd[m, s], xs[m, s] the block's exact float sum, so
+//   y[m, n] = sum_s (d * sc_s) * xd[m, s] * isum[m, s] - sum_s (dmin * m_s) * xs[m, s]
+// with isum[m, s] = sum of level * xq over the sub-block, exact in int32: vpdpbusd, the 4-bit levels the
+// unsigned operand and xq the signed one (at most 32 * 15 * 127 in magnitude: no overflow).
+// A zmm of 64 nibble bytes holds two j's of 32 bytes: its low nibbles are sub-blocks 2j and 2j + 2, its
+// high ones 2j + 1 and 2j + 3, so lanes 0-7 of a vpdpbusd sum one sub-block and lanes 8-15 the other,
+// against x's bytes of those two sub-blocks (two 32-byte halves, 64 apart, in one zmm). The int32 lanes
+// are converted and multiplied, in an FMA, by their sub-block's d * sc_s * xd[m, s] (one 8-wide product,
+// spread to the lanes by vpermps); the minimums are one 8-wide FMA per super-block. Each row of x runs
+// the same float operations in the same order whatever R is, so its result does not depend on the rows
+// that share its call (nor on which of the 4-, 2- and 1-row tiles it lands in).
+template <int R>
+void dot_q4_k_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  __m512 acc[R][2];
+  __m256 mins[R];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps(), mins[r] = _mm256_setzero_ps();
+  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
+  const int8_t* xq = a.xq + m0 * K;
+  const float *xd = a.xd + m0 * xblocks, *xs = a.xs + m0 * xblocks;
+  const uint8_t* b = a.w + n * a.row_bytes;
+  const __m512i nib = _mm512_set1_epi8(15);
+  // the sub-block of each lane for the 4 level vectors: (0 | 2), (1 | 3), (4 | 6), (5 | 7)
+  const __m512i lane_sub[4] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+                               _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3),
+                               _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6),
+                               _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7)};
+  for (int64_t k0 = 0; k0 < K; k0 += 256, b += 144) {
+    prefetch_ahead<144>(b);
+    v8f sc, mn;
+    k4_factors(b, sc, mn);
+    const __m512i q0 = _mm512_loadu_si512(b + 16), q1 = _mm512_loadu_si512(b + 80);
+    const __m512i level[4] = {_mm512_and_si512(q0, nib), _mm512_and_si512(_mm512_srli_epi16(q0, 4), nib),
+                              _mm512_and_si512(q1, nib), _mm512_and_si512(_mm512_srli_epi16(q1, 4), nib)};
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq + r * K + k0;
+      const int64_t at = r * xblocks + k0 / SKIPPY_XBLOCK;
+      const __m512 f = _mm512_castps256_ps512(_mm256_mul_ps((__m256)sc, _mm256_loadu_ps(xd + at)));   // 8 lanes used
+      for (int c = 0; c < 4; ++c) {   // x's bytes of sub-blocks (c / 2) * 4 + c % 2 and + 2: 64 apart
+        const int8_t* xc = x + 128 * (c / 2) + 32 * (c % 2);
+        const __m512i xv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)xc)),
+                                              _mm256_loadu_si256((const __m256i*)(xc + 64)), 1);
+        const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), level[c], xv);
+        acc[r][c % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(lane_sub[c], f), acc[r][c % 2]);
+      }
+      mins[r] = _mm256_fmadd_ps((__m256)mn, _mm256_loadu_ps(xs + at), mins[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 m4 = _mm256_add_ps(mins[r], _mm256_permute2f128_ps(mins[r], mins[r], 1));
+    const __m128 m2 = _mm_add_ps(_mm256_castps256_ps128(m4), _mm_movehl_ps(_mm256_castps256_ps128(m4), _mm256_castps256_ps128(m4)));
+    const float min_sum = _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
+    a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) - min_sum;
+  }
+}
+
+// Q6_K with int8 activations (the avx512vnni build; BlockDense sets a.xq for every Q6_K call there). x is
+// quantised per 32 inputs as for Q4_K, two of Q6_K's 16-input groups g per x block:
+//   y[m, n] = sum_g (d * sc_g) * xd[m, g / 2] * isum[m, g],  isum[m, g] = sum over g of (q - 32) * xq
+// exact in int32. vpdpbusd takes its unsigned operand from x (xq ^ 0x80 = xq + 128, 1..255) and its signed
+// one from the levels q - 32 (-32..31); each int32 lane sums 4 products, and starts from the row of W's own
+// correction -128 * sum (q - 32) over its 4 bytes (one vpdpbusd of q against -128 bytes from 16384 per
+// lane, shared by the R rows of x), so the lane ends holding its exact part of isum. Bounds: the
+// products' sum at most 4 * 255 * 32 = 32640 in magnitude, the correction 16384, the result 4 * 127 * 32:
+// far inside int32. A half's 6-bit levels in two zmm as unpack_q6_k builds them (levels 0..63 and 64..127
+// of the half, in order, without the - 32), so each zmm meets 64 consecutive bytes of xq: lanes 4i..4i+3
+// are group 4c + i (c the zmm of the block). The int32 lanes are converted and multiplied, in an FMA, by
+// their group's d * sc_g * xd[m, g / 2] (16 products a block, spread to the lanes by vpermps), into 2
+// accumulators per row; a horizontal sum at the end. Each row of x runs the same float operations in the
+// same order whatever R is (the shared correction is integer, exact), so its result does not depend on the
+// rows that share its call.
+template <int R>
+void dot_q6_k_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
+  const int8_t* xq = a.xq + m0 * K;
+  const float* xd = a.xd + m0 * xblocks;
+  const uint8_t* b = a.w + n * a.row_bytes;
+  const __m512i nib = _mm512_set1_epi8(15), two = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(32);
+  const __m512i up = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4) * 0x0001000100010001;   // (unpack_q6_k's shifts)
+  const __m512i down = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0) * 0x0001000100010001;
+  const __m512i bias = _mm512_set1_epi8((char)0x80), minus128 = _mm512_set1_epi8(-128), base = _mm512_set1_epi32(16384);
+  const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);   // xd per group
+  // the group of each lane for the 4 level vectors of a block: 4c + lane / 4
+  const __m512i lane_group[4] = {_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                 _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
+                                 _mm512_setr_epi32(8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11),
+                                 _mm512_setr_epi32(12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15)};
+  for (int64_t k0 = 0; k0 < K; k0 += 256, b += 210) {
+    prefetch_ahead<210>(b);
+    __m512i level[4], corr[4];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i q = _mm512_loadu_si512(b + 64 * h);
+      const __m512i t = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h)));
+      const __m512i lo = _mm512_ternarylogic_epi32(_mm512_and_si512(q, nib), _mm512_sllv_epi16(t, up), two, 0xF8);
+      const __m512i hi = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(q, 4), nib),
+                                                   _mm512_srlv_epi16(t, down), two, 0xF8);
+      corr[2 * h] = _mm512_dpbusd_epi32(base, lo, minus128), corr[2 * h + 1] = _mm512_dpbusd_epi32(base, hi, minus128);
+      level[2 * h] = _mm512_sub_epi8(lo, off), level[2 * h + 1] = _mm512_sub_epi8(hi, off);
+    }
+    const __m512 dsc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 192)))),
+                                     _mm512_set1_ps(f16_at(b + 208)));   // d * sc_g, as unpack_q6_k's scales
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq + r * K + k0;
+      const __m256 step = _mm256_loadu_ps(xd + r * xblocks + k0 / SKIPPY_XBLOCK);   // the block's 8 xd
+      const __m512 f = _mm512_mul_ps(dsc, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(step)));
+      for (int c = 0; c < 4; ++c) {
+        const __m512i xu = _mm512_xor_si512(_mm512_loadu_si512(x + 64 * c), bias);
+        const __m512i isum = _mm512_dpbusd_epi32(corr[c], xu, level[c]);
+        acc[r][c % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(lane_group[c], f), acc[r][c % 2]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+#endif
+
 // A decode call's rows of x against row n of a Q4_K or Q6_K W; false for the other types (dot_rows').
+// Either with a.xq set (avx512vnni) takes its int8-activation loop.
 template <int R>
 bool dot_k_decode(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   if (a.type == SKIPPY_GGML_Q6_K) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+    if (a.xq) {
+      dot_q6_k_vnni<R>(a, m0, n);
+      return true;
+    }
+#endif
     dot_blocks<R, 210, false>(a, m0, n, [](const uint8_t* b, int8_t* l, float* s, float*)
                                             __attribute__((always_inline)) { unpack_q6_k(b, l, s); });
     return true;
   }
   if (a.type != SKIPPY_GGML_Q4_K) return false;
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+  if (a.xq) {
+    dot_q4_k_vnni<R>(a, m0, n);
+    return true;
+  }
+#endif
 #if defined(__AVX512F__)
   dot_q4_k<R>(a, m0, n);
 #else   // each sub-block's scale broadcast for its 2 runs: unpack_k4 need not spread them
@@ -447,8 +585,9 @@ void block_rows(const SkippyBlockArgs& a, int64_t task) {
   const int64_t n0 = task * SKIPPY_BLOCK_ROWS;
   const int64_t rows = a.N - n0 < SKIPPY_BLOCK_ROWS ? a.N - n0 : SKIPPY_BLOCK_ROWS;
   if (rows <= 0) return;
-  if ((a.type == SKIPPY_GGML_Q4_K || a.type == SKIPPY_GGML_Q6_K) && a.M <= kDecodeRows) {
-    // decode-sized: their own loops in tiles of kRows, 2 and 1 rows of x, each row the same operations
+  if (((a.type == SKIPPY_GGML_Q4_K || a.type == SKIPPY_GGML_Q6_K) && a.M <= kDecodeRows) || a.xq) {
+    // decode-sized (or int8 Q4_K / Q6_K, any size): their own loops in tiles of kRows, 2 and 1 rows of x, each row
+    // the same operations
     prefetch_task(a, n0, rows);
     for (int64_t i = 0; i < rows; ++i) {
       int64_t m = 0;

@@ -288,9 +288,21 @@ ffi::Error BlockDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const float* xs = x.typed_data();
   for (int64_t i = 0; i < M * (K / 16); ++i)
     for (int j = 0; j < 16; ++j) xsum[i] += xs[i * 16 + j];
-  const SkippyBlockArgs args{xs, xsum.data(), w.typed_data(), y->typed_data(), M, K, N, wd[1],
-                             static_cast<int32_t>(type)};
-  const SkippyBlockFn fn = g_isa.load(std::memory_order_relaxed)->blocks;
+  SkippyBlockArgs args{xs, xsum.data(), w.typed_data(), y->typed_data(), M, K, N, wd[1],
+                       static_cast<int32_t>(type), nullptr, nullptr, nullptr};
+  const Isa* isa = g_isa.load(std::memory_order_relaxed);
+  // int8 activations (avx512vnni only): Q4_K and Q6_K calls of any size, x quantised once per call as Dense does
+  // (per-thread buffers that outlive the call's tasks), so a row's result does not depend on how many rows
+  // share its call. Every other type keeps the float loops.
+  thread_local std::vector<int8_t> xq8;
+  thread_local std::vector<float> xq_step, xq_sum;
+  if (isa->quantize && (type == SKIPPY_GGML_Q4_K || type == SKIPPY_GGML_Q6_K) && M > 0) {
+    const int64_t blocks = M * (K / SKIPPY_XBLOCK);   // (K a multiple of 256 here)
+    xq8.resize(M * K), xq_step.resize(blocks), xq_sum.resize(blocks);
+    isa->quantize(xs, M, K, xq8.data(), xq_step.data(), xq_sum.data());
+    args.xq = xq8.data(), args.xd = xq_step.data(), args.xs = xq_sum.data();
+  }
+  const SkippyBlockFn fn = isa->blocks;
   RunTasks(pool, (N + SKIPPY_BLOCK_ROWS - 1) / SKIPPY_BLOCK_ROWS, M * K * N, [fn, args](int64_t t) { fn(&args, t); });
   return ffi::Error::Success();
 }

@@ -56,6 +56,9 @@ typedef void (*SkippyAttendFn)(const SkippyAttendArgs* args, int64_t task);
 // GGUF blocks read in place (block_kernel_isa.cc): y[M, N] = x[M, K] @ W.T, W [N, K] held as rows of
 // row_bytes bytes of GGML type `type` (SKIPPY_GGML_*), exactly as the file stores them. xsum [M, K / 16]:
 // x's sums per 16 inputs, for the types whose blocks subtract a minimum (Q4_K, Q5_K).
+// With int8 activations (the avx512vnni ISA; only Q4_K and Q6_K, every M), xq, xd
+// and xs hold x quantised per row in blocks of SKIPPY_XBLOCK inputs exactly as SkippyDenseArgs' do; null
+// everywhere else (the float loops).
 #define SKIPPY_GGML_Q5_0 6
 #define SKIPPY_GGML_Q8_0 8
 #define SKIPPY_GGML_Q4_K 12
@@ -69,6 +72,9 @@ typedef struct {
   float* y;
   int64_t M, K, N, row_bytes;
   int32_t type;
+  const int8_t* xq;
+  const float* xd;
+  const float* xs;
 } SkippyBlockArgs;
 
 // Computes rows [task * SKIPPY_BLOCK_ROWS, + SKIPPY_BLOCK_ROWS) of W (clipped to N) for every row of x.

@@ -23,6 +23,10 @@
 #define SKIPPY_MICRO_CAT(a, b) SKIPPY_MICRO_CAT2(a, b)
 #define SKIPPY_MICRO_DECLARE(isa) SKIPPY_DECLARE_ISA(isa)   // (expands the name before pasting it)
 SKIPPY_MICRO_DECLARE(SKIPPY_MICRO_ISA)
+#if defined(SKIPPY_MICRO_QUANTIZE)   // avx512vnni: Q4_K and Q6_K on int8 activations, x quantised as BlockDense does
+#define SKIPPY_MICRO_DECLARE_QUANTIZE(isa) SKIPPY_DECLARE_QUANTIZE(isa)
+SKIPPY_MICRO_DECLARE_QUANTIZE(SKIPPY_MICRO_ISA)
+#endif
 
 namespace {
 
@@ -93,8 +97,18 @@ int main(int argc, char** argv) {
           const uint16_t h = (uint16_t)(0x1c00 + rng() % 0x400);   // 2^-8 .. 2^-7
           if (f >= 0) memcpy(&w[i * t.bytes + f], &h, 2);
         }
-      const SkippyBlockArgs b{x.data(), xs.data(), w.data(), y.data(), M, K, N, row_bytes, t.id};
-      row(t.name, M, N, K, best_of((N + SKIPPY_BLOCK_ROWS - 1) / SKIPPY_BLOCK_ROWS, 32, [&](int64_t i, int64_t e) {
+      SkippyBlockArgs b{x.data(), xs.data(), w.data(), y.data(), M, K, N, row_bytes, t.id};
+      const char* name = t.name;
+#if defined(SKIPPY_MICRO_QUANTIZE)
+      std::vector<int8_t> xq(M * K);
+      std::vector<float> xd(M * K / SKIPPY_XBLOCK), xsq(M * K / SKIPPY_XBLOCK);
+      if (t.id == SKIPPY_GGML_Q4_K || t.id == SKIPPY_GGML_Q6_K) {   // (every M; once per call in BlockDense: untimed)
+        SKIPPY_MICRO_CAT(skippy_quantize_x_, SKIPPY_MICRO_ISA)(x.data(), M, K, xq.data(), xd.data(), xsq.data());
+        b.xq = xq.data(), b.xd = xd.data(), b.xs = xsq.data();
+        name = t.id == SKIPPY_GGML_Q4_K ? "Q4_K (int8 x)" : "Q6_K (int8 x)";
+      }
+#endif
+      row(name, M, N, K, best_of((N + SKIPPY_BLOCK_ROWS - 1) / SKIPPY_BLOCK_ROWS, 32, [&](int64_t i, int64_t e) {
             for (; i < e; ++i) blocks(&b, i);
           }), (double)w.size());
     }
