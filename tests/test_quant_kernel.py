@@ -303,6 +303,20 @@ print(json.dumps(out))
 """
 
 
+def run_int8_child(tmp_path, code: str) -> dict:
+    """`code` in a fresh interpreter with the kernel forced to avx512vnni: the JSON of its last line
+    (skips where there is no compiler or no AVX512-VNNI with VBMI)."""
+    if not shutil.which(os.environ.get("CXX") or "g++"):
+        pytest.skip("no C++ compiler")
+    if not (X86 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"} <= cpu_flags()):
+        pytest.skip("this CPU has no AVX512-VNNI with VBMI")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "SKIPPY_KERNEL_ISA": "avx512vnni", "SKIPPY_KERNEL_BUILD": "all"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_q4_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path):
     """SKIPPY_KERNEL_ISA=avx512vnni runs GGUF Q4_K blocks (every M) on int8 activations: equal to a
     float64 numpy model of that arithmetic (x quantised per 32 inputs as quant_kernel.h says, exact integer
@@ -310,15 +324,7 @@ def test_q4_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path):
     the output's scale); each row the same bits alone or in company; within int8 rounding of the float
     product of gguf-py's dequantised W (measured ~5e-3 of the output's scale here; bound 3e-2, and above
     1e-4, so the int8 loop did run); Q5_K, Q5_0 and Q8_0 bit for bit avx512's (Q6_K: the test below)."""
-    if not shutil.which(os.environ.get("CXX") or "g++"):
-        pytest.skip("no C++ compiler")
-    if not (X86 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"} <= cpu_flags()):
-        pytest.skip("this CPU has no AVX512-VNNI with VBMI")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "SKIPPY_KERNEL_ISA": "avx512vnni", "SKIPPY_KERNEL_BUILD": "all"}
-    done = subprocess.run([sys.executable, "-c", Q4_K_INT8_CHILD], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = run_int8_child(tmp_path, Q4_K_INT8_CHILD)
     assert got["isa"] == "avx512vnni" and got["parse"] and got["alone"] and got["others_same"], got
     assert got["exact"] < 1e-5, got
     assert 1e-4 < got["vs_f32"] < 3e-2, got
@@ -392,15 +398,7 @@ def test_q6_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path):
     output's scale); the model's parse of the blocks bit for bit gguf-py's dequantiser; each row the same bits
     alone, in company, in any order; within int8 rounding of the float product of gguf-py's dequantised W in
     every case (bound 3e-2) and above 1e-4 in every case (so the int8 loop did run)."""
-    if not shutil.which(os.environ.get("CXX") or "g++"):
-        pytest.skip("no C++ compiler")
-    if not (X86 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"} <= cpu_flags()):
-        pytest.skip("this CPU has no AVX512-VNNI with VBMI")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "SKIPPY_KERNEL_ISA": "avx512vnni", "SKIPPY_KERNEL_BUILD": "all"}
-    done = subprocess.run([sys.executable, "-c", Q6_K_INT8_CHILD], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = run_int8_child(tmp_path, Q6_K_INT8_CHILD)
     assert got["isa"] == "avx512vnni" and got["parse"] and got["alone"], got
     assert got["exact"] < 1e-5, got
     assert 1e-4 < got["vs_f32"] and got["vs_f32_max"] < 3e-2, got
