@@ -453,6 +453,10 @@ def test_every_api_shape_cancels_when_its_client_leaves(server, http, engine, to
     finally:
         engine.script = saved
     assert engine.cancelled == [engine.requests[-1].request_id] and engine.finished == []
+    # the handler counts the disconnect after the engine saw the cancel: wait (bounded) for the count
+    deadline = time.monotonic() + 5.0
+    while _metric_samples(http).get(key, 0.0) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert _metric_samples(http)[key] == before + 1
 
 
