@@ -17,6 +17,7 @@ def test_micro_bench_reports_every_type_per_shape():
     rows = kernel_micro.run("generic", 2, "64x256,64x96")
     got = [(r["type"], r["M"], r["N"], r["K"]) for r in rows]
     panels = ("q4 panels (Q4_0 / Q4_1)", "q5 panels (Q5_0 at load)")
-    assert got == [(t, 2, 64, 256) for t in (*panels, "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0")] + \
-                  [(t, 2, 64, 96) for t in (*panels, "Q5_0", "Q8_0")]
+    blocks = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", "Q5_1")
+    assert got == [(t, 2, 64, 256) for t in (*panels, *blocks)] + \
+                  [(t, 2, 64, 96) for t in (*panels, "Q5_0", "Q8_0", "IQ4_NL", "Q5_1")]
     assert all(r["us"] > 0 and r["gb_s"] > 0 and r["gweights_s"] > 0 for r in rows)

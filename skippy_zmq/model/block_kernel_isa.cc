@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
+
 #define SKIPPY_INLINE inline __attribute__((always_inline))
 
 namespace {
@@ -484,34 +486,41 @@ void dot_q6_k_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
 }
 #endif
 
-// A decode call's rows of x against row n of a Q4_K or Q6_K W; false for the other types (dot_rows').
-// Either with a.xq set (avx512vnni) takes its int8-activation loop.
+// The rows of x [m0, m0 + R) against row n of W on int8 activations (a.xq set: the avx512vnni build, a type
+// skippy_int8_block_type lists); one case per type.
 template <int R>
-bool dot_k_decode(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
-  if (a.type == SKIPPY_GGML_Q6_K) {
+void dot_int8(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-    if (a.xq) {
-      dot_q6_k_vnni<R>(a, m0, n);
-      return true;
-    }
+  switch (a.type) {
+    case SKIPPY_GGML_Q4_K: dot_q4_k_vnni<R>(a, m0, n); return;
+    case SKIPPY_GGML_Q6_K: dot_q6_k_vnni<R>(a, m0, n); return;
+  }
 #endif
+  for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = __builtin_nanf("");   // (never: the glue's list)
+}
+
+// A decode call's rows of x against row n of a Q4_K or Q6_K W (float activations).
+template <int R>
+void dot_k_decode(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  if (a.type == SKIPPY_GGML_Q6_K) {
     dot_blocks<R, 210, false>(a, m0, n, [](const uint8_t* b, int8_t* l, float* s, float*)
                                             __attribute__((always_inline)) { unpack_q6_k(b, l, s); });
-    return true;
+    return;
   }
-  if (a.type != SKIPPY_GGML_Q4_K) return false;
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-  if (a.xq) {
-    dot_q4_k_vnni<R>(a, m0, n);
-    return true;
-  }
-#endif
 #if defined(__AVX512F__)
   dot_q4_k<R>(a, m0, n);
 #else   // each sub-block's scale broadcast for its 2 runs: unpack_k4 need not spread them
   dot_blocks<R, 144, true, decltype(&unpack_k4<false, false>), 1>(a, m0, n, unpack_k4<false, false>);
 #endif
-  return true;
+}
+
+// Rows of x [0, M) against row n of W in tiles of kRows, 2 and 1 rows, each row the same operations.
+template <class Dot>
+SKIPPY_INLINE void tiles(const SkippyBlockArgs& a, int64_t n, Dot dot) {
+  int64_t m = 0;
+  for (; m + kRows <= a.M; m += kRows) dot(std::integral_constant<int, kRows>{}, m);
+  if (kRows > 2 && m + 2 <= a.M) dot(std::integral_constant<int, 2>{}, m), m += 2;
+  for (; m < a.M; ++m) dot(std::integral_constant<int, 1>{}, m);
 }
 
 // Q8_0 in decode (the head and embedding of SmolLM2's Q4_K_M file): the levels widened straight from
@@ -585,16 +594,16 @@ void block_rows(const SkippyBlockArgs& a, int64_t task) {
   const int64_t n0 = task * SKIPPY_BLOCK_ROWS;
   const int64_t rows = a.N - n0 < SKIPPY_BLOCK_ROWS ? a.N - n0 : SKIPPY_BLOCK_ROWS;
   if (rows <= 0) return;
-  if (((a.type == SKIPPY_GGML_Q4_K || a.type == SKIPPY_GGML_Q6_K) && a.M <= kDecodeRows) || a.xq) {
-    // decode-sized (or int8 Q4_K / Q6_K, any size): their own loops in tiles of kRows, 2 and 1 rows of x, each row
-    // the same operations
+  if (a.xq) {   // int8 activations (any size): the type's own loop
     prefetch_task(a, n0, rows);
-    for (int64_t i = 0; i < rows; ++i) {
-      int64_t m = 0;
-      for (; m + kRows <= a.M; m += kRows) dot_k_decode<kRows>(a, m, n0 + i);
-      if (kRows > 2 && m + 2 <= a.M) dot_k_decode<2>(a, m, n0 + i), m += 2;
-      for (; m < a.M; ++m) dot_k_decode<1>(a, m, n0 + i);
-    }
+    for (int64_t i = 0; i < rows; ++i)
+      tiles(a, n0 + i, [&](auto r, int64_t m) __attribute__((always_inline)) { dot_int8<decltype(r)::value>(a, m, n0 + i); });
+    return;
+  }
+  if ((a.type == SKIPPY_GGML_Q4_K || a.type == SKIPPY_GGML_Q6_K) && a.M <= kDecodeRows) {   // decode-sized
+    prefetch_task(a, n0, rows);
+    for (int64_t i = 0; i < rows; ++i)
+      tiles(a, n0 + i, [&](auto r, int64_t m) __attribute__((always_inline)) { dot_k_decode<decltype(r)::value>(a, m, n0 + i); });
     return;
   }
   if (a.M <= kRows && a.type == SKIPPY_GGML_Q8_0 && a.K % (kQ8Step * kRun) == 0) {   // (dot_unpacking's tiles)

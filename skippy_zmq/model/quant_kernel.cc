@@ -291,13 +291,13 @@ ffi::Error BlockDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   SkippyBlockArgs args{xs, xsum.data(), w.typed_data(), y->typed_data(), M, K, N, wd[1],
                        static_cast<int32_t>(type), nullptr, nullptr, nullptr};
   const Isa* isa = g_isa.load(std::memory_order_relaxed);
-  // int8 activations (avx512vnni only): Q4_K and Q6_K calls of any size, x quantised once per call as Dense does
-  // (per-thread buffers that outlive the call's tasks), so a row's result does not depend on how many rows
-  // share its call. Every other type keeps the float loops.
+  // int8 activations (avx512vnni only): the calls of any size of the types skippy_int8_block_type lists, x
+  // quantised once per call as Dense does (per-thread buffers that outlive the call's tasks), so a row's
+  // result does not depend on how many rows share its call. Every other type keeps the float loops.
   thread_local std::vector<int8_t> xq8;
   thread_local std::vector<float> xq_step, xq_sum;
-  if (isa->quantize && (type == SKIPPY_GGML_Q4_K || type == SKIPPY_GGML_Q6_K) && M > 0) {
-    const int64_t blocks = M * (K / SKIPPY_XBLOCK);   // (K a multiple of 256 here)
+  if (isa->quantize && skippy_int8_block_type(type) && M > 0) {
+    const int64_t blocks = M * (K / SKIPPY_XBLOCK);   // (K a multiple of every block type's 32 or 256)
     xq8.resize(M * K), xq_step.resize(blocks), xq_sum.resize(blocks);
     isa->quantize(xs, M, K, xq8.data(), xq_step.data(), xq_sum.data());
     args.xq = xq8.data(), args.xd = xq_step.data(), args.xs = xq_sum.data();

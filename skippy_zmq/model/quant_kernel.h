@@ -56,7 +56,7 @@ typedef void (*SkippyAttendFn)(const SkippyAttendArgs* args, int64_t task);
 // GGUF blocks read in place (block_kernel_isa.cc): y[M, N] = x[M, K] @ W.T, W [N, K] held as rows of
 // row_bytes bytes of GGML type `type` (SKIPPY_GGML_*), exactly as the file stores them. xsum [M, K / 16]:
 // x's sums per 16 inputs, for the types whose blocks subtract a minimum (Q4_K, Q5_K).
-// With int8 activations (the avx512vnni ISA; only Q4_K and Q6_K, every M), xq, xd
+// With int8 activations (the avx512vnni ISA, the types skippy_int8_block_type lists, every M), xq, xd
 // and xs hold x quantised per row in blocks of SKIPPY_XBLOCK inputs exactly as SkippyDenseArgs' do; null
 // everywhere else (the float loops).
 #define SKIPPY_GGML_Q5_0 6
@@ -65,6 +65,18 @@ typedef void (*SkippyAttendFn)(const SkippyAttendArgs* args, int64_t task);
 #define SKIPPY_GGML_Q5_K 13
 #define SKIPPY_GGML_Q6_K 14
 #define SKIPPY_BLOCK_ROWS 16   // rows of W per task
+
+// The GGUF types the avx512vnni build runs on int8 activations (block_kernel_isa.cc's dot_int8); the glue
+// quantises x for exactly these (model/ggml.py's INT8_BLOCK_TYPES says the same to the tests).
+static inline int skippy_int8_block_type(int32_t type) {
+  switch (type) {
+    case SKIPPY_GGML_Q4_K:
+    case SKIPPY_GGML_Q6_K:
+      return 1;
+    default:
+      return 0;
+  }
+}
 typedef struct {
   const float* x;
   const float* xsum;

@@ -6,6 +6,7 @@
 // cache after the first run: this measures the loops, not memory. Built and run by kernel_micro.py.
 //   kernel_micro <M> <N>x<K> [<N>x<K> ...]      one line per (shape, type): JSON
 #include "quant_kernel.h"
+#include "block_kernel_more.h"
 
 #include <algorithm>
 #include <chrono>
@@ -13,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 // The one instruction set this binary measures, linked with that ISA's loop objects only.
@@ -23,7 +25,7 @@
 #define SKIPPY_MICRO_CAT(a, b) SKIPPY_MICRO_CAT2(a, b)
 #define SKIPPY_MICRO_DECLARE(isa) SKIPPY_DECLARE_ISA(isa)   // (expands the name before pasting it)
 SKIPPY_MICRO_DECLARE(SKIPPY_MICRO_ISA)
-#if defined(SKIPPY_MICRO_QUANTIZE)   // avx512vnni: Q4_K and Q6_K on int8 activations, x quantised as BlockDense does
+#if defined(SKIPPY_MICRO_QUANTIZE)   // avx512vnni: skippy_int8_block_type's types on int8 activations, x quantised as BlockDense does
 #define SKIPPY_MICRO_DECLARE_QUANTIZE(isa) SKIPPY_DECLARE_QUANTIZE(isa)
 SKIPPY_MICRO_DECLARE_QUANTIZE(SKIPPY_MICRO_ISA)
 #endif
@@ -33,7 +35,9 @@ namespace {
 struct Type { const char* name; int32_t id; int block, bytes, f16a, f16b; };   // f16 scale offsets (-1: none)
 const Type kTypes[] = {{"Q4_K", SKIPPY_GGML_Q4_K, 256, 144, 0, 2}, {"Q5_K", SKIPPY_GGML_Q5_K, 256, 176, 0, 2},
                        {"Q6_K", SKIPPY_GGML_Q6_K, 256, 210, 208, -1}, {"Q5_0", SKIPPY_GGML_Q5_0, 32, 22, 0, -1},
-                       {"Q8_0", SKIPPY_GGML_Q8_0, 32, 34, 0, -1}};
+                       {"Q8_0", SKIPPY_GGML_Q8_0, 32, 34, 0, -1}, {"Q3_K", SKIPPY_GGML_Q3_K, 256, 110, 108, -1},
+                       {"Q2_K", SKIPPY_GGML_Q2_K, 256, 84, 80, 82}, {"IQ4_XS", SKIPPY_GGML_IQ4_XS, 256, 136, 0, -1},
+                       {"IQ4_NL", SKIPPY_GGML_IQ4_NL, 32, 18, 0, -1}, {"Q5_1", SKIPPY_GGML_Q5_1, 32, 24, 0, 2}};
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
@@ -98,17 +102,17 @@ int main(int argc, char** argv) {
           if (f >= 0) memcpy(&w[i * t.bytes + f], &h, 2);
         }
       SkippyBlockArgs b{x.data(), xs.data(), w.data(), y.data(), M, K, N, row_bytes, t.id};
-      const char* name = t.name;
+      std::string name = t.name;
 #if defined(SKIPPY_MICRO_QUANTIZE)
       std::vector<int8_t> xq(M * K);
       std::vector<float> xd(M * K / SKIPPY_XBLOCK), xsq(M * K / SKIPPY_XBLOCK);
-      if (t.id == SKIPPY_GGML_Q4_K || t.id == SKIPPY_GGML_Q6_K) {   // (every M; once per call in BlockDense: untimed)
+      if (skippy_int8_block_type(t.id)) {   // (every M; once per call in BlockDense: untimed)
         SKIPPY_MICRO_CAT(skippy_quantize_x_, SKIPPY_MICRO_ISA)(x.data(), M, K, xq.data(), xd.data(), xsq.data());
         b.xq = xq.data(), b.xd = xd.data(), b.xs = xsq.data();
-        name = t.id == SKIPPY_GGML_Q4_K ? "Q4_K (int8 x)" : "Q6_K (int8 x)";
+        name += " (int8 x)";
       }
 #endif
-      row(name, M, N, K, best_of((N + SKIPPY_BLOCK_ROWS - 1) / SKIPPY_BLOCK_ROWS, 32, [&](int64_t i, int64_t e) {
+      row(name.c_str(), M, N, K, best_of((N + SKIPPY_BLOCK_ROWS - 1) / SKIPPY_BLOCK_ROWS, 32, [&](int64_t i, int64_t e) {
             for (; i < e; ++i) blocks(&b, i);
           }), (double)w.size());
     }
