@@ -15,10 +15,10 @@
 // Q4_K_M model stay those of its dequantised weights. Each row of x runs the same operations whatever
 // the tile height, so a row's result does not depend on the rows that share its call.
 //
-// The one exception, opt-in: the avx512vnni build (SKIPPY_KERNEL_ISA=avx512vnni, never auto) runs Q4_K
-// and Q6_K calls of every size on int8 activations, dot_q4_k_vnni and dot_q6_k_vnni below (x quantised
-// per 32 inputs by the glue, quant_kernel.h), in the decode loops' tiles; every other type keeps the
-// float loops there too.
+// The one exception, opt-in: the avx512vnni build (SKIPPY_KERNEL_ISA=avx512vnni, never auto) runs Q4_K,
+// Q6_K, Q3_K and Q2_K calls of every size on int8 activations, dot_q4_k_vnni, dot_q6_k_vnni, dot_q3_k_vnni
+// and dot_q2_k_vnni below (x quantised per 32 inputs by the glue, quant_kernel.h), in the decode loops'
+// tiles; every other type keeps the float loops there too.
 
 #include "quant_kernel.h"
 #include "quant_kernel_simd.h"
@@ -484,6 +484,128 @@ void dot_q6_k_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   }
   for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
+
+// Q3_K and Q2_K with int8 activations (the avx512vnni build; BlockDense sets a.xq for every call of these
+// types there). Both hold 16 groups g of 16 weights a block with a scale each, so they sum as Q6_K does:
+// two groups per x block of 32, isum[m, g] exact in int32, then (d * sc_g) * xd[m, g / 2] in float.
+// A block's 256 2-bit fields q (both types) in four zmm, zmm c = weights 64c .. 64c + 63 in order: weight
+// 128h + 32j + l is bits 2j .. 2j + 1 of qs[32h + l], so zmm c is half h = c / 2 of qs (broadcast to both
+// 32-byte halves) shifted right by 4 (c % 2) in bytes 0-31 and 4 (c % 2) + 2 in bytes 32-63, then & 3
+// (16-bit shifts: the bits carried over from the next byte are masked off).
+SKIPPY_INLINE void two_bit_fields(const uint8_t* qs, __m512i field[4]) {
+  const __m512i three = _mm512_set1_epi8(3);
+  const __m512i shift[2] = {_mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0) * 0x0001000100010001,
+                            _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4) * 0x0001000100010001};
+  for (int c = 0; c < 4; ++c) {
+    const __m512i t = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * (c / 2))));
+    field[c] = _mm512_and_si512(_mm512_srlv_epi16(t, shift[c % 2]), three);
+  }
+}
+
+// One row of x (its xq and xd from the block's first input) against a block of 16 groups as four zmm of
+// 64 levels in order, zmm c's int32 lanes 4i .. 4i + 3 summing group 4c + i (4 bytes each): each vpdpbusd
+// lane starts from start[c] (Q3_K: W's correction, Q2_K: zero) and adds its 4 products, the unsigned
+// operand xq ^ 0x80 = xq + 128 with signed levels (kBiasX) or the levels with xq signed. The lanes are
+// converted and multiplied, in an FMA, by their group's dsc_g * xd[g / 2] (spread by vpermps) into acc[c % 2].
+template <bool kBiasX>
+SKIPPY_INLINE void groups_vnni(const int8_t* x, const float* xd, const __m512i level[4], const __m512i start[4],
+                               __m512 dsc, __m512 acc[2]) {
+  const __m512i bias = _mm512_set1_epi8((char)0x80);
+  const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);   // xd per group
+  const __m512i lane_group[4] = {_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                 _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
+                                 _mm512_setr_epi32(8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11),
+                                 _mm512_setr_epi32(12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15)};
+  const __m512 f = _mm512_mul_ps(dsc, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(xd))));
+  for (int c = 0; c < 4; ++c) {
+    const __m512i xv = _mm512_loadu_si512(x + 64 * c);
+    const __m512i isum = kBiasX ? _mm512_dpbusd_epi32(start[c], _mm512_xor_si512(xv, bias), level[c])
+                                : _mm512_dpbusd_epi32(start[c], level[c], xv);
+    acc[c % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(lane_group[c], f), acc[c % 2]);
+  }
+}
+
+// Q3_K's 16 group factors d * (sc_g - 32), as unpack_q3_k's scales: 6-bit sc_g, its low 4 bits the low
+// (g < 8) or high (g >= 8) nibble of byte g % 8, its high 2 bits bits 2 (g / 4) of byte 8 + g % 4 (a dword
+// shift per 4 groups). The 12 bytes by a masked load (a 16-byte one would read past the row's last block).
+SKIPPY_INLINE __m512 q3_k_factors(const uint8_t* b) {
+  const __m128i s = _mm_maskz_loadu_epi8(0x0FFF, b + 96), nib = _mm_set1_epi8(15);
+  const __m128i low = _mm_and_si128(_mm_unpacklo_epi64(s, _mm_srli_epi16(s, 4)), nib);
+  const __m128i top = _mm_shuffle_epi8(s, _mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11));
+  const __m128i high = _mm_slli_epi32(_mm_and_si128(_mm_srlv_epi32(top, _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3)), 4);
+  const __m128i sc = _mm_sub_epi8(_mm_or_si128(low, high), _mm_set1_epi8(32));   // -32..31
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), _mm512_set1_ps(f16_at(b + 108)));
+}
+
+// Q3_K (hmask[32], qs[64], scales[12], f16 d): w = d * (sc_g - 32) * level, level = q - 4 where bit 4h + j of
+// hmask[l] is clear, q where set (-4..3), so
+//   y[m, n] = sum_g (d * (sc_g - 32)) * xd[m, g / 2] * isum[m, g],  isum[m, g] = sum over g of level * xq.
+// As dot_q6_k_vnni: u = q + 4 * bit (0..7; zmm c's bytes 0-31 take hmask's bit 2c, 32-63 bit 2c + 1), the
+// levels u - 4 the signed operand against xq + 128, each lane starting from W's correction
+// -128 * sum (u - 4) over its 4 bytes (one vpdpbusd of u against -128 bytes from 4 * 4 * 128 = 2048, shared
+// by the R rows). Bounds: the products' sum at most 4 * 255 * 4 = 4080 in magnitude, the correction 2048,
+// the result 4 * 127 * 4: far inside int32. Each row of x runs the same float operations in the same order
+// whatever R is (the shared correction is integer, exact), so its result does not depend on its company.
+template <int R>
+void dot_q3_k_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
+  const uint8_t* b = a.w + n * a.row_bytes;
+  const __m512i four = _mm512_set1_epi8(4), minus128 = _mm512_set1_epi8(-128), base = _mm512_set1_epi32(2048);
+  // 16-bit shifts moving hmask's bit 2c (bytes 0-31 of zmm c) and 2c + 1 (32-63) to bit 2 of its own byte
+  const __m512i up = _mm512_set_epi64(1, 1, 1, 1, 2, 2, 2, 2) * 0x0001000100010001;   // c = 0
+  const __m512i down[3] = {_mm512_set_epi64(1, 1, 1, 1, 0, 0, 0, 0) * 0x0001000100010001,
+                           _mm512_set_epi64(3, 3, 3, 3, 2, 2, 2, 2) * 0x0001000100010001,
+                           _mm512_set_epi64(5, 5, 5, 5, 4, 4, 4, 4) * 0x0001000100010001};
+  for (int64_t k0 = 0; k0 < K; k0 += 256, b += 110) {
+    prefetch_ahead<110>(b);
+    __m512i level[4], corr[4];
+    two_bit_fields(b + 32, level);
+    const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)b));
+    for (int c = 0; c < 4; ++c) {   // u = q | (bit & 4): ternary-logic table 0xF8 over (q, bit, 4)
+      const __m512i bit = c == 0 ? _mm512_sllv_epi16(hm, up) : _mm512_srlv_epi16(hm, down[c - 1]);
+      const __m512i u = _mm512_ternarylogic_epi32(level[c], bit, four, 0xF8);
+      corr[c] = _mm512_dpbusd_epi32(base, u, minus128), level[c] = _mm512_sub_epi8(u, four);
+    }
+    const __m512 dsc = q3_k_factors(b);
+    for (int r = 0; r < R; ++r)
+      groups_vnni<true>(a.xq + (m0 + r) * K + k0, a.xd + (m0 + r) * xblocks + k0 / SKIPPY_XBLOCK, level, corr, dsc, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+// Q2_K (scales[16], qs[64], f16 d, f16 dmin): w = d * (sc_g & 15) * q - dmin * (sc_g >> 4), q 0..3, so
+//   y[m, n] = sum_g (d * sc_g) * xd[m, g / 2] * isum[m, g] - sum_g (dmin * m_g) * xsum[m, g]
+// with isum[m, g] = sum over g of q * xq: vpdpbusd, the levels the unsigned operand and xq the signed one,
+// each lane from zero (at most 4 * 3 * 127 in magnitude, the group 16 * 3 * 127: no overflow). The minimums
+// are per 16 inputs, finer than xs: they meet the glue's exact float sums of x per 16 (a.xsum, as the float
+// loops), one 16-wide FMA per block and row. Each row of x runs the same float operations in the same order
+// whatever R is, so its result does not depend on the rows that share its call.
+template <int R>
+void dot_q2_k_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  __m512 acc[R][2], mins[R];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = mins[r] = _mm512_setzero_ps();
+  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK, runs = K / 16;
+  const uint8_t* b = a.w + n * a.row_bytes;
+  const __m512i zero[4] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += 256, b += 84) {
+    prefetch_ahead<84>(b);
+    __m512i level[4];
+    two_bit_fields(b + 16, level);
+    const __m128i sc = _mm_loadu_si128((const __m128i*)b), nib = _mm_set1_epi8(15);
+    const __m512 dsc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(sc, nib))),
+                                     _mm512_set1_ps(f16_at(b + 80)));   // d * sc_g, as unpack_q2_k's
+    const __m512 mn = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(sc, 4), nib))),
+                                    _mm512_set1_ps(f16_at(b + 82)));    // dmin * m_g
+    for (int r = 0; r < R; ++r) {
+      groups_vnni<false>(a.xq + (m0 + r) * K + k0, a.xd + (m0 + r) * xblocks + k0 / SKIPPY_XBLOCK, level, zero, dsc, acc[r]);
+      mins[r] = _mm512_fmadd_ps(mn, _mm512_loadu_ps(a.xsum + (m0 + r) * runs + k0 / 16), mins[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) - _mm512_reduce_add_ps(mins[r]);
+}
 #endif
 
 // The rows of x [m0, m0 + R) against row n of W on int8 activations (a.xq set: the avx512vnni build, a type
@@ -494,6 +616,8 @@ void dot_int8(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   switch (a.type) {
     case SKIPPY_GGML_Q4_K: dot_q4_k_vnni<R>(a, m0, n); return;
     case SKIPPY_GGML_Q6_K: dot_q6_k_vnni<R>(a, m0, n); return;
+    case SKIPPY_GGML_Q3_K: dot_q3_k_vnni<R>(a, m0, n); return;
+    case SKIPPY_GGML_Q2_K: dot_q2_k_vnni<R>(a, m0, n); return;
   }
 #endif
   for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = __builtin_nanf("");   // (never: the glue's list)

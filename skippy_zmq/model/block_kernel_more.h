@@ -12,8 +12,7 @@
 #include "quant_kernel.h"
 
 #define SKIPPY_GGML_Q5_1 7
-#define SKIPPY_GGML_Q2_K 10
-#define SKIPPY_GGML_Q3_K 11
+// (SKIPPY_GGML_Q2_K 10 and SKIPPY_GGML_Q3_K 11: quant_kernel.h, for its skippy_int8_block_type)
 #define SKIPPY_GGML_IQ4_NL 20
 #define SKIPPY_GGML_IQ4_XS 23
 

@@ -64,6 +64,9 @@ typedef void (*SkippyAttendFn)(const SkippyAttendArgs* args, int64_t task);
 #define SKIPPY_GGML_Q4_K 12
 #define SKIPPY_GGML_Q5_K 13
 #define SKIPPY_GGML_Q6_K 14
+// (two of block_kernel_more.h's types, here for skippy_int8_block_type)
+#define SKIPPY_GGML_Q2_K 10
+#define SKIPPY_GGML_Q3_K 11
 #define SKIPPY_BLOCK_ROWS 16   // rows of W per task
 
 // The GGUF types the avx512vnni build runs on int8 activations (block_kernel_isa.cc's dot_int8); the glue
@@ -72,6 +75,8 @@ static inline int skippy_int8_block_type(int32_t type) {
   switch (type) {
     case SKIPPY_GGML_Q4_K:
     case SKIPPY_GGML_Q6_K:
+    case SKIPPY_GGML_Q3_K:
+    case SKIPPY_GGML_Q2_K:
       return 1;
     default:
       return 0;
