@@ -287,7 +287,7 @@ for m, k, n in [(1, 256, 37), (2, 512, 50), (3, 1024, 23), (4, 2048, 70), (5, 76
     for r in range(m):                                 # each row alone, and the first r + 1 rows together
         out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[r:r + 1]), t))[0], got[r]))
         out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[:r + 1]), t)), got[:r + 1]))
-# every other type (but Q6_K: Q6_K_INT8_CHILD) keeps the float loops, bit for bit avx512's
+# every other type (but Q6_K, IQ4_XS, IQ4_NL: the children below) keeps the float loops, bit for bit avx512's
 for kind, m, k, n in [("Q5_K", 3, 512, 37), ("Q8_0", 2, 512, 37), ("Q5_0", 9, 512, 37), ("Q5_K", 9, 256, 21)]:
     t = ggml.TYPES[kind]
     raw = rng.integers(0, 256, (n, k // t.block, t.nbytes), dtype=np.uint8)
@@ -399,6 +399,94 @@ def test_q6_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path):
     alone, in company, in any order; within int8 rounding of the float product of gguf-py's dequantised W in
     every case (bound 3e-2) and above 1e-4 in every case (so the int8 loop did run)."""
     got = run_int8_child(tmp_path, Q6_K_INT8_CHILD)
+    assert got["isa"] == "avx512vnni" and got["parse"] and got["alone"], got
+    assert got["exact"] < 1e-5, got
+    assert 1e-4 < got["vs_f32"] and got["vs_f32_max"] < 3e-2, got
+
+
+IQ4_INT8_CHILD = """
+import json
+import gguf, jax, jax.numpy as jnp, numpy as np
+from skippy_zmq.model import ggml, quant
+
+def iq4_blocks(rng, kind, n, k):
+    # random rows [n, k / block * bytes]: random index and scale bytes, a modest f16 d of either sign
+    t = ggml.TYPES[kind]
+    raw = rng.integers(0, 256, (n, k // t.block, t.nbytes), dtype=np.uint8)
+    f = rng.uniform(2.0 ** -12, 2.0 ** -6, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])
+    raw[..., 0:2] = f.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(n, -1)
+
+def iq4_parts(raw, kind, k):
+    # per 32 inputs the float factor (IQ4_XS: d * (ls - 32), ls 6 bits, 4 in scales_l's nibble j % 2 of byte
+    # j / 2, 2 in scales_h's bits 2j; IQ4_NL: d) [n, k / 32], float64 (exact), and the levels [n, k]: per 32,
+    # kvalues of 16 index bytes' low nibbles, then of their high ones
+    t = ggml.TYPES[kind]
+    b = raw.reshape(raw.shape[0], k // t.block, t.nbytes)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    if kind == "IQ4_XS":
+        high = b[..., 2:4].copy().view("<u2")[..., 0].astype(np.int64)
+        low = b[..., 4:8].astype(np.int64)
+        j = np.arange(8)
+        ls = ((low[..., j // 2] >> (4 * (j % 2))) & 15) | (((high[..., None] >> (2 * j)) & 3) << 4)
+        scale, qs = d[..., None] * (ls - 32), b[..., 8:].reshape(*b.shape[:2], 8, 16)
+    else:
+        scale, qs = d[..., None], b[..., 2:].reshape(*b.shape[:2], 1, 16)
+    index = np.concatenate([qs & 15, qs >> 4], -1).astype(np.int64)
+    lv = np.asarray(ggml.IQ4_VALUES, np.int64)[index].reshape(raw.shape[0], k)
+    return scale.reshape(raw.shape[0], -1), lv
+
+""" + QUANTISE_X + """
+
+def model(x, raw, kind):
+    # y = sum_s scale_s xd[s] isum[s] over the 32-input blocks s, isum exact integers, the rest float64
+    scale, lv = iq4_parts(raw, kind, x.shape[1])
+    xq, xd, _ = quantise_x(x)
+    isum = np.einsum("msk,nsk->mns", xq, lv.reshape(len(raw), -1, 32))
+    return (isum * scale[None] * xd[:, None]).sum(-1)
+
+dense = jax.jit(ggml.block_dense)
+out = {"isa": quant.kernel_isa(), "exact": 0.0, "vs_f32": 1.0, "vs_f32_max": 0.0, "alone": True, "parse": True}
+rng = np.random.default_rng(0)
+for m, k, n in SHAPES:
+    raw = iq4_blocks(rng, KIND, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[0, :32] = 0                                      # a zero block: step 0
+    x[-1, k // 2 + 8] = 6.0                            # an outlier: its block's other levels coarser
+    w = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[KIND]), np.float32)
+    scale, lv = iq4_parts(raw, KIND, k)                # (the model's reading of the blocks is gguf-py's)
+    out["parse"] &= bool(np.array_equal((np.repeat(scale, 32, 1) * lv).astype(np.float32), w))
+    t = ggml.BlockTensor(jnp.asarray(raw), KIND, impl="kernel")
+    got = np.asarray(dense(jnp.asarray(x), t))
+    emu, ref = model(x, raw, KIND), x.astype(np.float64) @ w.astype(np.float64).T
+    out["exact"] = max(out["exact"], float(np.abs(got - emu).max() / np.abs(emu).max()))
+    err = float(np.abs(got - ref).max() / np.abs(ref).max())
+    out["vs_f32"], out["vs_f32_max"] = min(out["vs_f32"], err), max(out["vs_f32_max"], err)
+    for r in range(m):                                 # each row alone, and the first r + 1 rows together
+        out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[r:r + 1]), t))[0], got[r]))
+        out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[:r + 1]), t)), got[:r + 1]))
+    out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[::-1].copy()), t)), got[::-1]))
+print(json.dumps(out))
+"""
+
+# (M, K, N) per type: M 1-13 (the 4-, 2- and 1-row tiles, prefill-sized calls; N 300 and 333: the pool's
+# helpers take tasks); IQ4_NL's K also 32, 64, 96, 160, 224 and 576, not multiples of its 4-block step
+IQ4_SHAPES = {"IQ4_XS": [(1, 256, 37), (2, 512, 50), (3, 1024, 23), (4, 2048, 70), (5, 768, 19), (6, 1536, 41),
+                         (1, 2048, 300), (4, 1024, 333), (9, 512, 21), (13, 256, 40)],
+              "IQ4_NL": [(3, 32, 37), (2, 96, 50), (3, 576, 23), (4, 2048, 70), (5, 160, 19), (6, 1536, 41),
+                         (1, 2048, 300), (4, 576, 333), (9, 224, 21), (13, 96, 40), (7, 64, 9), (2, 128, 17)]}
+
+
+@pytest.mark.parametrize("kind", ["IQ4_XS", "IQ4_NL"])
+def test_iq4_int8_activation_loops_compute_exactly_what_they_define(tmp_path, kind):
+    """SKIPPY_KERNEL_ISA=avx512vnni runs GGUF IQ4_XS and IQ4_NL blocks (every M) on int8 activations:
+    equal to a float64 numpy model of that arithmetic (x quantised per 32 inputs as quant_kernel.h says, exact
+    integer sums of kvalues[q] * xq per 32-input block, the factors d * (ls - 32) * xd or d * xd) to float32
+    rounding (1e-5 of the output's scale); the model's parse of the blocks bit for bit gguf-py's dequantiser;
+    each row the same bits alone, in company, in any order; within int8 rounding of the float product of
+    gguf-py's dequantised W in every case (bound 3e-2) and above 1e-4 in every case (so the int8 loop did
+    run). IQ4_NL's K need not be a multiple of 128: the last 1-3 blocks of a row take the masked step."""
+    got = run_int8_child(tmp_path, f"KIND = {kind!r}\nSHAPES = {IQ4_SHAPES[kind]!r}\n" + IQ4_INT8_CHILD)
     assert got["isa"] == "avx512vnni" and got["parse"] and got["alone"], got
     assert got["exact"] < 1e-5, got
     assert 1e-4 < got["vs_f32"] and got["vs_f32_max"] < 3e-2, got

@@ -15,10 +15,10 @@
 // Q4_K_M model stay those of its dequantised weights. Each row of x runs the same operations whatever
 // the tile height, so a row's result does not depend on the rows that share its call.
 //
-// The one exception, opt-in: the avx512vnni build (SKIPPY_KERNEL_ISA=avx512vnni, never auto) runs Q4_K
-// and Q6_K calls of every size on int8 activations, dot_q4_k_vnni and dot_q6_k_vnni below (x quantised
-// per 32 inputs by the glue, quant_kernel.h), in the decode loops' tiles; every other type keeps the
-// float loops there too.
+// The one exception, opt-in: the avx512vnni build (SKIPPY_KERNEL_ISA=avx512vnni, never auto) runs Q4_K,
+// Q6_K, IQ4_XS and IQ4_NL calls of every size on int8 activations, dot_q4_k_vnni, dot_q6_k_vnni,
+// dot_iq4_xs_vnni and dot_iq4_nl_vnni below (x quantised per 32 inputs by the glue, quant_kernel.h), in
+// the decode loops' tiles; every other type keeps the float loops there too.
 
 #include "quant_kernel.h"
 #include "quant_kernel_simd.h"
@@ -484,6 +484,145 @@ void dot_q6_k_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   }
   for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
+
+// IQ4_XS / IQ4_NL with int8 activations: their levels are ggml's kvalues_iq4nl, 16 signed values
+// (-127..113) picked by a 4-bit index. iq4_vnni_levels turns 64 bytes of indices, 4 runs of 16 (each run
+// one 32-weight block: its low nibbles are weights 0-15, its high nibbles 16-31), into the 128 levels in
+// the weights' order: vpermb looks each byte up in the table repeated 4 times (it reads an index's low 6
+// bits, so the high nibble's shift needs no mask: bits 4-5 only pick a copy), one vpermt2q interleaves the
+// 16-byte halves. level[0] holds blocks 0 and 1 (lanes 0-7, 8-15), level[1] blocks 2 and 3; each meets 64
+// consecutive bytes of xq. As for Q6_K the levels are vpdpbusd's signed operand, x its unsigned one (xq ^
+// 0x80 = xq + 128, 1..255), and each int32 lane starts from corr = -128 * (the sum of its 4 levels), one
+// vpdpbusd of 128-bytes against the levels (negated), shared by the rows of x. Bounds: a lane's 4 products
+// at most 4 * 255 * 127 = 129540 in magnitude, corr at most 4 * 128 * 127 = 65024, the result (sum of
+// xq * level) at most 4 * 127 * 127: far inside int32.
+SKIPPY_INLINE void iq4_vnni_levels(__m512i q, __m512i table, __m512i level[2], __m512i corr[2]) {
+  const __m512i lo = _mm512_permutexvar_epi8(q, table), hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(q, 4), table);
+  level[0] = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi);
+  level[1] = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), hi);
+  for (int c = 0; c < 2; ++c)
+    corr[c] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                               _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), level[c]));
+}
+
+// The IQ4 table, 4 times (vpermb's 64 entries).
+SKIPPY_INLINE __m512i iq4_table() {
+  return _mm512_broadcast_i32x4(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+}
+
+// An IQ4_XS block's 8 sub-block scales d * (ls_s - 32): ls_s's low 4 bits are nibble s % 2 of scales_l's byte
+// s / 2 (bits 4s of its u32), its high 2 bits 2s of scales_h (moved up by 4), each lane shifting its own.
+SKIPPY_INLINE __m256 iq4_xs_scales(const uint8_t* b) {
+  uint16_t high;
+  uint32_t low;
+  memcpy(&high, b + 2, 2), memcpy(&low, b + 4, 4);
+  const __m256i lo = _mm256_srlv_epi32(_mm256_set1_epi32((int)low), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+  const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32(high << 4), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+  const __m256i ls = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(15)), _mm256_and_si256(hi, _mm256_set1_epi32(0x30)));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))), _mm256_set1_ps(f16_at(b)));
+}
+
+// IQ4_XS with int8 activations (the avx512vnni build): x quantised per 32 inputs, one IQ4_XS sub-block s:
+//   y[m, n] = sum_s (d * (ls_s - 32)) * xd[m, s] * isum[m, s],  isum[m, s] = sum over s of level * xq
+// exact in int32 (iq4_vnni_levels: layout, corrections and bounds). A block's 128 index bytes are two
+// iq4_vnni_levels calls, 4 level vectors c of sub-blocks 2c (lanes 0-7) and 2c + 1 (lanes 8-15). The 6-bit
+// ls_s (4 bits in scales_l, 2 in scales_h) in 8 lanes by variable shifts; d * (ls_s - 32) is exact in
+// float (11 by 6 bits), as unpack_iq4_xs's scale. The int32 lanes are converted and multiplied, in an FMA,
+// by their sub-block's d * (ls - 32) * xd[m, s] (one 8-wide product, spread by vpermps), into 2
+// accumulators per row; a horizontal sum at the end. Each row of x runs the same float operations in the
+// same order whatever R is, so its result does not depend on the rows that share its call.
+template <int R>
+void dot_iq4_xs_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
+  const int8_t* xq = a.xq + m0 * K;
+  const float* xd = a.xd + m0 * xblocks;
+  const uint8_t* b = a.w + n * a.row_bytes;
+  const __m512i table = iq4_table(), bias = _mm512_set1_epi8((char)0x80);
+  const __m512i lane_sub[4] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                               _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+                               _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
+                               _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
+  for (int64_t k0 = 0; k0 < K; k0 += 256, b += 136) {
+    prefetch_ahead<136>(b);
+    __m512i level[4], corr[4];
+    iq4_vnni_levels(_mm512_loadu_si512(b + 8), table, level, corr);
+    iq4_vnni_levels(_mm512_loadu_si512(b + 72), table, level + 2, corr + 2);
+    const __m256 dsc = iq4_xs_scales(b);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq + r * K + k0;
+      const __m512 f = _mm512_castps256_ps512(_mm256_mul_ps(dsc, _mm256_loadu_ps(xd + r * xblocks + k0 / SKIPPY_XBLOCK)));
+      for (int c = 0; c < 4; ++c) {
+        const __m512i xu = _mm512_xor_si512(_mm512_loadu_si512(x + 64 * c), bias);
+        const __m512i isum = _mm512_dpbusd_epi32(corr[c], xu, level[c]);
+        acc[r][c % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(lane_sub[c], f), acc[r][c % 2]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+// IQ4_NL with int8 activations (the avx512vnni build): a 32-weight block is one x block, so
+//   y[m, n] = sum_b d_b * xd[m, b] * isum[m, b],  isum[m, b] = sum over block b of level * xq
+// exact in int32 (iq4_vnni_levels). Four blocks (72 bytes) a step: one vpermt2b gathers their 16-byte
+// index runs out of the 18-byte blocks, one vpermw their f16 d's. K need not be a multiple of 128 (576,
+// 96 and 32 are rows of SmolLM2's IQ4_XS file): the last 1-3 blocks run the same step on masked loads, the
+// missing blocks' bytes zero (index 0, d 0) and x's too (xq ^ 0x80 = 128, so the lane's products are
+// exactly -corr: isum 0, times a factor 0). The int32 lanes are converted and multiplied, in an FMA, by
+// their block's d * xd[m, b] (one 4-wide product, spread by vpermps), into 2 accumulators per row; a
+// horizontal sum at the end. Each row of x runs the same float operations in the same order whatever R
+// is, so its result does not depend on the rows that share its call.
+template <int R, bool kTail>
+SKIPPY_INLINE void iq4_nl_step(const SkippyBlockArgs& a, const uint8_t* b, const int8_t* xq, const float* xd,
+                               int64_t k0, int blocks, __m512 acc[][2]) {
+  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
+  // byte i of the gathered indices: block i / 16's byte i % 16, at 18 * (i / 16) + 2 + i % 16 of the step
+  const __m512i gather = _mm512_set_epi32(0x47464544, 0x43424140, 0x3f3e3d3c, 0x3b3a3938, 0x35343332, 0x31302f2e,
+                                          0x2d2c2b2a, 0x29282726, 0x23222120, 0x1f1e1d1c, 0x1b1a1918, 0x17161514,
+                                          0x11100f0e, 0x0d0c0b0a, 0x09080706, 0x05040302);
+  const __m512i halves = _mm512_castsi128_si512(_mm_setr_epi16(0, 9, 18, 27, 0, 0, 0, 0));   // the d's: words 0, 9, 18, 27
+  const __m512i lane_block[2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                 _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)};
+  __m512i lo, hi = _mm512_setzero_si512();
+  if (kTail) lo = _mm512_maskz_loadu_epi8(((__mmask64)1 << (18 * blocks)) - 1, b);   // (at most 54 bytes)
+  else lo = _mm512_loadu_si512(b), hi = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)(b + 64)));
+  __m512i level[2], corr[2];
+  iq4_vnni_levels(_mm512_permutex2var_epi8(lo, gather, hi), iq4_table(), level, corr);
+  const __m128 d = _mm_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi16(halves, lo)));
+  const __m512i bias = _mm512_set1_epi8((char)0x80);
+  for (int r = 0; r < R; ++r) {
+    const int8_t* x = xq + r * K + k0;
+    const float* step = xd + r * xblocks + k0 / SKIPPY_XBLOCK;
+    const __m128 s = kTail ? _mm_maskz_loadu_ps((__mmask8)((1 << blocks) - 1), step) : _mm_loadu_ps(step);
+    const __m512 f = _mm512_castps128_ps512(_mm_mul_ps(d, s));
+    for (int c = 0; c < 2; ++c) {
+      const int bytes = 32 * blocks - 64 * c;   // (kTail: x's bytes left for this vector, 96 at most)
+      const __m512i xv = !kTail        ? _mm512_loadu_si512(x + 64 * c)
+                         : bytes >= 64 ? _mm512_loadu_si512(x + 64 * c)
+                                       : _mm512_maskz_loadu_epi8(bytes > 0 ? ((__mmask64)1 << bytes) - 1 : 0, x + 64 * c);
+      const __m512i isum = _mm512_dpbusd_epi32(corr[c], _mm512_xor_si512(xv, bias), level[c]);
+      acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(lane_block[c], f), acc[r][c]);
+    }
+  }
+}
+
+template <int R>
+void dot_iq4_nl_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
+  const int8_t* xq = a.xq + m0 * K;
+  const float* xd = a.xd + m0 * xblocks;
+  const uint8_t* b = a.w + n * a.row_bytes;
+  int64_t k0 = 0;
+  for (; k0 + 128 <= K; k0 += 128, b += 72) {
+    prefetch_ahead<72>(b);
+    iq4_nl_step<R, false>(a, b, xq, xd, k0, 4, acc);
+  }
+  if (k0 < K) iq4_nl_step<R, true>(a, b, xq, xd, k0, (int)((K - k0) / 32), acc);
+  for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
 #endif
 
 // The rows of x [m0, m0 + R) against row n of W on int8 activations (a.xq set: the avx512vnni build, a type
@@ -494,6 +633,8 @@ void dot_int8(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   switch (a.type) {
     case SKIPPY_GGML_Q4_K: dot_q4_k_vnni<R>(a, m0, n); return;
     case SKIPPY_GGML_Q6_K: dot_q6_k_vnni<R>(a, m0, n); return;
+    case SKIPPY_GGML_IQ4_XS: dot_iq4_xs_vnni<R>(a, m0, n); return;
+    case SKIPPY_GGML_IQ4_NL: dot_iq4_nl_vnni<R>(a, m0, n); return;
   }
 #endif
   for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = __builtin_nanf("");   // (never: the glue's list)

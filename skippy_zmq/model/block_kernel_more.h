@@ -14,8 +14,7 @@
 #define SKIPPY_GGML_Q5_1 7
 #define SKIPPY_GGML_Q2_K 10
 #define SKIPPY_GGML_Q3_K 11
-#define SKIPPY_GGML_IQ4_NL 20
-#define SKIPPY_GGML_IQ4_XS 23
+// (SKIPPY_GGML_IQ4_NL 20 and SKIPPY_GGML_IQ4_XS 23: quant_kernel.h, which lists them on int8 activations)
 
 // Weights and bytes per block of one of these types; 0 (and nothing written) for any other type.
 static inline int skippy_more_block(int64_t type, int64_t* block, int64_t* bytes) {

@@ -64,6 +64,9 @@ typedef void (*SkippyAttendFn)(const SkippyAttendArgs* args, int64_t task);
 #define SKIPPY_GGML_Q4_K 12
 #define SKIPPY_GGML_Q5_K 13
 #define SKIPPY_GGML_Q6_K 14
+// (IQ4_NL and IQ4_XS here, not in block_kernel_more.h with their float unpackers: skippy_int8_block_type lists them)
+#define SKIPPY_GGML_IQ4_NL 20
+#define SKIPPY_GGML_IQ4_XS 23
 #define SKIPPY_BLOCK_ROWS 16   // rows of W per task
 
 // The GGUF types the avx512vnni build runs on int8 activations (block_kernel_isa.cc's dot_int8); the glue
@@ -72,6 +75,8 @@ static inline int skippy_int8_block_type(int32_t type) {
   switch (type) {
     case SKIPPY_GGML_Q4_K:
     case SKIPPY_GGML_Q6_K:
+    case SKIPPY_GGML_IQ4_XS:
+    case SKIPPY_GGML_IQ4_NL:
       return 1;
     default:
       return 0;
