@@ -470,11 +470,11 @@ print(json.dumps(out))
 """
 
 # (M, K, N) per type: M 1-13 (the 4-, 2- and 1-row tiles, prefill-sized calls; N 300 and 333: the pool's
-# helpers take tasks); IQ4_NL's K also 32, 64, 96, 160, 224 and 576, not multiples of its 4-block step
+# helpers take tasks); IQ4_NL's K also 32 to 576, 1 to 7 blocks past a multiple of its 8-block step
 IQ4_SHAPES = {"IQ4_XS": [(1, 256, 37), (2, 512, 50), (3, 1024, 23), (4, 2048, 70), (5, 768, 19), (6, 1536, 41),
                          (1, 2048, 300), (4, 1024, 333), (9, 512, 21), (13, 256, 40)],
               "IQ4_NL": [(3, 32, 37), (2, 96, 50), (3, 576, 23), (4, 2048, 70), (5, 160, 19), (6, 1536, 41),
-                         (1, 2048, 300), (4, 576, 333), (9, 224, 21), (13, 96, 40), (7, 64, 9), (2, 128, 17)]}
+                         (1, 2048, 300), (4, 576, 333), (9, 224, 21), (13, 96, 40), (7, 64, 9), (2, 128, 17), (3, 448, 11)]}
 
 
 @pytest.mark.parametrize("kind", ["IQ4_XS", "IQ4_NL"])
@@ -485,7 +485,7 @@ def test_iq4_int8_activation_loops_compute_exactly_what_they_define(tmp_path, ki
     rounding (1e-5 of the output's scale); the model's parse of the blocks bit for bit gguf-py's dequantiser;
     each row the same bits alone, in company, in any order; within int8 rounding of the float product of
     gguf-py's dequantised W in every case (bound 3e-2) and above 1e-4 in every case (so the int8 loop did
-    run). IQ4_NL's K need not be a multiple of 128: the last 1-3 blocks of a row take the masked step."""
+    run). IQ4_NL's K need not be a multiple of 256: the last 1-7 blocks of a row take the masked step."""
     got = run_int8_child(tmp_path, f"KIND = {kind!r}\nSHAPES = {IQ4_SHAPES[kind]!r}\n" + IQ4_INT8_CHILD)
     assert got["isa"] == "avx512vnni" and got["parse"] and got["alone"], got
     assert got["exact"] < 1e-5, got

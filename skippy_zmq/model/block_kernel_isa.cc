@@ -522,105 +522,103 @@ SKIPPY_INLINE __m256 iq4_xs_scales(const uint8_t* b) {
   return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))), _mm256_set1_ps(f16_at(b)));
 }
 
-// IQ4_XS with int8 activations (the avx512vnni build): x quantised per 32 inputs, one IQ4_XS sub-block s:
-//   y[m, n] = sum_s (d * (ls_s - 32)) * xd[m, s] * isum[m, s],  isum[m, s] = sum over s of level * xq
-// exact in int32 (iq4_vnni_levels: layout, corrections and bounds). A block's 128 index bytes are two
-// iq4_vnni_levels calls, 4 level vectors c of sub-blocks 2c (lanes 0-7) and 2c + 1 (lanes 8-15). The 6-bit
-// ls_s (4 bits in scales_l, 2 in scales_h) in 8 lanes by variable shifts; d * (ls_s - 32) is exact in
-// float (11 by 6 bits), as unpack_iq4_xs's scale. The int32 lanes are converted and multiplied, in an FMA,
-// by their sub-block's d * (ls - 32) * xd[m, s] (one 8-wide product, spread by vpermps), into 2
-// accumulators per row; a horizontal sum at the end. Each row of x runs the same float operations in the
-// same order whatever R is, so its result does not depend on the rows that share its call.
-template <int R>
-void dot_iq4_xs_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+// The rows of x [m0, m0 + R) against 256 weights of IQ4 levels (iq4_vnni_levels: level[c] holds 32-input
+// blocks 2c and 2c + 1 in lanes 0-7 and 8-15) whose blocks' float factors are dsc: the int32 lanes of each
+// vpdpbusd converted and multiplied, in an FMA, by their block's dsc * xd[m, block] (one 8-wide product per
+// row, spread by vpermps), into 2 accumulators per row. With kTail only x's first `blocks` 32-input blocks
+// are read (masked loads; the others zero: xq ^ 0x80 = 128, the lane's products exactly -corr, isum 0, and
+// their xd 0). Each row runs the same float operations in the same order whatever R is, so its result does
+// not depend on the rows that share its call.
+template <int R, bool kTail = false>
+SKIPPY_INLINE void iq4_rows(const SkippyBlockArgs& a, const __m512i level[4], const __m512i corr[4], __m256 dsc,
+                            int64_t m0, int64_t k0, __m512 acc[][2], int blocks = 8) {
   const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
-  const int8_t* xq = a.xq + m0 * K;
-  const float* xd = a.xd + m0 * xblocks;
-  const uint8_t* b = a.w + n * a.row_bytes;
-  const __m512i table = iq4_table(), bias = _mm512_set1_epi8((char)0x80);
+  const __m512i bias = _mm512_set1_epi8((char)0x80);
   const __m512i lane_sub[4] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
                                _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
                                _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
-  for (int64_t k0 = 0; k0 < K; k0 += 256, b += 136) {
+  for (int r = 0; r < R; ++r) {
+    const int8_t* x = a.xq + (m0 + r) * K + k0;
+    const float* step = a.xd + (m0 + r) * xblocks + k0 / SKIPPY_XBLOCK;
+    const __m256 s = kTail ? _mm256_maskz_loadu_ps((__mmask8)((1 << blocks) - 1), step) : _mm256_loadu_ps(step);
+    const __m512 f = _mm512_castps256_ps512(_mm256_mul_ps(dsc, s));
+    for (int c = 0; c < 4; ++c) {
+      const int bytes = 32 * blocks - 64 * c;   // (kTail: x's bytes left for this vector)
+      const __m512i xv = !kTail || bytes >= 64 ? _mm512_loadu_si512(x + 64 * c)
+                                               : _mm512_maskz_loadu_epi8(bytes > 0 ? ((__mmask64)1 << bytes) - 1 : 0, x + 64 * c);
+      const __m512i isum = _mm512_dpbusd_epi32(corr[c], _mm512_xor_si512(xv, bias), level[c]);
+      acc[r][c % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(lane_sub[c], f), acc[r][c % 2]);
+    }
+  }
+}
+
+// IQ4_XS with int8 activations (the avx512vnni build): x quantised per 32 inputs, one IQ4_XS sub-block s:
+//   y[m, n] = sum_s (d * (ls_s - 32)) * xd[m, s] * isum[m, s],  isum[m, s] = sum over s of level * xq
+// exact in int32 (iq4_vnni_levels: layout, corrections and bounds). A block's 128 index bytes are two
+// iq4_vnni_levels calls, 4 level vectors c of sub-blocks 2c (lanes 0-7) and 2c + 1 (lanes 8-15), and its
+// factors d * (ls_s - 32) (iq4_xs_scales) exact in float, as unpack_iq4_xs's scales; iq4_rows takes them
+// to every row of x, a horizontal sum at the end.
+template <int R>
+void dot_iq4_xs_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m512i table = iq4_table();
+  const uint8_t* b = a.w + n * a.row_bytes;
+  for (int64_t k0 = 0; k0 < a.K; k0 += 256, b += 136) {
     prefetch_ahead<136>(b);
     __m512i level[4], corr[4];
     iq4_vnni_levels(_mm512_loadu_si512(b + 8), table, level, corr);
     iq4_vnni_levels(_mm512_loadu_si512(b + 72), table, level + 2, corr + 2);
-    const __m256 dsc = iq4_xs_scales(b);
-    for (int r = 0; r < R; ++r) {
-      const int8_t* x = xq + r * K + k0;
-      const __m512 f = _mm512_castps256_ps512(_mm256_mul_ps(dsc, _mm256_loadu_ps(xd + r * xblocks + k0 / SKIPPY_XBLOCK)));
-      for (int c = 0; c < 4; ++c) {
-        const __m512i xu = _mm512_xor_si512(_mm512_loadu_si512(x + 64 * c), bias);
-        const __m512i isum = _mm512_dpbusd_epi32(corr[c], xu, level[c]);
-        acc[r][c % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(lane_sub[c], f), acc[r][c % 2]);
-      }
-    }
+    iq4_rows<R>(a, level, corr, iq4_xs_scales(b), m0, k0, acc);
   }
   for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
 // IQ4_NL with int8 activations (the avx512vnni build): a 32-weight block is one x block, so
 //   y[m, n] = sum_b d_b * xd[m, b] * isum[m, b],  isum[m, b] = sum over block b of level * xq
-// exact in int32 (iq4_vnni_levels). Four blocks (72 bytes) a step: one vpermt2b gathers their 16-byte
-// index runs out of the 18-byte blocks, one vpermw their f16 d's. K need not be a multiple of 128 (576,
-// 96 and 32 are rows of SmolLM2's IQ4_XS file): the last 1-3 blocks run the same step on masked loads, the
-// missing blocks' bytes zero (index 0, d 0) and x's too (xq ^ 0x80 = 128, so the lane's products are
-// exactly -corr: isum 0, times a factor 0). The int32 lanes are converted and multiplied, in an FMA, by
-// their block's d * xd[m, b] (one 4-wide product, spread by vpermps), into 2 accumulators per row; a
-// horizontal sum at the end. Each row of x runs the same float operations in the same order whatever R
-// is, so its result does not depend on the rows that share its call.
+// exact in int32 (iq4_vnni_levels). Eight blocks (144 bytes, 256 weights) a step, as IQ4_XS's: two
+// vpermt2b gather their 16-byte index runs out of the 18-byte blocks (blocks 0-3 from bytes 0-127, 4-7
+// from 64-143), one vpermt2w their f16 d's; iq4_rows does the rest. K need not be a multiple of 256 (576,
+// 96 and 32 are rows of SmolLM2's IQ4_XS file): the last 1-7 blocks run the same step on masked loads, the
+// missing blocks' bytes zero (index 0, d 0) and x's too (iq4_rows' kTail).
 template <int R, bool kTail>
-SKIPPY_INLINE void iq4_nl_step(const SkippyBlockArgs& a, const uint8_t* b, const int8_t* xq, const float* xd,
-                               int64_t k0, int blocks, __m512 acc[][2]) {
-  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
-  // byte i of the gathered indices: block i / 16's byte i % 16, at 18 * (i / 16) + 2 + i % 16 of the step
+SKIPPY_INLINE void iq4_nl_step(const SkippyBlockArgs& a, const uint8_t* b, int64_t m0, int64_t k0, int blocks,
+                               __m512 acc[][2]) {
+  // byte i of blocks 0-3's indices: block i / 16's byte i % 16, at 18 * (i / 16) + 2 + i % 16 of the step
   const __m512i gather = _mm512_set_epi32(0x47464544, 0x43424140, 0x3f3e3d3c, 0x3b3a3938, 0x35343332, 0x31302f2e,
                                           0x2d2c2b2a, 0x29282726, 0x23222120, 0x1f1e1d1c, 0x1b1a1918, 0x17161514,
                                           0x11100f0e, 0x0d0c0b0a, 0x09080706, 0x05040302);
-  const __m512i halves = _mm512_castsi128_si512(_mm_setr_epi16(0, 9, 18, 27, 0, 0, 0, 0));   // the d's: words 0, 9, 18, 27
-  const __m512i lane_block[2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                                 _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)};
-  __m512i lo, hi = _mm512_setzero_si512();
-  if (kTail) lo = _mm512_maskz_loadu_epi8(((__mmask64)1 << (18 * blocks)) - 1, b);   // (at most 54 bytes)
-  else lo = _mm512_loadu_si512(b), hi = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)(b + 64)));
-  __m512i level[2], corr[2];
-  iq4_vnni_levels(_mm512_permutex2var_epi8(lo, gather, hi), iq4_table(), level, corr);
-  const __m128 d = _mm_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi16(halves, lo)));
-  const __m512i bias = _mm512_set1_epi8((char)0x80);
-  for (int r = 0; r < R; ++r) {
-    const int8_t* x = xq + r * K + k0;
-    const float* step = xd + r * xblocks + k0 / SKIPPY_XBLOCK;
-    const __m128 s = kTail ? _mm_maskz_loadu_ps((__mmask8)((1 << blocks) - 1), step) : _mm_loadu_ps(step);
-    const __m512 f = _mm512_castps128_ps512(_mm_mul_ps(d, s));
-    for (int c = 0; c < 2; ++c) {
-      const int bytes = 32 * blocks - 64 * c;   // (kTail: x's bytes left for this vector, 96 at most)
-      const __m512i xv = !kTail        ? _mm512_loadu_si512(x + 64 * c)
-                         : bytes >= 64 ? _mm512_loadu_si512(x + 64 * c)
-                                       : _mm512_maskz_loadu_epi8(bytes > 0 ? ((__mmask64)1 << bytes) - 1 : 0, x + 64 * c);
-      const __m512i isum = _mm512_dpbusd_epi32(corr[c], _mm512_xor_si512(xv, bias), level[c]);
-      acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(lane_block[c], f), acc[r][c]);
-    }
+  const __m512i halves = _mm512_castsi128_si512(_mm_setr_epi16(0, 9, 18, 27, 36, 45, 54, 63));   // the d's (words)
+  __m512i b0, b1, b2 = _mm512_setzero_si512();
+  if (kTail) {   // (126 bytes at most)
+    const int bytes = 18 * blocks;
+    b0 = _mm512_maskz_loadu_epi8(bytes >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << bytes) - 1, b);
+    b1 = _mm512_maskz_loadu_epi8(bytes > 64 ? ((__mmask64)1 << (bytes - 64)) - 1 : 0, b + 64);
+  } else {
+    b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64);
+    b2 = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(b + 128)));
   }
+  const __m512i table = iq4_table();
+  __m512i level[4], corr[4];
+  iq4_vnni_levels(_mm512_permutex2var_epi8(b0, gather, b1), table, level, corr);
+  iq4_vnni_levels(_mm512_permutex2var_epi8(b1, _mm512_add_epi8(gather, _mm512_set1_epi8(8)), b2), table, level + 2, corr + 2);
+  const __m256 d = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutex2var_epi16(b0, halves, b1)));
+  iq4_rows<R, kTail>(a, level, corr, d, m0, k0, acc, blocks);
 }
 
 template <int R>
 void dot_iq4_nl_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
-  const int8_t* xq = a.xq + m0 * K;
-  const float* xd = a.xd + m0 * xblocks;
+  const int64_t K = a.K;
   const uint8_t* b = a.w + n * a.row_bytes;
   int64_t k0 = 0;
-  for (; k0 + 128 <= K; k0 += 128, b += 72) {
-    prefetch_ahead<72>(b);
-    iq4_nl_step<R, false>(a, b, xq, xd, k0, 4, acc);
+  for (; k0 + 256 <= K; k0 += 256, b += 144) {
+    prefetch_ahead<144>(b);
+    iq4_nl_step<R, false>(a, b, m0, k0, 8, acc);
   }
-  if (k0 < K) iq4_nl_step<R, true>(a, b, xq, xd, k0, (int)((K - k0) / 32), acc);
+  if (k0 < K) iq4_nl_step<R, true>(a, b, m0, k0, (int)((K - k0) / 32), acc);
   for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 #endif
