@@ -380,8 +380,12 @@ void dot_blocks(const SkippyBlockArgs& a, int64_t m0, int64_t n, Unpack unpack) 
 // spread to the lanes by vpermps); the minimums are one 8-wide FMA per super-block. Each row of x runs
 // the same float operations in the same order whatever R is, so its result does not depend on the rows
 // that share its call (nor on which of the 4-, 2- and 1-row tiles it lands in).
-template <int R>
+// Q5_K (kFive) is the same block with qs 32 bytes later and qh [32] before it: byte l of qh holds the fifth
+// bit of weight l of each sub-block s (bit s), added to the level vectors as 16 under a byte mask (vptestmb
+// against the two sub-blocks' bits of each level vector); levels 0..31, so |isum| <= 32 * 31 * 127.
+template <int R, bool kFive = false>
 void dot_q4_k_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  constexpr int kBytes = kFive ? 176 : 144, kQs = kFive ? 48 : 16;   // block size, offset of qs
   __m512 acc[R][2];
   __m256 mins[R];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps(), mins[r] = _mm256_setzero_ps();
@@ -395,13 +399,21 @@ void dot_q4_k_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
                                _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3),
                                _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6),
                                _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7)};
-  for (int64_t k0 = 0; k0 < K; k0 += 256, b += 144) {
-    prefetch_ahead<144>(b);
+  // Q5_K: the qh bit of each level vector's byte, per half (its two sub-blocks): (0 | 2), (1 | 3), (4 | 6), (5 | 7)
+  auto bits = [](char lo, char hi) { return _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(lo), _mm512_set1_epi8(hi)); };
+  const __m512i fifth[4] = {bits(1, 4), bits(2, 8), bits(16, 64), bits(32, (char)128)};
+  for (int64_t k0 = 0; k0 < K; k0 += 256, b += kBytes) {
+    prefetch_ahead<kBytes>(b);
     v8f sc, mn;
     k4_factors(b, sc, mn);
-    const __m512i q0 = _mm512_loadu_si512(b + 16), q1 = _mm512_loadu_si512(b + 80);
-    const __m512i level[4] = {_mm512_and_si512(q0, nib), _mm512_and_si512(_mm512_srli_epi16(q0, 4), nib),
-                              _mm512_and_si512(q1, nib), _mm512_and_si512(_mm512_srli_epi16(q1, 4), nib)};
+    const __m512i q0 = _mm512_loadu_si512(b + kQs), q1 = _mm512_loadu_si512(b + kQs + 64);
+    __m512i level[4] = {_mm512_and_si512(q0, nib), _mm512_and_si512(_mm512_srli_epi16(q0, 4), nib),
+                        _mm512_and_si512(q1, nib), _mm512_and_si512(_mm512_srli_epi16(q1, 4), nib)};
+    if (kFive) {
+      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16))), sixteen = _mm512_set1_epi8(16);
+      for (int c = 0; c < 4; ++c)
+        level[c] = _mm512_mask_add_epi8(level[c], _mm512_test_epi8_mask(qh, fifth[c]), level[c], sixteen);
+    }
     for (int r = 0; r < R; ++r) {
       const int8_t* x = xq + r * K + k0;
       const int64_t at = r * xblocks + k0 / SKIPPY_XBLOCK;
@@ -484,6 +496,169 @@ void dot_q6_k_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   }
   for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
+
+// 8 float16 at a stride (one a block of a group of 8 32-weight blocks: their d, or m), widened exactly.
+template <int kStride>
+SKIPPY_INLINE __m256 f16x8(const uint8_t* p) {
+  uint16_t h[8];
+  for (int i = 0; i < 8; ++i) memcpy(h + i, p + i * kStride, 2);
+  return _mm256_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
+}
+
+// Q8_0's d of 8 blocks (272 bytes: d at 34 i, so all in the first 256), widened exactly: vpermb of two
+// 128-byte windows picks each d's two bytes (fewer operations than 8 word loads and inserts).
+SKIPPY_INLINE __m256 q8_0_d8(const uint8_t* b) {
+  alignas(64) static constexpr uint8_t kPick[2][64] = {{0, 1, 34, 35, 68, 69, 102, 103}, {8, 9, 42, 43, 76, 77, 110, 111}};
+  const __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(b), _mm512_load_si512(kPick[0]), _mm512_loadu_si512(b + 64));
+  const __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(b + 128), _mm512_load_si512(kPick[1]),
+                                              _mm512_loadu_si512(b + 192));
+  return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm512_castsi512_si128(lo), _mm512_castsi512_si128(hi)));
+}
+
+// The lanes of a group's 4 level vectors (2 blocks each: lanes 0-7 block 2c, 8-15 block 2c + 1) pick
+// their block's factor from the group's 8 (vpermps).
+inline __m512i pair_lanes(int c) {
+  return _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * c), _mm512_set1_epi32(2 * c + 1));
+}
+
+// Sum of a ymm's 8 floats, in a fixed order.
+SKIPPY_INLINE float hsum8(__m256 v) {
+  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
+// Q8_0 with int8 activations (the avx512vnni build; BlockDense sets a.xq for every Q8_0 call there). A
+// block is one x block (32 weights: f16 d, int8 q[32]), so
+//   y[m, n] = sum_b d_b * xd[m, b] * isum[m, b],  isum[m, b] = sum over the block of q * xq
+// exact in int32. q is signed (-128..127), so vpdpbusd takes its unsigned operand from x (xq ^ 0x80 =
+// xq + 128, 1..255) and the levels as they are; each int32 lane sums 4 products and starts from the row
+// of W's own correction -128 * sum q over its 4 bytes (vpdpbusd of 128 against q, negated; shared by the R
+// rows), so it ends holding its exact part of isum. Bounds per lane: products at most 4 * 255 * 128 =
+// 130560 in magnitude, the correction 65536, the result 4 * 127 * 128: far inside int32.
+// 8 blocks (272 bytes) a step: 4 level vectors of two blocks' q (two 32-byte loads, 34 apart), each
+// against 64 consecutive bytes of xq; the int32 lanes converted and multiplied, in an FMA, by their
+// block's d_b * xd[m, b] (one 8-wide product a step, spread by vpermps), into 2 accumulators per row.
+// The blocks a K not a multiple of 256 leaves (K = 576: 2) one at a time in ymm, into a third. Each row
+// of x runs the same float operations in the same order whatever R is (the correction is integer, exact).
+template <int R>
+void dot_q8_0_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  __m512 acc[R][2];
+  __m256 rest[R];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps(), rest[r] = _mm256_setzero_ps();
+  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
+  const int8_t* xq = a.xq + m0 * K;
+  const float* xd = a.xd + m0 * xblocks;
+  const uint8_t* b = a.w + n * a.row_bytes;
+  const __m512i bias = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+  const __m512i lanes[4] = {pair_lanes(0), pair_lanes(1), pair_lanes(2), pair_lanes(3)};
+  int64_t i = 0;
+  for (; i + 8 <= xblocks; i += 8, b += 8 * 34) {
+    prefetch_ahead<8 * 34>(b);
+    __m512i level[4], corr[4];
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* q = b + 68 * c + 2;
+      level[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)q)),
+                                    _mm256_loadu_si256((const __m256i*)(q + 34)), 1);
+      corr[c] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, level[c]));
+    }
+    const __m256 d = q8_0_d8(b);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq + r * K + i * SKIPPY_XBLOCK;
+      const __m512 f = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_loadu_ps(xd + r * xblocks + i)));   // 8 lanes used
+      for (int c = 0; c < 4; ++c) {
+        const __m512i xu = _mm512_xor_si512(_mm512_loadu_si512(x + 64 * c), bias);
+        const __m512i isum = _mm512_dpbusd_epi32(corr[c], xu, level[c]);
+        acc[r][c % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(lanes[c], f), acc[r][c % 2]);
+      }
+    }
+  }
+  for (; i < xblocks; ++i, b += 34) {   // (the same arithmetic, a block at a time)
+    const __m256i q = _mm256_loadu_si256((const __m256i*)(b + 2)), bias8 = _mm512_castsi512_si256(bias);
+    const __m256i corr = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), bias8, q));
+    const float d = f16_at(b);
+    for (int r = 0; r < R; ++r) {
+      const __m256i xu = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(xq + r * K + i * SKIPPY_XBLOCK)), bias8);
+      const __m256 f = _mm256_set1_ps(d * xd[r * xblocks + i]);
+      rest[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(corr, xu, q)), f, rest[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + hsum8(rest[r]);
+}
+
+// Q5_1 with int8 activations (the avx512vnni build; BlockDense sets a.xq for every Q5_1 call there). A block
+// is one x block (32 weights: f16 d, f16 m, u32 qh, qs[16]; w = d * q + m, q 0..31: weight i < 16 the low
+// nibble of qs[i], i >= 16 the high one of qs[i - 16], bit i of qh its fifth bit), so
+//   y[m, n] = sum_b d_b * xd[m, b] * isum[m, b] + sum_b m_b * xs[m, b],  isum = sum of q * xq over the block
+// isum exact in int32: vpdpbusd, the levels (0..31) the unsigned operand and xq the signed one (at most
+// 32 * 31 * 127 in magnitude); the offsets m_b times x's exact block sums, as Q4_K's minimums.
+// 8 blocks (192 bytes) a step: a level vector holds two blocks' 32 levels in weight order (one masked
+// 48-byte load, vpermb doubling each qs[16], 64-bit shifts of 0 / 4 and a mask for the nibbles, the
+// 64 fifth bits of the two qh a byte mask adding 16), against 64 consecutive bytes of xq; the int32 lanes
+// converted and multiplied by d_b * xd[m, b] in an FMA (spread by vpermps) into 2 accumulators per row,
+// the offsets one 8-wide FMA a step. The blocks a K not a multiple of 256 leaves one at a time in ymm.
+// Each row of x runs the same float operations in the same order whatever R is.
+template <int R>
+void dot_q5_1_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  __m512 acc[R][2];
+  __m256 mins[R], rest[R];
+  float rest_min[R];
+  for (int r = 0; r < R; ++r)
+    acc[r][0] = acc[r][1] = _mm512_setzero_ps(), mins[r] = rest[r] = _mm256_setzero_ps(), rest_min[r] = 0.0f;
+  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
+  const int8_t* xq = a.xq + m0 * K;
+  const float *xd = a.xd + m0 * xblocks, *xs = a.xs + m0 * xblocks;
+  const uint8_t* b = a.w + n * a.row_bytes;
+  const __m512i nib = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+  const __m512i shift = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);   // (per 64-bit lane: the high nibbles down)
+  // bytes 0-15 and 16-31 of a level vector from qs of the first block (bytes 8-23 of the pair), 32-63 the second's (32-47)
+  alignas(64) static constexpr uint8_t kPick[64] = {
+      8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23,
+      32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47};
+  const __m512i pick = _mm512_load_si512(kPick);
+  const __m512i lanes[4] = {pair_lanes(0), pair_lanes(1), pair_lanes(2), pair_lanes(3)};
+  int64_t i = 0;
+  for (; i + 8 <= xblocks; i += 8, b += 8 * 24) {
+    prefetch_ahead<8 * 24>(b);
+    __m512i level[4];
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* p = b + 48 * c;
+      const __m512i q = _mm512_permutexvar_epi8(pick, _mm512_maskz_loadu_epi8(0xFFFFFFFFFFFFull, p));   // (48 bytes)
+      uint32_t h0, h1;
+      memcpy(&h0, p + 4, 4), memcpy(&h1, p + 28, 4);
+      const __m512i lv = _mm512_and_si512(_mm512_srlv_epi64(q, shift), nib);
+      level[c] = _mm512_mask_add_epi8(lv, _cvtu64_mask64(h0 | (uint64_t)h1 << 32), lv, sixteen);
+    }
+    const __m256 d = f16x8<24>(b), off = f16x8<24>(b + 2);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq + r * K + i * SKIPPY_XBLOCK;
+      const __m512 f = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_loadu_ps(xd + r * xblocks + i)));   // 8 lanes used
+      for (int c = 0; c < 4; ++c) {
+        const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), level[c], _mm512_loadu_si512(x + 64 * c));
+        acc[r][c % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(lanes[c], f), acc[r][c % 2]);
+      }
+      mins[r] = _mm256_fmadd_ps(off, _mm256_loadu_ps(xs + r * xblocks + i), mins[r]);
+    }
+  }
+  for (; i < xblocks; ++i, b += 24) {   // (the same arithmetic, a block at a time)
+    const __m128i q = _mm_loadu_si128((const __m128i*)(b + 8)), nib4 = _mm512_castsi512_si128(nib);
+    uint32_t h;
+    memcpy(&h, b + 4, 4);
+    const __m256i lv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), nib4), _mm_and_si128(q, nib4));
+    const __m256i level = _mm256_mask_add_epi8(lv, _cvtu32_mask32(h), lv, _mm512_castsi512_si256(sixteen));
+    const float d = f16_at(b), off = f16_at(b + 2);
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + r * K + i * SKIPPY_XBLOCK));
+      const __m256 f = _mm256_set1_ps(d * xd[r * xblocks + i]);
+      rest[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), level, x)), f, rest[r]);
+      rest_min[r] = __builtin_fmaf(off, xs[r * xblocks + i], rest_min[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + hsum8(rest[r]) +
+                              (hsum8(mins[r]) + rest_min[r]);
+}
 #endif
 
 // The rows of x [m0, m0 + R) against row n of W on int8 activations (a.xq set: the avx512vnni build, a type
@@ -494,6 +669,9 @@ void dot_int8(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   switch (a.type) {
     case SKIPPY_GGML_Q4_K: dot_q4_k_vnni<R>(a, m0, n); return;
     case SKIPPY_GGML_Q6_K: dot_q6_k_vnni<R>(a, m0, n); return;
+    case SKIPPY_GGML_Q8_0: dot_q8_0_vnni<R>(a, m0, n); return;
+    case SKIPPY_GGML_Q5_K: dot_q4_k_vnni<R, true>(a, m0, n); return;
+    case SKIPPY_GGML_Q5_1: dot_q5_1_vnni<R>(a, m0, n); return;
   }
 #endif
   for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = __builtin_nanf("");   // (never: the glue's list)

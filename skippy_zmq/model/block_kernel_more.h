@@ -11,7 +11,6 @@
 
 #include "quant_kernel.h"
 
-#define SKIPPY_GGML_Q5_1 7
 #define SKIPPY_GGML_Q2_K 10
 #define SKIPPY_GGML_Q3_K 11
 #define SKIPPY_GGML_IQ4_NL 20

@@ -60,6 +60,7 @@ typedef void (*SkippyAttendFn)(const SkippyAttendArgs* args, int64_t task);
 // and xs hold x quantised per row in blocks of SKIPPY_XBLOCK inputs exactly as SkippyDenseArgs' do; null
 // everywhere else (the float loops).
 #define SKIPPY_GGML_Q5_0 6
+#define SKIPPY_GGML_Q5_1 7   // (block_kernel_more_isa.cc unpacks it for the float loops)
 #define SKIPPY_GGML_Q8_0 8
 #define SKIPPY_GGML_Q4_K 12
 #define SKIPPY_GGML_Q5_K 13
@@ -72,6 +73,9 @@ static inline int skippy_int8_block_type(int32_t type) {
   switch (type) {
     case SKIPPY_GGML_Q4_K:
     case SKIPPY_GGML_Q6_K:
+    case SKIPPY_GGML_Q8_0:
+    case SKIPPY_GGML_Q5_K:
+    case SKIPPY_GGML_Q5_1:
       return 1;
     default:
       return 0;
