@@ -60,7 +60,7 @@ typedef void (*SkippyAttendFn)(const SkippyAttendArgs* args, int64_t task);
 // and xs hold x quantised per row in blocks of SKIPPY_XBLOCK inputs exactly as SkippyDenseArgs' do; null
 // everywhere else (the float loops).
 #define SKIPPY_GGML_Q5_0 6
-#define SKIPPY_GGML_Q5_1 7   // (block_kernel_more_isa.cc unpacks it for the float loops)
+#define SKIPPY_GGML_Q5_1 7
 #define SKIPPY_GGML_Q8_0 8
 #define SKIPPY_GGML_Q4_K 12
 #define SKIPPY_GGML_Q5_K 13
