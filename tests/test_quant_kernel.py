@@ -288,10 +288,14 @@ for m, k, n in [(1, 256, 37), (2, 512, 50), (3, 1024, 23), (4, 2048, 70), (5, 76
         out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[r:r + 1]), t))[0], got[r]))
         out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[:r + 1]), t)), got[:r + 1]))
 # a type not in ggml.INT8_BLOCK_TYPES keeps the float loops, bit for bit avx512's
-for kind, m, k, n in [("Q5_0", 3, 512, 37), ("Q5_0", 9, 256, 21)]:
+FACTORS = {"Q5_0": (0,), "Q8_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q3_K": (108,),
+           "Q2_K": (80, 82), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}   # where each type's f16 factors are
+floats = [kind for kind in ggml.BLOCK_KERNEL_TYPES if kind not in ggml.INT8_BLOCK_TYPES]
+for kind, m, k, n in [(kind, m, 512, 37) for kind in floats for m in (3, 9)]:
     t = ggml.TYPES[kind]
     raw = rng.integers(0, 256, (n, k // t.block, t.nbytes), dtype=np.uint8)
-    raw[..., 0:2] = np.array([0x1400], "<u2").view(np.uint8)   # the f16 factor: modest, finite
+    for at in FACTORS[kind]:                           # the f16 factors: modest, finite
+        raw[..., at:at + 2] = np.array([0x1400], "<u2").view(np.uint8)
     x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
     bt = ggml.BlockTensor(jnp.asarray(raw.reshape(n, -1)), kind, impl="kernel")
     mine = np.asarray(dense(x, bt))
@@ -322,8 +326,8 @@ def test_q4_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path):
     sums of level * xq per sub-block, the blocks' factors d * sc and dmin * m) to float32 rounding (1e-5 of
     the output's scale); each row the same bits alone or in company; within int8 rounding of the float
     product of gguf-py's dequantised W (measured ~5e-3 of the output's scale here; bound 3e-2, and above
-    1e-4, so the int8 loop did run); Q5_0 (not on int8 activations) bit for bit avx512's (Q6_K, Q8_0, Q5_K,
-    Q5_1: the tests below)."""
+    1e-4, so the int8 loop did run); the block types not on int8 activations (not ggml.INT8_BLOCK_TYPES) bit
+    for bit avx512's (Q6_K, Q8_0, Q5_K, Q5_1, Q5_0: the tests below)."""
     got = run_int8_child(tmp_path, Q4_K_INT8_CHILD)
     assert got["isa"] == "avx512vnni" and got["parse"] and got["alone"] and got["others_same"], got
     assert got["exact"] < 1e-5, got
@@ -410,7 +414,7 @@ import gguf, jax, jax.numpy as jnp, numpy as np
 from skippy_zmq.model import ggml, kernel, quant
 
 KIND = sys.argv[1]
-NBYTES = {"Q8_0": 34, "Q5_1": 24, "Q5_K": 176}[KIND]
+NBYTES = {"Q8_0": 34, "Q5_1": 24, "Q5_0": 22, "Q5_K": 176}[KIND]
 BLOCK = 256 if KIND == "Q5_K" else 32
 
 def f16(a):
@@ -419,7 +423,7 @@ def f16(a):
 def blocks(rng, n, k):
     # random rows [n, k / BLOCK * NBYTES]: random bytes, the f16 factors modest, of either sign
     raw = rng.integers(0, 256, (n, k // BLOCK, NBYTES), dtype=np.uint8)
-    for at in ((0,) if KIND == "Q8_0" else (0, 2)):
+    for at in ((0,) if KIND in ("Q8_0", "Q5_0") else (0, 2)):
         f = rng.uniform(2.0 ** -10, 2.0 ** -4, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])
         raw[..., at:at + 2] = f.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
     if KIND == "Q8_0":
@@ -434,10 +438,13 @@ def parts(raw, k):
     b = raw.reshape(n, k // BLOCK, NBYTES)
     if KIND == "Q8_0":                                 # d, int8 q
         return f16(b[..., 0:2]), np.zeros((n, k // 32)), b[..., 2:].view(np.int8).astype(np.int64).reshape(n, k)
-    if KIND == "Q5_1":                                 # d, m, u32 qh (bit i: weight i's fifth), qs: 0-15 low, 16-31 high
-        qh = b[..., 4:8].copy().view("<u4").astype(np.int64)
-        qs = b[..., 8:].astype(np.int64)
+    if KIND in ("Q5_1", "Q5_0"):                       # d, (Q5_1: m,) u32 qh (bit i: weight i's fifth), qs: 0-15 low, 16-31 high
+        at = 4 if KIND == "Q5_1" else 2
+        qh = b[..., at:at + 4].copy().view("<u4").astype(np.int64)
+        qs = b[..., at + 4:].astype(np.int64)
         lv = np.concatenate([qs & 15, qs >> 4], -1) | (((qh >> np.arange(32)) & 1) << 4)
+        if KIND == "Q5_0":                             # w = d (q - 16)
+            return f16(b[..., 0:2]), np.zeros((n, k // 32)), (lv - 16).reshape(n, k)
         return f16(b[..., 0:2]), -f16(b[..., 2:4]), lv.reshape(n, k)
     d, dmin = f16(b[..., 0:2]), f16(b[..., 2:4])       # Q5_K: Q4_K's factors, qh[32] at 16, qs[128] at 48
     q = b[..., 4:16].astype(np.int64)
@@ -489,12 +496,12 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_K", "Q5_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_K", "Q5_1", "Q5_0"])
 def test_more_blocks_int8_activation_computes_exactly_what_it_defines(tmp_path, kind):
-    """SKIPPY_KERNEL_ISA=avx512vnni runs GGUF Q8_0, Q5_K and Q5_1 blocks (every M) on int8 activations as
-    well: equal to a float64 numpy model of that arithmetic (x quantised per 32 inputs as quant_kernel.h
-    says, exact integer sums of level * xq per 32 weights, the blocks' factors times xd, the offsets dmin * m
-    (Q5_K) or m (Q5_1) times x's exact block sums) to float32 rounding (1e-5 of the output's scale); the
+    """SKIPPY_KERNEL_ISA=avx512vnni runs GGUF Q8_0, Q5_K, Q5_1 and Q5_0 blocks (every M) on int8 activations
+    as well: equal to a float64 numpy model of that arithmetic (x quantised per 32 inputs as quant_kernel.h
+    says, exact integer sums of level * xq per 32 weights (Q8_0's q, Q5_0's q - 16: signed), the blocks'
+    factors times xd, the offsets dmin * m (Q5_K) or m (Q5_1) times x's exact block sums) to float32 rounding (1e-5 of the output's scale); the
     model's parse of the blocks bit for bit gguf-py's dequantiser; each row the same bits alone, in company,
     in any order (M up to 13: the 4-, 2- and 1-row tiles); K not a multiple of 256 for the 32-weight types
     (576, 288, 96, 32: the blocks a 256-step leaves); within int8 rounding of the float product of gguf-py's

@@ -587,77 +587,101 @@ void dot_q8_0_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
     a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + hsum8(rest[r]);
 }
 
-// Q5_1 with int8 activations (the avx512vnni build; BlockDense sets a.xq for every Q5_1 call there). A block
-// is one x block (32 weights: f16 d, f16 m, u32 qh, qs[16]; w = d * q + m, q 0..31: weight i < 16 the low
-// nibble of qs[i], i >= 16 the high one of qs[i - 16], bit i of qh its fifth bit), so
+// Where a pair of 5-bit blocks' qs[16] go in a level vector (32 levels a block in weight order: bytes 0-15
+// and 16-31 both the first block's qs, 32-63 the second's; the high nibbles shifted down after): vpermb's
+// indices into the pair's bytes, qs at kQs in blocks of kBytes.
+template <int kBytes, int kQs>
+struct PairPick {
+  alignas(64) uint8_t at[64] = {};
+  constexpr PairPick() {
+    for (int j = 0; j < 64; ++j) at[j] = (j < 32 ? 0 : kBytes) + kQs + j % 16;
+  }
+};
+
+// Q5_1 and Q5_0 with int8 activations (the avx512vnni build; BlockDense sets a.xq for every call of those
+// there). A block is one x block (32 weights, q 0..31: weight i < 16 the low nibble of qs[i], i >= 16 the
+// high one of qs[i - 16], bit i of the u32 qh its fifth bit). Q5_1 (kOffset: f16 d, f16 m, qh, qs[16];
+// w = d * q + m):
 //   y[m, n] = sum_b d_b * xd[m, b] * isum[m, b] + sum_b m_b * xs[m, b],  isum = sum of q * xq over the block
 // isum exact in int32: vpdpbusd, the levels (0..31) the unsigned operand and xq the signed one (at most
 // 32 * 31 * 127 in magnitude); the offsets m_b times x's exact block sums, as Q4_K's minimums.
-// 8 blocks (192 bytes) a step: a level vector holds two blocks' 32 levels in weight order (one masked
-// 48-byte load, vpermb doubling each qs[16], 64-bit shifts of 0 / 4 and a mask for the nibbles, the
-// 64 fifth bits of the two qh a byte mask adding 16), against 64 consecutive bytes of xq; the int32 lanes
-// converted and multiplied by d_b * xd[m, b] in an FMA (spread by vpermps) into 2 accumulators per row,
-// the offsets one 8-wide FMA a step. The blocks a K not a multiple of 256 leaves one at a time in ymm.
-// Each row of x runs the same float operations in the same order whatever R is.
-template <int R>
-void dot_q5_1_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+// Q5_0 (f16 d, qh, qs[16]; w = d * (q - 16)): y = sum_b d_b * xd[m, b] * isum, isum = sum of (q - 16) * xq,
+// the signed levels q - 16 against xq ^ 0x80 = xq + 128 from a correction -128 * sum (q - 16) per lane as
+// Q6_K's (vpdpbusd of q against -128 bytes from 8192, shared by the rows); bounds per lane: products 4 * 255
+// * 16, the correction 8192, the result 4 * 127 * 16.
+// 8 blocks a step: a level vector holds two blocks' 32 levels in weight order (one masked load of the pair,
+// vpermb doubling each qs[16] (PairPick), 64-bit shifts of 0 / 4 and a mask for the nibbles, the 64 fifth
+// bits of the two qh a byte mask adding 16), against 64 consecutive bytes of xq; the int32 lanes converted
+// and multiplied by d_b * xd[m, b] in an FMA (spread by vpermps) into 2 accumulators per row, Q5_1's
+// offsets one 8-wide FMA a step. The blocks a K not a multiple of 256 leaves one at a time in ymm, into the
+// same accumulators (lanes 0-7; an offset in lane 0). Each row of x runs the same float operations in the
+// same order whatever R is (Q5_0's correction is integer, exact).
+template <int R, bool kOffset>
+void dot_q5_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  constexpr int kBytes = kOffset ? 24 : 22, kQh = kOffset ? 4 : 2, kQs = kQh + 4;
+  static constexpr PairPick<kBytes, kQs> kPick;
   __m512 acc[R][2];
-  __m256 mins[R], rest[R];
-  float rest_min[R];
-  for (int r = 0; r < R; ++r)
-    acc[r][0] = acc[r][1] = _mm512_setzero_ps(), mins[r] = rest[r] = _mm256_setzero_ps(), rest_min[r] = 0.0f;
+  __m256 mins[R];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps(), mins[r] = _mm256_setzero_ps();
   const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
   const int8_t* xq = a.xq + m0 * K;
   const float *xd = a.xd + m0 * xblocks, *xs = a.xs + m0 * xblocks;
   const uint8_t* b = a.w + n * a.row_bytes;
-  const __m512i nib = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+  const __m512i nib = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16), pick = _mm512_load_si512(kPick.at);
   const __m512i shift = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);   // (per 64-bit lane: the high nibbles down)
-  // bytes 0-15 and 16-31 of a level vector from qs of the first block (bytes 8-23 of the pair), 32-63 the second's (32-47)
-  alignas(64) static constexpr uint8_t kPick[64] = {
-      8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23,
-      32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47};
-  const __m512i pick = _mm512_load_si512(kPick);
+  const __m512i bias = _mm512_set1_epi8((char)0x80), minus128 = bias, base = _mm512_set1_epi32(8192);   // (Q5_0)
   const __m512i lanes[4] = {pair_lanes(0), pair_lanes(1), pair_lanes(2), pair_lanes(3)};
   int64_t i = 0;
-  for (; i + 8 <= xblocks; i += 8, b += 8 * 24) {
-    prefetch_ahead<8 * 24>(b);
-    __m512i level[4];
+  for (; i + 8 <= xblocks; i += 8, b += 8 * kBytes) {
+    prefetch_ahead<8 * kBytes>(b);
+    __m512i level[4], corr[4];
     for (int c = 0; c < 4; ++c) {
-      const uint8_t* p = b + 48 * c;
-      const __m512i q = _mm512_permutexvar_epi8(pick, _mm512_maskz_loadu_epi8(0xFFFFFFFFFFFFull, p));   // (48 bytes)
+      const uint8_t* p = b + 2 * kBytes * c;
+      const __m512i q = _mm512_permutexvar_epi8(pick, _mm512_maskz_loadu_epi8((1ull << 2 * kBytes) - 1, p));   // (the pair)
       uint32_t h0, h1;
-      memcpy(&h0, p + 4, 4), memcpy(&h1, p + 28, 4);
+      memcpy(&h0, p + kQh, 4), memcpy(&h1, p + kBytes + kQh, 4);
       const __m512i lv = _mm512_and_si512(_mm512_srlv_epi64(q, shift), nib);
       level[c] = _mm512_mask_add_epi8(lv, _cvtu64_mask64(h0 | (uint64_t)h1 << 32), lv, sixteen);
+      if (!kOffset) corr[c] = _mm512_dpbusd_epi32(base, level[c], minus128), level[c] = _mm512_sub_epi8(level[c], sixteen);
     }
-    const __m256 d = f16x8<24>(b), off = f16x8<24>(b + 2);
+    const __m256 d = f16x8<kBytes>(b), off = kOffset ? f16x8<kBytes>(b + 2) : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int8_t* x = xq + r * K + i * SKIPPY_XBLOCK;
       const __m512 f = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_loadu_ps(xd + r * xblocks + i)));   // 8 lanes used
       for (int c = 0; c < 4; ++c) {
-        const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), level[c], _mm512_loadu_si512(x + 64 * c));
+        const __m512i xc = _mm512_loadu_si512(x + 64 * c);
+        const __m512i isum = kOffset ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), level[c], xc)
+                                     : _mm512_dpbusd_epi32(corr[c], _mm512_xor_si512(xc, bias), level[c]);
         acc[r][c % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(lanes[c], f), acc[r][c % 2]);
       }
-      mins[r] = _mm256_fmadd_ps(off, _mm256_loadu_ps(xs + r * xblocks + i), mins[r]);
+      if (kOffset) mins[r] = _mm256_fmadd_ps(off, _mm256_loadu_ps(xs + r * xblocks + i), mins[r]);
     }
   }
-  for (; i < xblocks; ++i, b += 24) {   // (the same arithmetic, a block at a time)
-    const __m128i q = _mm_loadu_si128((const __m128i*)(b + 8)), nib4 = _mm512_castsi512_si128(nib);
+  for (; i < xblocks; ++i, b += kBytes) {   // (the same arithmetic, a block at a time)
+    const __m128i q = _mm_loadu_si128((const __m128i*)(b + kQs)), nib4 = _mm512_castsi512_si128(nib);
     uint32_t h;
-    memcpy(&h, b + 4, 4);
+    memcpy(&h, b + kQh, 4);
     const __m256i lv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), nib4), _mm_and_si128(q, nib4));
-    const __m256i level = _mm256_mask_add_epi8(lv, _cvtu32_mask32(h), lv, _mm512_castsi512_si256(sixteen));
-    const float d = f16_at(b), off = f16_at(b + 2);
+    __m256i level = _mm256_mask_add_epi8(lv, _cvtu32_mask32(h), lv, _mm512_castsi512_si256(sixteen)), corr;
+    if (!kOffset) {
+      corr = _mm256_dpbusd_epi32(_mm512_castsi512_si256(base), level, _mm512_castsi512_si256(minus128));
+      level = _mm256_sub_epi8(level, _mm512_castsi512_si256(sixteen));
+    }
+    const float d = f16_at(b);
+    const __m256 off = _mm256_zextps128_ps256(_mm_set_ss(kOffset ? f16_at(b + 2) : 0.0f));   // (lane 0; the others 0)
     for (int r = 0; r < R; ++r) {
       const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + r * K + i * SKIPPY_XBLOCK));
-      const __m256 f = _mm256_set1_ps(d * xd[r * xblocks + i]);
-      rest[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), level, x)), f, rest[r]);
-      rest_min[r] = __builtin_fmaf(off, xs[r * xblocks + i], rest_min[r]);
+      const __m256i isum8 = kOffset ? _mm256_dpbusd_epi32(_mm256_setzero_si256(), level, x)
+                                    : _mm256_dpbusd_epi32(corr, _mm256_xor_si256(x, _mm512_castsi512_si256(bias)), level);
+      const __m512 isum = _mm512_cvtepi32_ps(_mm512_zextsi256_si512(isum8));
+      acc[r][0] = _mm512_fmadd_ps(isum, _mm512_set1_ps(d * xd[r * xblocks + i]), acc[r][0]);
+      if (kOffset) mins[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(xs[r * xblocks + i]), mins[r]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + hsum8(rest[r]) +
-                              (hsum8(mins[r]) + rest_min[r]);
+  for (int r = 0; r < R; ++r) {
+    const float y = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+    a.y[(m0 + r) * a.N + n] = kOffset ? y + hsum8(mins[r]) : y;
+  }
 }
 #endif
 
@@ -671,7 +695,8 @@ void dot_int8(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
     case SKIPPY_GGML_Q6_K: dot_q6_k_vnni<R>(a, m0, n); return;
     case SKIPPY_GGML_Q8_0: dot_q8_0_vnni<R>(a, m0, n); return;
     case SKIPPY_GGML_Q5_K: dot_q4_k_vnni<R, true>(a, m0, n); return;
-    case SKIPPY_GGML_Q5_1: dot_q5_1_vnni<R>(a, m0, n); return;
+    case SKIPPY_GGML_Q5_1: dot_q5_vnni<R, true>(a, m0, n); return;
+    case SKIPPY_GGML_Q5_0: dot_q5_vnni<R, false>(a, m0, n); return;
   }
 #endif
   for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = __builtin_nanf("");   // (never: the glue's list)

@@ -76,6 +76,7 @@ static inline int skippy_int8_block_type(int32_t type) {
     case SKIPPY_GGML_Q8_0:
     case SKIPPY_GGML_Q5_K:
     case SKIPPY_GGML_Q5_1:
+    case SKIPPY_GGML_Q5_0:
       return 1;
     default:
       return 0;
