@@ -539,13 +539,12 @@ SKIPPY_INLINE float hsum8(__m256 v) {
 // 8 blocks (272 bytes) a step: 4 level vectors of two blocks' q (two 32-byte loads, 34 apart), each
 // against 64 consecutive bytes of xq; the int32 lanes converted and multiplied, in an FMA, by their
 // block's d_b * xd[m, b] (one 8-wide product a step, spread by vpermps), into 2 accumulators per row.
-// The blocks a K not a multiple of 256 leaves (K = 576: 2) one at a time in ymm, into a third. Each row
+// The blocks a K not a multiple of 256 leaves (K = 576: 2) one at a time in ymm, into the first. Each row
 // of x runs the same float operations in the same order whatever R is (the correction is integer, exact).
 template <int R>
 void dot_q8_0_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   __m512 acc[R][2];
-  __m256 rest[R];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps(), rest[r] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
   const int8_t* xq = a.xq + m0 * K;
   const float* xd = a.xd + m0 * xblocks;
@@ -579,12 +578,11 @@ void dot_q8_0_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
     const float d = f16_at(b);
     for (int r = 0; r < R; ++r) {
       const __m256i xu = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(xq + r * K + i * SKIPPY_XBLOCK)), bias8);
-      const __m256 f = _mm256_set1_ps(d * xd[r * xblocks + i]);
-      rest[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(corr, xu, q)), f, rest[r]);
+      const __m512 isum = _mm512_cvtepi32_ps(_mm512_zextsi256_si512(_mm256_dpbusd_epi32(corr, xu, q)));   // (8 lanes)
+      acc[r][0] = _mm512_fmadd_ps(isum, _mm512_set1_ps(d * xd[r * xblocks + i]), acc[r][0]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + hsum8(rest[r]);
+  for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
 // Where a pair of 5-bit blocks' qs[16] go in a level vector (32 levels a block in weight order: bytes 0-15
