@@ -15,10 +15,10 @@
 // Q4_K_M model stay those of its dequantised weights. Each row of x runs the same operations whatever
 // the tile height, so a row's result does not depend on the rows that share its call.
 //
-// The one exception, opt-in: the avx512vnni build (SKIPPY_KERNEL_ISA=avx512vnni, never auto) runs Q4_K
-// and Q6_K calls of every size on int8 activations, dot_q4_k_vnni and dot_q6_k_vnni below (x quantised
-// per 32 inputs by the glue, quant_kernel.h), in the decode loops' tiles; every other type keeps the
-// float loops there too.
+// The one exception, opt-in: the avx512vnni build (SKIPPY_KERNEL_ISA=avx512vnni, never auto) runs Q4_K,
+// Q5_K, Q6_K, Q8_0, Q5_1 and Q5_0 calls of every size on int8 activations, dot_q4_k_vnni, dot_q6_k_vnni,
+// dot_q8_0_vnni and dot_q5_vnni below (x quantised per 32 inputs by the glue, quant_kernel.h), in the
+// decode loops' tiles; every other type keeps the float loops there too.
 
 #include "quant_kernel.h"
 #include "quant_kernel_simd.h"
