@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from skippy_zmq.model import quant
+from skippy_zmq.model import ggml, quant
 
 REPO = Path(__file__).resolve().parent.parent
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -237,7 +237,7 @@ def quantise_x(x):
 Q4_K_INT8_CHILD = """
 import json
 import gguf, jax, jax.numpy as jnp, numpy as np
-from skippy_zmq.model import ggml, kernel, quant
+from skippy_zmq.model import ggml, quant
 
 def q4_k_blocks(rng, n, k):
     # random Q4_K rows [n, k / 256 * 144]: random bytes, modest f16 d and dmin of either sign
@@ -268,8 +268,7 @@ def model(x, raw):
     return (isum * scale[None] * xd[:, None]).sum(-1) - xs @ shift.T
 
 dense = jax.jit(ggml.block_dense)
-lib = kernel._load_kernel().lib
-out = {"isa": quant.kernel_isa(), "exact": 0.0, "vs_f32": 0.0, "alone": True, "parse": True, "others_same": True}
+out = {"isa": quant.kernel_isa(), "exact": 0.0, "vs_f32": 0.0, "alone": True, "parse": True}
 rng = np.random.default_rng(0)
 for m, k, n in [(1, 256, 37), (2, 512, 50), (3, 1024, 23), (4, 2048, 70), (5, 768, 19), (6, 1536, 41),
                 (1, 2048, 300), (6, 256, 5), (9, 512, 21), (13, 256, 40)]:   # (9, 13: prefill-sized calls)   # (1, 2048, 300): enough work for the pool's helpers
@@ -287,32 +286,20 @@ for m, k, n in [(1, 256, 37), (2, 512, 50), (3, 1024, 23), (4, 2048, 70), (5, 76
     for r in range(m):                                 # each row alone, and the first r + 1 rows together
         out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[r:r + 1]), t))[0], got[r]))
         out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[:r + 1]), t)), got[:r + 1]))
-# every other type (but Q6_K: Q6_K_INT8_CHILD) keeps the float loops, bit for bit avx512's
-for kind, m, k, n in [("Q5_K", 3, 512, 37), ("Q8_0", 2, 512, 37), ("Q5_0", 9, 512, 37), ("Q5_K", 9, 256, 21)]:
-    t = ggml.TYPES[kind]
-    raw = rng.integers(0, 256, (n, k // t.block, t.nbytes), dtype=np.uint8)
-    for at in ((0, 2) if kind == "Q5_K" else (0,)):   # the f16 factors: modest, finite
-        raw[..., at:at + 2] = np.array([0x1400], "<u2").view(np.uint8)
-    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
-    bt = ggml.BlockTensor(jnp.asarray(raw.reshape(n, -1)), kind, impl="kernel")
-    mine = np.asarray(dense(x, bt))
-    assert kernel._select_isa(lib, "avx512") == "avx512"
-    out["others_same"] &= bool(np.array_equal(np.asarray(dense(x, bt)), mine))
-    assert kernel._select_isa(lib, "avx512vnni") == "avx512vnni"
 print(json.dumps(out))
 """
 
 
-def run_int8_child(tmp_path, code: str) -> dict:
-    """`code` in a fresh interpreter with the kernel forced to avx512vnni: the JSON of its last line
-    (skips where there is no compiler or no AVX512-VNNI with VBMI)."""
+def run_int8_child(tmp_path, code: str, *args: str) -> dict:
+    """`code` (given `args` as sys.argv[1:]) in a fresh interpreter with the kernel forced to avx512vnni: the
+    JSON of its last line (skips where there is no compiler or no AVX512-VNNI with VBMI)."""
     if not shutil.which(os.environ.get("CXX") or "g++"):
         pytest.skip("no C++ compiler")
     if not (X86 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"} <= cpu_flags()):
         pytest.skip("this CPU has no AVX512-VNNI with VBMI")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "SKIPPY_KERNEL_ISA": "avx512vnni", "SKIPPY_KERNEL_BUILD": "all"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -323,9 +310,10 @@ def test_q4_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path):
     sums of level * xq per sub-block, the blocks' factors d * sc and dmin * m) to float32 rounding (1e-5 of
     the output's scale); each row the same bits alone or in company; within int8 rounding of the float
     product of gguf-py's dequantised W (measured ~5e-3 of the output's scale here; bound 3e-2, and above
-    1e-4, so the int8 loop did run); Q5_K, Q5_0 and Q8_0 bit for bit avx512's (Q6_K: the test below)."""
+    1e-4, so the int8 loop did run). Every other block type: the tests below (all of ggml.BLOCK_KERNEL_TYPES
+    run on int8 activations under avx512vnni: test_every_block_type_has_an_int8_loop)."""
     got = run_int8_child(tmp_path, Q4_K_INT8_CHILD)
-    assert got["isa"] == "avx512vnni" and got["parse"] and got["alone"] and got["others_same"], got
+    assert got["isa"] == "avx512vnni" and got["parse"] and got["alone"], got
     assert got["exact"] < 1e-5, got
     assert 1e-4 < got["vs_f32"] < 3e-2, got
 
@@ -389,6 +377,13 @@ for m, k, n in [(1, 256, 37), (2, 512, 50), (3, 1024, 23), (4, 2048, 70), (5, 76
     out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[::-1].copy()), t)), got[::-1]))
 print(json.dumps(out))
 """
+
+
+def test_every_block_type_has_an_int8_loop():
+    """Under avx512vnni every GGUF block type the kernel reads runs on int8 activations, each with its own
+    test in this file; a type added to the block kernel without an int8 loop would run the float loops
+    there (tests/test_block_kernel.py checks those on every ISA)."""
+    assert sorted(ggml.INT8_BLOCK_TYPES) == sorted(ggml.BLOCK_KERNEL_TYPES)
 
 
 def test_q6_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path):
@@ -490,6 +485,198 @@ def test_q3_k_q2_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_p
     within int8 rounding of the float product of gguf-py's dequantised W in every case (bound 3e-2) and above
     1e-4 in every case (so the int8 loop did run)."""
     got = run_int8_child(tmp_path, f"KIND = {kind!r}\n" + K23_INT8_CHILD)
+    assert got["isa"] == "avx512vnni" and got["parse"] and got["alone"], got
+    assert got["exact"] < 1e-5, got
+    assert 1e-4 < got["vs_f32"] and got["vs_f32_max"] < 3e-2, got
+
+
+IQ4_INT8_CHILD = """
+import json
+import gguf, jax, jax.numpy as jnp, numpy as np
+from skippy_zmq.model import ggml, quant
+
+def iq4_blocks(rng, kind, n, k):
+    # random rows [n, k / block * bytes]: random index and scale bytes, a modest f16 d of either sign
+    t = ggml.TYPES[kind]
+    raw = rng.integers(0, 256, (n, k // t.block, t.nbytes), dtype=np.uint8)
+    f = rng.uniform(2.0 ** -12, 2.0 ** -6, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])
+    raw[..., 0:2] = f.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(n, -1)
+
+def iq4_parts(raw, kind, k):
+    # per 32 inputs the float factor (IQ4_XS: d * (ls - 32), ls 6 bits, 4 in scales_l's nibble j % 2 of byte
+    # j / 2, 2 in scales_h's bits 2j; IQ4_NL: d) [n, k / 32], float64 (exact), and the levels [n, k]: per 32,
+    # kvalues of 16 index bytes' low nibbles, then of their high ones
+    t = ggml.TYPES[kind]
+    b = raw.reshape(raw.shape[0], k // t.block, t.nbytes)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    if kind == "IQ4_XS":
+        high = b[..., 2:4].copy().view("<u2")[..., 0].astype(np.int64)
+        low = b[..., 4:8].astype(np.int64)
+        j = np.arange(8)
+        ls = ((low[..., j // 2] >> (4 * (j % 2))) & 15) | (((high[..., None] >> (2 * j)) & 3) << 4)
+        scale, qs = d[..., None] * (ls - 32), b[..., 8:].reshape(*b.shape[:2], 8, 16)
+    else:
+        scale, qs = d[..., None], b[..., 2:].reshape(*b.shape[:2], 1, 16)
+    index = np.concatenate([qs & 15, qs >> 4], -1).astype(np.int64)
+    lv = np.asarray(ggml.IQ4_VALUES, np.int64)[index].reshape(raw.shape[0], k)
+    return scale.reshape(raw.shape[0], -1), lv
+
+""" + QUANTISE_X + """
+
+def model(x, raw, kind):
+    # y = sum_s scale_s xd[s] isum[s] over the 32-input blocks s, isum exact integers, the rest float64
+    scale, lv = iq4_parts(raw, kind, x.shape[1])
+    xq, xd, _ = quantise_x(x)
+    isum = np.einsum("msk,nsk->mns", xq, lv.reshape(len(raw), -1, 32))
+    return (isum * scale[None] * xd[:, None]).sum(-1)
+
+dense = jax.jit(ggml.block_dense)
+out = {"isa": quant.kernel_isa(), "exact": 0.0, "vs_f32": 1.0, "vs_f32_max": 0.0, "alone": True, "parse": True}
+rng = np.random.default_rng(0)
+for m, k, n in SHAPES:
+    raw = iq4_blocks(rng, KIND, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[0, :32] = 0                                      # a zero block: step 0
+    x[-1, k // 2 + 8] = 6.0                            # an outlier: its block's other levels coarser
+    w = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[KIND]), np.float32)
+    scale, lv = iq4_parts(raw, KIND, k)                # (the model's reading of the blocks is gguf-py's)
+    out["parse"] &= bool(np.array_equal((np.repeat(scale, 32, 1) * lv).astype(np.float32), w))
+    t = ggml.BlockTensor(jnp.asarray(raw), KIND, impl="kernel")
+    got = np.asarray(dense(jnp.asarray(x), t))
+    emu, ref = model(x, raw, KIND), x.astype(np.float64) @ w.astype(np.float64).T
+    out["exact"] = max(out["exact"], float(np.abs(got - emu).max() / np.abs(emu).max()))
+    err = float(np.abs(got - ref).max() / np.abs(ref).max())
+    out["vs_f32"], out["vs_f32_max"] = min(out["vs_f32"], err), max(out["vs_f32_max"], err)
+    for r in range(m):                                 # each row alone, and the first r + 1 rows together
+        out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[r:r + 1]), t))[0], got[r]))
+        out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[:r + 1]), t)), got[:r + 1]))
+    out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[::-1].copy()), t)), got[::-1]))
+print(json.dumps(out))
+"""
+
+# (M, K, N) per type: M 1-13 (the 4-, 2- and 1-row tiles, prefill-sized calls; N 300 and 333: the pool's
+# helpers take tasks); IQ4_NL's K also 32 to 576, 1 to 7 blocks past a multiple of its 8-block step
+IQ4_SHAPES = {"IQ4_XS": [(1, 256, 37), (2, 512, 50), (3, 1024, 23), (4, 2048, 70), (5, 768, 19), (6, 1536, 41),
+                         (1, 2048, 300), (4, 1024, 333), (9, 512, 21), (13, 256, 40)],
+              "IQ4_NL": [(3, 32, 37), (2, 96, 50), (3, 576, 23), (4, 2048, 70), (5, 160, 19), (6, 1536, 41),
+                         (1, 2048, 300), (4, 576, 333), (9, 224, 21), (13, 96, 40), (7, 64, 9), (2, 128, 17), (3, 448, 11)]}
+
+
+@pytest.mark.parametrize("kind", ["IQ4_XS", "IQ4_NL"])
+def test_iq4_int8_activation_loops_compute_exactly_what_they_define(tmp_path, kind):
+    """SKIPPY_KERNEL_ISA=avx512vnni runs GGUF IQ4_XS and IQ4_NL blocks (every M) on int8 activations:
+    equal to a float64 numpy model of that arithmetic (x quantised per 32 inputs as quant_kernel.h says, exact
+    integer sums of kvalues[q] * xq per 32-input block, the factors d * (ls - 32) * xd or d * xd) to float32
+    rounding (1e-5 of the output's scale); the model's parse of the blocks bit for bit gguf-py's dequantiser;
+    each row the same bits alone, in company, in any order; within int8 rounding of the float product of
+    gguf-py's dequantised W in every case (bound 3e-2) and above 1e-4 in every case (so the int8 loop did
+    run). IQ4_NL's K need not be a multiple of 256: the last 1-7 blocks of a row take the masked step."""
+    got = run_int8_child(tmp_path, f"KIND = {kind!r}\nSHAPES = {IQ4_SHAPES[kind]!r}\n" + IQ4_INT8_CHILD)
+    assert got["isa"] == "avx512vnni" and got["parse"] and got["alone"], got
+    assert got["exact"] < 1e-5, got
+    assert 1e-4 < got["vs_f32"] and got["vs_f32_max"] < 3e-2, got
+
+
+BLOCKS_INT8_CHILD = """
+import json, sys
+import gguf, jax, jax.numpy as jnp, numpy as np
+from skippy_zmq.model import ggml, kernel, quant
+
+KIND = sys.argv[1]
+NBYTES = {"Q8_0": 34, "Q5_1": 24, "Q5_0": 22, "Q5_K": 176}[KIND]
+BLOCK = 256 if KIND == "Q5_K" else 32
+
+def f16(a):
+    return a.copy().view(np.float16)[..., 0].astype(np.float64)
+
+def blocks(rng, n, k):
+    # random rows [n, k / BLOCK * NBYTES]: random bytes, the f16 factors modest, of either sign
+    raw = rng.integers(0, 256, (n, k // BLOCK, NBYTES), dtype=np.uint8)
+    for at in ((0,) if KIND in ("Q8_0", "Q5_0") else (0, 2)):
+        f = rng.uniform(2.0 ** -10, 2.0 ** -4, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])
+        raw[..., at:at + 2] = f.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    if KIND == "Q8_0":
+        raw[0, 0, 2:] = 0x80                           # the extremes: q = -128 and 127 against xq = +-127
+        raw[-1, -1, 2:] = 0x7F
+    return raw.reshape(n, -1)
+
+def parts(raw, k):
+    # the factor and the offset per 32-weight block [n, k / 32] (float64, exact) and the levels [n, k],
+    # weight = scale * level - shift
+    n = raw.shape[0]
+    b = raw.reshape(n, k // BLOCK, NBYTES)
+    if KIND == "Q8_0":                                 # d, int8 q
+        return f16(b[..., 0:2]), np.zeros((n, k // 32)), b[..., 2:].view(np.int8).astype(np.int64).reshape(n, k)
+    if KIND in ("Q5_1", "Q5_0"):                       # d, (Q5_1: m,) u32 qh (bit i: weight i's fifth), qs: 0-15 low, 16-31 high
+        at = 4 if KIND == "Q5_1" else 2
+        qh = b[..., at:at + 4].copy().view("<u4").astype(np.int64)
+        qs = b[..., at + 4:].astype(np.int64)
+        lv = np.concatenate([qs & 15, qs >> 4], -1) | (((qh >> np.arange(32)) & 1) << 4)
+        if KIND == "Q5_0":                             # w = d (q - 16)
+            return f16(b[..., 0:2]), np.zeros((n, k // 32)), (lv - 16).reshape(n, k)
+        return f16(b[..., 0:2]), -f16(b[..., 2:4]), lv.reshape(n, k)
+    d, dmin = f16(b[..., 0:2]), f16(b[..., 2:4])       # Q5_K: Q4_K's factors, qh[32] at 16, qs[128] at 48
+    q = b[..., 4:16].astype(np.int64)
+    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
+    qs = b[..., 48:].reshape(n, -1, 4, 32).astype(np.int64)
+    low = np.stack([qs & 15, qs >> 4], 3).reshape(n, -1, 8, 32)     # sub-block 2j: chunk j's low nibbles
+    qh = b[..., 16:48].astype(np.int64)[:, :, None, :]              # bit s of qh[l]: weight l of sub-block s
+    lv = low | (((qh >> np.arange(8).reshape(8, 1)) & 1) << 4)
+    return (d[..., None] * sc).reshape(n, -1), (dmin[..., None] * mn).reshape(n, -1), lv.reshape(n, k)
+
+""" + QUANTISE_X + """
+
+def model(x, raw):
+    # y = sum_b scale_b xd[b] isum[b] - sum_b shift_b xs[b], isum exact integers, the rest float64
+    scale, shift, lv = parts(raw, x.shape[1])
+    xq, xd, xs = quantise_x(x)
+    isum = np.einsum("mbk,nbk->mnb", xq, lv.reshape(len(raw), -1, 32))
+    return (isum * scale[None] * xd[:, None]).sum(-1) - xs @ shift.T
+
+dense = jax.jit(ggml.block_dense)
+out = {"isa": quant.kernel_isa(), "exact": 0.0, "vs_f32": 1.0, "vs_f32_max": 0.0, "alone": True, "parse": True}
+rng = np.random.default_rng(0)
+shapes = [(1, 256, 37), (2, 512, 50), (3, 1024, 23), (4, 2048, 70), (5, 768, 19), (6, 1536, 41),
+          (1, 2048, 300), (4, 1024, 333), (9, 512, 21), (13, 256, 40)]   # (300, 333: the pool's helpers take tasks)
+if BLOCK == 32:                                        # K not a multiple of 256: the blocks one at a time
+    shapes += [(1, 576, 45), (4, 576, 30), (7, 96, 17), (3, 32, 9), (13, 288, 11)]
+for m, k, n in shapes:
+    raw = blocks(rng, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[0, :32] = 0                                      # a zero block: step 0
+    x[-1, 40 % k] = 6.0                                # an outlier: its block's other levels coarser
+    x[0, -32:] = 1.0                                   # xq = 127 throughout a block
+    w = np.asarray(gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, KIND)), np.float32)
+    scale, shift, lv = parts(raw, k)                   # (the model's reading of the blocks is gguf-py's)
+    blk = lambda f: np.repeat(f, 32, 1)
+    out["parse"] &= bool(np.array_equal((blk(scale) * lv - blk(shift)).astype(np.float32), w))
+    t = ggml.BlockTensor(jnp.asarray(raw), KIND, impl="kernel")
+    got = np.asarray(dense(jnp.asarray(x), t))
+    emu, ref = model(x, raw), x.astype(np.float64) @ w.astype(np.float64).T
+    out["exact"] = max(out["exact"], float(np.abs(got - emu).max() / np.abs(emu).max()))
+    err = float(np.abs(got - ref).max() / np.abs(ref).max())
+    out["vs_f32"], out["vs_f32_max"] = min(out["vs_f32"], err), max(out["vs_f32_max"], err)
+    for r in range(m):                                 # each row alone, and the first r + 1 rows together
+        out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[r:r + 1]), t))[0], got[r]))
+        out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[:r + 1]), t)), got[:r + 1]))
+    out["alone"] &= bool(np.array_equal(np.asarray(dense(jnp.asarray(x[::-1].copy()), t)), got[::-1]))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_K", "Q5_1", "Q5_0"])
+def test_more_blocks_int8_activation_computes_exactly_what_it_defines(tmp_path, kind):
+    """SKIPPY_KERNEL_ISA=avx512vnni runs GGUF Q8_0, Q5_K, Q5_1 and Q5_0 blocks (every M) on int8 activations
+    as well: equal to a float64 numpy model of that arithmetic (x quantised per 32 inputs as quant_kernel.h
+    says, exact integer sums of level * xq per 32 weights (Q8_0's q, Q5_0's q - 16: signed), the blocks'
+    factors times xd, the offsets dmin * m (Q5_K) or m (Q5_1) times x's exact block sums) to float32 rounding (1e-5 of the output's scale); the
+    model's parse of the blocks bit for bit gguf-py's dequantiser; each row the same bits alone, in company,
+    in any order (M up to 13: the 4-, 2- and 1-row tiles); K not a multiple of 256 for the 32-weight types
+    (576, 288, 96, 32: the blocks a 256-step leaves); within int8 rounding of the float product of gguf-py's
+    dequantised W in every case (bound 3e-2) and above 1e-4 in every case (so the int8 loop did run)."""
+    got = run_int8_child(tmp_path, BLOCKS_INT8_CHILD, kind)
     assert got["isa"] == "avx512vnni" and got["parse"] and got["alone"], got
     assert got["exact"] < 1e-5, got
     assert 1e-4 < got["vs_f32"] and got["vs_f32_max"] < 3e-2, got

@@ -15,10 +15,10 @@
 // Q4_K_M model stay those of its dequantised weights. Each row of x runs the same operations whatever
 // the tile height, so a row's result does not depend on the rows that share its call.
 //
-// The one exception, opt-in: the avx512vnni build (SKIPPY_KERNEL_ISA=avx512vnni, never auto) runs Q4_K,
-// Q6_K, Q3_K and Q2_K calls of every size on int8 activations, dot_q4_k_vnni, dot_q6_k_vnni, dot_q3_k_vnni
-// and dot_q2_k_vnni below (x quantised per 32 inputs by the glue, quant_kernel.h), in the decode loops'
-// tiles; every other type keeps the float loops there too.
+// The one exception, opt-in: the avx512vnni build (SKIPPY_KERNEL_ISA=avx512vnni, never auto) runs the calls
+// of every size of the types quant_kernel.h's skippy_int8_block_type lists on int8 activations (x quantised
+// per 32 inputs by the glue, quant_kernel.h), one dot_<type>_vnni loop below each, in the decode loops'
+// tiles (dot_int8); every other type keeps the float loops there too.
 
 #include "quant_kernel.h"
 #include "quant_kernel_simd.h"
@@ -380,8 +380,12 @@ void dot_blocks(const SkippyBlockArgs& a, int64_t m0, int64_t n, Unpack unpack) 
 // spread to the lanes by vpermps); the minimums are one 8-wide FMA per super-block. Each row of x runs
 // the same float operations in the same order whatever R is, so its result does not depend on the rows
 // that share its call (nor on which of the 4-, 2- and 1-row tiles it lands in).
-template <int R>
+// Q5_K (kFive) is the same block with qs 32 bytes later and qh [32] before it: byte l of qh holds the fifth
+// bit of weight l of each sub-block s (bit s), added to the level vectors as 16 under a byte mask (vptestmb
+// against the two sub-blocks' bits of each level vector); levels 0..31, so |isum| <= 32 * 31 * 127.
+template <int R, bool kFive = false>
 void dot_q4_k_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  constexpr int kBytes = kFive ? 176 : 144, kQs = kFive ? 48 : 16;   // block size, offset of qs
   __m512 acc[R][2];
   __m256 mins[R];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps(), mins[r] = _mm256_setzero_ps();
@@ -395,13 +399,21 @@ void dot_q4_k_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
                                _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3),
                                _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6),
                                _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7)};
-  for (int64_t k0 = 0; k0 < K; k0 += 256, b += 144) {
-    prefetch_ahead<144>(b);
+  // Q5_K: the qh bit of each level vector's byte, per half (its two sub-blocks): (0 | 2), (1 | 3), (4 | 6), (5 | 7)
+  auto bits = [](char lo, char hi) { return _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(lo), _mm512_set1_epi8(hi)); };
+  const __m512i fifth[4] = {bits(1, 4), bits(2, 8), bits(16, 64), bits(32, (char)128)};
+  for (int64_t k0 = 0; k0 < K; k0 += 256, b += kBytes) {
+    prefetch_ahead<kBytes>(b);
     v8f sc, mn;
     k4_factors(b, sc, mn);
-    const __m512i q0 = _mm512_loadu_si512(b + 16), q1 = _mm512_loadu_si512(b + 80);
-    const __m512i level[4] = {_mm512_and_si512(q0, nib), _mm512_and_si512(_mm512_srli_epi16(q0, 4), nib),
-                              _mm512_and_si512(q1, nib), _mm512_and_si512(_mm512_srli_epi16(q1, 4), nib)};
+    const __m512i q0 = _mm512_loadu_si512(b + kQs), q1 = _mm512_loadu_si512(b + kQs + 64);
+    __m512i level[4] = {_mm512_and_si512(q0, nib), _mm512_and_si512(_mm512_srli_epi16(q0, 4), nib),
+                        _mm512_and_si512(q1, nib), _mm512_and_si512(_mm512_srli_epi16(q1, 4), nib)};
+    if (kFive) {
+      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16))), sixteen = _mm512_set1_epi8(16);
+      for (int c = 0; c < 4; ++c)
+        level[c] = _mm512_mask_add_epi8(level[c], _mm512_test_epi8_mask(qh, fifth[c]), level[c], sixteen);
+    }
     for (int r = 0; r < R; ++r) {
       const int8_t* x = xq + r * K + k0;
       const int64_t at = r * xblocks + k0 / SKIPPY_XBLOCK;
@@ -606,6 +618,328 @@ void dot_q2_k_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   for (int r = 0; r < R; ++r)
     a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) - _mm512_reduce_add_ps(mins[r]);
 }
+
+// IQ4_XS / IQ4_NL with int8 activations: their levels are ggml's kvalues_iq4nl, 16 signed values
+// (-127..113) picked by a 4-bit index. iq4_vnni_levels turns 64 bytes of indices, 4 runs of 16 (each run
+// one 32-weight block: its low nibbles are weights 0-15, its high nibbles 16-31), into the 128 levels in
+// the weights' order: vpermb looks each byte up in the table repeated 4 times (it reads an index's low 6
+// bits, so the high nibble's shift needs no mask: bits 4-5 only pick a copy), one vpermt2q interleaves the
+// 16-byte halves. level[0] holds blocks 0 and 1 (lanes 0-7, 8-15), level[1] blocks 2 and 3; each meets 64
+// consecutive bytes of xq. As for Q6_K the levels are vpdpbusd's signed operand, x its unsigned one (xq ^
+// 0x80 = xq + 128, 1..255), and each int32 lane starts from corr = -128 * (the sum of its 4 levels), one
+// vpdpbusd of 128-bytes against the levels (negated), shared by the rows of x. Bounds: a lane's 4 products
+// at most 4 * 255 * 127 = 129540 in magnitude, corr at most 4 * 128 * 127 = 65024, the result (sum of
+// xq * level) at most 4 * 127 * 127: far inside int32.
+SKIPPY_INLINE void iq4_vnni_levels(__m512i q, __m512i table, __m512i level[2], __m512i corr[2]) {
+  const __m512i lo = _mm512_permutexvar_epi8(q, table), hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(q, 4), table);
+  level[0] = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi);
+  level[1] = _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), hi);
+  for (int c = 0; c < 2; ++c)
+    corr[c] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                               _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), level[c]));
+}
+
+// The IQ4 table, 4 times (vpermb's 64 entries).
+SKIPPY_INLINE __m512i iq4_table() {
+  return _mm512_broadcast_i32x4(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+}
+
+// An IQ4_XS block's 8 sub-block scales d * (ls_s - 32): ls_s's low 4 bits are nibble s % 2 of scales_l's byte
+// s / 2 (bits 4s of its u32), its high 2 bits 2s of scales_h (moved up by 4), each lane shifting its own.
+SKIPPY_INLINE __m256 iq4_xs_scales(const uint8_t* b) {
+  uint16_t high;
+  uint32_t low;
+  memcpy(&high, b + 2, 2), memcpy(&low, b + 4, 4);
+  const __m256i lo = _mm256_srlv_epi32(_mm256_set1_epi32((int)low), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+  const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32(high << 4), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+  const __m256i ls = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(15)), _mm256_and_si256(hi, _mm256_set1_epi32(0x30)));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))), _mm256_set1_ps(f16_at(b)));
+}
+
+// The rows of x [m0, m0 + R) against 256 weights of IQ4 levels (iq4_vnni_levels: level[c] holds 32-input
+// blocks 2c and 2c + 1 in lanes 0-7 and 8-15) whose blocks' float factors are dsc: the int32 lanes of each
+// vpdpbusd converted and multiplied, in an FMA, by their block's dsc * xd[m, block] (one 8-wide product per
+// row, spread by vpermps), into 2 accumulators per row. With kTail only x's first `blocks` 32-input blocks
+// are read (masked loads; the others zero: xq ^ 0x80 = 128, the lane's products exactly -corr, isum 0, and
+// their xd 0). Each row runs the same float operations in the same order whatever R is, so its result does
+// not depend on the rows that share its call.
+template <int R, bool kTail = false>
+SKIPPY_INLINE void iq4_rows(const SkippyBlockArgs& a, const __m512i level[4], const __m512i corr[4], __m256 dsc,
+                            int64_t m0, int64_t k0, __m512 acc[][2], int blocks = 8) {
+  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
+  const __m512i bias = _mm512_set1_epi8((char)0x80);
+  const __m512i lane_sub[4] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                               _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+                               _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
+                               _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
+  for (int r = 0; r < R; ++r) {
+    const int8_t* x = a.xq + (m0 + r) * K + k0;
+    const float* step = a.xd + (m0 + r) * xblocks + k0 / SKIPPY_XBLOCK;
+    const __m256 s = kTail ? _mm256_maskz_loadu_ps((__mmask8)((1 << blocks) - 1), step) : _mm256_loadu_ps(step);
+    const __m512 f = _mm512_castps256_ps512(_mm256_mul_ps(dsc, s));
+    for (int c = 0; c < 4; ++c) {
+      const int bytes = 32 * blocks - 64 * c;   // (kTail: x's bytes left for this vector)
+      const __m512i xv = !kTail || bytes >= 64 ? _mm512_loadu_si512(x + 64 * c)
+                                               : _mm512_maskz_loadu_epi8(bytes > 0 ? ((__mmask64)1 << bytes) - 1 : 0, x + 64 * c);
+      const __m512i isum = _mm512_dpbusd_epi32(corr[c], _mm512_xor_si512(xv, bias), level[c]);
+      acc[r][c % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(lane_sub[c], f), acc[r][c % 2]);
+    }
+  }
+}
+
+// IQ4_XS with int8 activations (the avx512vnni build): x quantised per 32 inputs, one IQ4_XS sub-block s:
+//   y[m, n] = sum_s (d * (ls_s - 32)) * xd[m, s] * isum[m, s],  isum[m, s] = sum over s of level * xq
+// exact in int32 (iq4_vnni_levels: layout, corrections and bounds). A block's 128 index bytes are two
+// iq4_vnni_levels calls, 4 level vectors c of sub-blocks 2c (lanes 0-7) and 2c + 1 (lanes 8-15), and its
+// factors d * (ls_s - 32) (iq4_xs_scales) exact in float, as unpack_iq4_xs's scales; iq4_rows takes them
+// to every row of x, a horizontal sum at the end.
+template <int R>
+void dot_iq4_xs_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m512i table = iq4_table();
+  const uint8_t* b = a.w + n * a.row_bytes;
+  for (int64_t k0 = 0; k0 < a.K; k0 += 256, b += 136) {
+    prefetch_ahead<136>(b);
+    __m512i level[4], corr[4];
+    iq4_vnni_levels(_mm512_loadu_si512(b + 8), table, level, corr);
+    iq4_vnni_levels(_mm512_loadu_si512(b + 72), table, level + 2, corr + 2);
+    iq4_rows<R>(a, level, corr, iq4_xs_scales(b), m0, k0, acc);
+  }
+  for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+// IQ4_NL with int8 activations (the avx512vnni build): a 32-weight block is one x block, so
+//   y[m, n] = sum_b d_b * xd[m, b] * isum[m, b],  isum[m, b] = sum over block b of level * xq
+// exact in int32 (iq4_vnni_levels). Eight blocks (144 bytes, 256 weights) a step, as IQ4_XS's: two
+// vpermt2b gather their 16-byte index runs out of the 18-byte blocks (blocks 0-3 from bytes 0-127, 4-7
+// from 64-143), one vpermt2w their f16 d's; iq4_rows does the rest. K need not be a multiple of 256 (576,
+// 96 and 32 are rows of SmolLM2's IQ4_XS file): the last 1-7 blocks run the same step on masked loads, the
+// missing blocks' bytes zero (index 0, d 0) and x's too (iq4_rows' kTail).
+template <int R, bool kTail>
+SKIPPY_INLINE void iq4_nl_step(const SkippyBlockArgs& a, const uint8_t* b, int64_t m0, int64_t k0, int blocks,
+                               __m512 acc[][2]) {
+  // byte i of blocks 0-3's indices: block i / 16's byte i % 16, at 18 * (i / 16) + 2 + i % 16 of the step
+  const __m512i gather = _mm512_set_epi32(0x47464544, 0x43424140, 0x3f3e3d3c, 0x3b3a3938, 0x35343332, 0x31302f2e,
+                                          0x2d2c2b2a, 0x29282726, 0x23222120, 0x1f1e1d1c, 0x1b1a1918, 0x17161514,
+                                          0x11100f0e, 0x0d0c0b0a, 0x09080706, 0x05040302);
+  const __m512i halves = _mm512_castsi128_si512(_mm_setr_epi16(0, 9, 18, 27, 36, 45, 54, 63));   // the d's (words)
+  __m512i b0, b1, b2 = _mm512_setzero_si512();
+  if (kTail) {   // (126 bytes at most)
+    const int bytes = 18 * blocks;
+    b0 = _mm512_maskz_loadu_epi8(bytes >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << bytes) - 1, b);
+    b1 = _mm512_maskz_loadu_epi8(bytes > 64 ? ((__mmask64)1 << (bytes - 64)) - 1 : 0, b + 64);
+  } else {
+    b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 64);
+    b2 = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(b + 128)));
+  }
+  const __m512i table = iq4_table();
+  __m512i level[4], corr[4];
+  iq4_vnni_levels(_mm512_permutex2var_epi8(b0, gather, b1), table, level, corr);
+  iq4_vnni_levels(_mm512_permutex2var_epi8(b1, _mm512_add_epi8(gather, _mm512_set1_epi8(8)), b2), table, level + 2, corr + 2);
+  const __m256 d = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutex2var_epi16(b0, halves, b1)));
+  iq4_rows<R, kTail>(a, level, corr, d, m0, k0, acc, blocks);
+}
+
+template <int R>
+void dot_iq4_nl_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t K = a.K;
+  const uint8_t* b = a.w + n * a.row_bytes;
+  int64_t k0 = 0;
+  for (; k0 + 256 <= K; k0 += 256, b += 144) {
+    prefetch_ahead<144>(b);
+    iq4_nl_step<R, false>(a, b, m0, k0, 8, acc);
+  }
+  if (k0 < K) iq4_nl_step<R, true>(a, b, m0, k0, (int)((K - k0) / 32), acc);
+  for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+// 8 float16 at a stride (one a block of a group of 8 32-weight blocks: their d, or m), widened exactly.
+template <int kStride>
+SKIPPY_INLINE __m256 f16x8(const uint8_t* p) {
+  uint16_t h[8];
+  for (int i = 0; i < 8; ++i) memcpy(h + i, p + i * kStride, 2);
+  return _mm256_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
+}
+
+// Q8_0's d of 8 blocks (272 bytes: d at 34 i, so all in the first 256), widened exactly: vpermb of two
+// 128-byte windows picks each d's two bytes (fewer operations than 8 word loads and inserts).
+SKIPPY_INLINE __m256 q8_0_d8(const uint8_t* b) {
+  alignas(64) static constexpr uint8_t kPick[2][64] = {{0, 1, 34, 35, 68, 69, 102, 103}, {8, 9, 42, 43, 76, 77, 110, 111}};
+  const __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(b), _mm512_load_si512(kPick[0]), _mm512_loadu_si512(b + 64));
+  const __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(b + 128), _mm512_load_si512(kPick[1]),
+                                              _mm512_loadu_si512(b + 192));
+  return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm512_castsi512_si128(lo), _mm512_castsi512_si128(hi)));
+}
+
+// The lanes of a group's 4 level vectors (2 blocks each: lanes 0-7 block 2c, 8-15 block 2c + 1) pick
+// their block's factor from the group's 8 (vpermps).
+inline __m512i pair_lanes(int c) {
+  return _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * c), _mm512_set1_epi32(2 * c + 1));
+}
+
+// Sum of a ymm's 8 floats, in a fixed order.
+SKIPPY_INLINE float hsum8(__m256 v) {
+  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
+// Q8_0 with int8 activations (the avx512vnni build; BlockDense sets a.xq for every Q8_0 call there). A
+// block is one x block (32 weights: f16 d, int8 q[32]), so
+//   y[m, n] = sum_b d_b * xd[m, b] * isum[m, b],  isum[m, b] = sum over the block of q * xq
+// exact in int32. q is signed (-128..127), so vpdpbusd takes its unsigned operand from x (xq ^ 0x80 =
+// xq + 128, 1..255) and the levels as they are; each int32 lane sums 4 products and starts from the row
+// of W's own correction -128 * sum q over its 4 bytes (vpdpbusd of 128 against q, negated; shared by the R
+// rows), so it ends holding its exact part of isum. Bounds per lane: products at most 4 * 255 * 128 =
+// 130560 in magnitude, the correction 65536, the result 4 * 127 * 128: far inside int32.
+// 8 blocks (272 bytes) a step: 4 level vectors of two blocks' q (two 32-byte loads, 34 apart), each
+// against 64 consecutive bytes of xq; the int32 lanes converted and multiplied, in an FMA, by their
+// block's d_b * xd[m, b] (one 8-wide product a step, spread by vpermps), into 2 accumulators per row.
+// The blocks a K not a multiple of 256 leaves (K = 576: 2) one at a time in ymm, into the first. Each row
+// of x runs the same float operations in the same order whatever R is (the correction is integer, exact).
+template <int R>
+void dot_q8_0_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
+  const int8_t* xq = a.xq + m0 * K;
+  const float* xd = a.xd + m0 * xblocks;
+  const uint8_t* b = a.w + n * a.row_bytes;
+  const __m512i bias = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+  const __m512i lanes[4] = {pair_lanes(0), pair_lanes(1), pair_lanes(2), pair_lanes(3)};
+  int64_t i = 0;
+  for (; i + 8 <= xblocks; i += 8, b += 8 * 34) {
+    prefetch_ahead<8 * 34>(b);
+    __m512i level[4], corr[4];
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* q = b + 68 * c + 2;
+      level[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)q)),
+                                    _mm256_loadu_si256((const __m256i*)(q + 34)), 1);
+      corr[c] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, level[c]));
+    }
+    const __m256 d = q8_0_d8(b);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq + r * K + i * SKIPPY_XBLOCK;
+      const __m512 f = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_loadu_ps(xd + r * xblocks + i)));   // 8 lanes used
+      for (int c = 0; c < 4; ++c) {
+        const __m512i xu = _mm512_xor_si512(_mm512_loadu_si512(x + 64 * c), bias);
+        const __m512i isum = _mm512_dpbusd_epi32(corr[c], xu, level[c]);
+        acc[r][c % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(lanes[c], f), acc[r][c % 2]);
+      }
+    }
+  }
+  for (; i < xblocks; ++i, b += 34) {   // (the same arithmetic, a block at a time)
+    const __m256i q = _mm256_loadu_si256((const __m256i*)(b + 2)), bias8 = _mm512_castsi512_si256(bias);
+    const __m256i corr = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), bias8, q));
+    const float d = f16_at(b);
+    for (int r = 0; r < R; ++r) {
+      const __m256i xu = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(xq + r * K + i * SKIPPY_XBLOCK)), bias8);
+      const __m512 isum = _mm512_cvtepi32_ps(_mm512_zextsi256_si512(_mm256_dpbusd_epi32(corr, xu, q)));   // (8 lanes)
+      acc[r][0] = _mm512_fmadd_ps(isum, _mm512_set1_ps(d * xd[r * xblocks + i]), acc[r][0]);
+    }
+  }
+  for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+// Where a pair of 5-bit blocks' qs[16] go in a level vector (32 levels a block in weight order: bytes 0-15
+// and 16-31 both the first block's qs, 32-63 the second's; the high nibbles shifted down after): vpermb's
+// indices into the pair's bytes, qs at kQs in blocks of kBytes.
+template <int kBytes, int kQs>
+struct PairPick {
+  alignas(64) uint8_t at[64] = {};
+  constexpr PairPick() {
+    for (int j = 0; j < 64; ++j) at[j] = (j < 32 ? 0 : kBytes) + kQs + j % 16;
+  }
+};
+
+// Q5_1 and Q5_0 with int8 activations (the avx512vnni build; BlockDense sets a.xq for every call of those
+// there). A block is one x block (32 weights, q 0..31: weight i < 16 the low nibble of qs[i], i >= 16 the
+// high one of qs[i - 16], bit i of the u32 qh its fifth bit). Q5_1 (kOffset: f16 d, f16 m, qh, qs[16];
+// w = d * q + m):
+//   y[m, n] = sum_b d_b * xd[m, b] * isum[m, b] + sum_b m_b * xs[m, b],  isum = sum of q * xq over the block
+// isum exact in int32: vpdpbusd, the levels (0..31) the unsigned operand and xq the signed one (at most
+// 32 * 31 * 127 in magnitude); the offsets m_b times x's exact block sums, as Q4_K's minimums.
+// Q5_0 (f16 d, qh, qs[16]; w = d * (q - 16)): y = sum_b d_b * xd[m, b] * isum, isum = sum of (q - 16) * xq,
+// the signed levels q - 16 against xq ^ 0x80 = xq + 128 from a correction -128 * sum (q - 16) per lane as
+// Q6_K's (vpdpbusd of q against -128 bytes from 8192, shared by the rows); bounds per lane: products 4 * 255
+// * 16, the correction 8192, the result 4 * 127 * 16.
+// 8 blocks a step: a level vector holds two blocks' 32 levels in weight order (one masked load of the pair,
+// vpermb doubling each qs[16] (PairPick), 64-bit shifts of 0 / 4 and a mask for the nibbles, the 64 fifth
+// bits of the two qh a byte mask adding 16), against 64 consecutive bytes of xq; the int32 lanes converted
+// and multiplied by d_b * xd[m, b] in an FMA (spread by vpermps) into 2 accumulators per row, Q5_1's
+// offsets one 8-wide FMA a step. The blocks a K not a multiple of 256 leaves one at a time in ymm, into the
+// same accumulators (lanes 0-7; an offset in lane 0). Each row of x runs the same float operations in the
+// same order whatever R is (Q5_0's correction is integer, exact).
+template <int R, bool kOffset>
+void dot_q5_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+  constexpr int kBytes = kOffset ? 24 : 22, kQh = kOffset ? 4 : 2, kQs = kQh + 4;
+  static constexpr PairPick<kBytes, kQs> kPick;
+  __m512 acc[R][2];
+  __m256 mins[R];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps(), mins[r] = _mm256_setzero_ps();
+  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
+  const int8_t* xq = a.xq + m0 * K;
+  const float *xd = a.xd + m0 * xblocks, *xs = a.xs + m0 * xblocks;
+  const uint8_t* b = a.w + n * a.row_bytes;
+  const __m512i nib = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16), pick = _mm512_load_si512(kPick.at);
+  const __m512i shift = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);   // (per 64-bit lane: the high nibbles down)
+  const __m512i bias = _mm512_set1_epi8((char)0x80), minus128 = bias, base = _mm512_set1_epi32(8192);   // (Q5_0)
+  const __m512i lanes[4] = {pair_lanes(0), pair_lanes(1), pair_lanes(2), pair_lanes(3)};
+  int64_t i = 0;
+  for (; i + 8 <= xblocks; i += 8, b += 8 * kBytes) {
+    prefetch_ahead<8 * kBytes>(b);
+    __m512i level[4], corr[4];
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* p = b + 2 * kBytes * c;
+      const __m512i q = _mm512_permutexvar_epi8(pick, _mm512_maskz_loadu_epi8((1ull << 2 * kBytes) - 1, p));   // (the pair)
+      uint32_t h0, h1;
+      memcpy(&h0, p + kQh, 4), memcpy(&h1, p + kBytes + kQh, 4);
+      const __m512i lv = _mm512_and_si512(_mm512_srlv_epi64(q, shift), nib);
+      level[c] = _mm512_mask_add_epi8(lv, _cvtu64_mask64(h0 | (uint64_t)h1 << 32), lv, sixteen);
+      if (!kOffset) corr[c] = _mm512_dpbusd_epi32(base, level[c], minus128), level[c] = _mm512_sub_epi8(level[c], sixteen);
+    }
+    const __m256 d = f16x8<kBytes>(b), off = kOffset ? f16x8<kBytes>(b + 2) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq + r * K + i * SKIPPY_XBLOCK;
+      const __m512 f = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_loadu_ps(xd + r * xblocks + i)));   // 8 lanes used
+      for (int c = 0; c < 4; ++c) {
+        const __m512i xc = _mm512_loadu_si512(x + 64 * c);
+        const __m512i isum = kOffset ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), level[c], xc)
+                                     : _mm512_dpbusd_epi32(corr[c], _mm512_xor_si512(xc, bias), level[c]);
+        acc[r][c % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_permutexvar_ps(lanes[c], f), acc[r][c % 2]);
+      }
+      if (kOffset) mins[r] = _mm256_fmadd_ps(off, _mm256_loadu_ps(xs + r * xblocks + i), mins[r]);
+    }
+  }
+  for (; i < xblocks; ++i, b += kBytes) {   // (the same arithmetic, a block at a time)
+    const __m128i q = _mm_loadu_si128((const __m128i*)(b + kQs)), nib4 = _mm512_castsi512_si128(nib);
+    uint32_t h;
+    memcpy(&h, b + kQh, 4);
+    const __m256i lv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), nib4), _mm_and_si128(q, nib4));
+    __m256i level = _mm256_mask_add_epi8(lv, _cvtu32_mask32(h), lv, _mm512_castsi512_si256(sixteen)), corr;
+    if (!kOffset) {
+      corr = _mm256_dpbusd_epi32(_mm512_castsi512_si256(base), level, _mm512_castsi512_si256(minus128));
+      level = _mm256_sub_epi8(level, _mm512_castsi512_si256(sixteen));
+    }
+    const float d = f16_at(b);
+    const __m256 off = _mm256_zextps128_ps256(_mm_set_ss(kOffset ? f16_at(b + 2) : 0.0f));   // (lane 0; the others 0)
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + r * K + i * SKIPPY_XBLOCK));
+      const __m256i isum8 = kOffset ? _mm256_dpbusd_epi32(_mm256_setzero_si256(), level, x)
+                                    : _mm256_dpbusd_epi32(corr, _mm256_xor_si256(x, _mm512_castsi512_si256(bias)), level);
+      const __m512 isum = _mm512_cvtepi32_ps(_mm512_zextsi256_si512(isum8));
+      acc[r][0] = _mm512_fmadd_ps(isum, _mm512_set1_ps(d * xd[r * xblocks + i]), acc[r][0]);
+      if (kOffset) mins[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(xs[r * xblocks + i]), mins[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float y = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+    a.y[(m0 + r) * a.N + n] = kOffset ? y + hsum8(mins[r]) : y;
+  }
+}
 #endif
 
 // The rows of x [m0, m0 + R) against row n of W on int8 activations (a.xq set: the avx512vnni build, a type
@@ -618,6 +952,12 @@ void dot_int8(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
     case SKIPPY_GGML_Q6_K: dot_q6_k_vnni<R>(a, m0, n); return;
     case SKIPPY_GGML_Q3_K: dot_q3_k_vnni<R>(a, m0, n); return;
     case SKIPPY_GGML_Q2_K: dot_q2_k_vnni<R>(a, m0, n); return;
+    case SKIPPY_GGML_IQ4_XS: dot_iq4_xs_vnni<R>(a, m0, n); return;
+    case SKIPPY_GGML_IQ4_NL: dot_iq4_nl_vnni<R>(a, m0, n); return;
+    case SKIPPY_GGML_Q8_0: dot_q8_0_vnni<R>(a, m0, n); return;
+    case SKIPPY_GGML_Q5_K: dot_q4_k_vnni<R, true>(a, m0, n); return;
+    case SKIPPY_GGML_Q5_1: dot_q5_vnni<R, true>(a, m0, n); return;
+    case SKIPPY_GGML_Q5_0: dot_q5_vnni<R, false>(a, m0, n); return;
   }
 #endif
   for (int r = 0; r < R; ++r) a.y[(m0 + r) * a.N + n] = __builtin_nanf("");   // (never: the glue's list)

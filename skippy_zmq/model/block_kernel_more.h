@@ -11,10 +11,7 @@
 
 #include "quant_kernel.h"
 
-#define SKIPPY_GGML_Q5_1 7
-// (SKIPPY_GGML_Q2_K 10 and SKIPPY_GGML_Q3_K 11: quant_kernel.h, for its skippy_int8_block_type)
-#define SKIPPY_GGML_IQ4_NL 20
-#define SKIPPY_GGML_IQ4_XS 23
+// (Q5_1, Q2_K, Q3_K, IQ4_NL and IQ4_XS: their ids are in quant_kernel.h, whose skippy_int8_block_type lists them)
 
 // Weights and bytes per block of one of these types; 0 (and nothing written) for any other type.
 static inline int skippy_more_block(int64_t type, int64_t* block, int64_t* bytes) {

@@ -221,7 +221,7 @@ KERNEL_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}   # types the CPU kernel runs a
 BLOCK_KERNEL_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0", "Q3_K", "IQ4_XS", "IQ4_NL", "Q5_1", "Q2_K")
 # The ones SKIPPY_KERNEL_ISA=avx512vnni (opt-in) runs on int8 activations, as quant_kernel.h's
 # skippy_int8_block_type lists them (tests/test_block_kernel.py holds the two to the same list).
-INT8_BLOCK_TYPES = ("Q4_K", "Q6_K", "Q3_K", "Q2_K")
+INT8_BLOCK_TYPES = ("Q4_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", "Q8_0", "Q5_K", "Q5_1", "Q5_0")
 # Types a CPU stage repacks at load, losslessly, into the kernel's column panels (quant.QTensor of these bits),
 # where the kernel would otherwise read them as blocks: Q5_0's rows took ~2x the panel loops' time a weight
 # (a scale per 16 inputs against one per 32 shared by 64 columns), the bulk of SmolLM2 Q4_K_M's decode step.

@@ -60,13 +60,16 @@ typedef void (*SkippyAttendFn)(const SkippyAttendArgs* args, int64_t task);
 // and xs hold x quantised per row in blocks of SKIPPY_XBLOCK inputs exactly as SkippyDenseArgs' do; null
 // everywhere else (the float loops).
 #define SKIPPY_GGML_Q5_0 6
+#define SKIPPY_GGML_Q5_1 7
 #define SKIPPY_GGML_Q8_0 8
 #define SKIPPY_GGML_Q4_K 12
 #define SKIPPY_GGML_Q5_K 13
 #define SKIPPY_GGML_Q6_K 14
-// (two of block_kernel_more.h's types, here for skippy_int8_block_type)
+// (block_kernel_more.h's types too, here for skippy_int8_block_type)
 #define SKIPPY_GGML_Q2_K 10
 #define SKIPPY_GGML_Q3_K 11
+#define SKIPPY_GGML_IQ4_NL 20
+#define SKIPPY_GGML_IQ4_XS 23
 #define SKIPPY_BLOCK_ROWS 16   // rows of W per task
 
 // The GGUF types the avx512vnni build runs on int8 activations (block_kernel_isa.cc's dot_int8); the glue
@@ -77,11 +80,18 @@ static inline int skippy_int8_block_type(int32_t type) {
     case SKIPPY_GGML_Q6_K:
     case SKIPPY_GGML_Q3_K:
     case SKIPPY_GGML_Q2_K:
+    case SKIPPY_GGML_IQ4_XS:
+    case SKIPPY_GGML_IQ4_NL:
+    case SKIPPY_GGML_Q8_0:
+    case SKIPPY_GGML_Q5_K:
+    case SKIPPY_GGML_Q5_1:
+    case SKIPPY_GGML_Q5_0:
       return 1;
     default:
       return 0;
   }
 }
+
 typedef struct {
   const float* x;
   const float* xsum;

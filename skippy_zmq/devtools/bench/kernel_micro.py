@@ -33,7 +33,7 @@ def build(out: Path, isa: str) -> Path:
              for source in ISA_SOURCES}
     _compile_all(cxx, units)   # the kernel's own parallel compile
     binary = out / "kernel_micro"
-    quantize = ["-DSKIPPY_MICRO_QUANTIZE"] if isa == "avx512vnni" else []   # (its int8-activation Q4_K / Q6_K)
+    quantize = ["-DSKIPPY_MICRO_QUANTIZE"] if isa == "avx512vnni" else []   # (its int8-activation block types)
     subprocess.run([cxx, *CXX_FLAGS, f"-DSKIPPY_MICRO_ISA={isa}", *quantize, "-I", str(KERNEL_DIR), str(SOURCE),
                     *units, "-o", str(binary)], check=True, timeout=TIMEOUT_S)
     return binary
@@ -52,8 +52,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     isas = [i for i in kernel_isas() if i != "avx512vnni"]   # (the default: float activations)
     parser.add_argument("--isa", default=isas[0], choices=list(ISA_FLAGS),
-                        help="loops to measure (this CPU must run them); avx512vnni: Q4_K and Q6_K on int8 "
-                             "activations, its other loops avx512's")
+                        help="loops to measure (this CPU must run them); avx512vnni: ggml.INT8_BLOCK_TYPES on "
+                             "int8 activations, its other loops avx512's")
     parser.add_argument("--rows", type=int, default=1, help="rows of x (1: a decode step)")
     parser.add_argument("--shapes", default=SHAPES, help="NxK,... (N a multiple of 64, K of 32)")
     args = parser.parse_args()
