@@ -231,7 +231,8 @@ void RunTasks(ffi::ThreadPool& pool, int64_t n, int64_t work, Task task) {
 // run of consecutive SKIPPY_BLOCK_ROWS chunks: a task of one 16-row chunk (18 KB of a 2048-wide Q4_K
 // matrix) is ~1 us at M = 1, ~45k of them a 1B step, each claimed and counted on the job's shared
 // counters (a cache line bounced between the cores) and each breaking the thread's stream through W; a
-// step ran ~12 ms slower so. 16 tasks keep some balance for a late helper (it holds back 1/16 of a call). Rows are still computed one by one, so the bits do not change.
+// step ran ~12 ms slower so. 16 tasks keep some balance for a late helper (it holds back 1/16 of a call).
+// Rows are still computed one by one, so the bits do not change.
 // 1B Q4_K_M decode step, 2-core EPYC Zen 4, avx512vnni, 100 steps, alternating: 1 chunk a task 41.9-43.2
 // ms; 16 tasks 29.7-30.1; 8 30.1-31.9; 4 31.2-32.2; 2 (contiguous halves) 28.7-33.3.
 constexpr int64_t kDecodeTasks = 16, kDecodeTaskRows = 4;
