@@ -60,12 +60,12 @@ def kernel_build() -> dict:
             "kernel_cc_cpu_s": round(children_cpu_s() - c0, 2)}
 
 
-def decode_ms(runner, steps: int) -> dict:
-    """Median wall and CPU milliseconds of a decode step with 1 and 4 rows after a 26-token prefill."""
+def decode_ms(runner, steps: int, context: int = 26) -> dict:
+    """Median wall and CPU milliseconds of a decode step with 1 and 4 rows after a `context`-token prefill."""
     import numpy as np
 
     out = {}
-    ids = np.arange(1, 27, dtype=np.int32)
+    ids = np.arange(1, context + 1, dtype=np.int32) % 1000 + 1
     for rows in (1, 4):
         lanes = np.arange(rows)
         for lane in lanes:
@@ -73,7 +73,7 @@ def decode_ms(runner, steps: int) -> dict:
         tok, wall, cpu = np.full(rows, 5, np.int32), [], []
         for i in range(steps + 3):     # the first three: a step's first runs are slower
             t, c = time.perf_counter(), time.process_time()
-            runner.decode(lanes, tok, np.full(rows, 26 + i))
+            runner.decode(lanes, tok, np.full(rows, context + i))
             if i >= 3:
                 wall.append(time.perf_counter() - t)
                 cpu.append(time.process_time() - c)
@@ -97,6 +97,8 @@ def main() -> int:
     ap.add_argument("--explain", action="store_true", help="jax_explain_cache_misses")
     ap.add_argument("--decode", type=int, default=0, metavar="STEPS",
                     help="after the start, time this many decode steps with 1 and with 4 rows")
+    ap.add_argument("--decode-context", type=int, default=26, metavar="TOKENS",
+                    help="the prompt those decode steps follow (default 26; bench peers' single rows: 512)")
     ap.add_argument("--idle", action="store_true",
                     help="after the start, run the idle warm-ups the stage loop runs after READY (timed)")
     ap.add_argument("--log-level", default="INFO")
@@ -141,7 +143,7 @@ def main() -> int:
     if args.coverage == "full":
         rows = stage_buckets(topology, stage.kv_lanes).decode_rows[:2]
         full_s = runner.warmup(rows=rows, attn_lens=runner.attn_buckets())
-    decode = decode_ms(runner, args.decode) if args.decode else {}
+    decode = decode_ms(runner, args.decode, args.decode_context) if args.decode else {}
     print(json.dumps({"stage": stage.id, "layers": [stage.start, stage.end], "weights": stage.weights,
                       "coverage": args.coverage, "start_s": round(start_s, 2), "start_cpu_s": round(start_cpu_s, 2),
                       "behind_s": round(behind_s, 2), "behind_cpu_s": round(behind_cpu_s, 2),

@@ -173,7 +173,8 @@ def emulate(x, t):
     # step amax / 127, levels rounded to nearest even; exact integer sums, then the steps
     lv = quant.levels(t).astype(np.int64)
     k = lv.shape[0]
-    s, z = (np.asarray(a, np.float32).transpose(1, 0, 2).reshape(a.shape[1], -1)[:, :t.n] for a in (t.s, t.z))
+    s, z = (np.asarray(a, np.float32).transpose(1, 0, 2).reshape(a.shape[1], -1)[:, :t.n]
+            for a in (t.s, quant.offsets(t.s, t.z, t.bits)))
     groups = s.shape[0]
     xb = x.reshape(len(x), k // 32, 32)
     amax = np.abs(xb).max(-1)
@@ -184,13 +185,21 @@ def emulate(x, t):
     xs = xb.astype(np.float64).sum(-1).reshape(len(x), groups, -1).sum(2)
     return (part * s + xs[..., None] * z).sum(1)
 
+def gguf_panels(rng, kind, k, n):
+    # GGUF Q5_0 and Q8_0 as the checkpoint keeps them: levels 0..31 (offsets -16 s) or -127..127 (none)
+    # with a scale per 32 inputs, no offsets stored
+    bits, lo, hi = (5, 0, 32) if kind == "Q5_0" else (8, -127, 128)
+    lv = rng.integers(lo, hi, (n, k)).astype(np.uint8 if bits == 5 else np.int8)
+    s = (rng.uniform(2.0 ** -10, 2.0 ** -4, (n, k // 32)) * rng.choice([-1, 1], (n, k // 32))).astype(np.float16)
+    return quant.pack_rows(lv, s, None, "kernel", bits)
+
 rng = np.random.default_rng(0)
 out = {"isa": quant.kernel_isa(), "exact": 0.0, "vs_f32": 0.0, "row_alone_same": True}
-for bits in (8, 4):
+for bits in (8, 4, "Q5_0", "Q8_0"):
     for m, k, n in [(1, 576, 192), (2, 64, 97), (5, 96, 130), (9, 576, 1536), (1, 2048, 2100), (3, 32, 65)]:
         w = rng.standard_normal((k, n)).astype(np.float32)
         x = rng.standard_normal((m, k)).astype(np.float32)
-        t = quant.to_qtensor(w, "kernel", bits)
+        t = quant.to_qtensor(w, "kernel", bits) if isinstance(bits, int) else gguf_panels(rng, bits, k, n)
         kt = jax.tree.map(jnp.asarray, t)
         got = np.asarray(jax.jit(quant.dense)(jnp.asarray(x), kt))
         one = np.asarray(jax.jit(quant.dense)(jnp.asarray(x[-1:]), kt))
@@ -204,7 +213,8 @@ print(json.dumps(out))
 
 
 def test_int8_activation_loops_compute_exactly_what_they_define(tmp_path):
-    """SKIPPY_KERNEL_ISA=avx512vnni (opt-in, never "auto"): x quantised to int8 per block of 32,
+    """SKIPPY_KERNEL_ISA=avx512vnni (opt-in, never "auto"), every panel format (int8 and 4-bit with their
+    offsets, GGUF Q5_0's 5-bit and Q8_0's int8 with none): x quantised to int8 per block of 32,
     summed exactly in int32 by vpdpbusd, equals a numpy model of that arithmetic to float rounding,
     is the same for a row whether or not other rows share the call, and is within int8 rounding
     (a few 1e-3 of the output scale) of the float matmul."""

@@ -262,7 +262,7 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const void* q, f
   // all finish before this function returns.
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd, xs;
-  if (isa->quantize && offsets && bits != 5 && K % SKIPPY_XBLOCK == 0 && args.group % SKIPPY_XBLOCK == 0 && args.M > 0) {
+  if (isa->quantize && K % SKIPPY_XBLOCK == 0 && args.group % SKIPPY_XBLOCK == 0 && args.M > 0) {
     const int64_t blocks = args.M * (K / SKIPPY_XBLOCK);
     xq.resize(args.M * K), xd.resize(blocks), xs.resize(blocks);
     isa->quantize(args.x, args.M, K, xq.data(), xd.data(), xs.data());
@@ -293,20 +293,26 @@ ffi::Error BlockDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "blocks: x [M, K], w [N, K / block * bytes], y [M, N]");
   }
   const int64_t M = xd[0], K = xd[1], N = wd[0];
-  thread_local std::vector<float> xsum;   // per 16 inputs, for the blocks' minimums (per thread: XLA may
-  xsum.assign(M * (K / 16), 0.0f);        // run two calls at once; every task ends before this returns)
-  const float* xs = x.typed_data();
-  for (int64_t i = 0; i < M * (K / 16); ++i)
-    for (int j = 0; j < 16; ++j) xsum[i] += xs[i * 16 + j];
-  SkippyBlockArgs args{xs, xsum.data(), w.typed_data(), y->typed_data(), M, K, N, wd[1],
-                       static_cast<int32_t>(type), nullptr, nullptr, nullptr};
   const Isa* isa = g_isa.load(std::memory_order_relaxed);
   // int8 activations (avx512vnni only): the calls of any size of the types skippy_int8_block_type lists, x
   // quantised once per call as Dense does (per-thread buffers that outlive the call's tasks), so a row's
   // result does not depend on how many rows share its call. Every other type keeps the float loops.
+  const bool int8 = isa->quantize && skippy_int8_block_type(type) && M > 0;
+  // x's float sums per 16 inputs, for the blocks' minimums: every float loop reads them, of the int8 loops
+  // only Q2_K's (its minimums come per 16). Per thread: XLA may run two calls at once; every task ends
+  // before this returns.
+  thread_local std::vector<float> xsum;
+  const float* xs = x.typed_data();
+  if (!int8 || type == SKIPPY_GGML_Q2_K) {
+    xsum.assign(M * (K / 16), 0.0f);
+    for (int64_t i = 0; i < M * (K / 16); ++i)
+      for (int j = 0; j < 16; ++j) xsum[i] += xs[i * 16 + j];
+  }
+  SkippyBlockArgs args{xs, !int8 || type == SKIPPY_GGML_Q2_K ? xsum.data() : nullptr, w.typed_data(),
+                       y->typed_data(), M, K, N, wd[1], static_cast<int32_t>(type), nullptr, nullptr, nullptr};
   thread_local std::vector<int8_t> xq8;
   thread_local std::vector<float> xq_step, xq_sum;
-  if (isa->quantize && skippy_int8_block_type(type) && M > 0) {
+  if (int8) {
     const int64_t blocks = M * (K / SKIPPY_XBLOCK);   // (K a multiple of every block type's 32 or 256)
     xq8.resize(M * K), xq_step.resize(blocks), xq_sum.resize(blocks);
     isa->quantize(xs, M, K, xq8.data(), xq_step.data(), xq_sum.data());

@@ -9,9 +9,11 @@
 #define SKIPPY_PANEL 64  // output columns per packed weight panel
 
 // One dense call, y[M, Np] = x[M, K] @ W, W[k, n] = level(k, n) * s[g, n] + z[g, n], g = k / group.
-// Levels are packed in 64-column panels: int8 [Np / 64][K][64], or 4-bit
-// [Np / 64][K][32] (byte j: column j in the low nibble, column j + 32 in the high one).
-// s and z are float16 (IEEE binary16 bits) [Np / 64][K / group][64], widened once per group.
+// Levels are packed in 64-column panels: int8 [Np / 64][K][64], 4-bit [Np / 64][K][32]
+// (byte j: column j in the low nibble, column j + 32 in the high one), or 5-bit [Np / 64][K][40]
+// (the 4-bit row, then 8 bytes: bit c the fifth bit of column c).
+// s and z are float16 (IEEE binary16 bits) [Np / 64][K / group][64], widened once per group;
+// z is null where no offsets are stored: 0 (int8: GGUF Q8_0) or -16 s (5-bit: GGUF Q5_0).
 //
 // With int8 activations (the VNNI loops), xq holds x quantised per row in blocks of
 // SKIPPY_XBLOCK inputs: x[m, k] ~ xq[m, k] * xd[m, b], b = k / SKIPPY_XBLOCK, xq in -127..127,
@@ -55,7 +57,8 @@ typedef void (*SkippyAttendFn)(const SkippyAttendArgs* args, int64_t task);
 
 // GGUF blocks read in place (block_kernel_isa.cc): y[M, N] = x[M, K] @ W.T, W [N, K] held as rows of
 // row_bytes bytes of GGML type `type` (SKIPPY_GGML_*), exactly as the file stores them. xsum [M, K / 16]:
-// x's sums per 16 inputs, for the types whose blocks subtract a minimum (Q4_K, Q5_K).
+// x's sums per 16 inputs, for the types whose blocks subtract a minimum (Q4_K, Q5_K); null under
+// int8 activations for every type but Q2_K (the int8 loops meet minimums with xs).
 // With int8 activations (the avx512vnni ISA, the types skippy_int8_block_type lists, every M), xq, xd
 // and xs hold x quantised per row in blocks of SKIPPY_XBLOCK inputs exactly as SkippyDenseArgs' do; null
 // everywhere else (the float loops).

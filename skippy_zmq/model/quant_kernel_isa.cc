@@ -331,15 +331,18 @@ inline __m512i byte_index(int (*f)(int)) {
 // 4-bit: rows k..k+3 are 128 contiguous bytes (32 each; byte i: column i low, i + 32 high).
 struct VQ4 {
   static constexpr int64_t kRowBytes = kPanel / 2;
-  static constexpr bool kSigned = false;
+  static constexpr bool kSigned = false, kOffsetOfScale = false;
   // lane c of the gather: row k..k+3 bytes of column c (c < 16) or c + 16 (hi).
   struct Index {
     __m512i lo = byte_index([](int i) { return (i % 4 / 2) * 64 + (i % 2) * 32 + i / 4; });
     __m512i hi = byte_index([](int i) { return (i % 4 / 2) * 64 + (i % 2) * 32 + 16 + i / 4; });
   };
   static inline void load4(const uint8_t* rows, __m512i w[4], const Index& ix) {
-    const __m512i lo = ix.lo, hi = ix.hi;
-    const __m512i a = _mm512_loadu_si512(rows), b = _mm512_loadu_si512(rows + 64), m = _mm512_set1_epi8(15);
+    nibbles(_mm512_loadu_si512(rows), _mm512_loadu_si512(rows + 64), w, ix);
+  }
+  // a: rows k, k + 1's 32 bytes each; b: rows k + 2, k + 3's
+  static inline void nibbles(__m512i a, __m512i b, __m512i w[4], const Index& ix) {
+    const __m512i lo = ix.lo, hi = ix.hi, m = _mm512_set1_epi8(15);
     const __m512i p0 = _mm512_permutex2var_epi8(a, lo, b), p1 = _mm512_permutex2var_epi8(a, hi, b);
     w[0] = _mm512_and_si512(p0, m);                           // columns 0..15
     w[1] = _mm512_and_si512(p1, m);                           // 16..31
@@ -348,10 +351,46 @@ struct VQ4 {
   }
 };
 
+// 5-bit (Q5_0's levels, 0..31): rows k..k+3 are 4 x 40 bytes, each Q4's 32 bytes of nibbles, then 64 bits
+// (bit c: column c's fifth). The nibbles are gathered into VQ4's two registers; the fifth bits are
+// gathered as bytes (lane l of w[c], byte j: byte 8 j + 2 c + l / 8 of the four rows' bit words, tested
+// against bit l % 8) and added as 16 where set.
+struct VQ5 {
+  static constexpr int64_t kRowBytes = kPanel / 2 + kPanel / 8;
+  static constexpr bool kSigned = false, kOffsetOfScale = true;   // z = -16 s, as Q5's
+  struct Index {
+    VQ4::Index nib;
+    // from (bytes 0..63, 64..127): rows 0, 1's nibbles (at 0 and 40); their bit words into qwords 0..2
+    __m512i rows01 = byte_index([](int i) { return i < 32 ? i : i + 8; });
+    __m512i words = byte_index([](int i) { return i < 8 ? 32 + i : i < 16 ? 64 + i : i < 24 ? 96 + i : 0; });
+    // from (bytes 64..127, 96..159): rows 2, 3's nibbles (at 80 and 120)
+    __m512i rows23 = byte_index([](int i) { return i < 32 ? 16 + i : 56 + i; });
+    __m512i fifth[4] = {byte_index([](int i) { return 8 * (i % 4) + 0 + i / 32; }),
+                        byte_index([](int i) { return 8 * (i % 4) + 2 + i / 32; }),
+                        byte_index([](int i) { return 8 * (i % 4) + 4 + i / 32; }),
+                        byte_index([](int i) { return 8 * (i % 4) + 6 + i / 32; })};
+    __m512i bit = byte_index([](int i) { return 1 << (i / 4 % 8); });
+  };
+  static inline void load4(const uint8_t* rows, __m512i w[4], const Index& ix) {
+    const __m512i r0 = _mm512_loadu_si512(rows), r1 = _mm512_loadu_si512(rows + 64);
+    const __m512i r2 = _mm512_loadu_si512(rows + 96);   // (ends at the fourth row's last byte, 159)
+    VQ4::nibbles(_mm512_permutex2var_epi8(r0, ix.rows01, r1), _mm512_permutex2var_epi8(r1, ix.rows23, r2), w,
+                 ix.nib);
+    // the four bit words in qwords 0..3 (the fourth: bytes 152..159, r2's last qword)
+    const __m512i words = _mm512_mask_permutexvar_epi64(_mm512_permutex2var_epi8(r0, ix.words, r1), 0x08,
+                                                         _mm512_set1_epi64(7), r2);
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    for (int c = 0; c < 4; ++c) {
+      const __mmask64 set = _mm512_test_epi8_mask(_mm512_permutexvar_epi8(ix.fifth[c], words), ix.bit);
+      w[c] = _mm512_mask_add_epi8(w[c], set, w[c], sixteen);
+    }
+  }
+};
+
 // int8: rows k..k+3 are 4 x 64 bytes; pair rows into 16-bit units, then pairs into lanes.
 struct VInt8 {
   static constexpr int64_t kRowBytes = kPanel;
-  static constexpr bool kSigned = true;
+  static constexpr bool kSigned = true, kOffsetOfScale = false;
   struct Index {
     __m512i lo = byte_index([](int i) { return (i % 2) * 64 + i / 2; });        // word c: rows 0, 1 of column c
     __m512i hi = byte_index([](int i) { return (i % 2) * 64 + 32 + i / 2; });   // of column c + 32
@@ -422,7 +461,11 @@ void vtile(const SkippyDenseArgs& a, const uint8_t* panel, const uint16_t* s, co
       }
     }
     for (int c = 0; c < 4; ++c) {
-      const __m512 sc = loadh(s + g * kPanel + kLanes * c), zc = loadh(z + g * kPanel + kLanes * c);
+      // offsets: stored (z), -16 s (5-bit panels) or none (GGUF Q8_0's int8 panels: z null)
+      const __m512 sc = loadh(s + g * kPanel + kLanes * c);
+      const __m512 zc = F::kOffsetOfScale ? _mm512_mul_ps(sc, _mm512_set1_ps(-16.0f))
+                        : z               ? loadh(z + g * kPanel + kLanes * c)
+                                          : _mm512_setzero_ps();
       for (int r = 0; r < R; ++r)
         acc[r][c] = _mm512_fmadd_ps(part[r][c], sc, _mm512_fmadd_ps(_mm512_set1_ps(xsum[r]), zc, acc[r][c]));
     }
@@ -435,7 +478,7 @@ template <class F>
 void vpanel_rows(const SkippyDenseArgs* a, int64_t p) {
   const uint8_t* panel = (const uint8_t*)a->q + p * a->K * F::kRowBytes;
   const int64_t at = p * (a->K / a->group) * kPanel, n0 = p * kPanel;
-  const uint16_t *s = a->s + at, *z = a->z + at;
+  const uint16_t *s = a->s + at, *z = a->z ? a->z + at : nullptr;
   int64_t m = 0;
   for (; m + 4 <= a->M; m += 4) vtile<F, 4>(*a, panel, s, z, m, n0);
   for (; m < a->M; ++m) vtile<F, 1>(*a, panel, s, z, m, n0);
@@ -479,5 +522,8 @@ extern "C" void SKIPPY_CAT(skippy_q4_panel_, SKIPPY_ISA)(const SkippyDenseArgs* 
   panel_rows<Q4>(a, p);
 }
 extern "C" void SKIPPY_CAT(skippy_q5_panel_, SKIPPY_ISA)(const SkippyDenseArgs* a, int64_t p) {
-  panel_rows<Q5>(a, p);   // (float activations on every ISA: Dense quantises none for it)
+#if defined(SKIPPY_VNNI)
+  if (a->xq) return vpanel_rows<VQ5>(a, p);
+#endif
+  panel_rows<Q5>(a, p);
 }
