@@ -83,7 +83,11 @@ def test_q5_panels_match_the_dequantised_product_on_every_isa(isa):
     if isa not in isas():
         pytest.skip(f"this CPU (or a missing compiler) does not run the {isa} loops")
     with selected(isa), jax.default_device(jax.devices("cpu")[0]):
-        assert check_q5_products() < 1e-5, isa
+        worst = check_q5_products()
+    if isa == "avx512vnni":   # int8 activations: within their rounding (their exact arithmetic: test_quant_kernel)
+        assert 1e-4 < worst < 3e-2
+    else:
+        assert worst < 1e-5, isa
 
 
 def test_a_q5_0_stage_with_a_tied_q8_0_head_runs_every_matrix_in_the_kernel(tmp_path, monkeypatch):
@@ -109,7 +113,7 @@ def test_a_q5_0_stage_with_a_tied_q8_0_head_runs_every_matrix_in_the_kernel(tmp_
         for r in rs:
             paths = quant.matrix_paths(r.params)
             assert r.kernels()["matrices"] == "kernel" and set(paths) <= {"kernel q5 panels", "kernel q8 panels"}
-            assert paths["kernel q5 panels"] == 7 * (r.end - r.start), paths
+            assert paths["kernel q5 panels"] == 4 * (r.end - r.start), paths   # q|k|v, o, gate|up, down (fuse.py)
             assert paths.get("kernel q8 panels", 0) == int(r.last)          # the tied head
             held = sum(a.nbytes for a in {id(a): a for a in jax.tree.leaves(r.params)}.values())
             assert held == checkpoint.stage_nbytes(cfg, r.start, r.end, "gguf", "gguf", types=kept)

@@ -18,6 +18,7 @@ from skippy_zmq.checkpoint.loader import load_slice
 from skippy_zmq.engine.inproc import InprocChain, finished, run_until
 from skippy_zmq.engine.request import EngineError, GenRequest, TokenEvent
 from skippy_zmq.engine.scheduler import Scheduler, SchedulerConfig
+from skippy_zmq.model import fuse
 from skippy_zmq.model.runner import SliceRunner, resolve_device
 from skippy_zmq.protocol.wire import Kind
 from skippy_zmq.sampling import SamplingParams
@@ -80,6 +81,8 @@ class LocalEngine:
         self.tokenizer = TextTokenizer.load(model_dir)
         dev = resolve_device(device)
         self.cfg, params = load_slice(model_dir, dtype=dtype, device=dev, fmt=weights)
+        if dev.platform == "cpu":   # fused layer by layer, one copy held (model/fuse.py)
+            params = fuse.fuse_params(params, consume=True)
         capacity = min(capacity, self.cfg.max_seq_len)
         self.runner = SliceRunner(self.cfg, params, 0, self.cfg.n_layers,
                                   KVConfig(lanes=lanes, capacity=capacity, dtype=dtype), device=dev)

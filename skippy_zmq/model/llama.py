@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from skippy_zmq.config.model import KV_SPARE_SLOTS, ModelConfig
-from skippy_zmq.model import quant
+from skippy_zmq.model import fuse, quant
 from skippy_zmq.model import rope as rope_freqs
 from skippy_zmq.model.quant import dense, embed_rows, expert_dense
 
@@ -214,7 +214,7 @@ def attention(p: Params, x: jax.Array, kv: KVCache, layer: int, positions: jax.A
     """One layer's attention; `layer` indexes this stage's KV, `window` > 0 limits each query to its last keys."""
     b, t, _ = x.shape
     h, kvh, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    q, k, v = dense(x, p["wq"]), dense(x, p["wk"]), dense(x, p["wv"])
+    q, k, v = qkv(p, x, h * hd, kvh * hd)
     if "bq" in p:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q, k = q.reshape(b, t, h, hd), k.reshape(b, t, kvh, hd)
@@ -238,6 +238,16 @@ def attention(p: Params, x: jax.Array, kv: KVCache, layer: int, positions: jax.A
         out = _attend(q, kv, layer, positions, lanes, attn_len, scale, window, cfg).reshape(b, t, h * hd)
     out = dense(out, p["wo"])
     return (out + p["bo"] if "bo" in p else out), kv
+
+
+def qkv(p: Params, x: jax.Array, q_width: int, kv_width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x's queries, keys and values: one call where the stage fused the weights (model/fuse.py)."""
+    if "wqkv" in p:
+        return tuple(fuse.split(dense(x, p["wqkv"]), (q_width, kv_width, kv_width)))
+    if "wqk" in p:
+        q, k = fuse.split(dense(x, p["wqk"]), (q_width, kv_width))
+        return q, k, dense(x, p["wv"])
+    return dense(x, p["wq"]), dense(x, p["wk"]), dense(x, p["wv"])
 
 
 def _attend(q: jax.Array, kv: KVCache, layer: int, positions: jax.Array, lanes: jax.Array, attn_len: int,
@@ -275,9 +285,13 @@ def visible_keys(positions: jax.Array, attn_len: int, capacity: int, window: int
 
 
 def mlp(p: Params, x: jax.Array, act: str = "silu") -> jax.Array:
-    gate = dense(x, p["w_gate"])
+    if "w_gate_up" in p:   # one call where the stage fused the weights (model/fuse.py)
+        both = dense(x, p["w_gate_up"])
+        gate, up = fuse.split(both, (both.shape[-1] // 2,) * 2)
+    else:
+        gate, up = dense(x, p["w_gate"]), dense(x, p["w_up"])
     gate = jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
-    return dense(gate * dense(x, p["w_up"]), p["w_down"])
+    return dense(gate * up, p["w_down"])
 
 
 def moe(p: Params, x: jax.Array, cfg: ModelConfig, real: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

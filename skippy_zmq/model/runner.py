@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig
-from skippy_zmq.model import behind, direct, exec_cache
+from skippy_zmq.model import behind, direct, exec_cache, fuse
 from skippy_zmq.model.compile_behind import CompileBehind
 from skippy_zmq.model.layered import forward_layered
 from skippy_zmq.model.llama import KVCache, forward_jit
@@ -69,7 +69,9 @@ class SliceRunner(CompileBehind):
         # lowers from abstract shapes on that device: uncommitted weights lowered to another cache key).
         device = device if device is not None else jax.devices()[0]
         self.cfg, self.start, self.end = cfg, start, end
-        self.params = commit(for_device(params, device), device)
+        # on the CPU, projections that read the same x run as one kernel call (model/fuse.py: the same bits)
+        self.params = commit(fuse.fuse_params(params) if device.platform == "cpu" else for_device(params, device),
+                             device)
         self.kv_cfg, self.buckets, self.device = kv_cfg, buckets, device
         self.kv = KVCache.create(cfg, end - start, kv_cfg.lanes, kv_cfg.capacity,
                                  jnp.dtype(kv_cfg.dtype), device)

@@ -22,7 +22,7 @@ from skippy_zmq.config.model import Buckets, KVConfig, ModelConfig, decode_shape
 from skippy_zmq.config.speculative import SpeculativeConfig
 from skippy_zmq.kv.prefix_store import PrefixStore, StoreIdentity
 from skippy_zmq.checkpoint import checkpoint, loader
-from skippy_zmq.model import behind
+from skippy_zmq.model import behind, fuse
 from skippy_zmq.model.kernel import prepare_kernel
 from skippy_zmq.model.runner import WARM_RUN_TOKENS, SliceRunner, resolve_device
 from skippy_zmq.stage.sessions import SessionTable
@@ -215,6 +215,8 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
     device = resolve_device(where.device)
     cfg, params = loader.load_slice(topology.model_path, stage.start, stage.end, stage.dtype, device,
                                     fmt=stage.weights)
+    if where.device == "cpu":   # fused here, layer by layer, so the load holds one copy (SliceRunner's: a no-op)
+        params = fuse.fuse_params(params, consume=True)
     topology.check_model(cfg.n_layers)
     capacity = min(topology.driver.max_context, cfg.max_seq_len)
     buckets = stage_buckets(topology, stage.kv_lanes, capacity)
