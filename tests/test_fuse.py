@@ -83,10 +83,13 @@ def test_what_the_kernel_cannot_compute_as_one_is_left_alone():
     assert fuse.fuse_layer(fused) == fused                               # a fused layer stays as it is
 
 
-def test_a_consuming_fuse_lets_go_of_the_callers_layers_as_it_goes():
+def test_a_consuming_fuse_lets_go_of_the_callers_layers_as_it_goes(monkeypatch):
     rng = np.random.default_rng(9)
     params = {"layers": tuple({"wq": panel_part(rng, "q4", 64), "wk": panel_part(rng, "q4", 64),
                                "wv": panel_part(rng, "q4", 64)} for _ in range(3)), "norm": np.ones(4)}
+    monkeypatch.setenv(fuse.FUSE_ENV, "off")
+    assert fuse.fuse_params(params, consume=True) is params and len(params["layers"]) == 3
+    monkeypatch.delenv(fuse.FUSE_ENV)
     kept = fuse.fuse_params(params)
     assert [sorted(l) for l in kept["layers"]] == [["wqkv"]] * 3 and len(params["layers"]) == 3
     fused = fuse.fuse_params(params, consume=True)

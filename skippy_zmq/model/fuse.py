@@ -13,6 +13,7 @@ tree), so a stage holds the same bytes as before.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from skippy_zmq.model.ggml import BlockTensor
 from skippy_zmq.model.kernel import kernel_available
 from skippy_zmq.model.quant import PANEL, QTensor
 
+FUSE_ENV = "SKIPPY_FUSE"   # on (default) | off: every projection its own call (to compare; the same bits)
 # fused name -> its parts, in output order; the first group a layer's weights allow is used
 GROUPS = ((("wqkv", ("wq", "wk", "wv")), ("wqk", ("wq", "wk"))), (("w_gate_up", ("w_gate", "w_up")),))
 PARTS = {name: parts for group in GROUPS for name, parts in group}
@@ -61,11 +63,11 @@ def fuse_layer(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def fuse_params(params: dict[str, Any], consume: bool = False) -> dict[str, Any]:
-    """`params` with every layer fused where it can be (fuse_layer; a fused tree stays as it is); where
-    the kernel is not loaded, `params` itself (XLA's fallback dot of a wider matrix need not sum in the
+    """`params` with every layer fused where it can be (fuse_layer; a fused tree stays as it is); with
+    SKIPPY_FUSE=off, or where the kernel is not loaded, `params` itself (XLA's fallback dot of a wider matrix need not sum in the
     same order). `consume`: the caller's tree lets go of its layers first, so each layer's parts are
     freed as its fused weights are made and a stage's load never holds a second copy of its weights."""
-    if not kernel_available() or "layers" not in params:
+    if os.environ.get(FUSE_ENV, "on").strip().lower() == "off" or not kernel_available() or "layers" not in params:
         return params
     layers = list(params["layers"])
     if consume:
