@@ -25,7 +25,6 @@ from skippy_zmq.model.quant import PANEL, QTensor
 FUSE_ENV = "SKIPPY_FUSE"   # on (default) | off: every projection its own call (to compare; the same bits)
 # fused name -> its parts, in output order; the first group a layer's weights allow is used
 GROUPS = ((("wqkv", ("wq", "wk", "wv")), ("wqk", ("wq", "wk"))), (("w_gate_up", ("w_gate", "w_up")),))
-PARTS = {name: parts for group in GROUPS for name, parts in group}
 
 
 def fusable(ts: list[Any]) -> bool:
@@ -64,9 +63,10 @@ def fuse_layer(p: dict[str, Any]) -> dict[str, Any]:
 
 def fuse_params(params: dict[str, Any], consume: bool = False) -> dict[str, Any]:
     """`params` with every layer fused where it can be (fuse_layer; a fused tree stays as it is); with
-    SKIPPY_FUSE=off, or where the kernel is not loaded, `params` itself (XLA's fallback dot of a wider matrix need not sum in the
-    same order). `consume`: the caller's tree lets go of its layers first, so each layer's parts are
-    freed as its fused weights are made and a stage's load never holds a second copy of its weights."""
+    SKIPPY_FUSE=off, or where the kernel is not loaded, `params` itself (XLA's fallback dot of a wider
+    matrix need not sum in the same order). `consume`: the caller's tree lets go of its layers first, so
+    each layer's parts are freed as its fused weights are made and a stage's load never holds a second
+    copy of its weights."""
     if os.environ.get(FUSE_ENV, "on").strip().lower() == "off" or not kernel_available() or "layers" not in params:
         return params
     layers = list(params["layers"])
