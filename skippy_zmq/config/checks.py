@@ -34,12 +34,14 @@ Check = Callable[[Any, At], Any]
 TCP = re.compile(r"^tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d+)$")
 
 
-def integer(low: int) -> Check:
+def integer(low: int, high: int | None = None) -> Check:
     def check(value: Any, at: At) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             at.fail(f"expected an integer, got {value!r}")
         if value < low:
             at.fail(f"must be at least {low}, got {value}")
+        if high is not None and value > high:
+            at.fail(f"must be at most {high}, got {value}")
         return value
 
     return check

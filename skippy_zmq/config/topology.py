@@ -28,6 +28,8 @@ is optional; defaults shown)::
       prefill_chunk: 256
       max_context: 2048              # prompt + generated tokens per session
       micro_batches: 0               # decode micro-batches in flight (0 = one per stage)
+      run_on: 8                      # a 1-stage chain decodes up to 8 steps from its own samples
+                                     # before the driver's next message (0: a driver round each)
       max_body_bytes: 4194304        # HTTP request body limit
       http_edge:                     # who may call the HTTP API and how much a caller may hold:
                                      # allowed_hosts, allowed_origins, metrics_public, max_connections,
@@ -159,6 +161,7 @@ class DriverConfig:
     prefill_chunk: int = 256
     max_context: int = 2048
     micro_batches: int = 0             # decode micro-batches in flight; 0 = one per stage
+    run_on: int = 8                    # 1 stage: steps it decodes from its own samples (0 = a round each)
     max_body_bytes: int = 4 << 20      # HTTP request body limit
     http_edge: EdgeConfig = EdgeConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()

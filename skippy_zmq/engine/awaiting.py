@@ -17,7 +17,8 @@ class Sent:
     """One message in flight: the sessions it still answers for and when it left."""
     sessions: set[int]
     sent_at: float
-    ahead: bool = False   # windows sent ahead do not count against micro_batches
+    ahead: bool = False   # windows sent ahead (and steps run on) do not count against micro_batches
+    run_on: int = 0       # steps the stage may still run on from this one's samples (request ids reserved)
 
 
 class Awaiting:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from skippy_zmq.protocol import wire
 from skippy_zmq.engine.request import EngineError, GenRequest, TokenEvent
 from skippy_zmq.engine.scheduler import Scheduler
-from skippy_zmq.stage.worker import DRIVER, StageWorker
+from skippy_zmq.stage.worker import DRIVER, OWN, StageWorker
 
 
 @dataclass
@@ -46,17 +46,20 @@ class InprocChain:
 
     def _run(self, msg: wire.Message) -> list[tuple[str, wire.Message]]:
         replies: list[tuple[str, wire.Message]] = []
-        pending: deque[tuple[int, wire.Message]] = deque([(0, self._through_wire(msg, wire.WireDType.F32))])
-        while pending:
-            index, message = pending.popleft()
+        pending: deque[tuple[int, wire.Message, bool]] = deque([(0, self._through_wire(msg, wire.WireDType.F32),
+                                                                 False)])
+        while pending:   # (stage index, message, the stage's own step: a whole-chain stage's run-on)
+            index, message, own = pending.popleft()
             worker = self.workers[index]
-            outs = worker.handle(message)
+            outs = worker.handle_own(message) if own else worker.handle(message)
             worker.run_deferred()
             if worker.store is not None:
                 worker.store.flush()   # records land before the next message, deterministically
             for out in outs:
                 if out.to == DRIVER:
                     replies.append((worker.info.stage_id, self._through_wire(out.message, wire.WireDType.F32)))
+                elif out.to == OWN:
+                    pending.append((index, out.message, True))
                 else:
                     frames = wire.encode(out.message, self.dtype)
                     hop = self.hops[index]
@@ -64,7 +67,7 @@ class InprocChain:
                     if out.message.activation is not None:
                         hop.activation_bytes += len(frames[4])
                         hop.tokens += int(out.message.activation.shape[0])
-                    pending.append((index + 1, wire.decode(frames, self.limits)))
+                    pending.append((index + 1, wire.decode(frames, self.limits), False))
         return replies
 
     def _through_wire(self, msg: wire.Message, dtype: wire.WireDType) -> wire.Message:

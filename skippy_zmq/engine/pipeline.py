@@ -48,7 +48,7 @@ class PipelineEngine:
         self.max_context = d.max_context
         self.scheduler = Scheduler(SchedulerConfig(
             n_stages=len(topology.stages), micro_batches=d.micro_batches, max_sessions=d.max_sessions, max_queue=d.max_queue,
-            prefill_chunk=d.prefill_chunk, max_context=d.max_context, reply_timeout_s=d.reply_timeout_s,
+            prefill_chunk=d.prefill_chunk, max_context=d.max_context, reply_timeout_s=d.reply_timeout_s, run_on=d.run_on,
             request_timeout_s=d.request_timeout_s, resume_timeout_s=d.resume_timeout_s,
             speculative=d.speculative), frozenset(eos_ids),
             PrefixIndex([s.cache for s in topology.stages]))

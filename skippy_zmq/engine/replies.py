@@ -15,6 +15,7 @@ import time
 import numpy as np
 from loguru import logger
 
+from skippy_zmq.engine.awaiting import Sent
 from skippy_zmq.engine.job import Job, JobStatus
 from skippy_zmq.engine.request import EngineError, TokenEvent
 from skippy_zmq.engine.scheduler_state import SchedulerState
@@ -98,6 +99,7 @@ class ReplyHandler:
         if sent is None:   # a message dropped by a pause (or timed out): its tokens are stale
             logger.warning("dropping tokens of unknown or expired batch {}", msg.request_id)
             return
+        going_on = self._going_on(msg, sent)
         trace = msg.extras.get("trace", [])
         offsets = np.concatenate([[0], np.cumsum(msg.row_lengths)]).tolist()
         tokens = msg.tokens.tolist()
@@ -115,6 +117,22 @@ class ReplyHandler:
             self._on_row(job, tokens[offsets[i]:offsets[i + 1]], trace, entries)
         if not sent.sessions:
             del st.awaiting.rows[msg.request_id]
+        jobs = [st.running[sid] for sid in going_on if sid in st.running and not st.running[sid].done]
+        for job in jobs:   # the stage decodes its next step itself: still in flight
+            job.status = JobStatus.DECODING
+        if jobs:
+            st.awaiting.rows[msg.request_id + 1] = Sent({j.session_id for j in jobs}, time.monotonic(), ahead=True,
+                                                        run_on=sent.run_on - 1)
+
+    @staticmethod
+    def _going_on(msg: Message, sent: Sent) -> list[int]:
+        """The rows the stage runs on from this reply's samples (stage/run_on.py): only within the
+        steps asked for, as the next request id, and of rows this message still answers for."""
+        said = msg.extras.get("run_on")
+        if not sent.run_on or not isinstance(said, dict) or said.get("next") != msg.request_id + 1:
+            return []
+        sessions = said.get("sessions")
+        return [s for s in sessions if s in sent.sessions] if isinstance(sessions, list) else []
 
     def _on_row(self, job: Job, targets: list[int], trace: list, entries: list | None) -> None:
         """One row's tokens: the target's token at every position of its window."""

@@ -9,7 +9,9 @@ TRY_RESTORE_PREFILL_DECODE when all but its last token are held), else prefilled
 Decode: every running session with its next input token known is "ready".
 Ready sessions are grouped into DECODE messages of up to
 ceil(running / n_stages) rows, with at most n_stages micro-batches in flight,
-so every stage has work while the others compute.
+so every stage has work while the others compute. On a 1-stage chain a DECODE
+of every running stream asks the stage to run on: to decode up to `run_on`
+more steps from its own samples (stage/run_on.py), the request ids reserved.
 """
 
 from __future__ import annotations
@@ -144,9 +146,27 @@ class RowPlanner:
             st.speculation.draft(group)
             for job in group:
                 job.status = JobStatus.DECODING
-            st.awaiting.rows[rid] = Sent({j.session_id for j in group}, now)
-            st.send(job_messages.decode(rid, group, [[j.next_token] + j.drafts for j in group],
-                                        [j.next_pos for j in group]))
+            msg = job_messages.decode(rid, group, [[j.next_token] + j.drafts for j in group],
+                                      [j.next_pos for j in group])
+            steps = self._run_on(group)
+            if steps:
+                msg.extras.update(run_on=steps, until=sorted(group[0].eos))
+                for _ in range(steps):
+                    st.next_id()   # the ids of the steps the stage runs on
+            st.awaiting.rows[rid] = Sent({j.session_id for j in group}, now, ahead=bool(steps), run_on=steps)
+            st.send(msg)
+
+    def _run_on(self, group: list[Job]) -> int:
+        """Steps a 1-stage chain may decode after this DECODE from its own samples: only for a
+        group of every running job (a stream that joins then decodes beside it, and they merge
+        once the run ends), plain rows, one EOS set; never past max_tokens or the context."""
+        st = self.state
+        if not st.cfg.run_on or st.cfg.n_stages != 1 or len(group) != len(st.running):
+            return 0
+        if any(j.drafts or j.spec is not None or j.eos != group[0].eos for j in group):
+            return 0
+        return max(0, min([st.cfg.run_on] + [min(j.req.max_tokens - len(j.generated) - 1,
+                                                 st.cfg.max_context - j.next_pos - 2) for j in group]))
 
     def send_ahead(self, now: float) -> None:
         """Pipelined windows: while fewer streams run than there are stages, each stream that is

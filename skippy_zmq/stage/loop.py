@@ -30,7 +30,7 @@ from skippy_zmq.ops.placement import PlacementError
 from skippy_zmq.protocol.security import security_for
 from skippy_zmq.stage.factory import build_worker
 from skippy_zmq.stage.faults import FaultInjector
-from skippy_zmq.stage.worker import DRIVER, StageWorker
+from skippy_zmq.stage.worker import DRIVER, OWN, StageWorker
 from skippy_zmq.config.cpus import size_jax_threads
 from skippy_zmq.config.topology import StageConfig, Topology
 
@@ -53,6 +53,7 @@ class StageLoop:
         # working (a link's latency, not its bandwidth: several messages can be on the way at once).
         self.hop_delay_s = float(os.environ.get("SKIPPY_HOP_DELAY_MS", "0")) / 1000
         self.delayed: deque[tuple[float, Any, dict[str, Any] | None]] = deque()   # (due, output, arrival)
+        self.own: deque[wire.Message] = deque()   # steps the worker runs on from its own samples (OWN)
         self.faults = FaultInjector.from_env(stage.id)   # chaos runs and tests only
         index = topology.index(stage.id)
         self.upstream = DRIVER if index == 0 else topology.stages[index - 1].id   # the one party whose work we take
@@ -73,7 +74,9 @@ class StageLoop:
 
     def send(self, out: list, arrival: dict[str, Any] | None = None) -> None:
         for o in out:
-            if self.hop_delay_s and o.to != DRIVER:   # benchmark only: a slow link to the next stage
+            if o.to == OWN:
+                self.own.append(o.message)
+            elif self.hop_delay_s and o.to != DRIVER:   # benchmark only: a slow link to the next stage
                 self.delayed.append((time.monotonic() + self.hop_delay_s, o, arrival))
             else:
                 self._send_now(o, arrival)
@@ -123,6 +126,13 @@ class StageLoop:
         self.send(self.worker.handle(msg), {"recv_ns": recv_ns, "decode_ms": decode_ms})
         self.worker.run_deferred()
 
+    def run_own(self) -> None:
+        """The oldest step the worker made from its own samples (a whole-chain stage's run-on)."""
+        if self.own:
+            arrival = {"recv_ns": time.time_ns(), "decode_ms": 0.0}
+            self.send(self.worker.handle_own(self.own.popleft()), arrival)
+            self.worker.run_deferred()
+
     def heartbeat_message(self, state: str = "serving") -> wire.Message:
         return wire.Message.heartbeat(self.stage.id, self.incarnation,
                                       {"state": state, **self.worker.status(), **self.wire_status()})
@@ -165,17 +175,18 @@ class StageLoop:
         while not self.stopping:
             # Idle, the loop blocks: work and driver heartbeats wake it; the timeout only paces
             # the driver-loss and idle-session checks (a stage with nothing to do costs no CPU).
-            wait_ms = 20 if self.worker.warm_later else IDLE_POLL_MS
+            wait_ms = 0 if self.own else 20 if self.worker.warm_later else IDLE_POLL_MS
             due = self.send_due()
             if due is not None:
                 wait_ms = min(wait_ms, max(1, int(1000 * due + 0.999)))
             events = dict(poller.poll(wait_ms))
             if self.sockets.pull in events:
                 self.drain(DRAIN_BATCH)
-            elif not events and not self.delayed and idle_warmup(self.worker):
+            elif not events and not self.delayed and not self.own and idle_warmup(self.worker):
                 settle_heap(collect=False)   # its executable lives as long as we do; no full pass over it
                 if not self.worker.warm_later:
                     logger.info("stage {} warm-up compiles done", self.stage.id)
+            self.run_own()   # after what arrived: a STOP or a new row for its session drops it
             self.check_driver()
             for sid in self.worker.sessions.reclaim_idle():
                 logger.warning("stage {} reclaimed idle session {}", self.stage.id, sid)

@@ -1,6 +1,7 @@
 """The values a rows message passes through in a stage (StageWorker.on_rows): check the rows,
 place them in sessions, run the slice, sample and score, reply. Data classes (Row, RowsToRun, Ran,
-Scored), two functions of them (`narrow`, `logprob_entry`), and `RuntimeLock`, the lock that
+Scored), functions of them (`narrow`, `logprob_entry`, a prefill's `top_of_prompt` and
+`prompt_logprobs`), and `RuntimeLock`, the lock that
 serialises runtime use and times its waits and holds; the worker owns the steps."""
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from skippy_zmq.stage.types import Outbound
+from skippy_zmq.sampling import check_top_logprobs, token_logprobs
+from skippy_zmq.stage.types import Outbound, StageFault
 from skippy_zmq.protocol.wire import Message
 
 
@@ -48,6 +50,26 @@ def logprob_entry(entry: tuple[float, list[tuple[int, float]]]) -> list[Any]:
     """token_logprobs' (logprob, [(id, logprob), ...]) as compact JSON: [lp, [[id, lp], ...]]."""
     logprob, top = entry
     return [max(logprob, LOGPROB_FLOOR), [[token, value] for token, value in top]]
+
+
+def top_of_prompt(msg: Message) -> int | None:
+    """A prefill's "prompt_logprobs" (top alternatives per prompt token), checked; None without."""
+    top = msg.extras.get("prompt_logprobs")
+    try:
+        return None if top is None else check_top_logprobs(top)
+    except ValueError as exc:
+        raise StageFault(f"bad prompt_logprobs: {exc}", "bad_sampling") from exc
+
+
+def prompt_logprobs(session: Any, logits: np.ndarray, start: int, top_n: int) -> dict[str, Any]:
+    """Logprobs of the prompt tokens a prefill chunk's logits predict: the logits at position p
+    score the prompt token at p + 1 (raw logits: no penalties or bias apply to the prompt).
+    {"start": the first scored position, "entries": [[lp, [[id, lp], ...]], ...]}."""
+    prompt = session.sampler.history.prompt if session.sampler is not None else []
+    entries = []
+    for j in range(min(logits.shape[0], len(prompt) - 1 - start)):
+        entries.append(logprob_entry(token_logprobs(logits[j], prompt[start + j + 1], top_n)))
+    return {"start": start + 1, "entries": entries}
 
 
 @dataclass(frozen=True)

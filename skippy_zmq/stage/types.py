@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 
 from skippy_zmq.protocol.wire import Message
 
-NEXT, DRIVER = "next", "driver"
+NEXT, DRIVER, OWN = "next", "driver", "own"   # OWN: the stage's own next step (run-on)
 
 
 @dataclass(frozen=True)
 class Outbound:
-    to: str           # NEXT or DRIVER
+    to: str           # NEXT, DRIVER or OWN
     message: Message
 
 

@@ -1,7 +1,8 @@
 """StageWorker: messages in, messages out. No sockets here.
 
-`handle(message) -> list[Outbound]`; each Outbound goes either down the chain
-("next") or straight back to the driver ("driver"). Every stage forwards the
+`handle(message) -> list[Outbound]`; each Outbound goes down the chain ("next"),
+straight back to the driver ("driver") or, on a stage that is the whole chain, to
+itself as its next step (`handle_own`, stage/run_on.py). Every stage forwards the
 token ids with its activations so any stage can key its prefix store.
 """
 
@@ -19,13 +20,15 @@ from skippy_zmq.kv.prefix_store import PrefixStore
 from skippy_zmq.model.compile_behind import LOOP_COMPILES
 from skippy_zmq.model.runner import SliceRunner
 from skippy_zmq.ops.placement import rss_bytes
-from skippy_zmq.sampling import Sampler, SamplingParams, check_top_logprobs, token_logprobs
+from skippy_zmq.sampling import Sampler, SamplingParams, check_top_logprobs
 from skippy_zmq.stage.pooling import pool_chunk, pool_request
 from skippy_zmq.stage.recorder import Recorder
 from skippy_zmq.stage.restore import RestoreRoutes
-from skippy_zmq.stage.rows import RowsToRun, Ran, Row, RuntimeLock, Scored, logprob_entry, narrow
+from skippy_zmq.stage.rows import (RowsToRun, Ran, Row, RuntimeLock, Scored, logprob_entry, narrow, prompt_logprobs,
+                                   top_of_prompt)
 from skippy_zmq.stage.sessions import LanesBusy, SessionTable
-from skippy_zmq.stage.types import DRIVER, NEXT, Outbound, StageFault, StageInfo  # noqa: F401 (re-exported)
+from skippy_zmq.stage.run_on import RunOn
+from skippy_zmq.stage.types import DRIVER, NEXT, OWN, Outbound, StageFault, StageInfo  # noqa: F401 (re-exported)
 from skippy_zmq.protocol.wire import Kind, Message
 
 class StageWorker:
@@ -35,6 +38,7 @@ class StageWorker:
         self.store = Recorder(store, info.stage_id) if store is not None else None
         self.lock = RuntimeLock()
         self.fence = Fence(info.stage_id, info.incarnation)
+        self.run_on = RunOn(info.first and info.last)   # steps this stage runs from its own samples
         self.deferred: list[Callable[[], Any]] = []   # run by the loop after the replies are sent
         self.handlers: dict[Kind, Callable[[Message], list[Outbound]]] = {
             Kind.PREFILL: self.on_prefill,
@@ -72,9 +76,16 @@ class StageWorker:
         else:
             self.runner.quiet.set()
 
+    def handle_own(self, msg: Message) -> list[Outbound]:
+        """A step this stage made from its own samples (OWN), run for the rows still pending."""
+        step = self.run_on.admit(msg)
+        try:
+            return [] if step is None else self._guarded(step, self.on_decode)
+        finally:
+            self.note_sessions()
+
     def _dispatch(self, msg: Message) -> list[Outbound]:
         self.counters["messages"] += 1
-        handler = self.handlers.get(msg.kind)
         try:
             stale = self.fence.check(msg)
         except BadView as exc:
@@ -85,6 +96,10 @@ class StageWorker:
             log("stage {} dropped {} request {} session {}: {}", self.info.stage_id, msg.kind.name,
                 msg.request_id, msg.session_id, stale)
             return []
+        self.run_on.forget(msg)
+        return self._guarded(msg, self.handlers.get(msg.kind))
+
+    def _guarded(self, msg: Message, handler: Callable[[Message], list[Outbound]] | None) -> list[Outbound]:
         try:
             if handler is None:
                 raise StageFault(f"stage {self.info.stage_id} does not accept {msg.kind.name} messages",
@@ -255,7 +270,7 @@ class StageWorker:
                              f"{self.runner.buckets.window_lens[-1]}", "too_many_tokens")
         x = self._inputs(msg, int(msg.tokens.shape[0]))
         # echo: a prefill that asks for "prompt_logprobs" (N) is scored at the final stage too
-        prompt_top = self._prompt_top(msg) if self.info.last and not score else None
+        prompt_top = top_of_prompt(msg) if self.info.last and not score else None
         pool = pool_request(msg.extras) if self.info.last and not score else None   # an embedding's prompt
         return RowsToRun(msg, x, rows, score, prompt_top, pool=pool)
 
@@ -311,8 +326,8 @@ class StageWorker:
                 return Scored(pooled=pool_chunk(session, batch.pool[0], ran.result, row.start))
             if batch.prompt_top is None:
                 return Scored()
-            return Scored(prompt_logprobs=self._prompt_logprobs(self.sessions.get(row.session_id), ran.result,
-                                                                row.start, batch.prompt_top))
+            return Scored(prompt_logprobs=prompt_logprobs(self.sessions.get(row.session_id), ran.result,
+                                                          row.start, batch.prompt_top))
         t0 = time.perf_counter()
         scored, token_ids = Scored(), batch.msg.tokens.tolist()
         for row in batch.rows:
@@ -349,30 +364,14 @@ class StageWorker:
         trace[-1]["sample_ms"] = scored.sample_ms
         if not scored.answered:
             return scored.errors
-        reply = {"trace": trace}
+        sessions = [row.session_id for row in scored.answered]
+        reply, own = self.run_on.follow(msg, sessions, scored.tokens, [row.start for row in scored.answered])
+        reply["trace"] = trace
         if any(entry is not None for entry in scored.logprobs):   # aligned with the tokens; None for rows without
             reply["logprobs"] = scored.logprobs
         return scored.errors + [Outbound(DRIVER, Message.predicted_tokens(
-            msg.request_id, [row.session_id for row in scored.answered], scored.tokens, reply,
-            lengths=[row.length for row in scored.answered]))]
-
-    @staticmethod
-    def _prompt_top(msg: Message) -> int | None:
-        top = msg.extras.get("prompt_logprobs")
-        try:
-            return None if top is None else check_top_logprobs(top)
-        except ValueError as exc:
-            raise StageFault(f"bad prompt_logprobs: {exc}", "bad_sampling") from exc
-
-    def _prompt_logprobs(self, session: Any, logits: np.ndarray, start: int, top_n: int) -> dict[str, Any]:
-        """Logprobs of the prompt tokens a prefill chunk's logits predict: the logits at position p
-        score the prompt token at p + 1 (raw logits: no penalties or bias apply to the prompt).
-        {"start": the first scored position, "entries": [[lp, [[id, lp], ...]], ...]}."""
-        prompt = session.sampler.history.prompt if session.sampler is not None else []
-        entries = []
-        for j in range(min(logits.shape[0], len(prompt) - 1 - start)):
-            entries.append(logprob_entry(token_logprobs(logits[j], prompt[start + j + 1], top_n)))
-        return {"start": start + 1, "entries": entries}
+            msg.request_id, sessions, scored.tokens, reply, lengths=[row.length for row in scored.answered]))] + \
+            ([Outbound(OWN, own)] if own is not None else [])
 
     def _sampler(self, session_id: int) -> Sampler:
         """The row's sampler; a session never configured is refused, never sampled greedily."""

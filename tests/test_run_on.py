@@ -1,0 +1,177 @@
+"""Run-on: a 1-stage chain decodes its next steps from its own samples (stage/run_on.py), so a
+stream's token does not wait for a driver round. The tokens, logprobs and finish reasons are
+those of driver-sent steps; the driver still accepts and stops every token; the stage computes
+no step the driver would not have sent; anything the driver says about a session ends its run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import TINY, random_ids
+from pipeline_helpers import make_chain, make_scheduler, make_worker
+from skippy_zmq.config.topology_yaml import parse_topology
+from skippy_zmq.engine.inproc import run_requests, tokens_of
+from skippy_zmq.engine.job import JobStatus
+from skippy_zmq.engine.request import GenRequest, TokenEvent
+from skippy_zmq.protocol.wire import Kind, Message
+from skippy_zmq.sampling import SamplingParams
+from skippy_zmq.stage.worker import DRIVER, OWN
+
+
+def run(tree, reqs, run_on, eos=frozenset({2}), cuts=(), **kw):
+    """Every request's events, the DECODE messages the driver sent, and the tokens the stages ran."""
+    chain = make_chain(TINY, tree, list(cuts))
+    sent, send = [], chain.send
+    chain.send = lambda m: (sent.append(m), send(m))[1]
+    events = run_requests(make_scheduler(len(cuts) + 1, eos, run_on=run_on, **kw), chain, reqs)
+    decodes = [m for m in sent if m.kind == Kind.DECODE]
+    return events, decodes, [w.counters["tokens"] for w in chain.workers]
+
+
+def summary(events):
+    return {rid: [(e.token_id, e.finish_reason, e.logprob, e.top_logprobs) if isinstance(e, TokenEvent) else repr(e)
+                  for e in ev] for rid, ev in events.items()}
+
+
+def test_one_stream_runs_on_in_steps_of_the_budget_and_gives_the_same_tokens(tiny_tree):
+    req = GenRequest("a", tuple(random_ids(9, TINY.vocab_size, seed=3).tolist()), max_tokens=20, ignore_eos=True,
+                     logprobs=2)
+    plain, plain_decodes, plain_ran = run(tiny_tree, [req], run_on=0)
+    ran_on, decodes, ran = run(tiny_tree, [req], run_on=8)
+    assert len(tokens_of(plain["a"])) == 20 and summary(ran_on) == summary(plain)
+    assert len(plain_decodes) == 20
+    # 1 + 8 tokens, 1 + 8, then 1 + 1: never a step past max_tokens
+    assert [m.extras.get("run_on") for m in decodes] == [8, 8, 1]
+    assert ran == plain_ran   # the stage computed exactly the steps the driver would have sent
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=7),
+                                    SamplingParams(temperature=1.0, repetition_penalty=1.3, seed=11)])
+def test_streams_of_any_length_and_sampling_match_the_driver_round_each_step(tiny_tree, params):
+    prompts = [random_ids(n, TINY.vocab_size, seed=n).tolist() for n in (5, 30, 70, 12)]
+    reqs = [GenRequest(f"r{i}", tuple(p), params, max_tokens=m, ignore_eos=True)
+            for i, (p, m) in enumerate(zip(prompts, (1, 2, 13, 30)))]
+    plain, _, plain_ran = run(tiny_tree, reqs, run_on=0)
+    ran_on, decodes, ran = run(tiny_tree, reqs, run_on=8)
+    assert summary(ran_on) == summary(plain) and ran == plain_ran
+    assert [len(tokens_of(plain[r.request_id])) for r in reqs] == [1, 2, 13, 30]
+    assert any(len(m.session_ids) > 1 and m.extras.get("run_on") for m in decodes)   # several rows run on together
+
+
+def test_eos_ends_the_run_at_the_stage(tiny_tree):
+    req = GenRequest("a", tuple(random_ids(11, TINY.vocab_size, seed=5).tolist()), max_tokens=30, ignore_eos=True)
+    free = tokens_of(run(tiny_tree, [req], run_on=0)[0]["a"])
+    eos = frozenset({free[4]})   # the fifth token ends it: inside the first run of 8
+    stop = GenRequest("a", req.prompt_ids, max_tokens=30)
+    plain, _, plain_ran = run(tiny_tree, [stop], run_on=0, eos=eos)
+    ran_on, decodes, ran = run(tiny_tree, [stop], run_on=8, eos=eos)
+    assert summary(ran_on) == summary(plain) and plain["a"][-1].finish_reason == "stop"
+    assert tokens_of(ran_on["a"])[-1] in eos and len(tokens_of(ran_on["a"])) <= 5
+    assert ran == plain_ran and len(decodes) == 1 and decodes[0].extras["until"] == sorted(eos)
+
+
+def test_only_a_whole_chain_runs_on_and_never_with_drafts(tiny_tree):
+    req = GenRequest("a", tuple(random_ids(9, TINY.vocab_size, seed=3).tolist()), max_tokens=6, ignore_eos=True)
+    plain = run(tiny_tree, [req], run_on=0, cuts=(2,))[0]
+    ran_on, decodes, _ = run(tiny_tree, [req], run_on=8, cuts=(2,))
+    assert summary(ran_on) == summary(plain) and len(decodes) == 6 and not any("run_on" in m.extras for m in decodes)
+
+
+def whole(tree):
+    return make_worker(TINY, tree, 0, TINY.n_layers, lanes=2)
+
+
+def configure_and_prefill(worker, sid, ids):
+    worker.handle(Message(Kind.CONFIGURE_GENERATION, 1, sid, tokens=np.asarray(ids, np.int32)))
+    worker.handle(Message(Kind.PREFILL, 2, sid, position=0, tokens=np.asarray(ids[:-1], np.int32)))
+
+
+def decode(sid, tok, pos, rid, **extras):
+    return Message(Kind.DECODE, rid, sid, position=pos, tokens=np.asarray([tok], np.int32),
+                   positions=np.asarray([pos], np.int32), sessions=np.asarray([sid], np.uint64), extras=extras)
+
+
+def test_the_stage_runs_its_own_sample_at_the_next_position_and_says_so(tiny_tree):
+    worker, ids = whole(tiny_tree), random_ids(8, TINY.vocab_size, seed=1).tolist()
+    configure_and_prefill(worker, 5, ids)
+    reply, own = worker.handle(decode(5, ids[-1], 7, rid=10, run_on=2, until=[]))
+    assert (reply.to, own.to) == (DRIVER, OWN)
+    tok = int(reply.message.tokens[0])
+    assert reply.message.extras["run_on"] == {"next": 11, "sessions": [5]}
+    step = own.message
+    assert (step.kind, step.request_id, step.tokens.tolist(), step.positions.tolist()) == (Kind.DECODE, 11, [tok], [8])
+    assert step.extras["run_on"] == 1 and "trace" not in step.extras
+    reply2, own2 = worker.handle_own(step)
+    assert reply2.message.request_id == 11 and own2.message.request_id == 12 and "run_on" not in own2.message.extras
+    (last,) = worker.handle_own(own2.message)   # the last step asked for: no further one
+    assert last.to == DRIVER and "run_on" not in last.message.extras
+    assert worker.sessions.get(5).length == 10
+
+
+@pytest.mark.parametrize("said", ["stop", "decode", "configure"])
+def test_anything_the_driver_says_about_a_session_drops_its_pending_step(tiny_tree, said):
+    worker, ids = whole(tiny_tree), random_ids(8, TINY.vocab_size, seed=2).tolist()
+    configure_and_prefill(worker, 5, ids)
+    configure_and_prefill(worker, 6, ids)
+    both = Message(Kind.DECODE, 10, 5, position=7, tokens=np.asarray([ids[-1]] * 2, np.int32),
+                   positions=np.asarray([7, 7], np.int32), sessions=np.asarray([5, 6], np.uint64),
+                   extras={"run_on": 4, "until": []})
+    _reply, own = worker.handle(both)
+    assert own.message.session_ids.tolist() == [5, 6]
+    if said == "stop":
+        worker.handle(Message(Kind.STOP, 20, 5))
+    elif said == "decode":
+        worker.handle(decode(5, ids[-1], 7, rid=20))
+    else:
+        worker.handle(Message(Kind.CONFIGURE_GENERATION, 20, 5, tokens=np.asarray(ids, np.int32)))
+    reply, nxt = worker.handle_own(own.message)
+    assert reply.message.session_ids.tolist() == [6] and nxt.message.session_ids.tolist() == [6]
+    worker.handle(Message(Kind.STOP, 21, 6))
+    assert worker.handle_own(nxt.message) == []   # no row left: nothing runs, nothing answers
+
+
+def test_a_stage_that_is_not_the_whole_chain_ignores_run_on(tiny_tree):
+    chain = make_chain(TINY, tiny_tree, [2])
+    ids = random_ids(8, TINY.vocab_size, seed=2).tolist()
+    chain.send(Message(Kind.CONFIGURE_GENERATION, 1, 5, tokens=np.asarray(ids, np.int32)))
+    chain.send(Message(Kind.PREFILL, 2, 5, position=0, tokens=np.asarray(ids[:-1], np.int32)))
+    replies = chain.send(decode(5, ids[-1], 7, rid=10, run_on=4, until=[]))
+    assert [m.kind for _, m in replies] == [Kind.PREDICTED_TOKENS] and "run_on" not in replies[0][1].extras
+
+
+def test_the_driver_keeps_in_flight_only_the_runs_it_asked_for():
+    sched = make_scheduler(1, run_on=0)
+    sched.submit(GenRequest("a", (1, 2, 3), max_tokens=8), lambda e: None)
+    out = sched.tick(now=100.0)
+    dec = [m for m in out if m.kind == Kind.DECODE][0]
+    assert "run_on" not in dec.extras
+    sid = int(dec.session_ids[0])
+    forged = Message.predicted_tokens(dec.request_id, [sid], [7], {"run_on": {"next": dec.request_id + 1,
+                                                                               "sessions": [sid]}})
+    sched.on_reply("s0", forged)
+    assert sched.running[sid].status is JobStatus.READY and dec.request_id + 1 not in sched.awaiting.rows
+    again = [m for m in sched.tick(now=100.1) if m.kind == Kind.DECODE]
+    assert again and again[0].tokens.tolist() == [7]
+
+
+def test_the_driver_follows_a_run_it_asked_for_and_refuses_a_wrong_next_id():
+    sched = make_scheduler(1, run_on=4)
+    sched.submit(GenRequest("a", (1, 2, 3), max_tokens=8), lambda e: None)
+    dec = [m for m in sched.tick(now=100.0) if m.kind == Kind.DECODE][0]
+    sid, rid = int(dec.session_ids[0]), dec.request_id
+    assert dec.extras["run_on"] == 4 and dec.extras["until"] == [2]
+    sched.on_reply("s0", Message.predicted_tokens(rid, [sid], [7], {"run_on": {"next": rid + 1, "sessions": [sid]}}))
+    assert sched.running[sid].status is JobStatus.DECODING and sched.awaiting.rows[rid + 1].run_on == 3
+    assert not [m for m in sched.tick(now=100.1) if m.kind == Kind.DECODE]   # the stage decodes it
+    sched.on_reply("s0", Message.predicted_tokens(rid + 1, [sid], [8], {"run_on": {"next": rid + 5, "sessions": [sid]}}))
+    assert sched.running[sid].status is JobStatus.READY and sched.running[sid].generated == [7, 8]
+    assert [m.tokens.tolist() for m in sched.tick(now=100.2) if m.kind == Kind.DECODE] == [[8]]
+
+
+def test_run_on_is_a_driver_setting_with_bounds(tmp_path):
+    base = {"model": "m", "n_layers": 4, "stages": [{"id": "s0", "layers": [0, 4], "listen": "tcp://127.0.0.1:5601"}]}
+    assert parse_topology(base).driver.run_on == 8
+    assert parse_topology({**base, "driver": {"run_on": 0}}).driver.run_on == 0
+    with pytest.raises(Exception, match="run_on.*at most 64"):
+        parse_topology({**base, "driver": {"run_on": 65}})
