@@ -5,6 +5,8 @@ no step the driver would not have sent; anything the driver says about a session
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -175,3 +177,38 @@ def test_run_on_is_a_driver_setting_with_bounds(tmp_path):
     assert parse_topology({**base, "driver": {"run_on": 0}}).driver.run_on == 0
     with pytest.raises(Exception, match="run_on.*at most 64"):
         parse_topology({**base, "driver": {"run_on": 65}})
+
+
+@pytest.mark.slow
+def test_a_real_one_stage_pipeline_runs_on_and_stops_where_the_driver_says(small_model_dir, tmp_path):
+    """Real processes: a 1-stage chain's tokens equal the in-process engine's, its replies say it
+    ran on, a stop string mid-run ends the text there, and the lane and KV it left serve the next
+    request exactly (the STOP dropped the stage's pending step)."""
+    import httpx
+
+    from conftest import lanes_in_use
+    from procs import serving, write_topology
+    from skippy_zmq.engine.generate import LocalEngine
+
+    path = write_topology(tmp_path, small_model_dir, 1, name="runon", kv_lanes=2, driver__max_sessions=2)
+    with serving(path, tmp_path / "run") as served:
+        ran_on = []
+        served.engine.on_reply_hooks.append(lambda _sid, msg: ran_on.append("run_on" in msg.extras))
+        prompt = served.tokenizer.encode("Once upon a time there was")
+        req = GenRequest("a", tuple(prompt), max_tokens=40, ignore_eos=True)
+        tokens = [e.token_id for e in served.engine.generate_blocking(req) if e.token_id is not None]
+        assert tokens == LocalEngine(small_model_dir, capacity=256).generate(prompt, SamplingParams(), 40, True).token_ids
+        assert sum(ran_on) >= 4   # a run of 8 announced at least every ninth token
+
+        body = {"model": "m", "prompt": "Once upon a time there was", "max_tokens": 40, "temperature": 0,
+                "ignore_eos": True}
+        full = httpx.post(served.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        at = next(k for k in range(12, len(full) - 3) if full.find(full[k:k + 3]) == k and full[k:k + 3].strip())
+        cut = httpx.post(served.url + "/v1/completions", json={**body, "stop": [full[at:at + 3]]}, timeout=120).json()
+        assert cut["choices"][0]["text"] == full[:at] and cut["choices"][0]["finish_reason"] == "stop"
+        again = httpx.post(served.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        assert again == full
+        deadline = time.monotonic() + 30
+        while lanes_in_use(served.url) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert lanes_in_use(served.url) == {}
