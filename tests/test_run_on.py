@@ -12,6 +12,7 @@ import pytest
 
 from conftest import TINY, random_ids
 from pipeline_helpers import make_chain, make_scheduler, make_worker
+from skippy_zmq.config.speculative import SpeculativeConfig
 from skippy_zmq.config.topology_yaml import parse_topology
 from skippy_zmq.engine.inproc import run_requests, tokens_of
 from skippy_zmq.engine.job import JobStatus
@@ -71,6 +72,20 @@ def test_eos_ends_the_run_at_the_stage(tiny_tree):
     assert summary(ran_on) == summary(plain) and plain["a"][-1].finish_reason == "stop"
     assert tokens_of(ran_on["a"])[-1] in eos and len(tokens_of(ran_on["a"])) <= 5
     assert ran == plain_ran and len(decodes) == 1 and decodes[0].extras["until"] == sorted(eos)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_a_drafting_stream_runs_on_until_its_drafter_proposes_a_window(tiny_tree, method):
+    looped = (random_ids(6, TINY.vocab_size, seed=3).tolist() * 4)[:21]
+    reqs = [GenRequest("a", tuple(looped), max_tokens=60, ignore_eos=True),
+            GenRequest("b", tuple(random_ids(9, TINY.vocab_size, seed=9).tolist()), max_tokens=60, ignore_eos=True)]
+    spec = SpeculativeConfig(method=method, max_draft=8, min_match=1, shared=False)
+    plain = run(tiny_tree, reqs, run_on=0)[0]
+    for one in (reqs[:1], reqs):
+        events, decodes, _ = run(tiny_tree, one, run_on=8, speculative=spec)
+        assert {r: tokens_of(e) for r, e in events.items()} == {r.request_id: tokens_of(plain[r.request_id]) for r in one}
+        assert any("run_on" in m.extras for m in decodes) and any("lengths" in m.extras for m in decodes)
+        assert not any("run_on" in m.extras and "lengths" in m.extras for m in decodes)   # never a window run on
 
 
 def test_only_a_whole_chain_runs_on_and_never_with_drafts(tiny_tree):

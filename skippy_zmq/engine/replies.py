@@ -96,8 +96,8 @@ class ReplyHandler:
                 job.status = JobStatus.DECODING
                 st.count_prefix(job, "hit")
         sent = st.awaiting.rows.get(msg.request_id)
-        if sent is None:   # a message dropped by a pause (or timed out): its tokens are stale
-            logger.warning("dropping tokens of unknown or expired batch {}", msg.request_id)
+        if sent is None:   # dropped by a pause, timed out, or a step run on after its run was cut: stale
+            logger.info("dropping tokens of unknown or expired batch {}", msg.request_id)
             return
         going_on = self._going_on(msg, sent)
         trace = msg.extras.get("trace", [])
@@ -117,12 +117,21 @@ class ReplyHandler:
             self._on_row(job, tokens[offsets[i]:offsets[i + 1]], trace, entries)
         if not sent.sessions:
             del st.awaiting.rows[msg.request_id]
-        jobs = [st.running[sid] for sid in going_on if sid in st.running and not st.running[sid].done]
-        for job in jobs:   # the stage decodes its next step itself: still in flight
+        if going_on:
+            self._run_on(msg.request_id + 1, going_on, sent.run_on - 1)
+
+    def _run_on(self, request_id: int, sessions: list[int], steps: int) -> None:
+        """The stage decodes these sessions' next step itself (request `request_id`): they stay in
+        flight, except a drafting one whose drafter now proposes a window: it goes READY and its
+        window, sent at once, drops the stage's step (or overwrites it, if it already ran)."""
+        st = self.state
+        jobs = [st.running[sid] for sid in sessions if sid in st.running and not st.running[sid].done]
+        going = [j for j in jobs if not st.speculation.proposes(j)]
+        for job in going:
             job.status = JobStatus.DECODING
-        if jobs:
-            st.awaiting.rows[msg.request_id + 1] = Sent({j.session_id for j in jobs}, time.monotonic(), ahead=True,
-                                                        run_on=sent.run_on - 1)
+        if going:
+            st.awaiting.rows[request_id] = Sent({j.session_id for j in going}, time.monotonic(), ahead=True,
+                                                run_on=steps)
 
     @staticmethod
     def _going_on(msg: Message, sent: Sent) -> list[int]:

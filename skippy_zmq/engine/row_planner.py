@@ -159,11 +159,12 @@ class RowPlanner:
     def _run_on(self, group: list[Job]) -> int:
         """Steps a 1-stage chain may decode after this DECODE from its own samples: only for a
         group of every running job (a stream that joins then decodes beside it, and they merge
-        once the run ends), plain rows, one EOS set; never past max_tokens or the context."""
+        once the run ends), plain rows (a drafting stream's run ends where its drafter proposes a
+        window: engine/replies.py), one EOS set; never past max_tokens or the context."""
         st = self.state
         if not st.cfg.run_on or st.cfg.n_stages != 1 or len(group) != len(st.running):
             return 0
-        if any(j.drafts or j.spec is not None or j.eos != group[0].eos for j in group):
+        if any(j.drafts or j.ahead or j.eos != group[0].eos for j in group):
             return 0
         return max(0, min([st.cfg.run_on] + [min(j.req.max_tokens - len(j.generated) - 1,
                                                  st.cfg.max_context - j.next_pos - 2) for j in group]))

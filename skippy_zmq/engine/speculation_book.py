@@ -47,6 +47,14 @@ class SpeculationBook:
                 room = min(job.req.max_tokens - len(job.generated), self.cfg.max_context - 1 - job.next_pos)
                 job.drafts = job.spec.drafts(room, buckets, widest)
 
+    def proposes(self, job: Job) -> bool:
+        """Whether the job's drafter has a window for it now: a run on (stage/run_on.py) ends there."""
+        if job.spec is None:
+            return False
+        room = min(job.req.max_tokens - len(job.generated), self.cfg.max_context - 1 - job.next_pos)
+        buckets = self._buckets()
+        return job.spec.proposes(room, buckets, widest_window(1, buckets, self.cfg.batch_tokens))
+
     def _buckets(self) -> tuple[int, ...]:
         return tuple(n for n in self.cfg.window_lens if n >= 1)
 

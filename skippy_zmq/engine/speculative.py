@@ -332,6 +332,12 @@ class Drafter:
             self.policy.no_draft_proposal()
         return drafts
 
+    def proposes(self, room: int, buckets: Sequence[int], widest: int) -> bool:
+        """Whether the next window would carry drafts, asking nothing of the policy (a stage running
+        on from its own samples is cut short for it)."""
+        fits = self.window(room, buckets, widest)
+        return fits > 1 and bool(propose_draft(self.proposer, self.shared, fits - 1))
+
     def ahead(self, room: int, buckets: Sequence[int], widest: int, assumed: Sequence[int]) -> list[int]:
         """A window to send ahead, as if `assumed` (the windows in flight) were all accepted: the guess
         of the last one's bonus token, then drafts; [] when there is no room or no proposal."""
