@@ -75,17 +75,18 @@ def test_eos_ends_the_run_at_the_stage(tiny_tree):
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_a_drafting_stream_runs_on_until_its_drafter_proposes_a_window(tiny_tree, method):
+def test_a_drafting_stream_runs_on_as_long_as_it_went_without_drafts(tiny_tree, method):
     looped = (random_ids(6, TINY.vocab_size, seed=3).tolist() * 4)[:21]
     reqs = [GenRequest("a", tuple(looped), max_tokens=60, ignore_eos=True),
             GenRequest("b", tuple(random_ids(9, TINY.vocab_size, seed=9).tolist()), max_tokens=60, ignore_eos=True)]
     spec = SpeculativeConfig(method=method, max_draft=8, min_match=1, shared=False)
     plain = run(tiny_tree, reqs, run_on=0)[0]
-    for one in (reqs[:1], reqs):
+    for one in (reqs[:1], reqs[1:], reqs):
         events, decodes, _ = run(tiny_tree, one, run_on=8, speculative=spec)
         assert {r: tokens_of(e) for r, e in events.items()} == {r.request_id: tokens_of(plain[r.request_id]) for r in one}
-        assert any("run_on" in m.extras for m in decodes) and any("lengths" in m.extras for m in decodes)
         assert not any("run_on" in m.extras and "lengths" in m.extras for m in decodes)   # never a window run on
+        if one == reqs[1:]:   # a plain step, then a run as long as the plain steps so far (1), then windows
+            assert [m.extras.get("run_on") for m in decodes[:2]] == [None, 1] and "lengths" in decodes[2].extras
 
 
 def test_only_a_whole_chain_runs_on_and_never_with_drafts(tiny_tree):
@@ -227,3 +228,24 @@ def test_a_real_one_stage_pipeline_runs_on_and_stops_where_the_driver_says(small
         while lanes_in_use(served.url) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert lanes_in_use(served.url) == {}
+
+
+def test_a_run_is_cut_where_the_drafter_proposes_and_its_late_step_is_dropped():
+    sched = make_scheduler(1, run_on=8, speculative=SpeculativeConfig(method="ngram", max_draft=8, min_match=1,
+                                                                    shared=False))
+    got = []
+    sched.submit(GenRequest("a", (5, 6, 7, 8, 9), max_tokens=30, ignore_eos=True), got.append)
+    first = [m for m in sched.tick(now=100.0) if m.kind == Kind.DECODE][0]
+    assert "run_on" not in first.extras   # no plain step yet: no run
+    sid = int(first.session_ids[0])
+    sched.on_reply("s0", Message.predicted_tokens(first.request_id, [sid], [10]))
+    second = [m for m in sched.tick(now=100.1) if m.kind == Kind.DECODE][0]
+    rid = second.request_id
+    assert second.extras["run_on"] == 1 and second.tokens.tolist() == [10]
+    # the stage ran on, and its token 6 is one the prompt continues: the drafter proposes 7 8 9 10
+    sched.on_reply("s0", Message.predicted_tokens(rid, [sid], [6], {"run_on": {"next": rid + 1, "sessions": [sid]}}))
+    assert sched.running[sid].status is JobStatus.READY and rid + 1 not in sched.awaiting.rows
+    window = [m for m in sched.tick(now=100.2) if m.kind == Kind.DECODE][0]
+    assert window.tokens.tolist()[:4] == [6, 7, 8, 9] and window.positions.tolist()[0] == 6
+    sched.on_reply("s0", Message.predicted_tokens(rid + 1, [sid], [99]))   # the step it ran before the window came
+    assert sched.running[sid].generated == [10, 6] and sched.running[sid].status is JobStatus.DECODING

@@ -160,14 +160,18 @@ class RowPlanner:
         """Steps a 1-stage chain may decode after this DECODE from its own samples: only for a
         group of every running job (a stream that joins then decodes beside it, and they merge
         once the run ends), plain rows (a drafting stream's run ends where its drafter proposes a
-        window: engine/replies.py), one EOS set; never past max_tokens or the context."""
+        window, engine/replies.py, and is at most as long as its plain steps since its last window,
+        so a stream that drafts often wastes few steps), one EOS set; never past max_tokens or the
+        context."""
         st = self.state
         if not st.cfg.run_on or st.cfg.n_stages != 1 or len(group) != len(st.running):
             return 0
         if any(j.drafts or j.ahead or j.eos != group[0].eos for j in group):
             return 0
         return max(0, min([st.cfg.run_on] + [min(j.req.max_tokens - len(j.generated) - 1,
-                                                 st.cfg.max_context - j.next_pos - 2) for j in group]))
+                                                 st.cfg.max_context - j.next_pos - 2,
+                                                 j.spec.policy.plain_run if j.spec is not None else st.cfg.run_on)
+                                             for j in group]))
 
     def send_ahead(self, now: float) -> None:
         """Pipelined windows: while fewer streams run than there are stages, each stream that is

@@ -251,6 +251,7 @@ class DraftPolicy:
         self._stopped = False
         self._probing = False
         self._plain = 0          # plain steps since the session stopped (or last probed)
+        self.plain_run = 0       # plain steps since the last verified window (a run on is as long: row_planner)
 
     @property
     def k(self) -> int:
@@ -269,6 +270,7 @@ class DraftPolicy:
         if not 0 <= accepted <= drafted or drafted < 1:
             raise ValueError(f"need 0 <= accepted <= drafted and drafted >= 1, got {accepted} of {drafted}")
         self.windows += 1
+        self.plain_run = 0
         self.drafted += drafted
         self.accepted += accepted
         rate = accepted / drafted
@@ -289,6 +291,7 @@ class DraftPolicy:
 
     def on_plain_step(self) -> None:
         """One decode step without drafts; a stopped session probes after probe_every of them."""
+        self.plain_run += 1
         if self._stopped and not self._probing:
             self._plain += 1
             if self._plain >= self.cfg.probe_every:
