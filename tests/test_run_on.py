@@ -249,3 +249,14 @@ def test_a_run_is_cut_where_the_drafter_proposes_and_its_late_step_is_dropped():
     assert window.tokens.tolist()[:4] == [6, 7, 8, 9] and window.positions.tolist()[0] == 6
     sched.on_reply("s0", Message.predicted_tokens(rid + 1, [sid], [99]))   # the step it ran before the window came
     assert sched.running[sid].generated == [10, 6] and sched.running[sid].status is JobStatus.DECODING
+
+
+def test_a_step_for_a_lane_freed_meanwhile_runs_nothing(tiny_tree):
+    """A lost driver frees every lane (StageLoop.check_driver): a step already made runs nothing
+    and answers nothing (no kv_gap error to a driver that is gone)."""
+    worker, ids = whole(tiny_tree), random_ids(8, TINY.vocab_size, seed=4).tolist()
+    configure_and_prefill(worker, 5, ids)
+    _reply, own = worker.handle(decode(5, ids[-1], 7, rid=10, run_on=3, until=[]))
+    assert worker.sessions.release_all() == 1
+    errors = worker.counters["errors"]
+    assert worker.handle_own(own.message) == [] and worker.counters["errors"] == errors

@@ -18,7 +18,7 @@ driver has finished meanwhile only computed KV past its end, which the next row'
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -38,11 +38,14 @@ class RunOn:
             for sid in msg.session_ids.tolist():
                 self.pending.pop(sid, None)
 
-    def admit(self, msg: Message) -> Message | None:
-        """A step run on, narrowed to the rows still pending under its request id; None if none is."""
-        keep = [i for i, sid in enumerate(msg.session_ids.tolist()) if self.pending.get(sid) == msg.request_id]
-        for i in keep:
-            self.pending.pop(int(msg.session_ids[i]))
+    def admit(self, msg: Message, held: Callable[[int], bool]) -> Message | None:
+        """A step run on, narrowed to the rows still pending under its request id whose session is
+        still `held` (a lane freed meanwhile, say by a lost driver, runs nothing); None if none is."""
+        ids = msg.session_ids.tolist()
+        mine = {sid for sid in ids if self.pending.get(sid) == msg.request_id}
+        for sid in mine:
+            del self.pending[sid]
+        keep = [i for i, sid in enumerate(ids) if sid in mine and held(sid)]
         if not keep:
             return None
         if len(keep) == msg.session_ids.shape[0]:
