@@ -260,3 +260,17 @@ def test_a_step_for_a_lane_freed_meanwhile_runs_nothing(tiny_tree):
     assert worker.sessions.release_all() == 1
     errors = worker.counters["errors"]
     assert worker.handle_own(own.message) == [] and worker.counters["errors"] == errors
+
+
+def test_the_last_reply_is_sent_while_the_next_step_computes(tiny_tree):
+    """handle_own(meanwhile=...): called once, after the step is dispatched and before its result is
+    read (the loop sends the held reply of the step before); a step that runs nothing calls nothing."""
+    worker, ids = whole(tiny_tree), random_ids(8, TINY.vocab_size, seed=6).tolist()
+    configure_and_prefill(worker, 5, ids)
+    _reply, own = worker.handle(decode(5, ids[-1], 7, rid=10, run_on=3, until=[]))
+    calls = []
+    reply, nxt = worker.handle_own(own.message, meanwhile=lambda: calls.append(worker.sessions.get(5).length))
+    assert calls == [8] and reply.message.request_id == 11   # before the step's tokens were appended (9)
+    worker.handle(Message(Kind.STOP, 20, 5))
+    assert worker.handle_own(nxt.message, meanwhile=lambda: calls.append("ran")) == [] and calls == [8]
+    assert worker.meanwhile is None

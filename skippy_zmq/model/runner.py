@@ -8,7 +8,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -143,7 +143,7 @@ class SliceRunner(CompileBehind):
         return shape in self.stats.shapes and (not _small(shape[0]) or not self.quiet.is_set())
 
     def _step(self, inputs: np.ndarray, positions: np.ndarray, lanes: np.ndarray, attn_len: int,
-              output: str) -> jax.Array | None:
+              output: str, meanwhile: Callable[[], Any] | None = None) -> jax.Array | None:
         t0 = time.perf_counter()
         shape = (inputs.shape, attn_len, output)
         fused = self._fused(shape)
@@ -152,6 +152,8 @@ class SliceRunner(CompileBehind):
         out, self.kv, routed = self._steps.run(shape, fused, self.params, self.kv, jax.device_put(
             (inputs, positions, lanes), self.device), dict(cfg=self.cfg, start=self.start, end=self.end,
                                                              attn_len=attn_len, output=output))
+        if meanwhile is not None:   # the step is dispatched and computes: the caller's work overlaps it
+            meanwhile()
         if out is not None:
             out = np.asarray(out)
         else:
@@ -212,13 +214,14 @@ class SliceRunner(CompileBehind):
         return np.concatenate(outs) if outs else None
 
     def step(self, lanes: np.ndarray, inputs: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-             output: str | None = None) -> np.ndarray:
+             output: str | None = None, meanwhile: Callable[[], Any] | None = None) -> np.ndarray:
         """Rows of work in one jitted call: row i is lengths[i] tokens in lane lanes[i] at positions
         [starts[i], starts[i] + lengths[i]). `inputs` holds the rows end to end: ids [n] or
         activations [n, D] (n = sum of lengths). Rows pad to the [rows bucket, window bucket] shape.
 
         Returns, for every token in input order, logits [n, V] (final stage: every position of a
-        verify window is scored) or activations [n, D].
+        verify window is scored) or activations [n, D]. `meanwhile` runs once the step is dispatched,
+        while it computes.
         """
         output = output or ("logits" if self.last else "hidden")
         lengths = np.asarray(lengths, np.int64)
@@ -238,7 +241,7 @@ class SliceRunner(CompileBehind):
         lane_arr = np.zeros(rows, np.int32)
         lane_arr[:b] = lanes
         attn_len = self.buckets.attn_for(int(np.max(starts + lengths)), self.capacity)
-        out = self._step(x, pos, lane_arr, attn_len, output)
+        out = self._step(x, pos, lane_arr, attn_len, output, meanwhile)
         if t == 1:
             return out[:b, 0]
         return np.concatenate([out[i, :int(lengths[i])] for i in range(b)])

@@ -54,6 +54,8 @@ class StageLoop:
         self.hop_delay_s = float(os.environ.get("SKIPPY_HOP_DELAY_MS", "0")) / 1000
         self.delayed: deque[tuple[float, Any, dict[str, Any] | None]] = deque()   # (due, output, arrival)
         self.own: deque[wire.Message] = deque()   # steps the worker runs on from its own samples (OWN)
+        # the reply of the last step run on, sent while the next one computes (flush_held)
+        self.held: tuple[list, dict[str, Any]] | None = None
         self.faults = FaultInjector.from_env(stage.id)   # chaos runs and tests only
         index = topology.index(stage.id)
         self.upstream = DRIVER if index == 0 else topology.stages[index - 1].id   # the one party whose work we take
@@ -106,6 +108,7 @@ class StageLoop:
                     wire.bytes_per_token(self.dtype, o.message.activation.shape[1])
 
     def handle_frames(self, frames: list, recv_ns: int = 0) -> None:
+        self.flush_held()   # replies go out in the order their work ran
         t0 = time.perf_counter()
         if self.security is not None and (sender := transport.peer_name(frames)) != self.upstream:
             self.peer_rejected += 1
@@ -127,11 +130,27 @@ class StageLoop:
         self.worker.run_deferred()
 
     def run_own(self) -> None:
-        """The oldest step the worker made from its own samples (a whole-chain stage's run-on)."""
-        if self.own:
-            arrival = {"recv_ns": time.time_ns(), "decode_ms": 0.0}
-            self.send(self.worker.handle_own(self.own.popleft()), arrival)
-            self.worker.run_deferred()
+        """The oldest step the worker made from its own samples (a whole-chain stage's run-on).
+        While a run goes on, each step's reply is held and sent once the next step is dispatched,
+        so the send (and the driver it wakes) overlaps that step's compute, not the gap before it."""
+        if not self.own:
+            return
+        arrival = {"recv_ns": time.time_ns(), "decode_ms": 0.0}
+        out = self.worker.handle_own(self.own.popleft(), meanwhile=self.flush_held)
+        self.flush_held()   # no step ran (its rows were dropped): the last reply goes now
+        if any(o.to == OWN for o in out):
+            self.own.extend(o.message for o in out if o.to == OWN)
+            self.held = ([o for o in out if o.to != OWN], arrival)
+        else:
+            self.send(out, arrival)
+        self.worker.run_deferred()
+
+    def flush_held(self) -> None:
+        """Send the held reply of the last step run on, if one waits."""
+        if self.held is not None:
+            out, arrival = self.held
+            self.held = None
+            self.send(out, arrival)
 
     def heartbeat_message(self, state: str = "serving") -> wire.Message:
         return wire.Message.heartbeat(self.stage.id, self.incarnation,
@@ -192,6 +211,7 @@ class StageLoop:
                 logger.warning("stage {} reclaimed idle session {}", self.stage.id, sid)
             self.worker.note_sessions()
         self.drain(10_000)   # finish what already arrived, then say goodbye
+        self.flush_held()
         self.send_due(everything=True)
         self._beats_done.set()
         beats.join(timeout=2)

@@ -39,6 +39,7 @@ class StageWorker:
         self.lock = RuntimeLock()
         self.fence = Fence(info.stage_id, info.incarnation)
         self.run_on = RunOn(info.first and info.last)   # steps this stage runs from its own samples
+        self.meanwhile: Callable[[], Any] | None = None   # handle_own's: runs while its step computes
         self.deferred: list[Callable[[], Any]] = []   # run by the loop after the replies are sent
         self.handlers: dict[Kind, Callable[[Message], list[Outbound]]] = {
             Kind.PREFILL: self.on_prefill,
@@ -76,12 +77,14 @@ class StageWorker:
         else:
             self.runner.quiet.set()
 
-    def handle_own(self, msg: Message) -> list[Outbound]:
-        """A step this stage made from its own samples (OWN), run for the rows still pending."""
-        step = self.run_on.admit(msg)
+    def handle_own(self, msg: Message, meanwhile: Callable[[], Any] | None = None) -> list[Outbound]:
+        """An OWN step (run_on.py) for its rows still pending; `meanwhile` runs while it computes."""
+        step = self.run_on.admit(msg, lambda sid: self.sessions.get(sid) is not None)
+        self.meanwhile = meanwhile
         try:
             return [] if step is None else self._guarded(step, self.on_decode)
         finally:
+            self.meanwhile = None
             self.note_sessions()
 
     def _dispatch(self, msg: Message) -> list[Outbound]:
@@ -298,7 +301,8 @@ class StageWorker:
         output = "normed" if batch.pool is not None else output
         t0 = time.perf_counter()
         if batch.score:
-            result = self.lock.run(lambda: self.runner.step(batch.lanes, batch.x, starts, lengths, output))
+            result = self.lock.run(lambda: self.runner.step(batch.lanes, batch.x, starts, lengths, output,
+                                                            self.meanwhile))
         else:   # a prefill: one row of any length, chunked by the runner
             result = self.lock.run(lambda: self.runner.prefill(int(batch.lanes[0]), batch.x, int(starts[0]),
                                                                output=output))
