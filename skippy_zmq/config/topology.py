@@ -146,6 +146,9 @@ class StageConfig:
         return re.sub(r"^tcp://(\*|0\.0\.0\.0):", f"tcp://{self.host}:", self.listen)
 
 
+MAX_RUN_ON = 64   # most steps a 1-stage chain may run on from one DECODE (driver.run_on; stage/run_on.py)
+
+
 @dataclass(frozen=True)
 class DriverConfig:
     return_endpoint: str = "tcp://127.0.0.1:5600"

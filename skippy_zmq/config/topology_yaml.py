@@ -18,8 +18,8 @@ from skippy_zmq.config.cache import CACHE_MODES
 from skippy_zmq.config.cluster import OBJECTIVES, SPLITS, ClusterConfig
 from skippy_zmq.config.http import EdgeConfig, EdgeConfigError
 from skippy_zmq.config.speculative import SpeculativeConfig, SpeculativeConfigError
-from skippy_zmq.config.topology import (DEFAULT_MODEL, CacheConfig, DriverConfig, StageConfig, Topology, TopologyError,
-                                        WireConfig)
+from skippy_zmq.config.topology import (DEFAULT_MODEL, MAX_RUN_ON, CacheConfig, DriverConfig, StageConfig, Topology,
+                                        TopologyError, WireConfig)
 
 
 _cache = checks.section(CacheConfig, {
@@ -85,7 +85,7 @@ def _driver(raw: Any, at: checks.At) -> DriverConfig:
               "request_timeout_s": checks.seconds, "reply_timeout_s": checks.seconds, "heartbeat_s": checks.seconds,
               "dead_after_s": checks.seconds, "resume_timeout_s": checks.seconds, "prefill_chunk": checks.integer(1),
               "max_context": checks.integer(1), "micro_batches": checks.integer(0),
-              "run_on": checks.integer(0, 64),
+              "run_on": checks.integer(0, MAX_RUN_ON),
               "max_body_bytes": checks.integer(1024), "http_edge": _http_edge, "speculative": _speculative}
     defaults = checks.dataclass_defaults(DriverConfig)
     defaults["return"] = defaults.pop("return_endpoint")

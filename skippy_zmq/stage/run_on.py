@@ -22,9 +22,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from skippy_zmq.config.topology import MAX_RUN_ON
 from skippy_zmq.protocol.wire import Kind, Message
-
-MAX_RUN_ON = 64   # most steps one DECODE may ask for (the driver asks for far fewer)
 
 
 class RunOn:
