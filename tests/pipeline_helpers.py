@@ -22,19 +22,21 @@ CACHE = CacheConfig(mode="lookup-record", max_bytes=64 << 20, max_entries=64, st
 
 
 def make_worker(cfg: ModelConfig, tree: dict, start: int, end: int, lanes: int = 4, capacity: int = 256,
-                stage_id: str | None = None, cache: CacheConfig | None = None) -> StageWorker:
+                stage_id: str | None = None, cache: CacheConfig | None = None, ring: bool = False) -> StageWorker:
     params = weights.to_runtime(slice_tree(tree, cfg, start, end), jnp.float32)
     buckets = Buckets(prefill_chunks=(16, 64), decode_rows=(1, 2, 4, 8))
     runner = SliceRunner(cfg, params, start, end, KVConfig(lanes=lanes, capacity=capacity), buckets)
-    info = StageInfo(stage_id or f"s{start}", first=start == 0, last=end == cfg.n_layers, width=cfg.d_model)
+    info = StageInfo(stage_id or f"s{start}", first=start == 0, last=end == cfg.n_layers, width=cfg.d_model,
+                     ring=ring)
     store = PrefixStore(StoreIdentity("test", start, end, "float32"), cache) if cache else None
     return StageWorker(info, runner, SessionTable(lanes), store)
 
 
 def make_chain(cfg: ModelConfig, tree: dict, cuts: list[int], lanes: int = 4, capacity: int = 256,
-               dtype: wire.WireDType = wire.WireDType.F32, cache: CacheConfig | None = None) -> InprocChain:
+               dtype: wire.WireDType = wire.WireDType.F32, cache: CacheConfig | None = None,
+               ring: bool = False) -> InprocChain:
     bounds = [0, *cuts, cfg.n_layers]
-    workers = [make_worker(cfg, tree, a, b, lanes, capacity, f"s{i}", cache)
+    workers = [make_worker(cfg, tree, a, b, lanes, capacity, f"s{i}", cache, ring)
                for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     return InprocChain(workers, dtype)
 

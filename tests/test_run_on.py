@@ -1,7 +1,8 @@
-"""Run-on: a 1-stage chain decodes its next steps from its own samples (stage/run_on.py), so a
-stream's token does not wait for a driver round. The tokens, logprobs and finish reasons are
-those of driver-sent steps; the driver still accepts and stops every token; the stage computes
-no step the driver would not have sent; anything the driver says about a session ends its run."""
+"""Run-on: the chain decodes its next steps from its own samples (stage/run_on.py), so a stream's
+token does not wait for a driver round: a 1-stage chain runs them itself, a longer one sends each
+from its last stage to its first (the ring). The tokens, logprobs and finish reasons are those of
+driver-sent steps; the driver still accepts and stops every token; no stage computes a step the
+driver would not have sent; anything the driver says about a session ends its run."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ from skippy_zmq.sampling import SamplingParams
 from skippy_zmq.stage.worker import DRIVER, OWN
 
 
-def run(tree, reqs, run_on, eos=frozenset({2}), cuts=(), **kw):
+def run(tree, reqs, run_on, eos=frozenset({2}), cuts=(), ring=False, **kw):
     """Every request's events, the DECODE messages the driver sent, and the tokens the stages ran."""
-    chain = make_chain(TINY, tree, list(cuts))
+    chain = make_chain(TINY, tree, list(cuts), ring=ring)
     sent, send = [], chain.send
     chain.send = lambda m: (sent.append(m), send(m))[1]
     events = run_requests(make_scheduler(len(cuts) + 1, eos, run_on=run_on, **kw), chain, reqs)
@@ -89,11 +90,35 @@ def test_a_drafting_stream_runs_on_as_long_as_it_went_without_drafts(tiny_tree, 
             assert [m.extras.get("run_on") for m in decodes[:2]] == [None, 1] and "lengths" in decodes[2].extras
 
 
-def test_only_a_whole_chain_runs_on_and_never_with_drafts(tiny_tree):
+@pytest.mark.parametrize("cuts", [(2,), (1, 3)])
+def test_a_ring_runs_on_over_two_and_three_stages(tiny_tree, cuts):
+    req = GenRequest("a", tuple(random_ids(9, TINY.vocab_size, seed=3).tolist()), max_tokens=20, ignore_eos=True,
+                     logprobs=2)
+    plain, plain_decodes, plain_ran = run(tiny_tree, [req], run_on=0, cuts=cuts)
+    ran_on, decodes, ran = run(tiny_tree, [req], run_on=8, cuts=cuts, ring=True)
+    assert len(plain_decodes) == 20 and summary(ran_on) == summary(plain)
+    assert [m.extras.get("run_on") for m in decodes] == [8, 8, 1]
+    assert ran == plain_ran   # every stage computed exactly the steps the driver would have sent
+
+
+def test_a_ring_matches_the_driver_round_while_streams_join_and_end(tiny_tree):
+    """Four streams on two stages: two micro-batches (no run) until one stream is left, which runs on."""
+    prompts = [random_ids(n, TINY.vocab_size, seed=n).tolist() for n in (5, 30, 70, 12)]
+    reqs = [GenRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.8, top_p=0.9, seed=7), max_tokens=m,
+                       ignore_eos=True) for i, (p, m) in enumerate(zip(prompts, (1, 2, 13, 30)))]
+    plain, _, plain_ran = run(tiny_tree, reqs, run_on=0, cuts=(2,))
+    ran_on, decodes, ran = run(tiny_tree, reqs, run_on=8, cuts=(2,), ring=True)
+    assert summary(ran_on) == summary(plain) and ran == plain_ran
+    assert any(m.extras.get("run_on") for m in decodes) and len(decodes) < sum(r.max_tokens for r in reqs) - 8
+
+
+def test_a_chain_without_the_ring_runs_no_step_on(tiny_tree):
+    """The driver asks, but a last stage that is not on a ring (run_on 0 in its topology, or an
+    older stage) makes no step: the reply says nothing runs on, and the driver sends every step."""
     req = GenRequest("a", tuple(random_ids(9, TINY.vocab_size, seed=3).tolist()), max_tokens=6, ignore_eos=True)
     plain = run(tiny_tree, [req], run_on=0, cuts=(2,))[0]
     ran_on, decodes, _ = run(tiny_tree, [req], run_on=8, cuts=(2,))
-    assert summary(ran_on) == summary(plain) and len(decodes) == 6 and not any("run_on" in m.extras for m in decodes)
+    assert summary(ran_on) == summary(plain) and len(decodes) == 6 and decodes[0].extras["run_on"] == 5
 
 
 def whole(tree):
@@ -149,13 +174,47 @@ def test_anything_the_driver_says_about_a_session_drops_its_pending_step(tiny_tr
     assert worker.handle_own(nxt.message) == []   # no row left: nothing runs, nothing answers
 
 
-def test_a_stage_that_is_not_the_whole_chain_ignores_run_on(tiny_tree):
-    chain = make_chain(TINY, tiny_tree, [2])
+@pytest.mark.parametrize("ring", [False, True])
+def test_a_longer_chain_runs_on_only_on_a_ring(tiny_tree, ring):
+    chain = make_chain(TINY, tiny_tree, [2], ring=ring)
     ids = random_ids(8, TINY.vocab_size, seed=2).tolist()
     chain.send(Message(Kind.CONFIGURE_GENERATION, 1, 5, tokens=np.asarray(ids, np.int32)))
     chain.send(Message(Kind.PREFILL, 2, 5, position=0, tokens=np.asarray(ids[:-1], np.int32)))
     replies = chain.send(decode(5, ids[-1], 7, rid=10, run_on=4, until=[]))
-    assert [m.kind for _, m in replies] == [Kind.PREDICTED_TOKENS] and "run_on" not in replies[0][1].extras
+    assert all(m.kind is Kind.PREDICTED_TOKENS and stage == "s1" for stage, m in replies)
+    if not ring:
+        assert len(replies) == 1 and "run_on" not in replies[0][1].extras
+        return
+    # the last stage sent each step round to the first: 4 more steps, each announced but the last
+    assert [m.request_id for _, m in replies] == [10, 11, 12, 13, 14]
+    assert [m.extras.get("run_on") for _, m in replies] == [{"next": r, "sessions": [5]} for r in (11, 12, 13, 14)] + [None]
+    assert [w.sessions.get(5).length for w in chain.workers] == [12, 12]
+
+
+def ring_first(tiny_tree):
+    """A ring's first stage (layers 0-2 of 4) with session 5 prefilled, and a step as its last stage sends it."""
+    worker, ids = make_worker(TINY, tiny_tree, 0, 2, lanes=2, ring=True), random_ids(8, TINY.vocab_size, seed=6).tolist()
+    configure_and_prefill(worker, 5, ids)
+    return worker, ids
+
+
+def test_a_rings_first_stage_runs_only_the_steps_it_expects(tiny_tree):
+    worker, ids = ring_first(tiny_tree)
+
+    def step(rid, steps=1, kind=Kind.DECODE, sid=5, pos=None):
+        m = decode(sid, 9, 8 + rid - 11 if pos is None else pos, rid, run_on=steps, until=[], ring=True)
+        return m if kind is Kind.DECODE else Message(kind, rid, sid, tokens=m.tokens, extras=m.extras)
+
+    assert worker.handle_own(step(11)) == []   # nothing asked yet: a ring step runs nothing
+    (fwd,) = worker.handle(decode(5, ids[-1], 7, rid=10, run_on=3, until=[]))   # the driver asks for 3 more
+    assert fwd.to == "next" and fwd.message.extras["run_on"] == 3
+    assert worker.handle_own(step(12)) == [] and worker.handle_own(step(11, kind=Kind.PREFILL)) == []
+    assert worker.handle_own(step(11, sid=6)) == []   # a session it was not asked about
+    (ran,) = worker.handle_own(step(11, steps=2))
+    assert ran.to == "next" and ran.message.request_id == 11 and ran.message.positions.tolist() == [8]
+    assert worker.handle_own(step(11, steps=2)) == []   # each step once
+    worker.handle(Message(Kind.STOP, 20, 5, sessions=np.asarray([5], np.uint64)))   # the driver moved on
+    assert worker.handle_own(step(12)) == [] and worker.counters["tokens"] == 7 + 1 + 1
 
 
 def test_the_driver_keeps_in_flight_only_the_runs_it_asked_for():
@@ -195,18 +254,56 @@ def test_run_on_is_a_driver_setting_with_bounds(tmp_path):
         parse_topology({**base, "driver": {"run_on": 65}})
 
 
+def test_a_last_stage_without_a_connection_to_the_first_asks_the_driver_for_each_step():
+    """StageLoop.ring_first over a real PUSH (immediate): with no first stage to take it, the step
+    is dropped and the reply no longer says it runs on (the driver sends the next step); once the
+    first stage is there, the step goes first and the reply says so."""
+    from types import SimpleNamespace
+
+    import zmq
+
+    from procs import free_endpoint
+    from skippy_zmq.protocol import transport
+    from skippy_zmq.stage.loop import StageLoop
+    from skippy_zmq.stage.types import RING, Outbound
+
+    endpoint, ctx = free_endpoint(), transport.context()
+    ring = transport.make_socket(ctx, zmq.PUSH, endpoint, bind=False, immediate=True)
+    loop = SimpleNamespace(sockets=SimpleNamespace(ring=ring), ring_down=False, stage=SimpleNamespace(id="s1"))
+
+    def outs():
+        reply = Message.predicted_tokens(10, [5], [7], {"run_on": {"next": 11, "sessions": [5]}})
+        return reply, [Outbound(DRIVER, reply), Outbound(RING, decode(5, 7, 8, 11, run_on=1, ring=True))]
+
+    pull = None
+    try:
+        reply, out = outs()
+        assert [o.to for o in StageLoop.ring_first(loop, out)] == [DRIVER]
+        assert "run_on" not in reply.extras and loop.ring_down
+        pull = transport.make_socket(ctx, zmq.PULL, endpoint, bind=True)
+        assert ring.poll(5000, zmq.POLLOUT)
+        reply, out = outs()
+        assert [o.to for o in StageLoop.ring_first(loop, out)] == [RING, DRIVER]
+        assert reply.extras["run_on"]["next"] == 11 and not loop.ring_down
+    finally:
+        ring.close(linger=0)
+        if pull is not None:
+            pull.close(linger=0)
+
+
 @pytest.mark.slow
-def test_a_real_one_stage_pipeline_runs_on_and_stops_where_the_driver_says(small_model_dir, tmp_path):
-    """Real processes: a 1-stage chain's tokens equal the in-process engine's, its replies say it
-    ran on, a stop string mid-run ends the text there, and the lane and KV it left serve the next
-    request exactly (the STOP dropped the stage's pending step)."""
+@pytest.mark.parametrize("n_stages", [1, 2])
+def test_a_real_pipeline_runs_on_and_stops_where_the_driver_says(small_model_dir, tmp_path, n_stages):
+    """Real processes (CURVE): a 1-stage chain's and a 2-stage ring's tokens equal the in-process
+    engine's, their replies say they ran on, a stop string mid-run ends the text there, and the
+    lanes and KV it left serve the next request exactly (the STOP dropped the pending step)."""
     import httpx
 
     from conftest import lanes_in_use
     from procs import serving, write_topology
     from skippy_zmq.engine.generate import LocalEngine
 
-    path = write_topology(tmp_path, small_model_dir, 1, name="runon", kv_lanes=2, driver__max_sessions=2)
+    path = write_topology(tmp_path, small_model_dir, n_stages, name="runon", kv_lanes=2, driver__max_sessions=2)
     with serving(path, tmp_path / "run") as served:
         ran_on = []
         served.engine.on_reply_hooks.append(lambda _sid, msg: ran_on.append("run_on" in msg.extras))

@@ -9,6 +9,7 @@ bounded polls, rejections with the authenticator's condition variable, and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -134,10 +135,17 @@ def test_security_for_driver_and_every_stage(topology: Topology) -> None:
     s0 = security.security_for(topology, "s0")
     s1 = security.security_for(topology, "s1")
     assert driver.identity.public == keys["driver"] and s1.identity.name == "s1"
-    # Least privilege: each server admits exactly the parties that connect to it.
+    # Least privilege: each server admits exactly the parties that connect to it; on a ring (the
+    # default: run_on 8) the last stage connects to the first, which admits it (stage/run_on.py).
+    assert topology.ring
     assert dict(driver.server_keys) == {"s0": keys["s0"]} and set(driver.allowed) == {keys["s0"], keys["s1"]}
-    assert dict(s0.server_keys) == {"driver": keys["driver"], "s1": keys["s1"]} and s0.allowed == (keys["driver"],)
-    assert dict(s1.server_keys) == {"driver": keys["driver"]} and s1.allowed == (keys["s0"],)
+    assert dict(s0.server_keys) == {"driver": keys["driver"], "s1": keys["s1"]}
+    assert s0.allowed == (keys["driver"], keys["s1"]) and s0.admitted == ("driver", "s1")
+    assert dict(s1.server_keys) == {"driver": keys["driver"], "s0": keys["s0"]} and s1.allowed == (keys["s0"],)
+    no_ring = dataclasses.replace(topology, driver=dataclasses.replace(topology.driver, run_on=0))
+    assert not no_ring.ring
+    assert security.security_for(no_ring, "s0").allowed == (keys["driver"],)
+    assert dict(security.security_for(no_ring, "s1").server_keys) == {"driver": keys["driver"]}
 
     server, client = s0.server(), s0.client("s1")
     assert server.server and server.server_key is None and server.public_key == keys["s0"]
@@ -191,7 +199,7 @@ def test_first_launch_makes_private_keys_once_per_topology(tmp_path: Path, monke
     moved["stages"][1]["listen"] = "tcp://127.0.0.1:5609"
     assert keystore.ensure_keys(parse_topology(moved)) != folder
     s0 = security.security_for(topo, "s0")
-    assert s0.identity.public == security.load_public_keys(folder, ["s0"])["s0"] and s0.admitted == ("driver",)
+    assert s0.identity.public == security.load_public_keys(folder, ["s0"])["s0"] and s0.admitted == ("driver", "s1")
     assert keystore.ensure_keys(parse_topology(topology_dict(None, "none"))) is None
 
 
@@ -360,7 +368,8 @@ def test_secured_pipeline_sockets_carry_every_hop(topology: Topology, new_contex
     """driver -> s0 -> s1 -> driver, plus s0's heartbeat, each party in its own context."""
     listen0, listen1, ret = free_endpoint(), free_endpoint(), free_endpoint()
     sec = {role: security.security_for(topology, role) for role in ("driver", "s0", "s1")}
-    s1 = transport.open_stage_sockets(new_context(), listen1, None, ret, "s1", security=sec["s1"])
+    s1 = transport.open_stage_sockets(new_context(), listen1, None, ret, "s1", security=sec["s1"],
+                                      ring=(listen0, "s0"))
     s0_ctx = new_context()
     s0 = transport.open_stage_sockets(s0_ctx, listen0, listen1, ret, "s0", security=sec["s0"], next_stage_id="s1")
     driver = transport.open_driver_sockets(new_context(), listen0, ret, security=sec["driver"], first_stage_id="s0")
@@ -382,12 +391,37 @@ def test_secured_pipeline_sockets_carry_every_hop(topology: Topology, new_contex
             identity, frames = transport.recv_routed(driver.router)
             senders.add((transport.stage_of(identity), identity.endswith(b"/hb"), transport.peer_name(frames)))
         assert senders == {("s1", False, "s1"), ("s0", True, "s0")}   # identities carry a nonce; keys name them
+        # the ring: the last stage's steps reach the first stage under the last stage's key
+        assert s1.ring.poll(WAIT_MS, zmq.POLLOUT) and s1.ring.getsockopt(zmq.MECHANISM) == zmq.CURVE
+        transport.send_message(s1.ring, Message.predicted_tokens(6, [3], [9]), flags=zmq.NOBLOCK)
+        assert received(s0.pull) and transport.peer_name(transport.recv_frames(s0.pull)) == "s1"
         assert (driver.auth.rejected, s0.auth.rejected, s1.auth.rejected) == (0, 0, 0)
     finally:
         beats.close(linger=0)
         for sockets in (driver, s0, s1):
             sockets.close()
     assert not (driver.auth.is_alive() or s0.auth.is_alive() or s1.auth.is_alive())
+
+
+def test_a_first_stage_that_does_not_admit_the_ring_leaves_its_push_without_a_connection(
+        topology: Topology, new_context) -> None:
+    """A first stage started without the ring (run_on 0; or kept by a re-cut that made another stage
+    last) refuses the last stage's key, and the ring's PUSH (immediate) never becomes writable: the
+    last stage then asks the driver for each step (StageLoop.ring_first)."""
+    listen0, ret = free_endpoint(), free_endpoint()
+    no_ring = dataclasses.replace(topology, driver=dataclasses.replace(topology.driver, run_on=0))
+    s0 = transport.open_stage_sockets(new_context(), listen0, None, ret, "s0",
+                                      security=security.security_for(no_ring, "s0"))
+    s1 = transport.open_stage_sockets(new_context(), free_endpoint(), None, ret, "s1",
+                                      security=security.security_for(topology, "s1"), ring=(listen0, "s0"))
+    try:
+        assert s0.auth.wait_rejected(1, WAIT_MS / 1000)
+        assert not s1.ring.poll(SILENCE_MS, zmq.POLLOUT)
+        with pytest.raises(zmq.Again):
+            transport.send_message(s1.ring, Message.predicted_tokens(6, [3], [9]), flags=zmq.NOBLOCK)
+    finally:
+        s1.close()
+        s0.close()
 
 
 def test_secured_stage_needs_next_stage_id(topology: Topology, new_context) -> None:

@@ -28,8 +28,10 @@ is optional; defaults shown)::
       prefill_chunk: 256
       max_context: 2048              # prompt + generated tokens per session
       micro_batches: 0               # decode micro-batches in flight (0 = one per stage)
-      run_on: 8                      # a 1-stage chain decodes up to 8 steps from its own samples
-                                     # before the driver's next message (0: a driver round each)
+      run_on: 8                      # the chain decodes up to 8 steps from its own samples before
+                                     # the driver's next message: a 1-stage chain runs them itself,
+                                     # a longer one sends each from its last stage to its first
+                                     # (0: a round through the driver each)
       max_body_bytes: 4194304        # HTTP request body limit
       http_edge:                     # who may call the HTTP API and how much a caller may hold:
                                      # allowed_hosts, allowed_origins, metrics_public, max_connections,
@@ -146,7 +148,7 @@ class StageConfig:
         return re.sub(r"^tcp://(\*|0\.0\.0\.0):", f"tcp://{self.host}:", self.listen)
 
 
-MAX_RUN_ON = 64   # most steps a 1-stage chain may run on from one DECODE (driver.run_on; stage/run_on.py)
+MAX_RUN_ON = 64   # most steps a chain may run on from one DECODE (driver.run_on; stage/run_on.py)
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,7 @@ class DriverConfig:
     prefill_chunk: int = 256
     max_context: int = 2048
     micro_batches: int = 0             # decode micro-batches in flight; 0 = one per stage
-    run_on: int = 8                    # 1 stage: steps it decodes from its own samples (0 = a round each)
+    run_on: int = 8                    # steps the chain decodes from its own samples (0 = a round each)
     max_body_bytes: int = 4 << 20      # HTTP request body limit
     http_edge: EdgeConfig = EdgeConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
@@ -211,6 +213,12 @@ class Topology:
     @property
     def last(self) -> StageConfig:
         return self.stages[-1]
+
+    @property
+    def ring(self) -> bool:
+        """The last stage sends each step it runs on straight to the first (stage/run_on.py): the
+        first stage's PULL admits the last stage's key too. Any chain of 2 stages or more that runs on."""
+        return len(self.stages) > 1 and self.driver.run_on > 0
 
     def index(self, stage_id: str) -> int:
         for i, stage in enumerate(self.stages):

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from skippy_zmq.protocol import wire
 from skippy_zmq.engine.request import EngineError, GenRequest, TokenEvent
 from skippy_zmq.engine.scheduler import Scheduler
-from skippy_zmq.stage.worker import DRIVER, OWN, StageWorker
+from skippy_zmq.stage.worker import DRIVER, OWN, RING, StageWorker
 
 
 @dataclass
@@ -48,7 +48,7 @@ class InprocChain:
         replies: list[tuple[str, wire.Message]] = []
         pending: deque[tuple[int, wire.Message, bool]] = deque([(0, self._through_wire(msg, wire.WireDType.F32),
                                                                  False)])
-        while pending:   # (stage index, message, the stage's own step: a whole-chain stage's run-on)
+        while pending:   # (stage index, message, a step run on: a stage's own or the ring's)
             index, message, own = pending.popleft()
             worker = self.workers[index]
             outs = worker.handle_own(message) if own else worker.handle(message)
@@ -60,6 +60,8 @@ class InprocChain:
                     replies.append((worker.info.stage_id, self._through_wire(out.message, wire.WireDType.F32)))
                 elif out.to == OWN:
                     pending.append((index, out.message, True))
+                elif out.to == RING:   # the last stage's step, round to the first (stage/run_on.py)
+                    pending.append((0, self._through_wire(out.message, wire.WireDType.F32), True))
                 else:
                     frames = wire.encode(out.message, self.dtype)
                     hop = self.hops[index]

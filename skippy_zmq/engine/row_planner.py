@@ -9,9 +9,10 @@ TRY_RESTORE_PREFILL_DECODE when all but its last token are held), else prefilled
 Decode: every running session with its next input token known is "ready".
 Ready sessions are grouped into DECODE messages of up to
 ceil(running / n_stages) rows, with at most n_stages micro-batches in flight,
-so every stage has work while the others compute. On a 1-stage chain a DECODE
-of every running stream asks the stage to run on: to decode up to `run_on`
-more steps from its own samples (stage/run_on.py), the request ids reserved.
+so every stage has work while the others compute. A DECODE of every running
+stream asks the chain to run on: to decode up to `run_on` more steps from its
+own samples (stage/run_on.py; a longer chain sends each step from its last
+stage to its first), the request ids reserved.
 """
 
 from __future__ import annotations
@@ -157,14 +158,15 @@ class RowPlanner:
             st.send(msg)
 
     def _run_on(self, group: list[Job]) -> int:
-        """Steps a 1-stage chain may decode after this DECODE from its own samples: only for a
+        """Steps the chain may decode after this DECODE from its own samples (a 1-stage chain runs
+        them itself, a longer one sends each from its last stage to its first): only for a
         group of every running job (a stream that joins then decodes beside it, and they merge
         once the run ends), plain rows (a drafting stream's run ends where its drafter proposes a
         window, engine/replies.py, and is at most as long as its plain steps since its last window,
         so a stream that drafts often wastes few steps), one EOS set; never past max_tokens or the
         context."""
         st = self.state
-        if not st.cfg.run_on or st.cfg.n_stages != 1 or len(group) != len(st.running):
+        if not st.cfg.run_on or len(group) != len(st.running):
             return 0
         if any(j.drafts or j.ahead or j.eos != group[0].eos for j in group):
             return 0

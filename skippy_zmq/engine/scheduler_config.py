@@ -22,5 +22,5 @@ class SchedulerConfig:
     resume_timeout_s: float = 60.0   # how long paused requests wait for a replacement stage
     speculative: SpeculativeConfig = SpeculativeConfig()
     window_lens: tuple[int, ...] = (1, 2, 4, 8, 16)   # the stages' row buckets (config.Buckets.window_lens)
-    run_on: int = 0                  # a 1-stage chain decodes up to this many steps from its own samples
+    run_on: int = 0                  # the chain decodes up to this many steps from its own samples
     batch_tokens: int = BATCH_TOKENS  # a DECODE with several rows pads them all to its longest window: cap rows x window

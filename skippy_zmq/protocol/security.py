@@ -9,8 +9,9 @@ Roles: the binding side of a connection is the CURVE server (a stage's PULL on
 `listen`, the driver's ROUTER on `return`); the connecting side is a CURVE
 client that must know the server's public key. A server admits only the keys
 of the parties that legitimately connect to it (least privilege): a stage's
-PULL admits its upstream (the driver for stage 0, else the previous stage); the
-driver's ROUTER admits every stage. Admission is checked by one ZAP
+PULL admits its upstream (the driver for stage 0, else the previous stage; on a
+ring, stage 0 the last stage too, for the steps it runs on); the driver's ROUTER
+admits every stage. Admission is checked by one ZAP
 authenticator per process, which names each admitted peer: the ZAP User-Id of
 a connection is its key's party name, and every message received on it carries
 that name (`transport.peer_name`), so the driver ties each reply to the stage
@@ -108,6 +109,10 @@ def security_for(topology: Topology, role: str) -> PartySecurity | None:
         i = topology.index(role)
         connects = [DRIVER, *ids[i + 1:i + 2]]
         admits = [DRIVER if i == 0 else ids[i - 1]]
+        if topology.ring and i == 0:   # the ring (stage/run_on.py): the last stage sends steps to the first
+            admits.append(ids[-1])
+        elif topology.ring and i == len(ids) - 1:
+            connects.append(ids[0])
     keys_dir = keys_dir_of(topology)
     generated = topology.keys_dir is None
     if not (keys_dir / f"{role}.key_secret").exists() and _all_local(topology):

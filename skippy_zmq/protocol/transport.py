@@ -62,6 +62,7 @@ def make_socket(
     identity: bytes | None = None,
     max_message_bytes: int = -1,
     security: SocketSecurity | None = None,
+    immediate: bool = False,
 ) -> zmq.Socket:
     """Create, configure and bind or connect a socket.
 
@@ -72,6 +73,8 @@ def make_socket(
     checks the whole message against its own limit. Bind endpoints may use a
     wildcard port ("tcp://127.0.0.1:*"); read the real one with `bound_endpoint`.
     With `security`, the socket is a CURVE server if it binds, else a client.
+    `immediate`: queue messages only on completed connections (a send finds
+    no peer rather than waiting for one that may never admit it).
     """
     if security is not None and security.server != bind:
         raise ValueError(f"{endpoint}: the binding side must be the CURVE server and the connecting side a client")
@@ -85,6 +88,8 @@ def make_socket(
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
+        if immediate:
+            sock.setsockopt(zmq.IMMEDIATE, 1)
         _apply_security(sock, security)
         if bind:
             sock.bind(endpoint)
@@ -201,9 +206,10 @@ class StageSockets:
     push: zmq.Socket | None  # None on the final stage
     dealer: zmq.Socket
     auth: CurveAuthenticator | None = None  # the process's ZAP handler when CURVE is on
+    ring: zmq.Socket | None = None  # the last stage of a ring: PUSH to the first stage's PULL
 
     def close(self) -> None:
-        _close(self.pull, self.push, self.dealer, auth=self.auth)
+        _close(self.pull, self.push, self.dealer, self.ring, auth=self.auth)
 
 
 def open_stage_sockets(
@@ -216,6 +222,7 @@ def open_stage_sockets(
     max_message_bytes: int = -1,
     security: PartySecurity | None = None,
     next_stage_id: str | None = None,
+    ring: tuple[str, str] | None = None,
 ) -> StageSockets:
     """Bind `listen`, connect to the next stage (if any) and to the driver.
 
@@ -223,11 +230,14 @@ def open_stage_sockets(
     CURVE the driver believes it only when the key that sent a message is that
     stage's (`peer_name`). With `security` the authenticator starts
     first, PULL is a CURVE server, PUSH a client of `next_stage_id` and the
-    DEALER a client of the driver.
+    DEALER a client of the driver. `ring` (the last stage of a ring: the first
+    stage's endpoint and id) adds a PUSH to the first stage, queueing only on a
+    completed connection (stage/run_on.py).
     """
     push_security = _client(security, next_stage_id, "next_stage_id") if next_listen is not None else None
+    ring_security = _client(security, ring[1], "the first stage's id") if ring is not None else None
     auth = security.start_authenticator(ctx) if security is not None else None
-    pull = push = None
+    pull = push = dealer = ring_push = None
     try:
         pull = make_socket(ctx, zmq.PULL, listen, bind=True, hwm=hwm, max_message_bytes=max_message_bytes,
                            security=_server(security))
@@ -236,10 +246,13 @@ def open_stage_sockets(
         dealer = make_socket(ctx, zmq.DEALER, return_endpoint, bind=False, hwm=hwm,
                              identity=dealer_identity(stage_id, security is not None),
                              max_message_bytes=max_message_bytes, security=_client(security, DRIVER, "the driver"))
+        if ring is not None:
+            ring_push = make_socket(ctx, zmq.PUSH, ring[0], bind=False, hwm=hwm, security=ring_security,
+                                    immediate=True)
     except BaseException:
-        _close(pull, push, auth=auth)
+        _close(pull, push, dealer, ring_push, auth=auth)
         raise
-    return StageSockets(pull=pull, push=push, dealer=dealer, auth=auth)
+    return StageSockets(pull=pull, push=push, dealer=dealer, auth=auth, ring=ring_push)
 
 
 def open_heartbeat_socket(

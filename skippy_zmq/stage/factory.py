@@ -231,7 +231,8 @@ def build_worker(topology: Topology, stage: StageConfig, where: Placement | None
                       runner.kv_spans() if idle else ())
     logger.info("stage {} layers [{}, {}) on {}: restored in {:.1f}s, compiled in {:.1f}s", stage.id,
                 stage.start, stage.end, where.device, t1 - t0, time.perf_counter() - t1)
-    info = StageInfo(stage.id, first=stage.start == 0, last=stage.end == cfg.n_layers, width=cfg.d_model)
+    info = StageInfo(stage.id, first=stage.start == 0, last=stage.end == cfg.n_layers, width=cfg.d_model,
+                     ring=topology.ring)
     worker = StageWorker(info, runner, SessionTable(stage.kv_lanes), make_store(topology, stage))
     worker.memory.update(memory_report(worker, need, where.memory))
     # first, compile_behind's end (the loop reaches it once that thread is done: a wait of nothing)

@@ -1,12 +1,16 @@
 """The stage process: build the stage (stage/factory.py), say READY, then serve.
 
 Sockets live here and only here: PULL (bound on `listen`), PUSH to the next
-stage, DEALER to the driver. The worker never sees a socket.
+stage, DEALER to the driver, and on a ring's last stage a PUSH to the first
+stage (stage/run_on.py). The worker never sees a socket.
 
 With CURVE, work is taken only from the upstream party's key (the driver for
 stage 0, else the previous stage): the PULL's authenticator admits no other
 key, and each message's sender (`transport.peer_name`) is checked again here;
-the worker's fence then requires the driver's chain view stamp on it.
+the worker's fence then requires the driver's chain view stamp on it. A ring's
+first stage admits the last stage's key too, and takes from it only the steps
+it runs on (`worker.handle_own`: a DECODE for the sessions and request id the
+stage expects, fenced like the driver's).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from skippy_zmq.ops.placement import PlacementError
 from skippy_zmq.protocol.security import security_for
 from skippy_zmq.stage.factory import build_worker
 from skippy_zmq.stage.faults import FaultInjector
-from skippy_zmq.stage.worker import DRIVER, OWN, StageWorker
+from skippy_zmq.stage.run_on import RING_KEY
+from skippy_zmq.stage.worker import DRIVER, OWN, RING, StageWorker
 from skippy_zmq.config.cpus import size_jax_threads
 from skippy_zmq.config.topology import StageConfig, Topology
 
@@ -59,13 +64,17 @@ class StageLoop:
         self.faults = FaultInjector.from_env(stage.id)   # chaos runs and tests only
         index = topology.index(stage.id)
         self.upstream = DRIVER if index == 0 else topology.stages[index - 1].id   # the one party whose work we take
+        last = index == len(topology.stages) - 1
+        self.ring_from = topology.last.id if topology.ring and index == 0 else None   # the steps it runs on
+        self.ring_down = False   # the ring's PUSH found no connection (said once; replies then ask a round)
         self.peer_rejected = 0   # messages on the PULL from any other party (only a key holder gets that far)
         worker.fence.required = security is not None   # unstamped work is dropped, counted and logged
         nxt = topology.next_stage(stage.id)
         self.sockets = transport.open_stage_sockets(
             transport.context(), stage.listen, nxt.connect if nxt else None, topology.driver.return_connect,
             stage.id, hwm=topology.wire.hwm, max_message_bytes=topology.wire.max_message_bytes,
-            security=security, next_stage_id=nxt.id if nxt else None)
+            security=security, next_stage_id=nxt.id if nxt else None,
+            ring=(topology.first.connect, topology.first.id) if topology.ring and last else None)
 
     def request_stop(self, *_: Any) -> None:
         """Signal handler: sets a flag (the loop drains and exits) and arms a hard exit, so a
@@ -75,6 +84,8 @@ class StageLoop:
         self.stopping = True
 
     def send(self, out: list, arrival: dict[str, Any] | None = None) -> None:
+        if any(o.to == RING for o in out):
+            out = self.ring_first(out)
         for o in out:
             if o.to == OWN:
                 self.own.append(o.message)
@@ -82,6 +93,24 @@ class StageLoop:
                 self.delayed.append((time.monotonic() + self.hop_delay_s, o, arrival))
             else:
                 self._send_now(o, arrival)
+
+    def ring_first(self, out: list) -> list:
+        """The ring's step first (the next token's critical path), then the replies. With no
+        connection to the first stage (not up yet, or it does not admit this key: a re-cut kept
+        it), the step is dropped and the reply says nothing runs on: the driver sends the next."""
+        ring = [o for o in out if o.to == RING]
+        rest = [o for o in out if o.to != RING]
+        up = self.sockets.ring is not None and bool(self.sockets.ring.poll(0, zmq.POLLOUT))
+        if up:
+            self.ring_down = False
+            return ring + rest
+        if not self.ring_down:
+            logger.warning("stage {}: no connection to the first stage for the steps it runs on; the driver "
+                           "sends each step until there is one", self.stage.id)
+            self.ring_down = True
+        for o in rest:
+            o.message.extras.pop("run_on", None)
+        return rest
 
     def send_due(self, everything: bool = False) -> float | None:
         """Send the delayed messages whose time has come (all of them: `everything`), in order;
@@ -99,6 +128,12 @@ class StageLoop:
         t0 = time.perf_counter()
         if o.to == DRIVER:
             transport.send_message(self.sockets.dealer, o.message)
+        elif o.to == RING:
+            try:   # writable a moment ago (ring_first); the driver's reply deadline covers a lost step
+                transport.send_message(self.sockets.ring, o.message, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning("stage {}: the first stage's connection went away; step {} dropped",
+                               self.stage.id, o.message.request_id)
         else:
             transport.send_message(self.sockets.push, o.message, self.dtype)
             self.worker.counters["encode_send_us"] += int(1e6 * (time.perf_counter() - t0))
@@ -110,7 +145,9 @@ class StageLoop:
     def handle_frames(self, frames: list, recv_ns: int = 0) -> None:
         self.flush_held()   # replies go out in the order their work ran
         t0 = time.perf_counter()
-        if self.security is not None and (sender := transport.peer_name(frames)) != self.upstream:
+        sender = transport.peer_name(frames) if self.security is not None else None
+        ring = self.ring_from is not None and sender == self.ring_from
+        if self.security is not None and sender != self.upstream and not ring:
             self.peer_rejected += 1
             if self.peer_rejected <= 20 or self.peer_rejected.bit_count() == 1:
                 logger.warning("stage {} dropped work sent under the key of {!r}: it takes work only from {} "
@@ -126,7 +163,10 @@ class StageLoop:
         decode_ms = round(1000 * (time.perf_counter() - t0), 3)
         if self.faults is not None:
             self.faults.on_message(msg.kind, msg)
-        self.send(self.worker.handle(msg), {"recv_ns": recv_ns, "decode_ms": decode_ms})
+        if self.ring_from is not None and self.security is None:   # no keys to tell who sent it
+            ring = msg.extras.get(RING_KEY) is True
+        out = self.worker.handle_own(msg) if ring else self.worker.handle(msg)
+        self.send(out, {"recv_ns": recv_ns, "decode_ms": decode_ms})
         self.worker.run_deferred()
 
     def run_own(self) -> None:

@@ -1,6 +1,6 @@
 """The values a rows message passes through in a stage (StageWorker.on_rows): check the rows,
 place them in sessions, run the slice, sample and score, reply. Data classes (Row, RowsToRun, Ran,
-Scored), functions of them (`narrow`, `logprob_entry`, a prefill's `top_of_prompt` and
+Scored), functions of them (`parse_rows`, `narrow`, `logprob_entry`, a prefill's `top_of_prompt` and
 `prompt_logprobs`), and `RuntimeLock`, the lock that
 serialises runtime use and times its waits and holds; the worker owns the steps."""
 
@@ -135,3 +135,28 @@ def narrow(batch: RowsToRun, keep: list[Row]) -> RowsToRun:
     offsets = np.concatenate([[0], np.cumsum([row.length for row in keep])])
     rows = [replace(row, offset=int(offsets[i])) for i, row in enumerate(keep)]
     return replace(batch, msg=msg, x=batch.x[idx], rows=rows)
+
+
+def parse_rows(msg: Message) -> list[Row]:
+    """Every row of the message, checked: its session, start position, offset into tokens, length."""
+    sessions, lengths = msg.session_ids.tolist(), msg.row_lengths
+    n = int(msg.tokens.shape[0])
+    if n == 0 or (lengths < 1).any():
+        raise StageFault(f"every row of a {msg.kind.name} needs at least one token", "bad_rows")
+    if len(lengths) != len(sessions) or int(lengths.sum()) != n:
+        raise StageFault(f"{len(sessions)} rows with lengths {lengths.tolist()} do not cover {n} tokens",
+                         "bad_rows")
+    if len(set(sessions)) != len(sessions):
+        raise StageFault(f"a {msg.kind.name} names the same session in more than one row", "bad_rows")
+    positions = msg.positions
+    if positions is not None and positions.shape[0] != n:
+        raise StageFault(f"{msg.kind.name} needs one position per token ({n} tokens)", "bad_rows")
+    rows, offset = [], 0
+    for sid, length in zip(sessions, lengths.tolist()):
+        start = int(positions[offset]) if positions is not None else msg.position + offset
+        if positions is not None and not np.array_equal(positions[offset:offset + length],
+                                                        np.arange(start, start + length)):
+            raise StageFault(f"row of session {sid} has positions that are not consecutive", "bad_rows")
+        rows.append(Row(sid, start, offset, length))
+        offset += length
+    return rows

@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 
 from skippy_zmq.protocol.wire import Message
 
-NEXT, DRIVER, OWN = "next", "driver", "own"   # OWN: the stage's own next step (run-on)
+# OWN: the stage's own next step (run-on); RING: the next step, from the last stage to the first
+NEXT, DRIVER, OWN, RING = "next", "driver", "own", "ring"
 
 
 @dataclass(frozen=True)
 class Outbound:
-    to: str           # NEXT, DRIVER or OWN
+    to: str           # NEXT, DRIVER, OWN or RING
     message: Message
 
 
@@ -22,6 +23,7 @@ class StageInfo:
     first: bool
     last: bool
     width: int
+    ring: bool = False   # the last stage sends each step it runs on to the first (Topology.ring)
     # Random per process start, so the driver (and the fence) can tell a replacement from the one it replaced.
     incarnation: int = field(default_factory=lambda: secrets.randbits(32) or 1)
 

@@ -1,9 +1,10 @@
 """StageWorker: messages in, messages out. No sockets here.
 
 `handle(message) -> list[Outbound]`; each Outbound goes down the chain ("next"),
-straight back to the driver ("driver") or, on a stage that is the whole chain, to
-itself as its next step (`handle_own`, stage/run_on.py). Every stage forwards the
-token ids with its activations so any stage can key its prefix store.
+straight back to the driver ("driver") or, run on (stage/run_on.py), as the chain's next step:
+to itself on a stage that is the whole chain ("own", `handle_own`), from the last stage to the
+first on a longer one ("ring"). Every stage forwards the token ids with its activations so any
+stage can key its prefix store.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from skippy_zmq.sampling import Sampler, SamplingParams, check_top_logprobs
 from skippy_zmq.stage.pooling import pool_chunk, pool_request
 from skippy_zmq.stage.recorder import Recorder
 from skippy_zmq.stage.restore import RestoreRoutes
-from skippy_zmq.stage.rows import (RowsToRun, Ran, Row, RuntimeLock, Scored, logprob_entry, narrow, prompt_logprobs,
-                                   top_of_prompt)
+from skippy_zmq.stage.rows import (RowsToRun, Ran, RuntimeLock, Scored, logprob_entry, narrow, parse_rows,
+                                   prompt_logprobs, top_of_prompt)
 from skippy_zmq.stage.sessions import LanesBusy, SessionTable
 from skippy_zmq.stage.run_on import RunOn
-from skippy_zmq.stage.types import DRIVER, NEXT, OWN, Outbound, StageFault, StageInfo  # noqa: F401 (re-exported)
+from skippy_zmq.stage.types import DRIVER, NEXT, OWN, RING, Outbound, StageFault, StageInfo  # noqa: F401 (re-exported)
 from skippy_zmq.protocol.wire import Kind, Message
 
 class StageWorker:
@@ -38,7 +39,7 @@ class StageWorker:
         self.store = Recorder(store, info.stage_id) if store is not None else None
         self.lock = RuntimeLock()
         self.fence = Fence(info.stage_id, info.incarnation)
-        self.run_on = RunOn(info.first and info.last)   # steps this stage runs from its own samples
+        self.run_on = RunOn(info.first, info.last, info.ring)   # steps the chain runs from its own samples
         self.meanwhile: Callable[[], Any] | None = None   # handle_own's: runs while its step computes
         self.deferred: list[Callable[[], Any]] = []   # run by the loop after the replies are sent
         self.handlers: dict[Kind, Callable[[Message], list[Outbound]]] = {
@@ -78,29 +79,39 @@ class StageWorker:
             self.runner.quiet.set()
 
     def handle_own(self, msg: Message, meanwhile: Callable[[], Any] | None = None) -> list[Outbound]:
-        """An OWN step (run_on.py) for its rows still pending; `meanwhile` runs while it computes."""
+        """A step run on (run_on.py): its own (OWN) or, on a ring's first stage, the last stage's
+        (fenced as upstream work is), for its rows still pending; `meanwhile` runs while it computes."""
         step = self.run_on.admit(msg, lambda sid: self.sessions.get(sid) is not None)
         self.meanwhile = meanwhile
         try:
-            return [] if step is None else self._guarded(step, self.on_decode)
+            dropped = [] if step is None else self._fenced(step)
+            return dropped if dropped is not None else self._guarded(step, self.on_decode)
         finally:
             self.meanwhile = None
             self.note_sessions()
 
     def _dispatch(self, msg: Message) -> list[Outbound]:
         self.counters["messages"] += 1
+        dropped = self._fenced(msg)
+        if dropped is not None:
+            return dropped
+        self.run_on.forget(msg)
+        return self._guarded(msg, self.handlers.get(msg.kind))
+
+    def _fenced(self, msg: Message) -> list[Outbound] | None:
+        """None when the fence lets `msg` through; else its answer (a bad_view error, or nothing)."""
         try:
             stale = self.fence.check(msg)
         except BadView as exc:
             return [self.error(msg.request_id, msg.session_id, str(exc), "bad_view")]
-        if stale:   # meant for a dead predecessor or an older chain view: acting on it would corrupt KV
-            # (an unstamped one, with security on, was not sent by the driver: say it louder)
-            log = logger.warning if stale.startswith(UNSTAMPED) else logger.info
-            log("stage {} dropped {} request {} session {}: {}", self.info.stage_id, msg.kind.name,
-                msg.request_id, msg.session_id, stale)
-            return []
-        self.run_on.forget(msg)
-        return self._guarded(msg, self.handlers.get(msg.kind))
+        if not stale:
+            return None
+        # meant for a dead predecessor or an older chain view: acting on it would corrupt KV
+        # (an unstamped one, with security on, was not sent by the driver: say it louder)
+        log = logger.warning if stale.startswith(UNSTAMPED) else logger.info
+        log("stage {} dropped {} request {} session {}: {}", self.info.stage_id, msg.kind.name,
+            msg.request_id, msg.session_id, stale)
+        return []
 
     def _guarded(self, msg: Message, handler: Callable[[Message], list[Outbound]] | None) -> list[Outbound]:
         try:
@@ -219,30 +230,6 @@ class StageWorker:
     def on_decode(self, msg: Message) -> list[Outbound]:
         return self.on_rows(msg, score=True)
 
-    def _rows(self, msg: Message) -> list[Row]:
-        """Every row of the message, checked: its session, start position, offset into tokens, length."""
-        sessions, lengths = msg.session_ids.tolist(), msg.row_lengths
-        n = int(msg.tokens.shape[0])
-        if n == 0 or (lengths < 1).any():
-            raise StageFault(f"every row of a {msg.kind.name} needs at least one token", "bad_rows")
-        if len(lengths) != len(sessions) or int(lengths.sum()) != n:
-            raise StageFault(f"{len(sessions)} rows with lengths {lengths.tolist()} do not cover {n} tokens",
-                             "bad_rows")
-        if len(set(sessions)) != len(sessions):
-            raise StageFault(f"a {msg.kind.name} names the same session in more than one row", "bad_rows")
-        positions = msg.positions
-        if positions is not None and positions.shape[0] != n:
-            raise StageFault(f"{msg.kind.name} needs one position per token ({n} tokens)", "bad_rows")
-        rows, offset = [], 0
-        for sid, length in zip(sessions, lengths.tolist()):
-            start = int(positions[offset]) if positions is not None else msg.position + offset
-            if positions is not None and not np.array_equal(positions[offset:offset + length],
-                                                            np.arange(start, start + length)):
-                raise StageFault(f"row of session {sid} has positions that are not consecutive", "bad_rows")
-            rows.append(Row(sid, start, offset, length))
-            offset += length
-        return rows
-
     def on_rows(self, msg: Message, score: bool) -> list[Outbound]:
         """The one path for rows of work: a prefill chunk (one row, no scores), batched decode (rows
         of one token) and verify windows (rows of k+1 tokens), all scored at every position.
@@ -263,7 +250,7 @@ class StageWorker:
     def _check_rows(self, msg: Message, score: bool) -> RowsToRun:
         """Step 1: the rows and their inputs checked against the message and this stage's buckets;
         nothing is taken yet, so a refused message holds no lane."""
-        rows = self._rows(msg)
+        rows = parse_rows(msg)
         if len(rows) > self.runner.buckets.decode_rows[-1]:
             raise StageFault(f"{len(rows)} rows exceed this stage's largest batch of "
                              f"{self.runner.buckets.decode_rows[-1]}", "too_many_rows")
@@ -375,7 +362,7 @@ class StageWorker:
             reply["logprobs"] = scored.logprobs
         return scored.errors + [Outbound(DRIVER, Message.predicted_tokens(
             msg.request_id, sessions, scored.tokens, reply, lengths=[row.length for row in scored.answered]))] + \
-            ([Outbound(OWN, own)] if own is not None else [])
+            ([Outbound(OWN if self.info.first else RING, own)] if own is not None else [])
 
     def _sampler(self, session_id: int) -> Sampler:
         """The row's sampler; a session never configured is refused, never sampled greedily."""
