@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Run-on against a driver round per token, taking turns in one run: two 1-stage servers on the same
-checkpoint, `driver.run_on` 0 and 8, one streamed greedy request at a time, alternating.
+"""Run-on against a driver round per token, taking turns in one run: two servers of `--stages` stages
+(1: the stage runs on itself; more: the ring, last stage to first) on the same checkpoint,
+`driver.run_on` 0 and 8, one streamed greedy request at a time, alternating.
 
     .venv/bin/python scripts/ab_run_on.py --model models/smollm2-135m-instruct --rounds 6
     SKIPPY_KERNEL_ISA=avx512vnni .venv/bin/python scripts/ab_run_on.py --model <Q4_K_M checkpoint> \\
@@ -29,14 +30,14 @@ sys.path.insert(0, str(ROOT))
 
 
 @contextmanager
-def server(model: Path, run_on: int, run_dir: Path, weights: str) -> Iterator[str]:
+def server(model: Path, run_on: int, run_dir: Path, weights: str, stages: int) -> Iterator[str]:
     from skippy_zmq.config.topology_yaml import load_topology
     from skippy_zmq.devtools.harness import write_topology
     from skippy_zmq.devtools.soak import wait_warmed
     from skippy_zmq.ops.launch import spawn_driver, spawn_stages, stop_processes, wait_http_ready
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = write_topology(run_dir, model.absolute(), 1, name=f"run-on-{run_on}", weights=weights, kv_lanes=2,
+    path = write_topology(run_dir, model.absolute(), stages, name=f"run-on-{run_on}", weights=weights, kv_lanes=2,
                           driver__max_sessions=2, driver__max_context=2048, driver__run_on=run_on,
                           driver__speculative={"method": "ngram"})
     topology = load_topology(path)
@@ -58,6 +59,7 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m-instruct")
     ap.add_argument("--weights", default="auto", help="the stages' `weights` (auto: the checkpoint's own)")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--stages", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--speculative", action="store_true", help="requests ask for speculation (ngram)")
     ap.add_argument("--copy", action="store_true", help="a prompt that repeats itself")
@@ -68,7 +70,7 @@ def main() -> int:
     extra = {"speculative": args.speculative}
     got: dict[int, list[float]] = {0: [], 8: []}
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="ab-run-on-") as tmp:
-        urls = {k: stack.enter_context(server(args.model, k, Path(tmp) / str(k), args.weights)) for k in got}
+        urls = {k: stack.enter_context(server(args.model, k, Path(tmp) / str(k), args.weights, args.stages)) for k in got}
         for url in urls.values():
             stream_completion(url, prompt, 16, extra)
         print("| round | run_on 0 tok/s | run_on 8 tok/s |\n|---|---|---|")
