@@ -42,6 +42,19 @@ def upstream_socket(topology: Any, stage_id: str) -> Any:
                                  security=upstream.client(stage_id) if upstream is not None else None)
 
 
+def ring_socket(topology: Any) -> Any:
+    """A PUSH into the first stage's PULL under the last stage's key, as a ring's last stage opens
+    one (stage/run_on.py); the first stage takes from it only the steps it expects."""
+    import zmq
+
+    from skippy_zmq.protocol import transport
+    from skippy_zmq.protocol.security import security_for
+
+    last = security_for(topology, topology.last.id)
+    return transport.make_socket(transport.context(), zmq.PUSH, topology.first.connect, bind=False,
+                                 security=last.client(topology.first.id) if last is not None else None)
+
+
 def stage_dealer(topology: Any, stage_id: str, identity: bytes) -> Any:
     """A DEALER into the driver's ROUTER under `stage_id`'s key (CURVE: the ROUTER admits only
     stage keys), with routing `identity`: the driver acts only on what names the key's own stage."""

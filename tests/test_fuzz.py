@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import TINY, first_mismatch
-from procs import stage_dealer, upstream_socket
+from procs import ring_socket, stage_dealer, upstream_socket
 from pipeline_helpers import make_worker
 from skippy_zmq.protocol import transport, wire
 from skippy_zmq.engine.request import EngineError, GenRequest
@@ -378,16 +378,19 @@ def test_live_stages_survive_a_malformed_barrage(live, parity):
         if m.kind == Kind.ERROR:
             errors.append((stage_id, m.request_id, m.extras))
     engine.on_reply_hooks.append(hook)
-    # Each stage's legitimate upstream key, and a stage's key to the driver (CURVE admits no other)
-    # under an identity that names no stage: the driver ignores all of it, as it did unkeyed.
+    # Each stage's legitimate upstream key, the last stage's key into the first stage (the ring:
+    # it takes only steps it expects from there), and a stage's key to the driver (CURVE admits no
+    # other) under an identity that names no stage: the driver ignores all of it, as it did unkeyed.
     socks = {s.id: upstream_socket(topology, s.id) for s in topology.stages}
+    socks["ring"] = ring_socket(topology)
     socks["driver"] = stage_dealer(topology, topology.last.id, b"fuzz")
+    answers = {**{s.id: s.id for s in topology.stages}, "ring": topology.first.id}   # who replies to what
     sent, expected, sessions, decodable = collections.Counter(), collections.Counter(), set(), [0]
     stage_ids = [s.id for s in topology.stages]
     t0 = time.monotonic()
 
     @settings(max_examples=600, deadline=None, database=None, suppress_health_check=ANY_HEALTH)
-    @given(target=st.sampled_from([*stage_ids, *stage_ids, "driver"]), frames=live_frames(576, 49152))
+    @given(target=st.sampled_from([*stage_ids, *stage_ids, "ring", "driver"]), frames=live_frames(576, 49152))
     def barrage(target, frames):
         try:
             decoded = wire.decode(frames, limits)
@@ -398,13 +401,16 @@ def test_live_stages_survive_a_malformed_barrage(live, parity):
             sessions.update([*decoded.session_ids.tolist(), decoded.session_id])
             decodable[0] += 1
         except wire.WireError as exc:
-            expected[(target, exc.code)] += 1
+            expected[(answers.get(target, target), exc.code)] += 1
         socks[target].send_multipart(frames)
         sent[target] += 1
 
     try:
         barrage()
-        # Stage 0 forwards to stage 1, so ask stage 0 first, then stage 1, whether they are done.
+        # Stage 0 forwards to stage 1, so ask the ring's connection to stage 0 first, then stage 0,
+        # then stage 1, whether they are done.
+        socks["ring"].send_multipart(sentinel(SENTINEL_ID - 1))
+        assert wait_for(lambda: any(rid == SENTINEL_ID - 1 for _, rid, _ in errors), 60), "the ring's did not"
         for i, stage in enumerate(topology.stages):
             socks[stage.id].send_multipart(sentinel(SENTINEL_ID + i))
             assert wait_for(lambda: any(rid == SENTINEL_ID + i for _, rid, _ in errors), 60), \

@@ -211,11 +211,11 @@ def test_a_stolen_stage_key_cannot_speak_for_another_stage(live):
     assert_unharmed(engine, clean, procs, before)
 
 
-@pytest.mark.parametrize(("key", "target"), [("s1", "s0"), ("s1", "s1"), ("driver", "s1")])
+@pytest.mark.parametrize(("key", "target"), [("s0", "s0"), ("s1", "s1"), ("driver", "s1")])
 def test_work_under_a_key_that_is_not_the_upstreams_is_refused_at_the_handshake(live, key, target):
-    """s1's key spraying CONFIGURE_GENERATION and a recording PREFILL at stage 0, or at its own
-    upstream slot; the driver's key at stage 1 (whose upstream is s0). The stage's authenticator
-    refuses the key: nothing is configured, nothing recorded."""
+    """A stage's own key spraying CONFIGURE_GENERATION and a recording PREFILL at its own upstream
+    slot; the driver's key at stage 1 (whose upstream is s0). The stage's authenticator refuses the
+    key: nothing is configured, nothing recorded."""
     engine, topology, procs, clean = live
     before = incarnations_of(engine)
     start = heartbeat_info(engine, target, lambda info: True)
@@ -228,6 +228,32 @@ def test_work_under_a_key_that_is_not_the_upstreams_is_refused_at_the_handshake(
         rogue.close()
     assert during == [clean]
     assert refused["peer_rejected"] == start["peer_rejected"] == 0   # nothing got past the handshake
+    assert_unharmed(engine, clean, procs, before)
+
+
+def test_the_last_stages_key_at_the_first_stage_runs_only_steps_it_expects(live):
+    """The ring (stage/run_on.py): stage 0 admits the last stage's key, and takes from it only a
+    DECODE step it expects. Poison work under that key (configures, a recording prefill, a decode
+    of a live session the driver never asked to run on) runs nothing and answers nothing."""
+    engine, topology, procs, clean = live
+    before = incarnations_of(engine)
+    start = heartbeat_info(engine, "s0", lambda info: True)
+    rogue = Rogue(topology, key="s1")
+    try:
+        with request_during(engine) as (during, live_sessions):
+            step = engine.view.stamp(Message(Kind.DECODE, 1 << 40, live_sessions[0], position=3,
+                                             tokens=np.array([7], np.int32), positions=np.array([3], np.int32),
+                                             sessions=np.array(live_sessions[:1], np.uint64),
+                                             extras={"run_on": 4, "ring": True}))
+            work = [*poison_work(live_sessions), step]
+            send_all(rogue.socket(zmq.PUSH, topology.first.connect, "s0"), work)
+            dropped = heartbeat_info(engine, "s0",
+                                     lambda i: i["run_on_dropped"] >= start["run_on_dropped"] + len(work))
+    finally:
+        rogue.close()
+    assert during == [clean]
+    assert (dropped["zap_rejected"], dropped["peer_rejected"]) == (start["zap_rejected"], start["peer_rejected"])
+    assert dropped["cache_records"] == start["cache_records"] and dropped["errors"] == start["errors"]
     assert_unharmed(engine, clean, procs, before)
 
 

@@ -26,6 +26,8 @@ STAGE_COUNTERS = {"messages": "messages handled", "errors": "error replies sent"
                   "unstamped": "requests dropped for want of the driver's chain view stamp (security on)",
                   "zap_rejected": "connections its authenticator refused (a key that is not its upstream's)",
                   "peer_rejected": "messages dropped as sent under a key that is not its upstream's",
+                  "run_on_dropped": "steps run on (its own, or the last stage's on a ring) that ran nothing: the "
+                                    "driver had moved on from the session, or never asked",
                   "cold_steps": "steps that compiled on the spot (a shape no warm-up had reached)",
                   "behind_waits": "shapes its compile thread started, after waiting, while a request held a lane",
                   "behind_child": "whole-slice shapes its compile child process compiled (read from the cache)",

@@ -54,7 +54,7 @@ class StageWorker:
         self.handlers[Kind.TRY_RESTORE_PREFILL] = restore.on_try_restore_prefill
         self.handlers[Kind.TRY_RESTORE_PREFILL_DECODE] = restore.on_try_restore_prefill_decode
         self.counters: dict[str, int] = {"messages": 0, "errors": 0, "tokens": 0, "bytes_forwarded": 0,
-                                         "forwarded": 0, "encode_send_us": 0}
+                                         "forwarded": 0, "encode_send_us": 0, "run_on_dropped": 0}
         self.memory: dict[str, int] = {}   # weight / KV / predicted bytes and budget (stage/factory.py)
         self.warm_later: list[Callable[[], Any]] = []   # compiles the loop runs while idle, after READY
         self.kernels: dict[str, str] = runner.kernels()   # the native CPU kernels its steps use, for /metrics
@@ -82,6 +82,7 @@ class StageWorker:
         """A step run on (run_on.py): its own (OWN) or, on a ring's first stage, the last stage's
         (fenced as upstream work is), for its rows still pending; `meanwhile` runs while it computes."""
         step = self.run_on.admit(msg, lambda sid: self.sessions.get(sid) is not None)
+        self.counters["run_on_dropped"] += step is None
         self.meanwhile = meanwhile
         try:
             dropped = [] if step is None else self._fenced(step)
