@@ -118,6 +118,7 @@ def test_a_pipeline_dialled_through_relays_matches_transformers(model_dir, parit
             GenRequest("relay", tuple(case["prompt_ids"]), max_tokens=n, ignore_eos=True, timeout_s=120))]
     tokens = [e.token_id for _, e in stamped if e.token_id is not None]
     assert first_mismatch(tokens, case["transformers_fp32_ids"]) == n, (tokens, case["transformers_fp32_ids"])
-    # each token after the first crossed driver -> s0 -> s1 -> driver: three one-way delays at least
+    # each token after the first crossed s0 -> s1, then s1 -> s0 (the ring, through stage 0's relay
+    # too) or s1 -> driver -> s0: two one-way delays at least
     times = [t for t, e in stamped if e.token_id is not None]
-    assert times[-1] - times[0] >= (n - 1) * 3 * DELAY_S, times
+    assert times[-1] - times[0] >= (n - 1) * 2 * DELAY_S, times
