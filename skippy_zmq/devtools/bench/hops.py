@@ -13,7 +13,11 @@ token straight to the driver, so
 where base(S) is the same topology's ms/token with no delay. The relay design
 pays the S - 1 hops again on the way back; that is the saving. On a real
 network the driver->stage 0 and final->driver links would add one delay each
-to both designs, so the saving is unchanged.
+to both designs, so the saving is unchanged. A stream that runs on (the ring,
+stage/run_on.py) sends its next step from the final stage straight to stage 0,
+a stage-to-stage link this simulation delays: S delays a token where the
+driver's round costs S - 1 here (its two links left undelayed) and S + 1 on a
+real network. `bench peers`' relay rows delay every link and compare the two.
 
 Each point runs on its own pipeline (the delay is read at stage start), so on
 a shared machine the stages' compute speed can drift between points. base(S)
