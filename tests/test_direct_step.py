@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -52,3 +53,22 @@ def test_direct_step_compiles_nothing_and_other_params_drop_it(tiny_tree):
     np.testing.assert_array_equal(got, want)
     assert not np.array_equal(got[1], first)
     assert swapped._steps.direct[((1, 1), 256, "logits")].params is swapped.params   # built anew
+
+
+def test_host_put_makes_the_arrays_device_put_makes_and_hands_the_rest_to_it():
+    device = jax.devices("cpu")[0]
+    put = direct.HostPut(device)
+    assert put.fast   # (jax 0.10.2 on the CPU: the call device_put ends in is there)
+    ids, pos, lanes = np.array([[5, 7]], np.int32), np.array([[3, 4]], np.int32), np.array([1], np.int32)
+    act = np.linspace(-2, 2, 24, dtype=np.float32).reshape(1, 2, 12)
+    for arrays in ((ids, pos, lanes), (act, pos, lanes)):
+        got, want = put(arrays), jax.device_put(arrays, device)
+        for g, w, a in zip(got, want, arrays):
+            assert (g.shape, g.dtype, g.weak_type, g.committed, g.sharding) == \
+                (w.shape, w.dtype, w.weak_type, w.committed, w.sharding)
+            np.testing.assert_array_equal(np.asarray(g), a)
+    # what device_put changes (int64 kept as int32 without x64) or must copy goes through it
+    wide, strided = np.array([[5, 7]], np.int64), np.arange(8, dtype=np.int32).reshape(2, 4)[:, ::2]
+    got = put((wide, strided, lanes))
+    assert [g.dtype for g in got] == [np.int32, np.int32, np.int32]
+    np.testing.assert_array_equal(np.asarray(got[1]), strided)

@@ -10,6 +10,14 @@ per step (measured beside the jit call, same process). The executable is the one
 Only on the CPU, only for the params tree it was built with (`Steps` drops every DirectStep
 when a step brings another), and only where this JAX has the executable's pieces it needs;
 otherwise `build` returns None and jit runs the shape.
+
+A step's small host inputs (ids or activations, positions, lanes) go to the device the same way
+(`HostPut`): jax.device_put makes a sharding, walks the tuple and abstracts each array before the
+one call that copies it (`batched_device_put`); a stage's main thread does that between a step's
+logits and the next step's dispatch, on the token's critical path, right after the step streamed
+the weights through the caches. HostPut makes that call itself: SmolLM2 `Q4_K_M`, 1-row decode
+after 512 tokens, alternating step by step in one process (2-core EPYC Zen 4), 9.17-9.51 ms a step
+with jax.device_put against 8.83-9.25 with HostPut (three runs).
 """
 
 from __future__ import annotations
@@ -17,6 +25,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
+
+try:   # the call jax.device_put ends in for a host array (jax 0.10.2); absent: device_put does it all
+    from jax._src.core import ShapedArray
+    from jax._src.interpreters.pxla import batched_device_put
+except ImportError:   # pragma: no cover
+    ShapedArray = batched_device_put = None
 
 
 class DirectStep:
@@ -90,3 +105,21 @@ def from_compiled(compiled: Any, params: Any, kv: Any, inputs: tuple[jax.Array, 
     except (AttributeError, TypeError, NotImplementedError):
         return None
     return DirectStep(executable, kept, compiled.out_tree, params)
+
+
+class HostPut:
+    """Host numpy arrays to committed arrays on one device, as jax.device_put(arrays, device) makes
+    them (the same call copies them, with the same abstract value and sharding), past its per-call
+    work (module docstring). On the CPU, for C-contiguous arrays of a dtype JAX keeps as it is;
+    anything else goes through jax.device_put."""
+
+    def __init__(self, device: Any):
+        self.device, self.sharding = device, jax.sharding.SingleDeviceSharding(device)
+        self.fast = batched_device_put is not None and device.platform == "cpu"
+
+    def __call__(self, arrays: tuple[np.ndarray, ...]) -> tuple[jax.Array, ...]:
+        if self.fast and all(type(a) is np.ndarray and a.flags.c_contiguous and
+                             jax.dtypes.canonicalize_dtype(a.dtype) == a.dtype for a in arrays):
+            return tuple(batched_device_put(ShapedArray(a.shape, a.dtype), self.sharding, [a], [self.device])
+                         for a in arrays)
+        return jax.device_put(arrays, self.device)

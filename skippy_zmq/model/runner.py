@@ -73,6 +73,7 @@ class SliceRunner(CompileBehind):
         self.params = commit(fuse.fuse_params(params) if device.platform == "cpu" else for_device(params, device),
                              device)
         self.kv_cfg, self.buckets, self.device = kv_cfg, buckets, device
+        self._host_put = direct.HostPut(device)   # a step's inputs to the device (direct.py)
         self.kv = KVCache.create(cfg, end - start, kv_cfg.lanes, kv_cfg.capacity,
                                  jnp.dtype(kv_cfg.dtype), device)
         self.stats = StepStats()
@@ -149,9 +150,9 @@ class SliceRunner(CompileBehind):
         fused = self._fused(shape)
         if shape not in (self.stats.shapes if fused else self.stats.layered):
             self.stats.cold_steps += 1   # this step compiles first (a warm-up missed its shape)
-        out, self.kv, routed = self._steps.run(shape, fused, self.params, self.kv, jax.device_put(
-            (inputs, positions, lanes), self.device), dict(cfg=self.cfg, start=self.start, end=self.end,
-                                                             attn_len=attn_len, output=output))
+        out, self.kv, routed = self._steps.run(shape, fused, self.params, self.kv, self._host_put(
+            (inputs, positions, lanes)), dict(cfg=self.cfg, start=self.start, end=self.end,
+                                              attn_len=attn_len, output=output))
         if meanwhile is not None:   # the step is dispatched and computes: the caller's work overlaps it
             meanwhile()
         if out is not None:
