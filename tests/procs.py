@@ -110,7 +110,7 @@ def serving(topology_path: Path, run_dir: Path) -> Iterator[Served]:
 # Idle warm-ups on: test_soak and test_fuzz measure the stages once warm (a shared start, paid once).
 # Heartbeats every 0.2 s (0.5 by default): after each test, conftest.shared_lanes_are_freed waits for
 # the stages' next report of their lanes.
-# weights f32: the shared pipelines' tests count f32 bytes and compare with f32 engines, whatever the
-# checkpoint stores (a fresh `make model` keeps the GGUF's Q4_1 blocks; weights: auto would run those).
-SHARED = dict(kv_lanes=8, weights="f32", idle_warmups=True, driver__max_sessions=8, driver__speculative={"method": "ngram", "max_draft": 8},
+# weights auto: what a user's stage runs, the checkpoint's own (a fresh `make model` keeps the GGUF's Q4_1
+# blocks, run by the CPU kernel); tests that compare with a single process use the same weights.
+SHARED = dict(kv_lanes=8, weights="auto", idle_warmups=True, driver__max_sessions=8, driver__speculative={"method": "ngram", "max_draft": 8},
               driver__heartbeat_s=0.2)

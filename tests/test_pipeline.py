@@ -20,7 +20,7 @@ from skippy_zmq.protocol.wire import Kind, Message
 
 @pytest.fixture(scope="module")
 def local(model_dir):
-    return LocalEngine(model_dir)
+    return LocalEngine(model_dir, weights="auto")
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2stage", "3stage"])

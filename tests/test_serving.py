@@ -13,6 +13,8 @@ import pytest
 
 from procs import TEST_CONTEXT
 
+from skippy_zmq.model import quant
+
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Name three primes.",
              "Why is the sky blue?", "Say hello in Spanish.", "What is 7 times 8?", "Describe a cat.",
@@ -117,9 +119,12 @@ def test_repeated_prompt_reports_cached_tokens_and_cache_metrics(served):
 
 def test_metrics_show_each_stage_weight_kv_and_rss_bytes(served):
     _, url = served
-    layers = 3_540_096                # floats in one SmolLM2 layer: 2 norms of 576, wq/wo 576², wk/wv 576x192, 3 x 576x1536
-    embed, norm = 49_152 * 576, 576   # the tied embedding sits on both stages (the last one's head)
-    expected = {"s0": 4 * (15 * layers + embed), "s1": 4 * (15 * layers + embed + norm)}
+    # the checkpoint's own blocks (weights: auto): a layer's matrices (wq/wo 576², wk/wv 576x192, 3 x 576x1536)
+    # in Q4_1 (20 bytes a block of 32), its 2 norms of 576 in f32; the tied embedding in Q8_0 (34 bytes a
+    # block of 32) sits on both stages (the last one's head), the final norm on the last
+    layer = 3_538_944 // 32 * 20 + 4 * 2 * 576
+    embed, norm = 49_152 * 576 // 32 * 34, 4 * 576
+    expected = {"s0": 15 * layer + embed, "s1": 15 * layer + embed + norm}
     for stage, weight_bytes in expected.items():
         label = f'stage="{stage}"'
         assert metric(url, "skippy_stage_weight_bytes", label) == weight_bytes
@@ -128,8 +133,8 @@ def test_metrics_show_each_stage_weight_kv_and_rss_bytes(served):
         assert metric(url, "skippy_stage_rss_bytes", label) > weight_bytes + kv
         assert metric(url, "skippy_stage_predicted_bytes", label) > weight_bytes + kv + 256 * 2**20
         assert metric(url, "skippy_stage_memory_budget_bytes", label) == 0
-        # f32 weights: no quantised matmul to report, but decode attention runs in the CPU kernel
-        kernels = f'decode_attention="kernel",matmul="xla",{label}'   # the exposition sorts labels
+        # the quantised matmuls and decode attention run in the CPU kernel, its loops this CPU's best
+        kernels = f'decode_attention="kernel",matmul="{quant.kernel_isa()}",{label}'   # the exposition sorts labels
         assert metric(url, "skippy_stage_kernel_info", kernels) == 1.0
 
 
