@@ -78,7 +78,8 @@ print(json.dumps({"isa": quant.kernel_isa(), "built": kernel.kernel_isas(), "sup
 
 def test_a_fresh_build_of_this_cpus_loops_links_loads_and_matches_the_xla_path(tmp_path):
     """The glue built without the other sets' loops (-DSKIPPY_NO_<isa>) links, loads (every symbol
-    resolved: ctypes loads with RTLD_NOW) and runs auto's loops, with the XLA path's results."""
+    resolved: ctypes loads with RTLD_NOW) and runs auto's loops, with the XLA path's results; the
+    library lands in the cache folder, never in the source tree."""
     if not shutil.which(os.environ.get("CXX") or "g++"):
         pytest.skip("no C++ compiler")
     cache = tmp_path / "cache"
@@ -87,6 +88,9 @@ def test_a_fresh_build_of_this_cpus_loops_links_loads_and_matches_the_xla_path(t
     assert built[-1] == "generic" and got["isa"] == built[0] and got["supported"] == list(built)
     assert [p.name.split("-")[2] for p in cache.glob("*.so")] == ["+".join(built)]
     assert got["worst"] < 1e-3, got
+    [only] = cache.iterdir()   # the library alone, named for the machine and the loops it holds
+    assert only.name.startswith(f"quant_kernel-{platform.machine()}-{'+'.join(built)}-") and only.suffix == ".so"
+    assert not [p for p in (REPO / "skippy_zmq" / "model").iterdir() if p.suffix in (".so", ".o")]
 
 
 def run_child(tmp_path: Path, cache: Path, installed: Path, **extra: str) -> dict:
