@@ -62,7 +62,7 @@ def test_a_short_mixed_soak_has_no_errors(shared_pipelines, tmp_path):
     for i, proc in enumerate(served.procs):
         (run / f"s{i}.pid").write_text(f"{proc.pid}\n")
     rc = soak.main(["--url", served.url + "/v1", "--run-dir", str(run), "--out", str(tmp_path / "out"),
-                    "--streams", str(len(soak.KINDS)), "--minutes", "0.25", "--max-tokens", "8",
+                    "--streams", str(len(soak.KINDS)), "--minutes", "0.1", "--max-tokens", "8",
                     "--mix", "all", "--sample-s", "2", "--request-timeout", "300"])
     result = json.loads((tmp_path / "out" / "soak.json").read_text())
     summary = result["summary"]
