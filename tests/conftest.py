@@ -110,7 +110,7 @@ def work_unit(nodeid: str) -> str:
 # the workers take them before the rest, so no long unit starts last and runs alone at the end (xdist's
 # own order, most tests first, left the 1-test pipelines of test_curve_pipeline, test_netns and
 # test_launch for the end). Units not listed follow in collection order.
-LONGEST_FIRST = ["shared-pipelines",   # 300 s
+LONGEST_FIRST = ["shared-pipelines",   # 300 s in that run; 172 s alone (-n 0, warm, 2026-12-07, weights auto)
                  # llama.cpp's server tests against a pipeline of its own: 230 s in that run; its pipeline now
                  # serves 512 positions (2048 before), 250-320 -> 190-250 s alone on the loaded machine
                  "test_llama_server_suite",
