@@ -107,10 +107,12 @@ def serving(topology_path: Path, run_dir: Path) -> Iterator[Served]:
 
 # The configuration of the shared pipelines (conftest.shared_pipelines): 8 lanes and sessions for
 # concurrency tests, speculation on as in the shipped topologies (requests opt out per call).
-# Idle warm-ups on: test_soak and test_fuzz measure the stages once warm (a shared start, paid once).
+# No idle warm-ups (write_topology's default, as for every other test pipeline): the shapes the
+# shared modules reach compile on use (with empty caches the unit alone took 300 s and 507 CPU s
+# with them, 248 s and 393 without; with warm caches 242 CPU s either way).
 # Heartbeats every 0.2 s (0.5 by default): after each test, conftest.shared_lanes_are_freed waits for
 # the stages' next report of their lanes.
 # weights auto: what a user's stage runs, the checkpoint's own (a fresh `make model` keeps the GGUF's Q4_1
 # blocks, run by the CPU kernel); tests that compare with a single process use the same weights.
-SHARED = dict(kv_lanes=8, weights="auto", idle_warmups=True, driver__max_sessions=8, driver__speculative={"method": "ngram", "max_draft": 8},
+SHARED = dict(kv_lanes=8, weights="auto", driver__max_sessions=8, driver__speculative={"method": "ngram", "max_draft": 8},
               driver__heartbeat_s=0.2)
