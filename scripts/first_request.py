@@ -7,6 +7,8 @@
     .venv/bin/python scripts/first_request.py --keep-caches
     # the steps alone: a repeated prompt is otherwise drafted from its own earlier answer
     .venv/bin/python scripts/first_request.py --speculative off
+    # then the same first requests to a restart on the caches the first run filled (first ÷ that first)
+    .venv/bin/python scripts/first_request.py --restart
 
 What a fresh clone's `make serve` meets: a temporary, empty JAX compile cache (SKIPPY_JAX_CACHE) and
 kernel cache (SKIPPY_KERNEL_CACHE; the kernel `make install` built stays in use, unless
@@ -22,6 +24,7 @@ wall seconds alone). Every process it started is stopped before it exits.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -31,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import yaml
@@ -96,11 +100,12 @@ def children(pids: list[int]) -> list[int]:
     return out
 
 
-def wait_for(check, timeout: float, what: str, server: subprocess.Popen) -> float:
-    """Poll `check` every 50 ms until it is true; seconds waited. Fails if the server dies or time runs out."""
+def wait_for(check, timeout: float, what: str, server: subprocess.Popen | None) -> float:
+    """Poll `check` every 50 ms until it is true; seconds waited. Fails if the server (when given) dies or
+    time runs out."""
     t0 = time.perf_counter()
     while not check():
-        if server.poll() is not None:
+        if server is not None and server.poll() is not None:
             raise SystemExit(f"the server exited with code {server.returncode} before {what}")
         if time.perf_counter() - t0 > timeout:
             raise TimeoutError(f"no {what} within {timeout:g} s")
@@ -143,21 +148,19 @@ def ask(client, model: str, tokens: int, pids: list[int], prompt: str = PROMPT) 
             "text": reply.choices[0].message.content}
 
 
-def serve(args: argparse.Namespace, tmp: Path) -> dict:
+@contextlib.contextmanager
+def launch(args: argparse.Namespace, tmp: Path, env: dict, name: str) -> Iterator[tuple]:
+    """`skippy-zmq up` of the topology (its own ports, run and key folders under tmp/name) until /readyz
+    says 200: yields (http, client, model, pids, ready_s, ready_cpu_s); stops every process after."""
     from openai import OpenAI
 
-    env = dict(os.environ)
-    if not args.keep_caches:
-        env.update(SKIPPY_JAX_CACHE=str(tmp / "jax"), SKIPPY_KERNEL_CACHE=str(tmp / "kernel"))
-    if args.no_installed_kernel:   # as without `make install`'s build-kernel: the stages build it
-        env.update(SKIPPY_KERNEL_INSTALL_DIR=str(tmp / "no-kernel-installed"))
-    topology, run_dir = fresh_topology(Path(args.topology), tmp, args.speculative), tmp / "run"
+    topology, run_dir = fresh_topology(Path(args.topology), tmp / name, args.speculative), tmp / name / "run"
     http_addr = yaml.safe_load(topology.read_text())["driver"]["http"]
     cli = Path(sys.executable).parent / "skippy-zmq"
-    load_before = os.getloadavg()
     t0 = time.perf_counter()
     server = subprocess.Popen([str(cli), "up", str(topology), "--run-dir", str(run_dir)], cwd=ROOT, env=env,
-                              stdout=subprocess.DEVNULL, stderr=open(tmp / "up.log", "w"), start_new_session=True)
+                              stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}-up.log", "w"),
+                              start_new_session=True)
     try:
         with httpx.Client(base_url=f"http://{http_addr}", timeout=10) as http:
             wait_for(lambda: ready(http), args.timeout, "/readyz 200", server)
@@ -167,15 +170,7 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
             client = OpenAI(base_url=f"http://{http_addr}/v1", api_key="none", timeout=args.timeout)
             model = client.models.list().data[0].id
             client.chat.completions   # the client's own lazy import of its chat module (~0.1 s), out of the timing
-            after_ready = [ask(client, model, args.tokens, pids) for _ in range(args.repeat)]
-            try:
-                settle_s = wait_for(lambda: warmed(http), args.settle_timeout or args.timeout, "idle warm-ups done",
-                                    server)
-            except TimeoutError:   # a loaded machine: the warm figures are then quoted as not settled
-                settle_s = None
-            warm = [ask(client, model, args.tokens, pids) for _ in range(args.repeat)]
-            fresh = [ask(client, model, args.tokens, pids, prompt) for prompt in FRESH[:args.repeat]]
-            counters = stage_counters(http)
+            yield http, client, model, pids, ready_s, ready_cpu_s
     finally:
         os.killpg(server.pid, signal.SIGTERM)   # the server stops its stages; the group catches any left
         try:
@@ -183,7 +178,31 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
-    texts = {r.pop("text") for r in after_ready + warm}
+
+
+def serve(args: argparse.Namespace, tmp: Path) -> dict:
+    env = dict(os.environ)
+    if not args.keep_caches:
+        env.update(SKIPPY_JAX_CACHE=str(tmp / "jax"), SKIPPY_KERNEL_CACHE=str(tmp / "kernel"))
+    if args.no_installed_kernel:   # as without `make install`'s build-kernel: the stages build it
+        env.update(SKIPPY_KERNEL_INSTALL_DIR=str(tmp / "no-kernel-installed"))
+    load_before = os.getloadavg()
+    with launch(args, tmp, env, "first") as (http, client, model, pids, ready_s, ready_cpu_s):
+        after_ready = [ask(client, model, args.tokens, pids) for _ in range(args.repeat)]
+        try:
+            settle_s = wait_for(lambda: warmed(http), args.settle_timeout or args.timeout, "idle warm-ups done",
+                                None)
+        except TimeoutError:   # a loaded machine: the warm figures are then quoted as not settled
+            settle_s = None
+        warm = [ask(client, model, args.tokens, pids) for _ in range(args.repeat)]
+        fresh = [ask(client, model, args.tokens, pids, prompt) for prompt in FRESH[:args.repeat]]
+        counters = stage_counters(http)
+    restarted = None
+    if args.restart:   # the same launch and first request again, the caches now as the first run left them
+        with launch(args, tmp, env, "restart") as (_http, client, model, pids, again_s, again_cpu_s):
+            restarted = {"ready_s": round(again_s, 2), "ready_cpu_s": round(again_cpu_s, 2),
+                         "after_ready": [ask(client, model, args.tokens, pids) for _ in range(args.repeat)]}
+    texts = {r.pop("text") for r in after_ready + warm + (restarted["after_ready"] if restarted else [])}
     for r in fresh:
         r.pop("text")
     warm_s = statistics.median(r["wall_s"] for r in warm)
@@ -195,22 +214,30 @@ def serve(args: argparse.Namespace, tmp: Path) -> dict:
             "first_over_warm_fresh": round(after_ready[0]["wall_s"] / statistics.median(r["wall_s"] for r in fresh), 2),
             "first_cpu_over_warm_cpu": round(after_ready[0]["cpu_s"] / max(0.01, statistics.median(
                 r["cpu_s"] for r in warm)), 2),
+            "restarted": restarted,
+            "first_over_restart_first": restarted and round(
+                after_ready[0]["wall_s"] / restarted["after_ready"][0]["wall_s"], 2),
             "stage_counters": counters, "same_text": len(texts) == 1, "load_before": [round(x, 2) for x in load_before],
-            "load_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(), "logs": str(run_dir)}
+            "load_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(), "logs": str(tmp)}
 
 
 def table(result: dict) -> str:
     rows = ["| request | wall s | CPU s (stages + server) | CPU s (compile children) | prompt / completion tokens |",
             "|---|---|---|---|---|"]
-    for name in ("after_ready", "warm", "warm_fresh_prompt"):
-        for i, r in enumerate(result[name]):
+    restarted = result.get("restarted") or {}
+    for name, runs in (("after_ready", result["after_ready"]), ("warm", result["warm"]),
+                       ("warm_fresh_prompt", result["warm_fresh_prompt"]),
+                       ("restart, after_ready", restarted.get("after_ready", []))):
+        for i, r in enumerate(runs):
             rows.append(f"| {name} #{i + 1} | {r['wall_s']:.3f} | {r['cpu_s']:.2f} | {r['children_cpu_s']:.2f} | "
                         f"{r['prompt_tokens']} / {r['completion_tokens']} |")
     return "\n".join(rows + [
         "", f"READY {result['ready_s']} s after launch ({result['ready_cpu_s']} CPU s); idle warm-ups done {result['settle_s']} s after the "
         f"{len(result['after_ready'])} requests (None: not within --timeout); first ÷ warm: {result['first_over_warm']} (wall), "
         f"{result['first_cpu_over_warm_cpu']} (CPU); first ÷ warm fresh prompts: {result['first_over_warm_fresh']}; same text every time: {result['same_text']}; "
-        f"load {result['load_before']} -> {result['load_after']} on {result['cpus']} CPUs", f"stages: {result.get('stage_counters')}"])
+        f"load {result['load_before']} -> {result['load_after']} on {result['cpus']} CPUs", f"stages: {result.get('stage_counters')}"]
+        + ([f"restarted on the caches the first run left: READY {restarted['ready_s']} s ({restarted['ready_cpu_s']} CPU s); "
+            f"first ÷ the restart's first: {result['first_over_restart_first']}"] if restarted else []))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speculative", choices=("off", "ngram", "suffix"),
                     help="the drafter's method (default: the topology's). A repeat of one prompt is drafted "
                          "from its earlier answer (ngram), so `off` compares the steps alone")
+    ap.add_argument("--restart", action="store_true",
+                    help="then start again on the caches the first run filled and send the same first requests: "
+                         "the same request once warm, with no prefix store or drafter history of it")
     ap.add_argument("--out", type=Path, help="write the result as JSON here")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="first-request-"))

@@ -47,6 +47,31 @@ def test_amx_listed_but_unusable_names_every_other_extension():
     assert partial["GGML_AVX512_VNNI"] == partial["GGML_AVX2"] == "ON"
 
 
+def test_avx2_build_names_only_what_an_avx2_host_has():
+    """SKIPPY_PEERS_ISA=avx2 on an AVX-512 CPU (with AMX, usable or not): AVX2, FMA, F16C, BMI2, AVX and
+    SSE4.2 on, every AVX-512 extension, AVX-VNNI and AMX off; a CPU without AVX2 gets none of them."""
+    for amx_usable in (True, False):
+        options = isa_options(SAPPHIRE, amx_usable, isa="avx2")
+        assert set(options) == {"GGML_NATIVE", *X86_OPTIONS, *AMX_OPTIONS} and options["GGML_NATIVE"] == "OFF"
+        assert {k for k, v in options.items() if v == "ON"} == set(llama_build.AVX2_OPTIONS)
+    older = isa_options(frozenset({"sse4_2", "avx"}), False, isa="avx2")
+    assert {k for k, v in older.items() if v == "ON"} == {"GGML_SSE42", "GGML_AVX"}
+
+
+def test_peers_isa_picks_the_build_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("SKIPPY_PEERS_DIR", str(tmp_path / "peers"))
+    monkeypatch.delenv(llama_build.PEERS_ISA_ENV, raising=False)
+    assert llama_build.peers_isa() == "native" and llama_build.cache_dir() == tmp_path / "peers"
+    monkeypatch.setenv(llama_build.PEERS_ISA_ENV, "AVX2")
+    assert llama_build.peers_isa() == "avx2" and llama_build.cache_dir() == tmp_path / "peers-avx2"
+    assert llama_build.cache_dir("native") == tmp_path / "peers"
+    options, host = llama_build.host_options()
+    assert options["GGML_NATIVE"] == "OFF" and options["GGML_AVX512"] == "OFF" and host["peers_isa"] == "avx2"
+    monkeypatch.setenv(llama_build.PEERS_ISA_ENV, "avx512")
+    with pytest.raises(SystemExit, match="SKIPPY_PEERS_ISA='avx512' is not one of native, avx2"):
+        llama_build.peers_isa()
+
+
 def test_probe_that_cannot_compile_or_run_says_amx_is_unusable(tmp_path):
     assert amx_probe("false") == (False, "false cannot compile the probe: ")
     usable, seen = amx_probe(str(tmp_path / "no-such-compiler"))

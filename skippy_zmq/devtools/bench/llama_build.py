@@ -17,6 +17,10 @@ tile data (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`), load a tile c
 stack, `tilezero`. It fails where the kernel does not grant AMX and also where the compiler drops the
 config's stores before `ldtilecfg` (GCC 12 does, at -O2 and above): either way ggml's AMX kernels
 would die at the first matrix product with SIGILL.
+
+`SKIPPY_PEERS_ISA=avx2` builds llama.cpp as an AVX2-only host runs it (AVX2, FMA, F16C, BMI2, no
+AVX-512, no AMX: the extensions named one by one) into its own folder (`<cache>-avx2`), so one AVX-512
+machine measures both CPU classes: beside `SKIPPY_KERNEL_ISA=avx2` for ours.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ X86_OPTIONS = {
     "GGML_AVX512_BF16": ("avx512_bf16",),
 }
 AMX_OPTIONS = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
+# what an AVX2-only x86 host builds (SKIPPY_PEERS_ISA=avx2): the extensions Haswell to Zen 3 share
+AVX2_OPTIONS = ("GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_BMI2", "GGML_FMA", "GGML_F16C")
+PEERS_ISA_ENV = "SKIPPY_PEERS_ISA"   # native (default) | avx2
+PEERS_ISAS = ("native", "avx2")
 AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")
 # ggml_amx_init and ggml_tile_config_init (ggml-cpu/amx/{amx,mmq}.cpp) in one program; exit 0: AMX runs
 AMX_PROBE = r"""
@@ -117,28 +125,47 @@ def amx_probe(cxx: str | None = None) -> tuple[bool, str]:
     return False, f"the tile config did not take ({died}; built with {cxx} -O3 -march=native)"
 
 
-def isa_options(flags: frozenset[str] | set[str], amx_usable: bool) -> dict[str, str]:
+def isa_options(flags: frozenset[str] | set[str], amx_usable: bool, isa: str = "native") -> dict[str, str]:
     """The ISA options for a CPU with these cpuinfo flags: -march=native where that is safe (no AMX
-    advertised, or AMX runs); else each extension the CPU lists, by name, and AMX off."""
+    advertised, or AMX runs); else each extension the CPU lists, by name, and AMX off. isa="avx2":
+    only AVX2_OPTIONS (those the CPU lists), every other extension and AMX off."""
+    if isa == "avx2":
+        named = {opt: "ON" if opt in AVX2_OPTIONS and all(f in flags for f in need) else "OFF"
+                 for opt, need in X86_OPTIONS.items()}
+        return {"GGML_NATIVE": "OFF", **named, **{opt: "OFF" for opt in AMX_OPTIONS}}
     if amx_usable or not any(f in flags for f in AMX_FLAGS):
         return {"GGML_NATIVE": "ON"}
     named = {opt: "ON" if all(f in flags for f in need) else "OFF" for opt, need in X86_OPTIONS.items()}
     return {"GGML_NATIVE": "OFF", **named, **{opt: "OFF" for opt in AMX_OPTIONS}}
 
 
+def peers_isa() -> str:
+    """$SKIPPY_PEERS_ISA: native (default: this CPU's best) or avx2 (as an AVX2-only host builds it)."""
+    isa = os.environ.get(PEERS_ISA_ENV, "").strip().lower() or "native"
+    if isa not in PEERS_ISAS:
+        raise SystemExit(f"{PEERS_ISA_ENV}={isa!r} is not one of {', '.join(PEERS_ISAS)}")
+    return isa
+
+
 def host_options() -> tuple[dict[str, str], dict[str, Any]]:
-    """This host's cmake options (CMAKE_OPTIONS plus isa_options) and what decided them (for build.json);
-    the probe runs only where the CPU advertises AMX."""
-    flags = cpu_flags()
+    """This host's cmake options (CMAKE_OPTIONS plus isa_options for peers_isa) and what decided them (for
+    build.json); the probe runs only where a native build is asked for and the CPU advertises AMX."""
+    flags, isa = cpu_flags(), peers_isa()
     advertised = sorted(f for f in AMX_FLAGS if f in flags)
-    usable, seen = amx_probe() if advertised else (False, "no AMX advertised")
-    isa = isa_options(flags, usable)
-    return {**CMAKE_OPTIONS, **isa}, {"amx_advertised": advertised, "amx_usable": usable, "amx_probe": seen}
+    usable, seen = amx_probe() if advertised and isa == "native" else (False, "no AMX advertised" if not advertised
+                                                                        else f"not probed ({PEERS_ISA_ENV}={isa})")
+    options = isa_options(flags, usable, isa)
+    return {**CMAKE_OPTIONS, **options}, {"peers_isa": isa, "amx_advertised": advertised, "amx_usable": usable,
+                                          "amx_probe": seen}
 
 
-def cache_dir() -> Path:
+def cache_dir(isa: str | None = None) -> Path:
+    """Where the peers of `isa` (default peers_isa()) are built: $SKIPPY_PEERS_DIR or
+    ~/.cache/skippy_zmq/llama.cpp-<version>, with -avx2 after it for the AVX2-only build."""
     env = os.environ.get("SKIPPY_PEERS_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "skippy_zmq" / f"llama.cpp-{SDIST_VERSION}"
+    base = Path(env) if env else Path.home() / ".cache" / "skippy_zmq" / f"llama.cpp-{SDIST_VERSION}"
+    isa = isa or peers_isa()
+    return base if isa == "native" else base.with_name(f"{base.name}-{isa}")
 
 
 def binary_paths(root: Path) -> dict[str, Path]:
@@ -187,7 +214,7 @@ def sdist(root: Path | None = None) -> Path:
     sdist reads (the peers build, llama.cpp's server tests, its models/ folder for the suite): the
     suite's parallel workers ask at once, so one downloads (under a lock, into a staging folder,
     renamed in whole) while the others wait and find it."""
-    download = (root or cache_dir()) / "sdist"
+    download = (root or cache_dir("native")) / "sdist"
     archive = download / f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
     if archive.is_file():
         return archive
@@ -209,7 +236,7 @@ def _source(root: Path) -> Path:
     source = root / "src" / f"llama_cpp_python-{SDIST_VERSION}" / "vendor" / "llama.cpp"
     if (source / "CMakeLists.txt").is_file():
         return source
-    archive = sdist(root)
+    archive = sdist(None if root == cache_dir() else root)   # the default folders share one download
     with tarfile.open(archive) as tar:
         tar.extractall(root / "src", filter="data")
     if not (source / "CMakeLists.txt").is_file():
@@ -230,8 +257,8 @@ def build(root: Path | None = None, jobs: int | None = None, force: bool = False
     out = root / "build"
     # a fresh tree for a new option set: CMakeCache.txt would keep options this configure does not name
     shutil.rmtree(out, ignore_errors=True)
-    print(f"[peers] building {', '.join(BINARIES)} from {source} with {jobs} jobs, GGML_NATIVE="
-          f"{options['GGML_NATIVE']} (AMX: {host['amx_probe']}); about 10-15 minutes on 2 cores; "
+    print(f"[peers] building {', '.join(BINARIES)} from {source} with {jobs} jobs, {PEERS_ISA_ENV}="
+          f"{host['peers_isa']}, GGML_NATIVE={options['GGML_NATIVE']} (AMX: {host['amx_probe']}); about 10-15 minutes on 2 cores; "
           f"log: {root / 'build.log'}", flush=True)
     t0 = time.monotonic()
     with open(root / "build.log", "w") as log:
