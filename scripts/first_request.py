@@ -154,6 +154,7 @@ def launch(args: argparse.Namespace, tmp: Path, env: dict, name: str) -> Iterato
     says 200: yields (http, client, model, pids, ready_s, ready_cpu_s); stops every process after."""
     from openai import OpenAI
 
+    (tmp / name).mkdir()
     topology, run_dir = fresh_topology(Path(args.topology), tmp / name, args.speculative), tmp / name / "run"
     http_addr = yaml.safe_load(topology.read_text())["driver"]["http"]
     cli = Path(sys.executable).parent / "skippy-zmq"
