@@ -97,7 +97,7 @@ def selected(isa: str):
     loaded = kernel._load_kernel()
     assert kernel._select_isa(loaded.lib, isa) == isa
     try:
-        yield
+        yield isa
     finally:
         assert kernel._select_isa(loaded.lib, loaded.isa) == loaded.isa
 

@@ -1,11 +1,14 @@
 """The native quantised-matmul kernel as a dependency: built into a user cache
 (never the source tree), one library with per-ISA loops picked at load time,
 SKIPPY_KERNEL_ISA forcing a path, and exactly one warning plus the XLA
-fallback when no compiler exists. Each case runs in a fresh interpreter,
-since the kernel is loaded once per process."""
+fallback when no compiler exists. The cases of how a path is chosen or built run in a fresh
+interpreter, since the kernel is loaded once per process; the int8-activation loops' cases switch
+the loaded library's loops in this process."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import platform
@@ -65,7 +68,7 @@ if quant.kernel_available():
             s = 0.3 * k[lane, h // 2, :n] @ q[b, h]
             p = np.exp(s - s.max())
             attn = max(attn, float(np.abs(got[b, h] - p @ v[lane, h // 2, :n] / p.sum()).max()))
-print(json.dumps({"available": quant.kernel_available(), "isa": quant.kernel_isa(), "worst": worst,
+print(json.dumps({"available": quant.kernel_available(), "isa": globals().get("ISA") or quant.kernel_isa(), "worst": worst,
                   "attention": attn}))
 """
 
@@ -88,12 +91,14 @@ def cpu_flags() -> set[str]:
 
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_forced_isa_runs_and_matches_the_xla_fallback(tmp_path, isa):
-    """SKIPPY_KERNEL_ISA=avx2 runs the AVX2 loops even on an AVX-512 CPU (as CI's is)."""
+    """The AVX2 (or generic) loops run even on an AVX-512 CPU (as CI's is) and give the fallback's
+    values: switched in this process through the call SKIPPY_KERNEL_ISA makes at load (the variable
+    itself: test_auto_picks_the_best_isa_this_cpu_supports)."""
     if not shutil.which(os.environ.get("CXX") or "g++"):
         pytest.skip("no C++ compiler")
     if isa == "avx2" and not (X86 and {"avx2", "fma", "f16c"} <= cpu_flags()):
         pytest.skip("this CPU has no AVX2")
-    got, _ = run_child(tmp_path, FULL, SKIPPY_KERNEL_ISA=isa)
+    got = run_in_process(CHILD, isa, SHAPES=json.dumps(FULL))
     assert got["available"] and got["isa"] == isa
     assert got["worst"] < 1e-5 and got["attention"] < 1e-5
 
@@ -180,7 +185,7 @@ def gguf_panels(rng, kind, k, n):
     return quant.pack_rows(lv, s, None, "kernel", bits)
 
 rng = np.random.default_rng(0)
-out = {"isa": quant.kernel_isa(), "exact": 0.0, "vs_f32": 0.0, "row_alone_same": True}
+out = {"isa": ISA, "exact": 0.0, "vs_f32": 0.0, "row_alone_same": True}
 for bits in (8, 4, "Q5_0", "Q8_0"):
     for m, k, n in [(1, 576, 192), (2, 64, 97), (5, 96, 130), (9, 576, 1536), (1, 2048, 2100), (3, 32, 65)]:
         w = rng.standard_normal((k, n)).astype(np.float32)
@@ -204,15 +209,7 @@ def test_int8_activation_loops_compute_exactly_what_they_define(tmp_path):
     summed exactly in int32 by vpdpbusd, equals a numpy model of that arithmetic to float rounding,
     is the same for a row whether or not other rows share the call, and is within int8 rounding
     (a few 1e-3 of the output scale) of the float matmul."""
-    if not shutil.which(os.environ.get("CXX") or "g++"):
-        pytest.skip("no C++ compiler")
-    if not (X86 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"} <= cpu_flags()):
-        pytest.skip("this CPU has no AVX512-VNNI with VBMI")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "SKIPPY_KERNEL_ISA": "avx512vnni"}
-    done = subprocess.run([sys.executable, "-c", INT8_CHILD], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = run_int8_child(tmp_path, INT8_CHILD)
     assert got["isa"] == "avx512vnni" and got["row_alone_same"]
     assert got["exact"] < 1e-5
     assert 1e-4 < got["vs_f32"] < 3e-2
@@ -280,7 +277,7 @@ def model(x, raw):
     return (isum * scale[None] * xd[:, None]).sum(-1) - xs @ shift.T
 
 dense = jax.jit(ggml.block_dense)
-out = {"isa": quant.kernel_isa(), **OUT}
+out = {"isa": ISA, **OUT}
 rng = np.random.default_rng(0)
 for m, k, n in [(1, 256, 37), (2, 512, 50), (3, 1024, 23), (4, 2048, 70), (5, 768, 19), (6, 1536, 41),
                 (1, 2048, 300), (6, 256, 5), (9, 512, 21), (13, 256, 40)]:   # (9, 13: prefill-sized calls)   # (1, 2048, 300): enough work for the pool's helpers
@@ -297,17 +294,34 @@ print(json.dumps(out))
 
 
 def run_int8_child(tmp_path, code: str, *args: str) -> dict:
-    """`code` (given `args` as sys.argv[1:]) in a fresh interpreter with the kernel forced to avx512vnni: the
-    JSON of its last line (skips where there is no compiler or no AVX512-VNNI with VBMI)."""
+    """`code` (given `args` as sys.argv[1:]) on the avx512vnni loops (run_in_process): the JSON of its
+    last printed line; skips where there is no compiler or no AVX512-VNNI with VBMI."""
     if not shutil.which(os.environ.get("CXX") or "g++"):
         pytest.skip("no C++ compiler")
     if not (X86 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"} <= cpu_flags()):
         pytest.skip("this CPU has no AVX512-VNNI with VBMI")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "SKIPPY_KERNEL_ISA": "avx512vnni", "SKIPPY_KERNEL_BUILD": "all"}
-    done = subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_in_process(code, "avx512vnni", *args)
+
+
+def run_in_process(code: str, isa: str, *args: str, **env: str) -> dict:
+    """`code` (given `args` as sys.argv[1:], `env` in os.environ, `ISA` the loops it runs on) run in this
+    process with the kernel's loops switched to `isa` through the library's own skippy_kernel_select,
+    the call SKIPPY_KERNEL_ISA makes at load (test_block_kernel.selected), and back after: the JSON of
+    its last printed line. Not a fresh interpreter each: ~1.3 CPU s of imports and kernel load a case."""
+    import jax
+    from test_block_kernel import selected
+
+    printed, argv = io.StringIO(), sys.argv
+    with (pytest.MonkeyPatch.context() as patch, selected(isa), jax.default_device(jax.devices("cpu")[0]),
+          contextlib.redirect_stdout(printed)):
+        for key, value in env.items():
+            patch.setenv(key, value)
+        sys.argv = ["kernel-case", *args]
+        try:
+            exec(compile(code, "<kernel case>", "exec"), {"__name__": "kernel_case", "ISA": isa})
+        finally:
+            sys.argv = argv
+    return json.loads(printed.getvalue().strip().splitlines()[-1])
 
 
 def test_q4_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path):
@@ -360,7 +374,7 @@ def model(x, raw):
     return (isum * scale[None] * np.repeat(xd, 2, 1)[:, None]).sum(-1)
 
 dense = jax.jit(ggml.block_dense)
-out = {"isa": quant.kernel_isa(), **OUT}
+out = {"isa": ISA, **OUT}
 rng = np.random.default_rng(0)
 for m, k, n in [(1, 256, 37), (2, 512, 50), (3, 1024, 23), (4, 2048, 70), (5, 768, 19), (6, 1536, 41),
                 (1, 2048, 300), (4, 1024, 333), (9, 512, 21), (13, 256, 40)]:   # (300, 333: the pool's helpers
@@ -447,7 +461,7 @@ def model(x, raw):
     return (isum * scale[None] * np.repeat(xd, 2, 1)[:, None]).sum(-1) - xsum @ shift.T
 
 dense = jax.jit(ggml.block_dense)
-out = {"isa": quant.kernel_isa(), **OUT}
+out = {"isa": ISA, **OUT}
 rng = np.random.default_rng(0)
 for m, k, n in [(1, 256, 37), (2, 512, 50), (3, 1024, 23), (4, 2048, 70), (5, 768, 19), (6, 1536, 41),
                 (1, 2048, 300), (4, 1024, 333), (9, 512, 21), (13, 256, 40)]:   # (300, 333: the pool's helpers
@@ -522,7 +536,7 @@ def model(x, raw, kind):
     return (isum * scale[None] * xd[:, None]).sum(-1)
 
 dense = jax.jit(ggml.block_dense)
-out = {"isa": quant.kernel_isa(), **OUT}
+out = {"isa": ISA, **OUT}
 rng = np.random.default_rng(0)
 for m, k, n in SHAPES:
     raw = iq4_blocks(rng, KIND, n, k)
@@ -618,7 +632,7 @@ def model(x, raw):
     return (isum * scale[None] * xd[:, None]).sum(-1) - xs @ shift.T
 
 dense = jax.jit(ggml.block_dense)
-out = {"isa": quant.kernel_isa(), **OUT}
+out = {"isa": ISA, **OUT}
 rng = np.random.default_rng(0)
 shapes = [(1, 256, 37), (2, 512, 50), (3, 1024, 23), (4, 2048, 70), (5, 768, 19), (6, 1536, 41),
           (1, 2048, 300), (4, 1024, 333), (9, 512, 21), (13, 256, 40)]   # (300, 333: the pool's helpers take tasks)
