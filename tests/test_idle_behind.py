@@ -11,13 +11,16 @@ import numpy as np
 import pytest
 
 from conftest import TINY, counting_compiles, random_ids
-from skippy_zmq.config.model import decode_shapes
+from skippy_zmq.config.model import Buckets, decode_shapes
 from skippy_zmq.model.compile_behind import LoopCompiles
 from skippy_zmq.stage.factory import idle_compiles, idle_warmups, warm_before_ready
 from skippy_zmq.stage.loop import idle_warmup
 from test_stopgap import make, unique
 
 WINDOWS = (2, 4)
+# fewer shapes than test_stopgap's BUCKETS (every test here compiles each one afresh: unique()): still
+# decode of several rows, verify windows, two prefill chunks, and the KV spans of a context of 128
+IDLE_BUCKETS = Buckets(prefill_chunks=(16, 64), decode_rows=(1, 2, 4), attn_lens=(128,))
 
 
 def first_request(r, seed: int) -> None:
@@ -53,7 +56,7 @@ def test_the_idle_warmups_compile_behind_and_the_loop_only_runs_them(tiny_tree):
     """Every shape and KV span the idle warm-ups reach is compiled by compile_behind's thread (no
     child here: no cache folder); then the loop's idle warm-ups compile nothing, only run the small
     shapes once, and a request after them compiles nothing either."""
-    r = make(tiny_tree, unique(), stopgap=True)
+    r = make(tiny_tree, unique(), stopgap=True, buckets=IDLE_BUCKETS, capacity=128)
     worker = stage(r)
     r.join_behind()
     assert r.stats.copies == set(r.kv_spans())
@@ -72,7 +75,7 @@ def test_a_request_while_idle_warmups_are_pending_runs_no_compile_on_the_loop(ti
     """A request that comes while compile_behind still has the idle warm-ups' shapes to do (the
     stage busy: it waits) runs no compile on the loop thread, and neither do the idle warm-ups the
     loop runs once it is quiet again; every shape is there at the end, none cold."""
-    r = make(tiny_tree, unique(), stopgap=True)
+    r = make(tiny_tree, unique(), stopgap=True, buckets=IDLE_BUCKETS, capacity=128)
     r.behind_yield_s = 600.0          # longer than this test: the thread waits for quiet
     worker = stage(r)                 # its warm-up before READY compiles here: the watch starts after it
     counter = LoopCompiles()

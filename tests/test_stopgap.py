@@ -33,10 +33,11 @@ BUCKETS = Buckets(prefill_chunks=(16, 64, 128), decode_rows=(1, 2, 4), attn_lens
 WINDOWED = dataclasses.replace(TINY, sliding_window=8, full_attention_layers=(0, 2))
 
 
-def make(tree: dict, cfg=TINY, start: int = 0, end: int = TINY.n_layers, stopgap: bool = False) -> SliceRunner:
+def make(tree: dict, cfg=TINY, start: int = 0, end: int = TINY.n_layers, stopgap: bool = False,
+         buckets: Buckets = BUCKETS, capacity: int = 256) -> SliceRunner:
     params = weights.to_runtime(tree, jnp.float32)
     part = {**params, "layers": params["layers"][start:end]}
-    r = SliceRunner(cfg, part, start, end, KVConfig(lanes=4, capacity=256), BUCKETS)
+    r = SliceRunner(cfg, part, start, end, KVConfig(lanes=4, capacity=capacity), buckets)
     r.stopgap = stopgap
     # the child's silence deadline (CHILD_SHAPE_S, 180 s of its running time) is what the tests that
     # set behind_child_s themselves check; elsewhere a child at load 20 on 2 cores (a shape's compile
