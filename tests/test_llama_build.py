@@ -49,7 +49,7 @@ def test_amx_listed_but_unusable_names_every_other_extension():
 
 def test_avx2_build_names_only_what_an_avx2_host_has():
     """SKIPPY_PEERS_ISA=avx2 on an AVX-512 CPU (with AMX, usable or not): AVX2, FMA, F16C, BMI2, AVX and
-    SSE4.2 on, every AVX-512 extension, AVX-VNNI and AMX off; a CPU without AVX2 gets none of them."""
+    SSE4.2 on, every AVX-512 extension, AVX-VNNI and AMX off; an older CPU only those of them it lists."""
     for amx_usable in (True, False):
         options = isa_options(SAPPHIRE, amx_usable, isa="avx2")
         assert set(options) == {"GGML_NATIVE", *X86_OPTIONS, *AMX_OPTIONS} and options["GGML_NATIVE"] == "OFF"
