@@ -106,10 +106,10 @@ def selected(isa: str):
 def test_block_kernel_matches_the_dequantised_product_on_every_isa(isa):
     if isa not in isas():
         pytest.skip(f"this CPU (or a missing compiler) does not run the {isa} loops")
-    # avx512vnni runs ggml.INT8_BLOCK_TYPES on int8 activations: tests/test_quant_kernel.py checks them against
-    # their own models
+    # avx512vnni and avx2int8 run their ggml.INT8_TYPES_BY_ISA on int8 activations: tests/test_quant_kernel.py
+    # checks them against their own models
     with selected(isa), jax.default_device(jax.devices("cpu")[0]):   # the kernel is a CPU kernel
-        got = check_every_type(ggml.INT8_BLOCK_TYPES if isa == "avx512vnni" else ())
+        got = check_every_type(ggml.INT8_TYPES_BY_ISA.get(isa, ()))
     assert got["worst"] < 1e-5 and got["alone"] and got["nan_same"], (isa, got)
 
 
@@ -118,5 +118,7 @@ def test_block_kernel_types_are_the_glues():
     header = "".join((Path(quant.KERNEL_DIR) / name).read_text() for name in ("quant_kernel.h", "block_kernel_more.h"))
     for kind in ggml.BLOCK_KERNEL_TYPES:
         assert f"#define SKIPPY_GGML_{kind} {ggml.TYPE_IDS[kind]}\n" in header
-    int8 = header.split("int skippy_int8_block_type(")[1].split("}\n}")[0]
-    assert sorted(re.findall(r"case SKIPPY_GGML_(\w+):", int8)) == sorted(ggml.INT8_BLOCK_TYPES)
+    for name, types in (("skippy_int8_block_type", ggml.INT8_BLOCK_TYPES),
+                        ("skippy_int8_block_type_avx2", ggml.INT8_BLOCK_TYPES_AVX2)):
+        int8 = header.split(f"int {name}(")[1].split("}\n}")[0]
+        assert sorted(re.findall(r"case SKIPPY_GGML_(\w+):", int8)) == sorted(types), name

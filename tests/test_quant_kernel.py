@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from skippy_zmq.model import ggml, quant
+from skippy_zmq.model import ggml, kernel, quant
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -246,7 +246,7 @@ def check(out, dense, x, t, w, emu):
 Q4_K_INT8_CHILD = """
 import json
 import gguf, jax, jax.numpy as jnp, numpy as np
-from skippy_zmq.model import ggml, quant
+from skippy_zmq.model import ggml, kernel, quant
 
 def q4_k_blocks(rng, n, k):
     # random Q4_K rows [n, k / 256 * 144]: random bytes, modest f16 d and dmin of either sign
@@ -293,14 +293,21 @@ print(json.dumps(out))
 """
 
 
-def run_int8_child(tmp_path, code: str, *args: str) -> dict:
-    """`code` (given `args` as sys.argv[1:]) on the avx512vnni loops (run_in_process): the JSON of its
-    last printed line; skips where there is no compiler or no AVX512-VNNI with VBMI."""
+def run_int8_child(tmp_path, code: str, *args: str, isa: str = "avx512vnni") -> dict:
+    """`code` (given `args` as sys.argv[1:]) on the int8 loops of `isa` (avx512vnni or avx2int8;
+    run_in_process): the JSON of its last printed line; skips where there is no compiler or the CPU lacks
+    the ISA's flags (kernel.CPU_FLAGS)."""
     if not shutil.which(os.environ.get("CXX") or "g++"):
         pytest.skip("no C++ compiler")
-    if not (X86 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"} <= cpu_flags()):
-        pytest.skip("this CPU has no AVX512-VNNI with VBMI")
-    return run_in_process(code, "avx512vnni", *args)
+    if not (X86 and kernel.CPU_FLAGS[isa] <= cpu_flags()):
+        pytest.skip(f"this CPU cannot run the {isa} loops")
+    return run_in_process(code, isa, *args)
+
+
+# The int8 ISAs and the block types each runs on int8 activations (ggml.INT8_TYPES_BY_ISA): a test of a
+# type's int8 loop runs once per ISA that lists it.
+def int8_cases(*kinds: str) -> list:
+    return [(isa, kind) for isa, types in ggml.INT8_TYPES_BY_ISA.items() for kind in kinds if kind in types]
 
 
 def run_in_process(code: str, isa: str, *args: str, **env: str) -> dict:
@@ -324,7 +331,8 @@ def run_in_process(code: str, isa: str, *args: str, **env: str) -> dict:
     return json.loads(printed.getvalue().strip().splitlines()[-1])
 
 
-def test_q4_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path):
+@pytest.mark.parametrize("isa", [isa for isa, _ in int8_cases("Q4_K")])
+def test_q4_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path, isa):
     """SKIPPY_KERNEL_ISA=avx512vnni runs GGUF Q4_K blocks (every M) on int8 activations: equal to a
     float64 numpy model of that arithmetic (x quantised per 32 inputs as quant_kernel.h says, exact integer
     sums of level * xq per sub-block, the blocks' factors d * sc and dmin * m) to float32 rounding (1e-5 of
@@ -332,8 +340,8 @@ def test_q4_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path):
     product of gguf-py's dequantised W (measured ~5e-3 of the output's scale here; bound 3e-2, and above
     1e-4, so the int8 loop did run). Every other block type: the tests below (all of ggml.BLOCK_KERNEL_TYPES
     run on int8 activations under avx512vnni: test_every_block_type_has_an_int8_loop)."""
-    got = run_int8_child(tmp_path, Q4_K_INT8_CHILD)
-    assert got["isa"] == "avx512vnni" and got["parse"] and got["alone"], got
+    got = run_int8_child(tmp_path, Q4_K_INT8_CHILD, isa=isa)
+    assert got["isa"] == isa and got["parse"] and got["alone"], got
     assert got["exact"] < 1e-5, got
     assert 1e-4 < got["vs_f32"] and got["vs_f32_max"] < 3e-2, got
 
@@ -398,15 +406,16 @@ def test_every_block_type_has_an_int8_loop():
     assert sorted(ggml.INT8_BLOCK_TYPES) == sorted(ggml.BLOCK_KERNEL_TYPES)
 
 
-def test_q6_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path):
+@pytest.mark.parametrize("isa", [isa for isa, _ in int8_cases("Q6_K")])
+def test_q6_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path, isa):
     """SKIPPY_KERNEL_ISA=avx512vnni runs GGUF Q6_K blocks (every M) on int8 activations too: equal to a
     float64 numpy model of that arithmetic (x quantised per 32 inputs as quant_kernel.h says, exact integer
     sums of (q - 32) * xq per 16-input group, the factors d * sc_g * xd) to float32 rounding (1e-5 of the
     output's scale); the model's parse of the blocks bit for bit gguf-py's dequantiser; each row the same bits
     alone, in company, in any order; within int8 rounding of the float product of gguf-py's dequantised W in
     every case (bound 3e-2) and above 1e-4 in every case (so the int8 loop did run)."""
-    got = run_int8_child(tmp_path, Q6_K_INT8_CHILD)
-    assert got["isa"] == "avx512vnni" and got["parse"] and got["alone"], got
+    got = run_int8_child(tmp_path, Q6_K_INT8_CHILD, isa=isa)
+    assert got["isa"] == isa and got["parse"] and got["alone"], got
     assert got["exact"] < 1e-5, got
     assert 1e-4 < got["vs_f32"] and got["vs_f32_max"] < 3e-2, got
 
@@ -414,7 +423,7 @@ def test_q6_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path):
 K23_INT8_CHILD = """
 import json
 import gguf, jax, jax.numpy as jnp, numpy as np
-from skippy_zmq.model import ggml, quant
+from skippy_zmq.model import ggml, kernel, quant
 
 NBYTES, FACTORS = {"Q3_K": (110, (108,)), "Q2_K": (84, (80, 82))}[KIND]
 
@@ -497,7 +506,7 @@ def test_q3_k_q2_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_p
 IQ4_INT8_CHILD = """
 import json
 import gguf, jax, jax.numpy as jnp, numpy as np
-from skippy_zmq.model import ggml, quant
+from skippy_zmq.model import ggml, kernel, quant
 
 def iq4_blocks(rng, kind, n, k):
     # random rows [n, k / block * bytes]: random index and scale bytes, a modest f16 d of either sign
@@ -654,8 +663,8 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_K", "Q5_1", "Q5_0"])
-def test_more_blocks_int8_activation_computes_exactly_what_it_defines(tmp_path, kind):
+@pytest.mark.parametrize("isa, kind", int8_cases("Q8_0", "Q5_K", "Q5_1", "Q5_0"))
+def test_more_blocks_int8_activation_computes_exactly_what_it_defines(tmp_path, isa, kind):
     """SKIPPY_KERNEL_ISA=avx512vnni runs GGUF Q8_0, Q5_K, Q5_1 and Q5_0 blocks (every M) on int8 activations
     as well: equal to a float64 numpy model of that arithmetic (x quantised per 32 inputs as quant_kernel.h
     says, exact integer sums of level * xq per 32 weights (Q8_0's q, Q5_0's q - 16: signed), the blocks'
@@ -664,7 +673,7 @@ def test_more_blocks_int8_activation_computes_exactly_what_it_defines(tmp_path, 
     in any order (M up to 13: the 4-, 2- and 1-row tiles); K not a multiple of 256 for the 32-weight types
     (576, 288, 96, 32: the blocks a 256-step leaves); within int8 rounding of the float product of gguf-py's
     dequantised W in every case (bound 3e-2) and above 1e-4 in every case (so the int8 loop did run)."""
-    got = run_int8_child(tmp_path, BLOCKS_INT8_CHILD, kind)
-    assert got["isa"] == "avx512vnni" and got["parse"] and got["alone"], got
+    got = run_int8_child(tmp_path, BLOCKS_INT8_CHILD, kind, isa=isa)
+    assert got["isa"] == isa and got["parse"] and got["alone"], got
     assert got["exact"] < 1e-5, got
     assert 1e-4 < got["vs_f32"] and got["vs_f32_max"] < 3e-2, got

@@ -88,6 +88,7 @@ class _Put:
         self.asked, self.dtype, self.device = asked, dtype, device
         self.at_load = asked == KEEP and ggml.dequantise_at_load(_platform(device))
         self.in_place = ggml.kernel_block_types(_platform(device)) if asked == KEEP else ()
+        self.panels = ggml.panel_types() if self.in_place else {}   # (repacked at load: ggml.PANEL_TYPES)
         self.dequantised: dict[str, list[int]] = {}     # type -> [matrices, bytes added over the blocks]
 
     def report_dequantised(self) -> None:
@@ -138,7 +139,7 @@ class _Put:
             kind = stored_type(stored)
             if kind in ggml.KERNEL_TYPES:   # the same levels, packed
                 return self.tree(runtime_qtensor(stored, ggml.KERNEL_TYPES[kind], keep=True))
-            if kind in ggml.PANEL_TYPES and kind in self.in_place:   # the same levels, in the kernel's panels
+            if kind in self.panels and kind in self.in_place:   # the same levels, in the kernel's panels
                 return self.tree(panel_qtensor(stored))
             if kind in self.in_place:          # the file's blocks, read in place by the kernel
                 return self.tree(ggml.BlockTensor(np.asarray(stored["blocks"]), kind, impl="kernel"))

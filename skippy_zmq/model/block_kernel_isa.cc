@@ -15,10 +15,11 @@
 // Q4_K_M model stay those of its dequantised weights. Each row of x runs the same operations whatever
 // the tile height, so a row's result does not depend on the rows that share its call.
 //
-// The one exception, opt-in: the avx512vnni build (SKIPPY_KERNEL_ISA=avx512vnni, never auto) runs the calls
+// The exceptions, opt-in: the avx512vnni build (SKIPPY_KERNEL_ISA=avx512vnni, never auto) runs the calls
 // of every size of the types quant_kernel.h's skippy_int8_block_type lists on int8 activations (x quantised
 // per 32 inputs by the glue, quant_kernel.h), one dot_<type>_vnni loop below each, in the decode loops'
-// tiles (dot_int8); every other type keeps the float loops there too.
+// tiles (dot_int8); every other type keeps the float loops there too. The avx2int8 build does the same for
+// the types skippy_int8_block_type_avx2 lists, with AVX2's instructions (block_kernel_avx2int8.h).
 
 #include "quant_kernel.h"
 #include "quant_kernel_simd.h"
@@ -942,10 +943,15 @@ void dot_q5_vnni(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
 }
 #endif
 
+#include "block_kernel_avx2int8.h"   // the avx2int8 build's int8 loops (dot_int8_avx2)
+
 // The rows of x [m0, m0 + R) against row n of W on int8 activations (a.xq set: the avx512vnni build, a type
-// skippy_int8_block_type lists); one case per type.
+// skippy_int8_block_type lists, or the avx2int8 build, skippy_int8_block_type_avx2); one case per type.
 template <int R>
 void dot_int8(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
+#if defined(SKIPPY_INT8_AVX2) && defined(__AVX2__)
+  if (dot_int8_avx2<R>(a, m0, n)) return;
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
   switch (a.type) {
     case SKIPPY_GGML_Q4_K: dot_q4_k_vnni<R>(a, m0, n); return;

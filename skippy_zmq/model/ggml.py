@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from skippy_zmq.model.kernel import BLOCK_TARGET, kernel_available
+from skippy_zmq.model.kernel import BLOCK_TARGET, kernel_available, kernel_isa
 
 QK_K = 256
 # GGML's type ids (ggml.h, gguf-py GGMLQuantizationType): what a checkpoint records per tensor.
@@ -222,6 +222,10 @@ BLOCK_KERNEL_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0", "Q3_K", "IQ4_XS", 
 # The ones SKIPPY_KERNEL_ISA=avx512vnni (opt-in) runs on int8 activations, as quant_kernel.h's
 # skippy_int8_block_type lists them (tests/test_block_kernel.py holds the two to the same list).
 INT8_BLOCK_TYPES = ("Q4_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", "Q8_0", "Q5_K", "Q5_1", "Q5_0")
+# The ones SKIPPY_KERNEL_ISA=avx2int8 (opt-in) runs on int8 activations (skippy_int8_block_type_avx2): a
+# Q4_K_M / Q5_K_M / Q6_K file's types; the rest keep the float loops there.
+INT8_BLOCK_TYPES_AVX2 = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0")
+INT8_TYPES_BY_ISA = {"avx512vnni": INT8_BLOCK_TYPES, "avx2int8": INT8_BLOCK_TYPES_AVX2}
 # Types a CPU stage repacks at load, losslessly, into the kernel's column panels (quant.QTensor of these bits),
 # where the kernel would otherwise read them as blocks: Q5_0's rows took ~2x the panel loops' time a weight
 # (a scale per 16 inputs against one per 32 shared by 64 columns), the bulk of SmolLM2 Q4_K_M's decode step.
@@ -261,6 +265,12 @@ def kernel_block_types(platform: str) -> tuple[str, ...]:
     if _dequantise_choice() != "auto" or platform.split(":")[0] != "cpu" or not kernel_available():
         return ()
     return BLOCK_KERNEL_TYPES
+
+
+def panel_types() -> dict[str, int]:
+    """PANEL_TYPES, the types a CPU stage repacks into panels at load; none under SKIPPY_KERNEL_ISA=avx2int8,
+    whose int8 loops read Q5_0's blocks and whose panel loops are float (a repack would keep Q5_0 off int8)."""
+    return {} if kernel_isa() == "avx2int8" else PANEL_TYPES
 
 
 def row_bytes(name: str, n: int) -> int:

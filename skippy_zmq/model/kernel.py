@@ -34,20 +34,25 @@ KERNEL_DIR = Path(__file__).parent
 # compiled once per instruction set
 ISA_SOURCES = ("quant_kernel_isa.cc", "block_kernel_isa.cc", "block_kernel_more_isa.cc")
 KERNEL_SOURCES = ("quant_kernel.cc", *ISA_SOURCES, "quant_kernel.h", "quant_kernel_simd.h", "block_kernel_more.h",
-                  "block_kernel_k4.h")
+                  "block_kernel_k4.h", "block_kernel_avx2int8.h")
 # Instruction sets ISA_SOURCES are compiled for (x86-64), best first; other CPUs get "generic".
 ISA_FLAGS = {"avx512vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mavx2",
                            "-mfma", "-mf16c"),
              "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
+             "avx2int8": ("-mavx2", "-mfma", "-mf16c", "-DSKIPPY_INT8_AVX2"),
              "avx2": ("-mavx2", "-mfma", "-mf16c"),
              "generic": ()}
-# auto (default: the best float-activation loops) | avx512vnni (int8 activations, opt-in) | avx512 | avx2 | generic
+# the sets that run int8 activations (opt-in, by name: never auto)
+INT8_ISAS = ("avx512vnni", "avx2int8")
+# auto (default: the best float-activation loops) | avx512vnni, avx2int8 (int8 activations, opt-in) | avx512 | avx2
+# | generic
 ISA_ENV = "SKIPPY_KERNEL_ISA"
 # here (default: only the loops this CPU runs, kernel_isas) | all (every instruction set: the tests switch between them)
 BUILD_ENV = "SKIPPY_KERNEL_BUILD"
 # the CPU flags (/proc/cpuinfo's names) each instruction set's loops need: quant_kernel.cc's has_* checks
 CPU_FLAGS = {"avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "avx2", "fma", "f16c"},
              "avx512": {"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"},
+             "avx2int8": {"avx2", "fma", "f16c"},
              "avx2": {"avx2", "fma", "f16c"},
              "generic": set()}
 # multiply-adds from which a kernel call shares its tasks with pool threads (set_min_parallel; default
@@ -75,7 +80,8 @@ def kernel_available() -> bool:
 
 
 def kernel_isa() -> str | None:
-    """The instruction set the loaded kernel runs ("avx512vnni", "avx512", "avx2", "generic"), or None."""
+    """The instruction set the loaded kernel runs ("avx512vnni", "avx512", "avx2int8", "avx2", "generic"), or
+    None."""
     kernel = _load_kernel()
     return kernel.isa if kernel is not None else None
 
@@ -172,7 +178,7 @@ def helper_stats() -> dict[str, int]:
 
 def supported_isas() -> list[str]:
     """The kernel's instruction sets this CPU can run, best first (auto picks the first with float
-    activations; avx512vnni, int8 activations, only by name): empty without the kernel."""
+    activations; avx512vnni and avx2int8, int8 activations, only by name): empty without the kernel."""
     kernel = _load_kernel()
     if kernel is None:
         return []
@@ -194,7 +200,7 @@ def kernel_isas() -> tuple[str, ...]:
         return tuple(ISA_FLAGS)
     runs = [isa for isa in ISA_FLAGS if CPU_FLAGS[isa] <= flags]
     want = os.environ.get(ISA_ENV, "auto").strip().lower()
-    auto = next(isa for isa in runs if isa != "avx512vnni")   # (generic always runs)
+    auto = next(isa for isa in runs if isa not in INT8_ISAS)   # (generic always runs)
     return tuple(isa for isa in runs if isa in (want, auto, "generic"))
 
 

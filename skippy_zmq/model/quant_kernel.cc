@@ -53,6 +53,10 @@ SKIPPY_DECLARE_ISA(avx512)
 SKIPPY_DECLARE_ISA(avx512vnni)
 SKIPPY_DECLARE_QUANTIZE(avx512vnni)
 #endif
+#if SKIPPY_X86 && !defined(SKIPPY_NO_avx2int8)
+SKIPPY_DECLARE_ISA(avx2int8)
+SKIPPY_DECLARE_QUANTIZE(avx2int8)
+#endif
 
 namespace {
 
@@ -63,6 +67,8 @@ struct Isa {
   SkippyQuantizeFn quantize;  // int8 activations (null: float loops only)
   SkippyAttendFn attend;
   SkippyBlockFn blocks;
+  int (*int8_block)(int32_t type);  // the GGUF block types it runs on int8 activations (null: none)
+  bool int8_panels;                 // whether its panel loops (Dense) run on int8 activations too
 };
 
 bool always() { return true; }
@@ -83,18 +89,24 @@ bool has_avx512vnni() {
 const Isa kIsas[] = {  // best first
 #if SKIPPY_X86 && !defined(SKIPPY_NO_avx512vnni)
     {"avx512vnni", skippy_int8_panel_avx512vnni, skippy_q4_panel_avx512vnni, skippy_q5_panel_avx512vnni,
-     has_avx512vnni, skippy_quantize_x_avx512vnni, skippy_attend_avx512vnni, skippy_blocks_avx512vnni},
+     has_avx512vnni, skippy_quantize_x_avx512vnni, skippy_attend_avx512vnni, skippy_blocks_avx512vnni,
+     skippy_int8_block_type, true},
 #endif
 #if SKIPPY_X86 && !defined(SKIPPY_NO_avx512)
     {"avx512", skippy_int8_panel_avx512, skippy_q4_panel_avx512, skippy_q5_panel_avx512, has_avx512, nullptr,
-     skippy_attend_avx512, skippy_blocks_avx512},
+     skippy_attend_avx512, skippy_blocks_avx512, nullptr, false},
+#endif
+#if SKIPPY_X86 && !defined(SKIPPY_NO_avx2int8)
+    // int8 activations on AVX2 (opt-in): the block types skippy_int8_block_type_avx2 lists; panels float
+    {"avx2int8", skippy_int8_panel_avx2int8, skippy_q4_panel_avx2int8, skippy_q5_panel_avx2int8, has_avx2,
+     skippy_quantize_x_avx2int8, skippy_attend_avx2int8, skippy_blocks_avx2int8, skippy_int8_block_type_avx2, false},
 #endif
 #if SKIPPY_X86 && !defined(SKIPPY_NO_avx2)
     {"avx2", skippy_int8_panel_avx2, skippy_q4_panel_avx2, skippy_q5_panel_avx2, has_avx2, nullptr,
-     skippy_attend_avx2, skippy_blocks_avx2},
+     skippy_attend_avx2, skippy_blocks_avx2, nullptr, false},
 #endif
     {"generic", skippy_int8_panel_generic, skippy_q4_panel_generic, skippy_q5_panel_generic, always, nullptr,
-     skippy_attend_generic, skippy_blocks_generic},
+     skippy_attend_generic, skippy_blocks_generic, nullptr, false},
 };
 constexpr int kNumIsas = sizeof(kIsas) / sizeof(kIsas[0]);
 
@@ -262,7 +274,7 @@ ffi::Error Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, const void* q, f
   // all finish before this function returns.
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd, xs;
-  if (isa->quantize && K % SKIPPY_XBLOCK == 0 && args.group % SKIPPY_XBLOCK == 0 && args.M > 0) {
+  if (isa->int8_panels && K % SKIPPY_XBLOCK == 0 && args.group % SKIPPY_XBLOCK == 0 && args.M > 0) {
     const int64_t blocks = args.M * (K / SKIPPY_XBLOCK);
     xq.resize(args.M * K), xd.resize(blocks), xs.resize(blocks);
     isa->quantize(args.x, args.M, K, xq.data(), xd.data(), xs.data());
@@ -294,10 +306,10 @@ ffi::Error BlockDense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   }
   const int64_t M = xd[0], K = xd[1], N = wd[0];
   const Isa* isa = g_isa.load(std::memory_order_relaxed);
-  // int8 activations (avx512vnni only): the calls of any size of the types skippy_int8_block_type lists, x
-  // quantised once per call as Dense does (per-thread buffers that outlive the call's tasks), so a row's
+  // int8 activations (avx512vnni, avx2int8): the calls of any size of the types the ISA lists (int8_block),
+  // x quantised once per call as Dense does (per-thread buffers that outlive the call's tasks), so a row's
   // result does not depend on how many rows share its call. Every other type keeps the float loops.
-  const bool int8 = isa->quantize && skippy_int8_block_type(type) && M > 0;
+  const bool int8 = isa->int8_block && isa->int8_block(static_cast<int32_t>(type)) && M > 0;
   // x's float sums per 16 inputs, for the blocks' minimums: every float loop reads them, of the int8 loops
   // only Q2_K's (its minimums come per 16). Per thread: XLA may run two calls at once; every task ends
   // before this returns.
@@ -475,7 +487,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 
 // Chooses the loops every later call runs: `want` is "auto" (the best ISA this
 // CPU supports with float activations) or an ISA name. int8 activations
-// (avx512vnni) are never picked by "auto": they part greedy output from
+// (avx512vnni, avx2int8) are never picked by "auto": they part greedy output from
 // transformers' within a few tokens on the parity prompts (the float loops
 // match every token), so they are a choice a user makes by name. Returns the
 // chosen name, or nullptr (and changes nothing) when `want` is unknown, not

@@ -59,7 +59,8 @@ typedef void (*SkippyAttendFn)(const SkippyAttendArgs* args, int64_t task);
 // row_bytes bytes of GGML type `type` (SKIPPY_GGML_*), exactly as the file stores them. xsum [M, K / 16]:
 // x's sums per 16 inputs, for the types whose blocks subtract a minimum (Q4_K, Q5_K); null under
 // int8 activations for every type but Q2_K (the int8 loops meet minimums with xs).
-// With int8 activations (the avx512vnni ISA, the types skippy_int8_block_type lists, every M), xq, xd
+// With int8 activations (the avx512vnni ISA, the types skippy_int8_block_type lists, every M; the avx2int8
+// ISA, skippy_int8_block_type_avx2's), xq, xd
 // and xs hold x quantised per row in blocks of SKIPPY_XBLOCK inputs exactly as SkippyDenseArgs' do; null
 // everywhere else (the float loops).
 #define SKIPPY_GGML_Q5_0 6
@@ -88,6 +89,21 @@ static inline int skippy_int8_block_type(int32_t type) {
     case SKIPPY_GGML_Q8_0:
     case SKIPPY_GGML_Q5_K:
     case SKIPPY_GGML_Q5_1:
+    case SKIPPY_GGML_Q5_0:
+      return 1;
+    default:
+      return 0;
+  }
+}
+
+// The ones the avx2int8 build runs on int8 activations (block_kernel_avx2int8.h; model/ggml.py's
+// INT8_BLOCK_TYPES_AVX2): a Q4_K_M / Q5_K_M / Q6_K file's types.
+static inline int skippy_int8_block_type_avx2(int32_t type) {
+  switch (type) {
+    case SKIPPY_GGML_Q4_K:
+    case SKIPPY_GGML_Q5_K:
+    case SKIPPY_GGML_Q6_K:
+    case SKIPPY_GGML_Q8_0:
     case SKIPPY_GGML_Q5_0:
       return 1;
     default:

@@ -487,6 +487,40 @@ void vpanel_rows(const SkippyDenseArgs* a, int64_t p) {
 
 }  // namespace
 
+#if defined(SKIPPY_INT8_AVX2) && defined(__AVX2__)
+// The avx2int8 build's x [M, K] -> int8 blocks of 32: the avx512vnni build's quantiser below, value for
+// value (the same amax, step and round-to-nearest-even levels; each block's sum in _mm512_reduce_add_ps's
+// order: halves, then quarters, pairs, the last two), in ymm registers.
+extern "C" void SKIPPY_CAT(skippy_quantize_x_, SKIPPY_ISA)(const float* x, int64_t M, int64_t K, int8_t* xq,
+                                                           float* xd, float* xs) {
+  const int64_t blocks = K / SKIPPY_XBLOCK;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t i = 0; i < M * blocks; ++i) {
+    const float* v = x + i * SKIPPY_XBLOCK;
+    const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+                 v3 = _mm256_loadu_ps(v + 24);
+    const __m256 big = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                     _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    // the zmm sum: lanes 0-15 of v0v1 + v2v3, then its upper 8 + lower 8, 4 + 4, [2, 3, 0, 1], lane 0 + 1
+    const __m256 t = _mm256_add_ps(_mm256_add_ps(v1, v3), _mm256_add_ps(v0, v2));
+    const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+    const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    xs[i] = _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_movehdup_ps(t8));
+    xd[i] = amax / 127.0f;
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m256i w0 = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv)));
+    const __m256i w1 = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv)));
+    // packs work within 128-bit lanes: the dwords come out holding x's 4-byte runs 0 2 4 6 1 3 5 7; one
+    // dword permute puts them back in order
+    const __m256i b = _mm256_packs_epi16(w0, w1);
+    _mm256_storeu_si256((__m256i*)(xq + i * SKIPPY_XBLOCK), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+}
+#endif
+
 #if defined(SKIPPY_VNNI)
 // x [M, K] -> int8 blocks of 32 (round to nearest even, step amax / 127), their steps and sums.
 extern "C" void SKIPPY_CAT(skippy_quantize_x_, SKIPPY_ISA)(const float* x, int64_t M, int64_t K, int8_t* xq,

@@ -25,7 +25,7 @@
 #define SKIPPY_MICRO_CAT(a, b) SKIPPY_MICRO_CAT2(a, b)
 #define SKIPPY_MICRO_DECLARE(isa) SKIPPY_DECLARE_ISA(isa)   // (expands the name before pasting it)
 SKIPPY_MICRO_DECLARE(SKIPPY_MICRO_ISA)
-#if defined(SKIPPY_MICRO_QUANTIZE)   // avx512vnni: skippy_int8_block_type's types on int8 activations, x quantised as BlockDense does
+#if defined(SKIPPY_MICRO_QUANTIZE)   // avx512vnni, avx2int8: SKIPPY_MICRO_INT8_TYPES's types on int8 activations, x quantised as BlockDense does
 #define SKIPPY_MICRO_DECLARE_QUANTIZE(isa) SKIPPY_DECLARE_QUANTIZE(isa)
 SKIPPY_MICRO_DECLARE_QUANTIZE(SKIPPY_MICRO_ISA)
 #endif
@@ -106,7 +106,7 @@ int main(int argc, char** argv) {
 #if defined(SKIPPY_MICRO_QUANTIZE)
       std::vector<int8_t> xq(M * K);
       std::vector<float> xd(M * K / SKIPPY_XBLOCK), xsq(M * K / SKIPPY_XBLOCK);
-      if (skippy_int8_block_type(t.id)) {   // (every M; once per call in BlockDense: untimed)
+      if (SKIPPY_MICRO_INT8_TYPES(t.id)) {   // (every M; once per call in BlockDense: untimed)
         SKIPPY_MICRO_CAT(skippy_quantize_x_, SKIPPY_MICRO_ISA)(x.data(), M, K, xq.data(), xd.data(), xsq.data());
         b.xq = xq.data(), b.xd = xd.data(), b.xs = xsq.data();
         name += " (int8 x)";

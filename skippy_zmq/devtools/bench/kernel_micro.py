@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from skippy_zmq.model.kernel import CXX_FLAGS, ISA_FLAGS, ISA_SOURCES, KERNEL_DIR, _compile_all, kernel_isas
+from skippy_zmq.model.kernel import CXX_FLAGS, INT8_ISAS, ISA_FLAGS, ISA_SOURCES, KERNEL_DIR, _compile_all, kernel_isas
 
 SOURCE = Path(__file__).with_name("kernel_micro.cc")
 SHAPES = "1536x576,576x1536,49152x576,8192x2048,2048x8192"
@@ -33,7 +33,8 @@ def build(out: Path, isa: str) -> Path:
              for source in ISA_SOURCES}
     _compile_all(cxx, units)   # the kernel's own parallel compile
     binary = out / "kernel_micro"
-    quantize = ["-DSKIPPY_MICRO_QUANTIZE"] if isa == "avx512vnni" else []   # (its int8-activation block types)
+    types = {"avx512vnni": "skippy_int8_block_type", "avx2int8": "skippy_int8_block_type_avx2"}.get(isa)
+    quantize = ["-DSKIPPY_MICRO_QUANTIZE", f"-DSKIPPY_MICRO_INT8_TYPES={types}"] if types else []   # (int8 x)
     subprocess.run([cxx, *CXX_FLAGS, f"-DSKIPPY_MICRO_ISA={isa}", *quantize, "-I", str(KERNEL_DIR), str(SOURCE),
                     *units, "-o", str(binary)], check=True, timeout=TIMEOUT_S)
     return binary
@@ -50,9 +51,9 @@ def run(isa: str, rows: int, shapes: str) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    isas = [i for i in kernel_isas() if i != "avx512vnni"]   # (the default: float activations)
+    isas = [i for i in kernel_isas() if i not in INT8_ISAS]   # (the default: float activations)
     parser.add_argument("--isa", default=isas[0], choices=list(ISA_FLAGS),
-                        help="loops to measure (this CPU must run them); avx512vnni: ggml.INT8_BLOCK_TYPES on "
+                        help="loops to measure (this CPU must run them); avx512vnni, avx2int8: their int8 block types on "
                              "int8 activations, its other loops avx512's")
     parser.add_argument("--rows", type=int, default=1, help="rows of x (1: a decode step)")
     parser.add_argument("--shapes", default=SHAPES, help="NxK,... (N a multiple of 64, K of 32)")
