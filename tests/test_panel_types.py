@@ -119,3 +119,38 @@ def test_a_q5_0_stage_with_a_tied_q8_0_head_runs_every_matrix_in_the_kernel(tmp_
             assert held == checkpoint.stage_nbytes(cfg, r.start, r.end, "gguf", "gguf", types=kept)
     one = runners(tmp_path / "gguf", "auto")[0].params
     assert one["head"] is one["embed"] and isinstance(one["head"], quant.QTensor)
+
+
+def test_under_avx2int8_q5_0_and_q8_0_stay_blocks_on_int8_activations(tmp_path, monkeypatch):
+    """SKIPPY_KERNEL_ISA=avx2int8 (opt-in) runs Q5_0 and Q8_0 blocks on int8 activations and has no int8
+    panel loops, so a stage there keeps both as the file's blocks (ggml.int8_block_kinds) where every other
+    ISA repacks Q5_0 into 5-bit panels and packs Q8_0 (here the tied head, whose blocks then serve the
+    lookup too: one copy). The logits stay within int8 rounding of the float panels' on the same stage
+    (not the same bits: the activations are rounded to 8 bits), and the stage holds the same bytes."""
+    monkeypatch.delenv(ggml.DEQUANTISE_ENV, raising=False)
+    if "avx2int8" not in isas():
+        pytest.skip("this CPU (or a missing compiler) does not run the avx2int8 loops")
+    types = {i: {key: "Q5_0" for key in layer} for i, layer in TYPES.items()}
+    write_kept_gguf(tmp_path / "m.gguf", types, {"embed": "Q8_0"}, seed=5)
+    convert_gguf(tmp_path / "m.gguf", tmp_path / "gguf")
+    ids = np.random.default_rng(6).integers(3, CFG.vocab_size, 7)
+    [panels] = runners(tmp_path / "gguf", "auto")
+    assert set(quant.matrix_paths(panels.params)) == {"kernel q5 panels", "kernel q8 panels"}
+    monkeypatch.setattr(ggml, "kernel_isa", lambda: "avx2int8")   # what a stage started with it sees
+    assert ggml.int8_block_kinds() == ggml.INT8_BLOCK_TYPES_AVX2
+    [blocks] = runners(tmp_path / "gguf", "auto")
+    paths = quant.matrix_paths(blocks.params)
+    assert paths == {"kernel Q5_0 blocks": 4 * (blocks.end - blocks.start), "kernel Q8_0 blocks": 1}, paths
+    assert blocks.params["head"] is blocks.params["embed"] and isinstance(blocks.params["head"], ggml.BlockTensor)
+    nbytes = [sum(a.nbytes for a in {id(a): a for a in jax.tree.leaves(r.params)}.values()) for r in (panels, blocks)]
+    assert nbytes[0] == nbytes[1], nbytes
+    with selected("avx2int8"), jax.default_device(jax.devices("cpu")[0]):
+        got, want = last_logits(blocks, ids), last_logits(panels, ids)
+    err = float(np.abs(got - want).max() / np.abs(want).max())
+    assert 1e-5 < err < 3e-2, err   # (above 1e-5: the int8 loops did run)
+
+
+def last_logits(r, ids: np.ndarray) -> np.ndarray:
+    """One stage's logits for the last of `ids` after a prefill of the rest."""
+    r.prefill(0, ids[:-1], 0, output="none")
+    return np.asarray(r.decode(np.array([0]), np.array([ids[-1]]), np.array([len(ids) - 1])))[0]

@@ -88,7 +88,7 @@ class _Put:
         self.asked, self.dtype, self.device = asked, dtype, device
         self.at_load = asked == KEEP and ggml.dequantise_at_load(_platform(device))
         self.in_place = ggml.kernel_block_types(_platform(device)) if asked == KEEP else ()
-        self.panels = ggml.panel_types() if self.in_place else {}   # (repacked at load: ggml.PANEL_TYPES)
+        self.blocks = ggml.int8_block_kinds() if self.in_place else ()   # (kept as blocks: never packed)
         self.dequantised: dict[str, list[int]] = {}     # type -> [matrices, bytes added over the blocks]
 
     def report_dequantised(self) -> None:
@@ -134,12 +134,13 @@ class _Put:
         """A stored [out, in] matrix -> the stage's runtime matrix. A gguf head tied to the embedding is
         the one runtime copy of both (_put_item); a Q4_0 / Q4_1 / Q8_0 one is packed, and the lookup
         gathers its columns (quant.qtensor_rows): SmolLM2's tied Q8_0 head read as blocks took 2.8x the
-        packed int8 loops' time (4.7 ms a token against 1.7, measured)."""
+        packed int8 loops' time (4.7 ms a token against 1.7, measured). Under SKIPPY_KERNEL_ISA=avx2int8
+        the types ggml.int8_block_kinds names stay blocks: its int8 loops read blocks, not panels."""
         if self.asked == KEEP:
             kind = stored_type(stored)
-            if kind in ggml.KERNEL_TYPES:   # the same levels, packed
+            if kind in ggml.KERNEL_TYPES and kind not in self.blocks:   # the same levels, packed
                 return self.tree(runtime_qtensor(stored, ggml.KERNEL_TYPES[kind], keep=True))
-            if kind in self.panels and kind in self.in_place:   # the same levels, in the kernel's panels
+            if kind in ggml.PANEL_TYPES and kind in self.in_place and kind not in self.blocks:   # in panels
                 return self.tree(panel_qtensor(stored))
             if kind in self.in_place:          # the file's blocks, read in place by the kernel
                 return self.tree(ggml.BlockTensor(np.asarray(stored["blocks"]), kind, impl="kernel"))

@@ -267,10 +267,12 @@ def kernel_block_types(platform: str) -> tuple[str, ...]:
     return BLOCK_KERNEL_TYPES
 
 
-def panel_types() -> dict[str, int]:
-    """PANEL_TYPES, the types a CPU stage repacks into panels at load; none under SKIPPY_KERNEL_ISA=avx2int8,
-    whose int8 loops read Q5_0's blocks and whose panel loops are float (a repack would keep Q5_0 off int8)."""
-    return {} if kernel_isa() == "avx2int8" else PANEL_TYPES
+def int8_block_kinds() -> tuple[str, ...]:
+    """The types a CPU stage keeps as the file's blocks where it would otherwise pack them (Q8_0,
+    KERNEL_TYPES) or repack them into panels (Q5_0, PANEL_TYPES): under SKIPPY_KERNEL_ISA=avx2int8 the ones
+    its block loops run on int8 activations (INT8_BLOCK_TYPES_AVX2), its panel loops being float; none
+    elsewhere."""
+    return INT8_BLOCK_TYPES_AVX2 if kernel_isa() == "avx2int8" else ()
 
 
 def row_bytes(name: str, n: int) -> int:
