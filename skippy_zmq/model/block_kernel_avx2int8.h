@@ -30,6 +30,21 @@ SKIPPY_INLINE __m256i dot_s8_avx2(__m256i magnitude, __m256i level, __m256i x) {
 
 SKIPPY_INLINE __m256i load_ymm(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 
+// Where a call's rows of x from m0 (quantised: xq, xd, xs) and row n of W start; the accumulators zeroed.
+struct Int8Call {
+  int64_t K, xblocks;
+  const int8_t* xq;
+  const float *xd, *xs;
+  const uint8_t* b;
+  Int8Call(const SkippyBlockArgs& a, int64_t m0, int64_t n)
+      : K(a.K), xblocks(a.K / SKIPPY_XBLOCK), xq(a.xq + m0 * a.K), xd(a.xd + m0 * xblocks),
+        xs(a.xs + m0 * xblocks), b(a.w + n * a.row_bytes) {}
+  template <int R>
+  static void zero(__m256 acc[][2]) {
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  }
+};
+
 // Lane l of the result: f's lane i (a factor spread to a whole x block's 8 lanes).
 SKIPPY_INLINE __m256 spread_lane(__m256 f, int i) { return _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(i)); }
 
@@ -73,11 +88,8 @@ template <int R, bool kFive>
 void dot_q8_q5_avx2(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   constexpr int kBytes = kFive ? 22 : 34;
   __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
-  const int8_t* xq = a.xq + m0 * K;
-  const float* xd = a.xd + m0 * xblocks;
-  const uint8_t* b = a.w + n * a.row_bytes;
+  Int8Call::zero<R>(acc);
+  auto [K, xblocks, xq, xd, xs, b] = Int8Call(a, m0, n);
   int64_t i = 0;
   for (; i + 8 <= xblocks; i += 8, b += 8 * kBytes) {
     prefetch_ahead<8 * kBytes>(b);
@@ -116,11 +128,9 @@ template <int R, bool kFive>
 void dot_k4_avx2(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   constexpr int kBytes = kFive ? 176 : 144, kQs = kFive ? 48 : 16;
   __m256 acc[R][2], mins[R];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = mins[r] = _mm256_setzero_ps();
-  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
-  const int8_t* xq = a.xq + m0 * K;
-  const float *xd = a.xd + m0 * xblocks, *xs = a.xs + m0 * xblocks;
-  const uint8_t* b = a.w + n * a.row_bytes;
+  Int8Call::zero<R>(acc);
+  for (int r = 0; r < R; ++r) mins[r] = _mm256_setzero_ps();
+  auto [K, xblocks, xq, xd, xs, b] = Int8Call(a, m0, n);
   const __m256i nib = _mm256_set1_epi8(15), zero = _mm256_setzero_si256(), sixteen = _mm256_set1_epi8(16);
   for (int64_t k0 = 0; k0 < K; k0 += 256, b += kBytes) {
     prefetch_ahead<kBytes>(b);
@@ -162,11 +172,8 @@ void dot_k4_avx2(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
 template <int R>
 void dot_q6_k_avx2(const SkippyBlockArgs& a, int64_t m0, int64_t n) {
   __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const int64_t K = a.K, xblocks = K / SKIPPY_XBLOCK;
-  const int8_t* xq = a.xq + m0 * K;
-  const float* xd = a.xd + m0 * xblocks;
-  const uint8_t* b = a.w + n * a.row_bytes;
+  Int8Call::zero<R>(acc);
+  auto [K, xblocks, xq, xd, xs, b] = Int8Call(a, m0, n);
   const __m256i nib = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
   // xd per group (g / 2) for groups 0-7 and 8-15; a vector's two groups' factors in lanes 0-3 and 4-7
   const __m256i pairs_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), pairs_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
