@@ -246,7 +246,7 @@ def check(out, dense, x, t, w, emu):
 Q4_K_INT8_CHILD = """
 import json
 import gguf, jax, jax.numpy as jnp, numpy as np
-from skippy_zmq.model import ggml, kernel, quant
+from skippy_zmq.model import ggml, quant
 
 def q4_k_blocks(rng, n, k):
     # random Q4_K rows [n, k / 256 * 144]: random bytes, modest f16 d and dmin of either sign
@@ -333,7 +333,7 @@ def run_in_process(code: str, isa: str, *args: str, **env: str) -> dict:
 
 @pytest.mark.parametrize("isa", [isa for isa, _ in int8_cases("Q4_K")])
 def test_q4_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path, isa):
-    """SKIPPY_KERNEL_ISA=avx512vnni runs GGUF Q4_K blocks (every M) on int8 activations: equal to a
+    """SKIPPY_KERNEL_ISA=avx512vnni (and avx2int8) runs GGUF Q4_K blocks (every M) on int8 activations: equal to a
     float64 numpy model of that arithmetic (x quantised per 32 inputs as quant_kernel.h says, exact integer
     sums of level * xq per sub-block, the blocks' factors d * sc and dmin * m) to float32 rounding (1e-5 of
     the output's scale); each row the same bits alone or in company; within int8 rounding of the float
@@ -408,7 +408,7 @@ def test_every_block_type_has_an_int8_loop():
 
 @pytest.mark.parametrize("isa", [isa for isa, _ in int8_cases("Q6_K")])
 def test_q6_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path, isa):
-    """SKIPPY_KERNEL_ISA=avx512vnni runs GGUF Q6_K blocks (every M) on int8 activations too: equal to a
+    """SKIPPY_KERNEL_ISA=avx512vnni (and avx2int8) runs GGUF Q6_K blocks (every M) on int8 activations too: equal to a
     float64 numpy model of that arithmetic (x quantised per 32 inputs as quant_kernel.h says, exact integer
     sums of (q - 32) * xq per 16-input group, the factors d * sc_g * xd) to float32 rounding (1e-5 of the
     output's scale); the model's parse of the blocks bit for bit gguf-py's dequantiser; each row the same bits
@@ -423,7 +423,7 @@ def test_q6_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_path, 
 K23_INT8_CHILD = """
 import json
 import gguf, jax, jax.numpy as jnp, numpy as np
-from skippy_zmq.model import ggml, kernel, quant
+from skippy_zmq.model import ggml, quant
 
 NBYTES, FACTORS = {"Q3_K": (110, (108,)), "Q2_K": (84, (80, 82))}[KIND]
 
@@ -506,7 +506,7 @@ def test_q3_k_q2_k_int8_activation_decode_computes_exactly_what_it_defines(tmp_p
 IQ4_INT8_CHILD = """
 import json
 import gguf, jax, jax.numpy as jnp, numpy as np
-from skippy_zmq.model import ggml, kernel, quant
+from skippy_zmq.model import ggml, quant
 
 def iq4_blocks(rng, kind, n, k):
     # random rows [n, k / block * bytes]: random index and scale bytes, a modest f16 d of either sign
@@ -665,7 +665,7 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("isa, kind", int8_cases("Q8_0", "Q5_K", "Q5_1", "Q5_0"))
 def test_more_blocks_int8_activation_computes_exactly_what_it_defines(tmp_path, isa, kind):
-    """SKIPPY_KERNEL_ISA=avx512vnni runs GGUF Q8_0, Q5_K, Q5_1 and Q5_0 blocks (every M) on int8 activations
+    """SKIPPY_KERNEL_ISA=avx512vnni (avx2int8: all but Q5_1) runs GGUF Q8_0, Q5_K, Q5_1 and Q5_0 blocks (every M) on int8 activations
     as well: equal to a float64 numpy model of that arithmetic (x quantised per 32 inputs as quant_kernel.h
     says, exact integer sums of level * xq per 32 weights (Q8_0's q, Q5_0's q - 16: signed), the blocks'
     factors times xd, the offsets dmin * m (Q5_K) or m (Q5_1) times x's exact block sums) to float32 rounding (1e-5 of the output's scale); the

@@ -72,7 +72,7 @@ SKIPPY_INLINE void store_rows_avx2(const SkippyBlockArgs& a, int64_t m0, int64_t
 // fifth bits by bytes_from_bits). 8 blocks a step: their 8 d widened at once and multiplied by the 8 xd of
 // each row (one 8-wide product), each block's factor spread by vpermps; blocks alternate accumulators. The
 // blocks a K not a multiple of 256 leaves (K = 576: 2) one at a time, a scalar factor each.
-template <int kFive>
+template <bool kFive>
 SKIPPY_INLINE void q8_q5_levels(const uint8_t* p, __m256i& level, __m256i& magnitude) {
   if (kFive) {
     const __m128i q = _mm_loadu_si128((const __m128i*)(p + 6)), low = _mm_set1_epi8(15);

@@ -54,7 +54,7 @@ def main() -> None:
     isas = [i for i in kernel_isas() if i not in INT8_ISAS]   # (the default: float activations)
     parser.add_argument("--isa", default=isas[0], choices=list(ISA_FLAGS),
                         help="loops to measure (this CPU must run them); avx512vnni, avx2int8: their int8 block types on "
-                             "int8 activations, its other loops avx512's")
+                             "int8 activations, their other loops float (avx512's, avx2's)")
     parser.add_argument("--rows", type=int, default=1, help="rows of x (1: a decode step)")
     parser.add_argument("--shapes", default=SHAPES, help="NxK,... (N a multiple of 64, K of 32)")
     args = parser.parse_args()
